@@ -1,0 +1,37 @@
+# Every target creates or reuses .venv and installs what it needs; only python3.11 and make are required.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# msrun starts its workers with the `python` on PATH, so the venv's bin must come first.
+export PATH := $(abspath $(BIN)):$(PATH)
+export DAGSTER_HOME := $(abspath .dagster_home)
+
+.PHONY: install demo test ui bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+$(DAGSTER_HOME)/dagster.yaml:
+	mkdir -p $(DAGSTER_HOME)
+	printf 'telemetry:\n  enabled: false\n' > $@
+
+demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/python -m pipelines.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks
+
+clean:
+	rm -rf $(VENV) .dagster_home data runs
