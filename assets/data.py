@@ -1,0 +1,238 @@
+"""Data assets: raw corpus → tokenizer → token shards → blend manifest.
+
+Each asset records what it read and wrote (paths, bytes, counts, sha256) and returns a content-hash
+``DataVersion``, so Dagster can tell when a downstream asset is stale and an audit can re-verify it.
+Outputs are written under a temporary name and renamed, so a failed step never leaves half a file.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import dagster as dg
+
+from assets.builtin_corpus import write_builtin_source
+from assets.sources import load_sources
+from resources.storage import PROJECT_ROOT, KilnStorage
+from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
+from training.checkpoint import write_json_atomic
+from training.data.corpus import iter_jsonl_documents, scan_jsonl
+from training.data.hashing import sha256_file
+from training.data.manifest import build_manifest
+from training.data.preprocess import tokenize_to_indexed
+
+SOURCES = load_sources(os.environ.get("KILN_SOURCES", PROJECT_ROOT / "configs" / "sources.yaml"))
+source_partitions = dg.StaticPartitionsDefinition(sorted(SOURCES))
+SHARD_SIDECAR = ".kiln.json"  # beside each shard prefix: what it was tokenized from
+
+
+def combined_hash(hashes: list[str]) -> str:
+    return hashlib.sha256("".join(hashes).encode()).hexdigest()
+
+
+def files_table(rows: list[dict], columns: list[str]) -> dg.MetadataValue:
+    types = {"bytes": "int", "docs": "int", "tokens": "int"}
+    schema = dg.TableSchema(columns=[dg.TableColumn(c, types.get(c, "string")) for c in columns])
+    return dg.MetadataValue.table([dg.TableRecord({c: row[c] for c in columns}) for row in rows], schema=schema)
+
+
+def _source_spec(storage: KilnStorage, source: str):
+    sources = load_sources(storage.sources_config)
+    if source not in sources:
+        raise dg.Failure(f"source {source!r} is not in {storage.sources_config} (has {sorted(sources)})")
+    return sources[source]
+
+
+def _replace_dir(staging: Path, target: Path) -> None:
+    """Swap a fully written staging directory into place."""
+    if target.exists():
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(target, old)
+        os.replace(staging, target)
+        shutil.rmtree(old)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, target)
+
+
+def raw_files(storage: KilnStorage, source: str) -> list[Path]:
+    files = sorted(storage.raw_dir(source).glob("*.jsonl"))
+    if not files:
+        raise dg.Failure(f"no raw files for source {source!r} in {storage.raw_dir(source)}; "
+                         f"materialize raw_corpus[{source}] first")
+    return files
+
+
+@dg.asset(partitions_def=source_partitions, group_name="data", code_version="raw-v1", kinds={"json"},
+          owners=["team:kiln"])
+def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
+    """A validated copy of one source's documents under `data/raw/<source>/`.
+
+    Built-in sources are written offline from the Python standard library; file sources are copied.
+    Every line is validated: a malformed line fails the step, naming `file:line`.
+    """
+    source = context.partition_key
+    spec = _source_spec(storage, source)
+    target = storage.raw_dir(source)
+    staging = target.with_name(f".{source}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        if spec.builtin:
+            write_builtin_source(spec.builtin, staging, spec.max_bytes)
+        else:
+            for i, src in enumerate(spec.input_files()):
+                scan_jsonl(src, spec.json_keys)  # validate before copying: errors name the user's file:line
+                shutil.copyfile(src, staging / f"part-{i:05d}.jsonl")
+        rows = [{"path": p.name, **scan_jsonl(p, spec.json_keys)} for p in sorted(staging.glob("*.jsonl"))]
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _replace_dir(staging, target)
+    rows = [{**row, "path": str((target / row["path"]).relative_to(storage.root))} for row in rows]
+    docs = sum(r["docs"] for r in rows)
+    context.log.info(f"raw_corpus[{source}]: {len(rows)} file(s), {docs} documents")
+    return dg.MaterializeResult(
+        metadata={
+            "dir": dg.MetadataValue.path(str(target)),
+            "files": files_table(rows, ["path", "bytes", "docs", "empty_docs", "sha256"]),
+            "num_files": len(rows), "docs": docs, "bytes": sum(r["bytes"] for r in rows),
+            "empty_docs": sum(r["empty_docs"] for r in rows),
+            "origin": spec.builtin or ", ".join(spec.files),
+        },
+        data_version=dg.DataVersion(combined_hash([r["sha256"] for r in rows])),
+    )
+
+
+@dg.asset(deps=[raw_corpus], group_name="data", code_version="tok-v1", kinds={"sentencepiece"},
+          owners=["team:kiln"])
+def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
+              tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
+    """A sentencepiece model trained on a seeded, bounded sample of every source's raw documents."""
+    sources = load_sources(storage.sources_config)
+    inputs = [(name, path) for name in sorted(sources) for path in raw_files(storage, name)]
+
+    def documents():
+        for name, path in inputs:
+            for _, text in iter_jsonl_documents(path, sources[name].json_keys):
+                yield text
+
+    final = storage.tokenizer_prefix()
+    staging = final.with_name(f".{final.name}.staging")
+    stats = tokenizer_settings.train(documents(), staging)
+    for ext in (".model", ".vocab"):
+        os.replace(staging.with_suffix(ext), final.with_suffix(ext))
+    model_path = final.with_suffix(".model")
+    digest = sha256_file(model_path)
+    special = {**SPECIAL_IDS, "eod": SPECIAL_IDS["eos"]}
+    return dg.MaterializeResult(
+        metadata={
+            "model_path": dg.MetadataValue.path(str(model_path)), "sha256": dg.MetadataValue.text(digest),
+            "bytes": model_path.stat().st_size, "vocab_size": tokenizer_settings.vocab_size,
+            "model_type": tokenizer_settings.model_type, "special_ids": dg.MetadataValue.json(special),
+            "sample_lines": stats["sample_lines"], "sample_chars": stats["sample_chars"],
+            "seed": tokenizer_settings.seed,
+            "trained_on": dg.MetadataValue.json([str(p.relative_to(storage.root)) for _, p in inputs]),
+        },
+        data_version=dg.DataVersion(digest),
+    )
+
+
+@dg.asset(partitions_def=source_partitions, deps=[raw_corpus, tokenizer], group_name="data",
+          code_version="shards-v1", kinds={"numpy"}, owners=["team:kiln"])
+def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
+    """One source tokenized into a Megatron `.bin/.idx` pair (EOD after every document)."""
+    source = context.partition_key
+    spec = _source_spec(storage, source)
+    inputs = raw_files(storage, source)
+    model_path = storage.tokenizer_prefix().with_suffix(".model")
+    if not model_path.exists():
+        raise dg.Failure(f"no tokenizer at {model_path}; materialize `tokenizer` first")
+    prefix = storage.shard_prefix(source)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    stats = tokenize_to_indexed(inputs, model_path, prefix, json_keys=spec.json_keys, append_eod=True,
+                                workers=os.cpu_count() or 1)
+    sidecar = {
+        "prefix": str(prefix.relative_to(storage.root)), "docs": stats["docs"], "tokens": stats["tokens"],
+        "dtype": stats["dtype"], "bin_sha256": stats["bin_sha256"], "idx_sha256": stats["idx_sha256"],
+        "bin_bytes": stats["bin_bytes"], "idx_bytes": stats["idx_bytes"],
+        "tokenizer": {"path": str(model_path.relative_to(storage.root)), "sha256": sha256_file(model_path)},
+        "raw_files": [{"path": str(p.relative_to(storage.root)), "sha256": sha256_file(p),
+                       "bytes": p.stat().st_size} for p in inputs],
+    }
+    write_json_atomic(Path(f"{prefix}{SHARD_SIDECAR}"), sidecar)
+    context.log.info(f"token_shards[{source}]: {stats['docs']} docs, {stats['tokens']} tokens, "
+                     f"{stats['tokens_per_s']:.0f} tokens/s")
+    return dg.MaterializeResult(
+        metadata={
+            "prefix": dg.MetadataValue.path(str(prefix)), "docs": stats["docs"], "tokens": stats["tokens"],
+            "dtype": stats["dtype"], "tokens_per_s": round(stats["tokens_per_s"], 1),
+            "bin_sha256": dg.MetadataValue.text(stats["bin_sha256"]),
+            "idx_sha256": dg.MetadataValue.text(stats["idx_sha256"]),
+            "bin_bytes": stats["bin_bytes"], "idx_bytes": stats["idx_bytes"],
+            "tokenizer_sha256": dg.MetadataValue.text(sidecar["tokenizer"]["sha256"]),
+            "raw_files": files_table(sidecar["raw_files"], ["path", "bytes", "sha256"]),
+        },
+        data_version=dg.DataVersion(combined_hash([stats["bin_sha256"], stats["idx_sha256"]])),
+    )
+
+
+class BlendConfig(dg.Config):
+    seq_length: int = 128
+    split: str = "98,2,0"
+    seed: int = 1234
+
+
+def read_shard_sidecar(storage: KilnStorage, source: str) -> dict:
+    path = Path(f"{storage.shard_prefix(source)}{SHARD_SIDECAR}")
+    if not path.exists():
+        raise dg.Failure(f"no shards for source {source!r} ({path} missing); materialize token_shards[{source}]")
+    return json.loads(path.read_text())
+
+
+@dg.asset(deps=[token_shards, tokenizer], group_name="data", code_version="blend-v1", kinds={"json"},
+          owners=["team:kiln"])
+def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
+                   storage: KilnStorage) -> dg.MaterializeResult:
+    """`manifest.json`: every source's shards with normalized weights, ready for `train_dataset`."""
+    sources = load_sources(storage.sources_config)
+    sidecars = {name: read_shard_sidecar(storage, name) for name in sorted(sources)}
+    tokenizer_shas = {s["tokenizer"]["sha256"] for s in sidecars.values()}
+    model_path = storage.tokenizer_prefix().with_suffix(".model")
+    current = sha256_file(model_path)
+    stale = [n for n, s in sidecars.items() if s["tokenizer"]["sha256"] != current]
+    if stale:
+        raise dg.Failure(f"shards of {stale} were tokenized with another tokenizer than {model_path} "
+                         f"(sha256 {sorted(tokenizer_shas)} vs {current}); re-materialize token_shards for them")
+    manifest = build_manifest(
+        sources=[{"name": name, "weight": sources[name].weight,
+                  "shards": [{k: s[k] for k in ("prefix", "docs", "tokens", "dtype", "bin_sha256", "idx_sha256",
+                                                "bin_bytes", "idx_bytes")}],
+                  "raw_files": s["raw_files"]} for name, s in sidecars.items()],
+        tokenizer={"path": str(model_path), "sha256": current, "special_ids": {**SPECIAL_IDS, "eod": SPECIAL_IDS["eos"]}},
+        seq_length=config.seq_length, split=config.split, seed=config.seed, data_root=storage.root)
+    path = storage.manifest_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, manifest)
+    digest = sha256_file(path)
+    total = sum(s["tokens"] for s in manifest["sources"])
+    rows = [{"source": s["name"], "weight": f"{s['weight']:.4f}", "tokens": s["tokens"],
+             "token_share": f"{s['tokens'] / total:.4f}"} for s in manifest["sources"]]
+    schema = dg.TableSchema(columns=[dg.TableColumn("source"), dg.TableColumn("weight"),
+                                     dg.TableColumn("tokens", "int"), dg.TableColumn("token_share")])
+    return dg.MaterializeResult(
+        metadata={
+            "manifest_path": dg.MetadataValue.path(str(path)), "sha256": dg.MetadataValue.text(digest),
+            "sources": dg.MetadataValue.table([dg.TableRecord(r) for r in rows], schema=schema),
+            "total_tokens": total, "seq_length": config.seq_length, "split": config.split,
+            # Dagster's input event pointer is wrong for partitioned parents: record what we read
+            "shard_data_versions": dg.MetadataValue.json(
+                {n: combined_hash([s["bin_sha256"], s["idx_sha256"]]) for n, s in sidecars.items()}),
+            **{f"tokens/{s['name']}": s["tokens"] for s in manifest["sources"]},
+        },
+        data_version=dg.DataVersion(digest),
+    )

@@ -1,0 +1,69 @@
+"""The sources config (``configs/sources.yaml``): one raw corpus partition per source."""
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from assets.builtin_corpus import BUILTIN_KINDS
+
+
+class SourcesConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    name: str
+    weight: float
+    builtin: str | None = None
+    max_bytes: int = 0
+    files: tuple[str, ...] = ()
+    json_keys: tuple[str, ...] = ("text",)
+
+    def input_files(self) -> list[Path]:
+        """The user's files (globs expanded, sorted); not used for built-in sources."""
+        paths = sorted({Path(p) for pattern in self.files for p in glob.glob(pattern)})
+        if not paths:
+            raise SourcesConfigError(f"source {self.name!r}: no file matches {list(self.files)}")
+        return paths
+
+
+_KEYS = {"builtin", "max_bytes", "files", "json_keys", "weight"}
+
+
+def load_sources(path: str | Path) -> dict[str, SourceSpec]:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise SourcesConfigError(f"{path}: unreadable sources config ({exc})") from None
+    sources = data.get("sources")
+    if not isinstance(sources, dict) or not sources:
+        raise SourcesConfigError(f"{path}: expected a non-empty `sources:` mapping")
+    specs = {}
+    for name, entry in sources.items():
+        where = f"{path}: sources.{name}"
+        if not isinstance(entry, dict):
+            raise SourcesConfigError(f"{where}: expected a mapping")
+        unknown = set(entry) - _KEYS
+        if unknown:
+            raise SourcesConfigError(f"{where}: unknown key(s) {sorted(unknown)}; valid: {sorted(_KEYS)}")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
+            raise SourcesConfigError(f"{where}.weight must be a number >= 0, got {weight!r}")
+        builtin, files = entry.get("builtin"), entry.get("files")
+        if (builtin is None) == (files is None):
+            raise SourcesConfigError(f"{where}: set exactly one of `builtin` or `files`")
+        if builtin is not None and builtin not in BUILTIN_KINDS:
+            raise SourcesConfigError(f"{where}.builtin must be one of {list(BUILTIN_KINDS)}, got {builtin!r}")
+        if files is not None and (not isinstance(files, list) or not all(isinstance(f, str) for f in files)):
+            raise SourcesConfigError(f"{where}.files must be a list of paths or globs")
+        max_bytes = entry.get("max_bytes", 0)
+        if builtin is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
+            raise SourcesConfigError(f"{where}.max_bytes must be a positive int for a built-in source")
+        specs[str(name)] = SourceSpec(name=str(name), weight=float(weight), builtin=builtin, max_bytes=max_bytes,
+                                      files=tuple(files or ()), json_keys=tuple(entry.get("json_keys", ["text"])))
+    return specs

@@ -1,0 +1,148 @@
+"""Training assets: a training run launched through msrun, and its step checkpoints.
+
+``checkpoint`` is an external asset with one dynamic partition per saved step (``<run>/iteration_N``).
+Pipes cannot report a partitioned materialization, so rank 0 sends each saved checkpoint as a custom
+message and the ``training_run`` step turns it into a partition plus a materialization while training
+is still running.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import dagster as dg
+import yaml
+from pydantic import Field
+
+from assets.data import blend_manifest, combined_hash, files_table
+from resources.msrun import MsrunResource
+from resources.storage import PROJECT_ROOT, KilnStorage
+from training.checkpoint import latest_complete_checkpoint
+from training.config import ConfigError, apply_overrides, load_config
+from training.data.hashing import sha256_file
+from training.data.manifest import load_manifest, training_data_path
+from training.lineage import lineage_inputs
+from training.reporting import CHECKPOINT_MESSAGE
+
+TRAIN_CODE_VERSION = "train-v1"
+checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
+checkpoint = dg.AssetSpec(
+    "checkpoint", partitions_def=checkpoint_partitions, deps=["training_run"], group_name="training",
+    kinds={"safetensors"}, owners=["team:kiln"],
+    description="One partition per saved training step, keyed `<run>/iteration_XXXXXXXX`, materialized by "
+                "`training_run` as soon as the step's files are complete. Audit one with `kiln audit <dir>`.")
+
+
+class TrainingRunConfig(dg.Config):
+    config_path: str = Field(default="configs/qwen3_tiny.yaml",
+                             description="training YAML (MindFormers layout), relative to the project root")
+    run_name: str = Field(default="qwen3_tiny", description="run directory name under the runs root")
+    overrides: list[str] = Field(default_factory=list, description="KEY.PATH=VALUE, e.g. training.steps=300")
+    resume: bool = Field(default=True, description="continue from the run's newest complete checkpoint")
+
+
+def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_target: str) -> tuple[dict, Path]:
+    """The user's YAML with Kiln's wiring: data from the manifest, save/resume paths from the run dir."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", cfg.run_name):
+        raise dg.Failure(f"run_name {cfg.run_name!r}: use letters, digits, '_', '.', '-' only")
+    source = (PROJECT_ROOT / cfg.config_path).resolve()
+    data = yaml.safe_load(source.read_text())
+    manifest = load_manifest(storage.manifest_path(), storage.root)
+    run_dir = storage.run_dir(cfg.run_name)
+    save_path = run_dir / "checkpoints"
+    special = manifest["tokenizer"]["special_ids"]
+    wiring = [
+        f"train_dataset.dataloader.config.data_path={json.dumps(training_data_path(manifest, storage.root))}",
+        f"train_dataset.dataloader.config.eod={special['eod']}",
+        f"train_dataset.dataloader.config.pad={special['pad']}",
+        f"train_dataset.dataloader.config.path_to_cache={run_dir / 'index_cache'}",
+        f"checkpoint.save_path={save_path}",
+        f"context.device_target={device_target}",
+    ]
+    resume_from = latest_complete_checkpoint(save_path) if cfg.resume and save_path.exists() else None
+    wiring.append(f"checkpoint.load_path={save_path if resume_from else ''}")
+    return apply_overrides(data, wiring + list(cfg.overrides)), run_dir
+
+
+def _checkpoint_event(message: dict, run_name: str, code_version: str) -> tuple[str, dg.AssetMaterialization]:
+    key = f"{run_name}/{Path(message['path']).name}"
+    files = message["files"]
+    data_version = combined_hash([f["sha256"] for f in files])
+    return key, dg.AssetMaterialization(
+        asset_key="checkpoint", partition=key,
+        description=f"step {message['step']} of run `{run_name}`",
+        metadata={
+            "path": dg.MetadataValue.path(message["path"]), "step": message["step"], "loss": message["loss"],
+            "lr": message["lr"], "tokens_seen": message["tokens_seen"],
+            "consumed_samples": message["consumed_samples"],
+            "bytes": sum(f["bytes"] for f in files), "files": files_table(files, ["name", "bytes", "sha256"]),
+        },
+        tags={"dagster/data_version": data_version, "dagster/code_version": code_version},
+    )
+
+
+@dg.asset(deps=[blend_manifest], group_name="training", code_version=TRAIN_CODE_VERSION, kinds={"mindspore"},
+          owners=["team:kiln"], pool="npu")
+def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage,
+                 msrun: MsrunResource) -> dg.MaterializeResult:
+    """Train on the blend manifest with msrun (data parallel over its workers), saving step checkpoints.
+
+    Re-materializing with more steps (`overrides: [training.steps=N]`) resumes from the newest complete
+    checkpoint of the same `run_name`.
+    """
+    rendered, run_dir = render_training_config(config, storage, msrun.device_target)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_file = run_dir / "config.yaml"
+    config_file.write_text(yaml.safe_dump(rendered, sort_keys=False))
+    try:
+        train_config = load_config(config_file)
+        train_config.accumulation_steps(msrun.worker_num)
+    except ConfigError as exc:
+        raise dg.Failure(f"training config {config.config_path}: {exc}") from None
+    lineage_file = run_dir / "lineage_inputs.json"
+    lineage_file.write_text(json.dumps(lineage_inputs(storage.manifest_path(), storage.root), indent=2))
+    if train_config.checkpoint.load_path:
+        context.log.info(f"resuming from the newest complete checkpoint in {train_config.checkpoint.load_path}")
+
+    saved: list[dict] = []
+
+    def on_message(message: dict) -> None:
+        if message.get("event") != CHECKPOINT_MESSAGE:
+            return
+        key, event = _checkpoint_event(message, config.run_name, TRAIN_CODE_VERSION)
+        context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
+        context.log_event(event)
+        saved.append(message)
+
+    metrics_path = run_dir / "metrics.jsonl"
+    first_line = sum(1 for _ in open(metrics_path)) if metrics_path.exists() else 0
+    command = msrun.run(context, ["-m", "training.run", "--config", str(config_file), "--output-dir", str(run_dir),
+                                  "--lineage", str(lineage_file)],
+                        log_dir=run_dir / "msrun_logs", on_custom_message=on_message)
+    lines = metrics_path.read_text().splitlines()[first_line:] if metrics_path.exists() else []
+    steps = [json.loads(line) for line in lines]
+    final = latest_complete_checkpoint(Path(train_config.checkpoint.save_path))
+    final_files = json.loads((final / "lineage.json").read_text())["checkpoint"]["files"] if final else []
+    metadata = {
+        "run_dir": dg.MetadataValue.path(str(run_dir)), "config_sha256": dg.MetadataValue.text(sha256_file(config_file)),
+        "msrun_command": dg.MetadataValue.text(" ".join(command)), "workers": msrun.worker_num,
+        "checkpoints_saved": len(saved), "final_checkpoint": dg.MetadataValue.path(str(final) if final else ""),
+    }
+    if steps:
+        timed = [s["tokens_per_s"] for s in steps[1:]] or [steps[0]["tokens_per_s"]]
+        metadata.update({
+            "first_step": steps[0]["step"], "final_step": steps[-1]["step"], "first_loss": steps[0]["loss"],
+            "final_loss": steps[-1]["loss"], "tokens_seen": steps[-1]["tokens_seen"],
+            "tokens_per_s": round(sum(timed) / len(timed), 1),
+            "loss_curve": dg.MetadataValue.md(_loss_table(steps)),
+        })
+    return dg.MaterializeResult(metadata=metadata,
+                                data_version=dg.DataVersion(combined_hash([f["sha256"] for f in final_files])))
+
+
+def _loss_table(steps: list[dict], rows: int = 10) -> str:
+    stride = max(1, len(steps) // rows)
+    picked = steps[::stride] + ([steps[-1]] if (len(steps) - 1) % stride else [])
+    body = "\n".join(f"| {s['step']} | {s['loss']:.4f} | {s['lr']:.2e} | {s['tokens_per_s']:.0f} |" for s in picked)
+    return "| step | loss | lr | tokens/s |\n|---|---|---|---|\n" + body

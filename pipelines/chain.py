@@ -1,0 +1,38 @@
+"""Materialize the whole chain in order, in process: used by `make demo` and the end-to-end test."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import dagster as dg
+
+from assets.data import source_partitions
+from pipelines.definitions import ALL_ASSETS
+
+
+@dataclass
+class ChainResult:
+    materializations: dict[str, list[dg.AssetMaterialization]] = field(default_factory=dict)
+
+    def metadata(self, key: str, partition: str | None = None) -> dict:
+        for event in reversed(self.materializations[key]):
+            if partition is None or event.partition == partition:
+                return {k: v.value for k, v in event.metadata.items()}
+        raise KeyError(f"no materialization of {key}[{partition}]")
+
+
+def materialize_chain(instance: dg.DagsterInstance, resources: dict, run_config: dict | None = None,
+                      log=print) -> ChainResult:
+    """raw_corpus[*] → tokenizer → token_shards[*] → blend_manifest → training_run (+ checkpoints)."""
+    result = ChainResult()
+    plan = [("raw_corpus", source_partitions.get_partition_keys()), ("tokenizer", [None]),
+            ("token_shards", source_partitions.get_partition_keys()), ("blend_manifest", [None]),
+            ("training_run", [None])]
+    for key, partitions in plan:
+        for partition in partitions:
+            log(f"==> materializing {key}" + (f"[{partition}]" if partition else ""))
+            outcome = dg.materialize(ALL_ASSETS, selection=[key], partition_key=partition, instance=instance,
+                                     resources=resources, run_config=run_config or {})
+            for event in outcome.get_asset_materialization_events():
+                mat = event.event_specific_data.materialization
+                result.materializations.setdefault(mat.asset_key.to_user_string(), []).append(mat)
+    return result

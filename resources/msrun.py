@@ -1,0 +1,135 @@
+"""Launch MindSpore's ``msrun`` under a Dagster Pipes session, streaming rank 0's reports live.
+
+The stock ``PipesSubprocessClient.run`` blocks until the process ends, so checkpoint messages would
+only arrive after training; this launcher polls the session while msrun runs instead. It also owns
+process hygiene: msrun runs in its own process group under ``setpriv --pdeathsig`` (a killed step
+process takes msrun down), workers set their own parent-death signal (training/run.py), and an
+interrupt (UI cancel) sends SIGINT — msrun's own handler kills every worker — then SIGKILL if needed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import dagster as dg
+from pydantic import Field
+
+from resources.storage import PROJECT_ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, lines: int) -> str:
+    if not path.exists():
+        return f"({path} does not exist)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class MsrunResource(dg.ConfigurableResource):
+    """msrun settings for one node; a multi-node run starts one materialization per node_rank."""
+
+    worker_num: int = Field(default=2, description="workers in the whole job")
+    local_worker_num: int = Field(default=2, description="workers on this node")
+    master_addr: str = "127.0.0.1"
+    master_port: int = Field(default=0, description="0 picks a free port for every launch")
+    node_rank: int = 0
+    cluster_time_out: int = Field(default=600, description="seconds msrun waits for the cluster to form")
+    tail_worker_log: int = Field(default=0, description="worker whose log msrun echoes to stdout; -1 all")
+    device_target: str = Field(default="CPU", description="CPU, Ascend or GPU; written into context.device_target")
+    visible_devices: Optional[str] = Field(default=None, description="ASCEND_RT_VISIBLE_DEVICES, e.g. '0,1,2,3'")
+    termination_timeout_s: float = 20.0
+    failure_tail_lines: int = 40
+
+    def command(self, script_args: list[str], log_dir: Path, master_port: int) -> list[str]:
+        msrun = [
+            shutil.which("msrun", path=str(Path(sys.executable).parent)) or "msrun",
+            f"--worker_num={self.worker_num}", f"--local_worker_num={self.local_worker_num}",
+            f"--master_addr={self.master_addr}", f"--master_port={master_port}", f"--node_rank={self.node_rank}",
+            f"--log_dir={log_dir}", "--join=True", f"--cluster_time_out={self.cluster_time_out}",
+            f"--tail_worker_log={self.tail_worker_log}", "python", *script_args,
+        ]
+        setpriv = shutil.which("setpriv")
+        return [setpriv, "--pdeathsig=INT", "--", *msrun] if setpriv else msrun
+
+    def environment(self, extra: dict[str, str]) -> dict[str, str]:
+        env = {**os.environ, **extra}
+        # msrun starts workers with the `python` on PATH: make it this interpreter's environment
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        if self.visible_devices is not None:
+            env["ASCEND_RT_VISIBLE_DEVICES"] = self.visible_devices
+        return env
+
+    def run(self, context: dg.AssetExecutionContext, script_args: list[str], log_dir: Path,
+            on_custom_message: Callable[[dict], None]) -> list[str]:
+        """Run msrun to completion; return the command. Raise ``dg.Failure`` with worker log tails."""
+        log_dir.mkdir(parents=True, exist_ok=True)
+        port = self.master_port or free_port()
+        cmd = self.command(script_args, log_dir, port)
+        context.log.info(f"[msrun] {' '.join(cmd)}")
+        with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
+                                   message_reader=dg.PipesTempFileMessageReader()) as session:
+            proc = subprocess.Popen(cmd, env=self.environment(session.get_bootstrap_env_vars()),
+                                    cwd=PROJECT_ROOT, start_new_session=True)
+            handled = 0
+            try:
+                while proc.poll() is None:
+                    time.sleep(0.5)
+                    handled = self._drain(session, handled, on_custom_message)
+            except BaseException:  # UI cancel arrives as DagsterExecutionInterruptedError
+                context.log.warning(f"[msrun] interrupted: SIGINT -> msrun pid {proc.pid}")
+                self._stop(proc)
+                raise
+            finally:
+                self._kill_group(proc)  # reaps msrun's `tail -f` helpers
+            # the message reader may still hold the last messages until the session closes
+        self._drain(session, handled, on_custom_message)
+        if proc.returncode != 0:
+            raise dg.Failure(**self._failure(proc.returncode, log_dir))
+        return cmd
+
+    @staticmethod
+    def _drain(session, handled: int, callback: Callable[[dict], None]) -> int:
+        messages = session.get_custom_messages()
+        for message in messages[handled:]:
+            callback(message)
+        return len(messages)
+
+    def _stop(self, proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=self.termination_timeout_s)
+        except subprocess.TimeoutExpired:
+            self._kill_group(proc)
+            proc.wait()
+
+    @staticmethod
+    def _kill_group(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _failure(self, returncode: int, log_dir: Path) -> dict:
+        logs = sorted(log_dir.glob("worker_*.log"))
+        # the worker that raised is the one with a traceback; the others were killed by msrun
+        failing = [p for p in logs if "Traceback" in p.read_text(errors="replace")] or logs
+        first = failing[0] if failing else log_dir / "worker_0.log"
+        excerpt = tail(first, self.failure_tail_lines)
+        return {
+            "description": f"msrun exited with code {returncode}; {first.name} ends with:\n{excerpt}",
+            "metadata": {"log_dir": dg.MetadataValue.path(str(log_dir)),
+                         **{f"tail_{p.stem}": dg.MetadataValue.md(f"```\n{tail(p, self.failure_tail_lines)}\n```")
+                            for p in logs + [log_dir / "scheduler.log"] if p.exists()}},
+        }

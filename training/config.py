@@ -1,0 +1,559 @@
+"""Training config: MindFormers' dynamic-graph YAML layout, one dataclass per top-level section.
+
+Loading is strict where MindFormers is lenient: an unknown key anywhere is an error naming its dotted
+path and the nearest valid key, and a field Kiln accepts but does not implement yet is an error as soon
+as it leaves its default (``UNSUPPORTED``), so nothing in a user's YAML is silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A training config problem; the message names the dotted path of the offending field."""
+
+
+# PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string; MindFormers users write it that way.
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _coerce(value: Any, annotation: Any, path: str) -> Any:
+    """Check ``value`` against a field annotation and convert nested sections; raise ConfigError."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        members = typing.get_args(annotation)
+        if value is None and type(None) in members:
+            return None
+        errors = []
+        for member in members:
+            if member is type(None):
+                continue
+            try:
+                return _coerce(value, member, path)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(f"{path}: expected {_type_name(annotation)}, got {value!r}")
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping (section {annotation.__name__}), got {value!r}")
+        return annotation.from_dict(value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        (item_type,) = typing.get_args(annotation)[:1] or (Any,)
+        return [_coerce(v, item_type, f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or annotation is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected bool, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected int, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            return float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected float, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected str, got {value!r}")
+        return value
+    raise TypeError(f"{path}: unsupported annotation {annotation!r}")  # a bug in this module, not in YAML
+
+
+def unknown_key_error(key: str, valid: typing.Iterable[str], path: str) -> ConfigError:
+    valid = sorted(valid)
+    near = difflib.get_close_matches(key, valid, n=1)
+    hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(valid)}"
+    return ConfigError(f"{path}.{key}: unknown key{hint}" if path else f"{key}: unknown top-level section{hint}")
+
+
+class Section:
+    """Base of every config section: strict ``from_dict`` plus ``UNSUPPORTED`` default-only fields."""
+
+    # field name -> why Kiln refuses a non-default value (accepted and validated, but must stay default)
+    UNSUPPORTED: typing.ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "") -> "Section":
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path or '<root>'}: expected a mapping, got {data!r}")
+        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in data.items():
+            if key not in names:
+                raise unknown_key_error(str(key), names, path)
+            kwargs[key] = _coerce(value, hints[key], _join(path, key))
+        try:
+            section = cls(**kwargs)
+        except TypeError as exc:  # a required field is missing
+            raise ConfigError(f"{path or '<root>'}: {exc}") from None
+        section._check_unsupported(path)
+        section.check(path)
+        return section
+
+    def _check_unsupported(self, path: str) -> None:
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        for name, reason in self.UNSUPPORTED.items():
+            f = fields[name]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            value = getattr(self, name)
+            if value != default:
+                raise ConfigError(f"{_join(path, name)} = {value!r} is not supported yet ({reason})")
+
+    def check(self, path: str) -> None:
+        """Per-section value checks; override."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class CheckpointConfig(Section):
+    enable_save: bool = True
+    save_path: str = ""
+    save_max: int = 5
+    save_interleaved_steps: int = 1000
+    no_save_optim: bool = False
+    async_save: bool = False
+    prefix: Optional[str] = "checkpoint"
+    remove_redundancy: bool = False
+    load_path: str = ""
+    save_trainable_only: bool = False
+    base_load_path: str = ""
+    load_balanced: bool = False
+    no_load_optim: bool = False
+    load_worker_number: int = 1
+    save_global_layout_cache: bool = True
+    reshard_worker_num: int = 1
+
+    UNSUPPORTED = {
+        "async_save": "checkpoints are written synchronously",
+        "remove_redundancy": "every data-parallel rank writes its replica",
+        "save_trainable_only": "LoRA is not implemented",
+        "base_load_path": "LoRA base weights are not implemented",
+        "load_balanced": "each rank reads the whole checkpoint",
+        "load_worker_number": "each rank reads the whole checkpoint",
+    }
+
+    def check(self, path):
+        _require(self.save_max >= 1, f"{path}.save_max must be >= 1, got {self.save_max}")
+        _require(self.save_interleaved_steps >= 1,
+                 f"{path}.save_interleaved_steps must be >= 1, got {self.save_interleaved_steps}")
+        _require(not (self.enable_save and not self.save_path),
+                 f"{path}.save_path must be set when {path}.enable_save is true")
+
+
+@dataclass
+class TrainingConfig(Section):
+    steps: int = 1000
+    local_batch_size: int = 1
+    global_batch_size: int = 1
+    max_norm: float = 1.0
+    use_skip_step_on_nan: bool = False
+    max_consecutive_skipped_steps: int = 0
+    seed: int = 42
+    deterministic: bool = False
+    rampup_batch_size: Optional[list[int]] = None
+
+    UNSUPPORTED = {"rampup_batch_size": "batch-size ramp-up is not implemented",
+                   "use_skip_step_on_nan": "NaN step skipping is not implemented"}
+
+    def check(self, path):
+        for name in ("steps", "local_batch_size", "global_batch_size"):
+            _require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
+        _require(self.max_norm > 0, f"{path}.max_norm must be > 0 (it scales gradients), got {self.max_norm}")
+        _require(self.max_consecutive_skipped_steps >= 0, f"{path}.max_consecutive_skipped_steps must be >= 0")
+
+
+@dataclass
+class ParallelismConfig(Section):
+    data_parallel_shard: int = -1
+    data_parallel_shard_strategy: str = "optim_grads_params"
+    reshard_after_forward_policy: str = "default"
+    cpu_offload: bool = False
+    disable_gradient_division: bool = True
+    dense_fsdp_shard_size: Optional[int] = None
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    context_parallel_method: str = "colossal"
+    context_parallel_async: bool = False
+    ulysses_degree_in_cp: Optional[int] = None
+    context_parallel_mask_type: str = "causal"
+    pipeline_parallel: int = 1
+    pipeline_parallel_layers_per_stage: Optional[Union[list[list[int]], list[str], str]] = "auto"
+    pipeline_parallel_schedule: str = "1f1b"
+    pipeline_parallel_microbatch_size: int = 1
+    pipeline_parallel_interleave_num: int = 1
+    pipeline_parallel_overlap_p2p: bool = False
+    pipeline_parallel_overlap_b_f: bool = False
+    pipeline_parallel_enable_dxdw_split: bool = False
+    pipeline_parallel_p2p_transport: str = "plain"
+    sequence_parallel: bool = False
+    enable_mc2: bool = False
+    enable_loss_parallel: bool = False
+    expert_parallel: int = 1
+    npu_nums_per_device: int = 8
+    moe_token_dispatcher_type: str = "alltoall"
+    expert_parallel_async_d2h: bool = False
+    expert_parallel_use_safe_tokens: bool = True
+
+    UNSUPPORTED = {
+        "tensor_parallel": "only data parallelism is implemented",
+        "context_parallel": "only data parallelism is implemented",
+        "pipeline_parallel": "only data parallelism is implemented",
+        "expert_parallel": "only data parallelism is implemented",
+        "sequence_parallel": "it needs tensor parallelism",
+        "cpu_offload": "optimizer offload is not implemented",
+        "dense_fsdp_shard_size": "parameters are replicated, not sharded",
+        "enable_mc2": "fused communication kernels are Ascend-only and not wired",
+    }
+
+    def check(self, path):
+        _require(self.data_parallel_shard == -1 or self.data_parallel_shard > 0,
+                 f"{path}.data_parallel_shard must be -1 or > 0, got {self.data_parallel_shard}")
+        _require(self.reshard_after_forward_policy in ("default", "always", "never"),
+                 f"{path}.reshard_after_forward_policy must be default/always/never")
+        _require(self.context_parallel_method in ("colossal", "ulysses", "hybrid"),
+                 f"{path}.context_parallel_method must be colossal/ulysses/hybrid")
+        _require(self.pipeline_parallel_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
+                 f"{path}.pipeline_parallel_schedule must be 1f1b/interleaved_1f1b/gpipe")
+        _require(self.moe_token_dispatcher_type in ("alltoall", "alltoall_deredundancy"),
+                 f"{path}.moe_token_dispatcher_type must be alltoall/alltoall_deredundancy")
+
+
+@dataclass
+class OptimizerConfig(Section):
+    type: str = "AdamW"
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    weight_decay_include: list[str] = field(default_factory=list)
+    weight_decay_exclude: list[str] = field(default_factory=list)
+
+    def check(self, path):
+        _require(self.type == "AdamW", f"{path}.type = {self.type!r} is not supported yet (AdamW only)")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                 f"{path}.betas must be two numbers in [0, 1), got {self.betas}")
+        _require(self.eps > 0, f"{path}.eps must be > 0")
+        _require(self.weight_decay >= 0, f"{path}.weight_decay must be >= 0")
+
+
+@dataclass
+class LrSchedulerConfig(Section):
+    type: str
+    learning_rate: float = 1e-5
+    warmup_steps: Optional[int] = None
+    warmup_ratio: Optional[float] = None
+    warmup_lr_init: float = 0.0
+    lr_end: float = 0.0
+
+    SCHEDULES = ("ConstantWarmUpLR", "LinearWithWarmUpLR", "CosineWithWarmUpLR")
+
+    def check(self, path):
+        _require(self.type in self.SCHEDULES,
+                 f"{path}.type = {self.type!r} is not supported yet; supported: {', '.join(self.SCHEDULES)}")
+        _require(self.learning_rate > 0, f"{path}.learning_rate must be > 0")
+        _require(self.warmup_steps is None or self.warmup_ratio is None,
+                 f"{path}: set warmup_steps or warmup_ratio, not both")
+        _require(self.warmup_ratio is None or 0 <= self.warmup_ratio <= 1, f"{path}.warmup_ratio must be in [0, 1]")
+        _require(self.warmup_steps is None or self.warmup_steps >= 0, f"{path}.warmup_steps must be >= 0")
+
+
+@dataclass
+class GPTDatasetConfig(Section):
+    seq_length: int
+    data_path: list[Union[float, str]]
+    split: str = "1,0,0"
+    seed: int = 1234
+    path_to_cache: Optional[str] = None
+    eod: int = -1
+    pad: int = -1
+    num_dataset_builder_threads: int = 1
+    mmap_bin_files: Optional[bool] = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = True  # the model applies the causal mask itself
+    create_compressed_eod_mask: bool = False
+    eod_pad_length: int = 128
+    drop_last_partial_validation_sequence: bool = True
+    add_extra_token_to_sequence: bool = True
+
+    UNSUPPORTED = {
+        "reset_position_ids": "document-local positions are not implemented",
+        "reset_attention_mask": "document-local attention is not implemented",
+        "eod_mask_loss": "EOD loss masking is not implemented",
+        "create_compressed_eod_mask": "compressed EOD masks are not implemented",
+        "add_extra_token_to_sequence": "samples are always seq_length + 1 tokens",
+    }
+
+    def check(self, path):
+        _require(self.seq_length > 0, f"{path}.seq_length must be > 0")
+        _require(len(self.data_path) >= 2 and len(self.data_path) % 2 == 0,
+                 f"{path}.data_path must be [weight, prefix, weight, prefix, ...], got {len(self.data_path)} items")
+        ratios = self.split.split(",")
+        _require(1 <= len(ratios) <= 3 and all(_FLOAT_RE.match(r.strip()) for r in ratios),
+                 f"{path}.split must be up to three comma-separated ratios like '99,1,0', got {self.split!r}")
+        _require(float(ratios[0]) > 0, f"{path}.split gives the training split no documents: {self.split!r}")
+        _require(self.eod >= 0, f"{path}.eod must be the tokenizer's end-of-document id, got {self.eod}")
+
+
+@dataclass
+class DataloaderConfig(Section):
+    type: str
+    config: GPTDatasetConfig
+    datasets_type: str = "GPTDataset"
+    sizes: Optional[list[int]] = None
+    shuffle: bool = False
+    column_names: list[str] = field(default_factory=lambda: ["input_ids", "labels", "loss_mask", "position_ids"])
+    python_multiprocessing: bool = False
+
+    UNSUPPORTED = {"shuffle": "sample order comes from GPTDataset's seeded shuffle index"}
+
+    def check(self, path):
+        _require(self.type == "BlendedMegatronDatasetDataLoader",
+                 f"{path}.type = {self.type!r} is not supported yet (BlendedMegatronDatasetDataLoader only)")
+        _require(self.datasets_type == "GPTDataset", f"{path}.datasets_type must be GPTDataset")
+
+
+@dataclass
+class TrainDatasetConfig(Section):
+    dataloader: DataloaderConfig
+    drop_remainder: bool = True
+    num_parallel_workers: int = 8
+    prefetch_size: int = 1
+    numa_enable: bool = False
+    use_distribute_dataset: bool = False
+    balance_enabled: bool = False
+
+    UNSUPPORTED = {"use_distribute_dataset": "every rank reads its own samples",
+                   "balance_enabled": "it needs compressed EOD masks"}
+
+
+@dataclass
+class TrainStateConfig(Section):
+    local_norm: Union[bool, str, list[str]] = ""
+    device_norm: Union[bool, str, list[str]] = False
+    local_loss: bool = False
+    device_loss: bool = False
+
+    UNSUPPORTED = {name: "per-parameter monitoring is not implemented"
+                   for name in ("local_norm", "device_norm", "local_loss", "device_loss")}
+
+
+@dataclass
+class HealthCheckpointConfig(Section):
+    embedding_local_norm_threshold: float = 100.0
+    global_norm_skip_threshold: float = 100.0
+    global_norm_skip_time: int = 10
+
+
+@dataclass
+class TensorboardConfig(Section):
+    output_dir: str = ""
+    log_interval: int = 1
+    queue_size: int = 1000
+
+    UNSUPPORTED = {"output_dir": "TensorBoard output is not implemented; metrics go to metrics.jsonl"}
+
+
+@dataclass
+class MoeMonitorConfig(Section):
+    save_tokens_per_expert_interval: Optional[int] = None
+    target_layers: Optional[Union[int, list[int]]] = None
+
+    UNSUPPORTED = {"save_tokens_per_expert_interval": "MoE models are not implemented yet"}
+
+
+@dataclass
+class MonitorConfig(Section):
+    train_state: TrainStateConfig = field(default_factory=TrainStateConfig)
+    health_checkpoint: HealthCheckpointConfig = field(default_factory=HealthCheckpointConfig)
+    tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
+    moe_monitor: MoeMonitorConfig = field(default_factory=MoeMonitorConfig)
+
+
+@dataclass
+class ContextConfig(Section):
+    mode: int = 1
+    max_device_memory: str = "59GB"
+    device_target: str = "Ascend"
+
+    def check(self, path):
+        _require(self.mode == 1, f"{path}.mode = {self.mode}: graph mode (0) is not supported, Kiln runs PyNative (1)")
+        _require(self.device_target in ("Ascend", "GPU", "CPU"),
+                 f"{path}.device_target must be Ascend, GPU or CPU, got {self.device_target!r}")
+        _require(re.fullmatch(r"\d+(\.\d+)?GB", self.max_device_memory) is not None,
+                 f"{path}.max_device_memory must look like '59GB', got {self.max_device_memory!r}")
+
+
+@dataclass
+class ProfilerConfig(Section):
+    enable_profiling: bool = False
+    start_step: int = 1
+    end_step: int = 1
+    output_path: Optional[str] = None
+    profiler_rank: Optional[list[int]] = None
+    profiler_level: int = 1
+    mstx: bool = False
+    profile_memory: bool = False
+    profile_cpu: bool = True
+    with_stack: bool = True
+
+    UNSUPPORTED = {"enable_profiling": "profiling is not implemented yet"}
+
+    def check(self, path):
+        _require(0 < self.start_step <= self.end_step,
+                 f"{path}: need 0 < start_step <= end_step, got {self.start_step} and {self.end_step}")
+
+
+@dataclass
+class RecomputeConfig(Section):
+    mode: str = "None"
+    full_recompute_layer: Optional[list[str]] = None
+    select_module: Optional[dict] = None
+    exclude_op: Optional[dict] = None
+
+    UNSUPPORTED = {"mode": "activation recompute is not implemented"}
+
+
+@dataclass
+class RecomputeCommConfig(Section):
+    enable: bool = False
+    select_module: Optional[dict] = None
+
+    UNSUPPORTED = {"enable": "communication recompute is not implemented"}
+
+
+@dataclass
+class SwapConfig(Section):
+    enable: bool = False
+    default_prefetch: int = 1
+    layer_swap: Optional[list[dict]] = None
+    op_swap: Optional[list[dict]] = None
+
+    UNSUPPORTED = {"enable": "activation swap is not implemented"}
+
+
+@dataclass
+class TrainConfig(Section):
+    model: dict
+    lr_scheduler: LrSchedulerConfig
+    train_dataset: TrainDatasetConfig
+    run_mode: str = "train"
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    context: ContextConfig = field(default_factory=ContextConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    recompute_comm: RecomputeCommConfig = field(default_factory=RecomputeCommConfig)
+    swap: SwapConfig = field(default_factory=SwapConfig)
+    callbacks: list[dict] = field(default_factory=list)
+    lora_config: Optional[dict] = None
+    inference: Optional[dict] = None
+
+    UNSUPPORTED = {"run_mode": "only training is implemented", "callbacks": "custom callbacks are not implemented",
+                   "lora_config": "LoRA is not implemented", "inference": "inference is not implemented"}
+
+    def check(self, path):
+        for key in ("model_type", "architectures"):
+            _require(key in self.model, f"model.{key} is required")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """dp = world / (tp·pp·cp), and the batch sizes must split evenly over it."""
+        p = self.parallelism
+        model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
+        _require(world_size % model_parallel == 0,
+                 f"parallelism: tensor×pipeline×context = {model_parallel} does not divide the world size {world_size}")
+        return world_size // model_parallel
+
+    def accumulation_steps(self, world_size: int) -> int:
+        dp = self.data_parallel_size(world_size)
+        t = self.training
+        per_step = t.local_batch_size * dp
+        _require(t.global_batch_size % per_step == 0,
+                 f"training.global_batch_size={t.global_batch_size} is not divisible by "
+                 f"training.local_batch_size={t.local_batch_size} × data_parallel={dp}")
+        return t.global_batch_size // per_step
+
+
+def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) before validation."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected KEY.PATH=VALUE")
+        node = data
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> TrainConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    data = apply_overrides(data, overrides)
+    try:
+        return TrainConfig.from_dict(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def dump_config(config: TrainConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+def config_sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -1,0 +1,124 @@
+"""Lineage sidecars and the audit that re-verifies them (DESIGN.md 6).
+
+Every checkpoint carries ``lineage.json``: the run (resolved config and its sha256), the blend manifest,
+every shard, the tokenizer and every raw file, each with its sha256. Paths are stored relative to the
+data root, so an audit also works after the data root moved (``--data-root``). The audit needs nothing
+but the checkpoint directory and whatever files still exist.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from training.data.hashing import sha256_file
+from training.data.manifest import load_manifest
+
+LINEAGE_VERSION = 1
+
+
+def lineage_inputs(manifest_path: str | Path, data_root: str | Path) -> dict:
+    """The upstream part of a checkpoint's lineage, read from the blend manifest it trains on."""
+    root = Path(data_root).resolve()
+    manifest_path = Path(manifest_path).resolve()
+    manifest = load_manifest(manifest_path, root)
+    shards, raw_files = [], []
+    for source in manifest["sources"]:
+        for shard in source["shards"]:
+            for ext in ("bin", "idx"):
+                shards.append({"source": source["name"], "path": f"{shard['prefix']}.{ext}",
+                               "sha256": shard[f"{ext}_sha256"]})
+        raw_files += [{"source": source["name"], **raw} for raw in source["raw_files"]]
+    return {
+        "kiln_lineage_version": LINEAGE_VERSION,
+        "data_root": str(root),
+        "manifest": {"path": manifest_path.relative_to(root).as_posix(), "sha256": sha256_file(manifest_path)},
+        "shards": shards,
+        "tokenizer": {"path": manifest["tokenizer"]["path"], "sha256": manifest["tokenizer"]["sha256"]},
+        "raw_files": raw_files,
+    }
+
+
+@dataclass
+class Check:
+    link: str      # checkpoint, run config, manifest, shard, tokenizer, raw file
+    path: str
+    expected: str
+    actual: str | None
+    status: str    # ok | MISMATCH | missing
+
+    def line(self) -> str:
+        if self.status == "ok":
+            return f"  ok        {self.link:<11} {self.path}  sha256 {self.expected[:16]}"
+        if self.status == "missing":
+            return f"  missing   {self.link:<11} {self.path}  (not found, not verified)"
+        return (f"  MISMATCH  {self.link:<11} {self.path} changed since training "
+                f"(sha256 {self.expected[:16]}… → {self.actual[:16]}…)")
+
+
+def _check(link: str, path: Path, shown: str, expected: str) -> Check:
+    if not path.is_file():
+        return Check(link, shown, expected, None, "missing")
+    actual = sha256_file(path)
+    return Check(link, shown, expected, actual, "ok" if actual == expected else "MISMATCH")
+
+
+def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = None) -> tuple[dict, list[Check]]:
+    """Re-hash every file the checkpoint's lineage names, in chain order from the checkpoint back to raw."""
+    checkpoint_dir = Path(checkpoint_dir)
+    lineage_path = checkpoint_dir / "lineage.json"
+    try:
+        lineage = json.loads(lineage_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{lineage_path}: unreadable lineage ({exc})") from None
+    root = Path(data_root or lineage.get("data_root", "."))
+    checks = [_check("checkpoint", checkpoint_dir / f["name"], f["name"], f["sha256"])
+              for f in lineage["checkpoint"]["files"]]
+    common_path = checkpoint_dir / "common.json"
+    if common_path.is_file():
+        same = json.loads(common_path.read_text()) == lineage["checkpoint"]["common"]
+        checks.append(Check("checkpoint", "common.json", "as recorded", "as recorded" if same else "edited",
+                            "ok" if same else "MISMATCH"))
+    else:
+        checks.append(Check("checkpoint", "common.json", "as recorded", None, "missing"))
+    run = lineage["run"]
+    checks.append(_check("run config", Path(run["config_path"]), run["config_path"], run["config_sha256"]))
+    if "manifest" in lineage:
+        m = lineage["manifest"]
+        checks.append(_check("manifest", root / m["path"], m["path"], m["sha256"]))
+        checks += [_check("shard", root / s["path"], s["path"], s["sha256"]) for s in lineage["shards"]]
+        t = lineage["tokenizer"]
+        checks.append(_check("tokenizer", root / t["path"], t["path"], t["sha256"]))
+        checks += [_check("raw file", root / r["path"], r["path"], r["sha256"]) for r in lineage["raw_files"]]
+    return lineage, checks
+
+
+def audit_report(checkpoint_dir: Path, lineage: dict, checks: list[Check]) -> str:
+    run = lineage["run"]
+    step = lineage["checkpoint"]["step"]
+    lines = [f"checkpoint {checkpoint_dir} (step {step})",
+             f"  run: config sha256 {run['config_sha256'][:16]}, {run['world_size']} worker(s), "
+             f"started {run['started_at']}" + (f", resumed from {run['resumed_from']}" if run["resumed_from"] else "")]
+    lines += [c.line() for c in checks]
+    bad = [c for c in checks if c.status == "MISMATCH"]
+    missing = [c for c in checks if c.status == "missing"]
+    if bad:
+        first = bad[0]
+        lines.append(f"FAILED: {first.link} {first.path} changed since training "
+                     f"(sha256 {first.expected[:16]}… → {(first.actual or '')[:16]}…)")
+    else:
+        verified = len(checks) - len(missing)
+        lines.append(f"OK: {verified} file(s) verified" + (f", {len(missing)} not found" if missing else ""))
+    return "\n".join(lines)
+
+
+def audit_exit_code(checks: list[Check]) -> int:
+    """0 all verified, 1 a file changed, 3 nothing changed but some files were not found."""
+    if any(c.status == "MISMATCH" for c in checks):
+        return 1
+    return 3 if any(c.status == "missing" for c in checks) else 0
+
+
+def audit_json(checkpoint_dir: Path, lineage: dict, checks: list[Check]) -> str:
+    return json.dumps({"checkpoint": str(checkpoint_dir), "step": lineage["checkpoint"]["step"],
+                       "exit_code": audit_exit_code(checks), "checks": [asdict(c) for c in checks]}, indent=2)

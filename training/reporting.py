@@ -1,0 +1,59 @@
+"""Where rank 0 reports progress: stdout, ``metrics.jsonl`` and, when Dagster launched the run, Pipes.
+
+Only rank 0 of the workers opens Pipes (one writer per session); ``dagster_pipes`` is optional so the
+engine runs on a cluster without Dagster installed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+CHECKPOINT_MESSAGE = "checkpoint"
+
+
+class Reporter:
+    def __init__(self, metrics_path: Path | None, enabled: bool):
+        self.enabled = enabled
+        self._stack = ExitStack()
+        self._pipes = None
+        self._metrics = None
+        if not enabled:
+            return
+        if metrics_path is not None:
+            metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            self._metrics = self._stack.enter_context(open(metrics_path, "a", buffering=1))
+        if "DAGSTER_PIPES_CONTEXT" in os.environ:
+            from dagster_pipes import open_dagster_pipes
+
+            self._pipes = self._stack.enter_context(open_dagster_pipes())
+
+    def info(self, message: str) -> None:
+        if not self.enabled:
+            return
+        print(message, flush=True)
+        if self._pipes:
+            self._pipes.log.info(message)
+
+    def step(self, metrics: dict, line: str) -> None:
+        if not self.enabled:
+            return
+        if self._metrics:
+            self._metrics.write(json.dumps(metrics) + "\n")
+        self.info(line)
+
+    def checkpoint(self, payload: dict) -> None:
+        if self.enabled and self._pipes:
+            self._pipes.report_custom_message({"event": CHECKPOINT_MESSAGE, **payload})
+
+    def close(self, exc: BaseException | None = None) -> None:
+        if exc is not None:
+            self._stack.__exit__(type(exc), exc, exc.__traceback__)
+        else:
+            self._stack.close()
+
+
+def warn(message: str) -> None:
+    print(f"[kiln] WARNING: {message}", file=sys.stderr, flush=True)

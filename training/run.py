@@ -1,0 +1,76 @@
+"""Entry point: ``python -m training.run --config X.yaml [--mode 1] [--set a.b=v ...]``.
+
+Runs one process alone, or one worker per device under msrun (data parallel across workers).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def _die_with_parent() -> None:
+    """msrun starts workers in their own sessions: without this, a killed msrun leaves them orphaned."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m training.run", description=__doc__)
+    parser.add_argument("--config", required=True, help="training YAML (MindFormers dynamic-graph layout)")
+    parser.add_argument("--mode", type=int, default=1, help="1 = PyNative (the only supported mode)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field before validation, e.g. --set training.steps=20")
+    parser.add_argument("--output-dir", help="where metrics.jsonl and the resolved config go "
+                                             "(default: the config file's directory)")
+    parser.add_argument("--lineage", help="JSON with the upstream chain (manifest, shards, tokenizer, raw files) "
+                                          "to record in every checkpoint's lineage.json")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    if "MS_ROLE" in os.environ:
+        _die_with_parent()
+    args = parse_args(argv)
+    if args.mode != 1:
+        print(f"--mode {args.mode}: graph mode is not supported; Kiln trains in PyNative mode (--mode 1)",
+              file=sys.stderr)
+        return 2
+    from training.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if "ASCEND_RT_VISIBLE_DEVICES" in os.environ and config.context.device_target != "Ascend":
+        print(f"[kiln] note: ASCEND_RT_VISIBLE_DEVICES is set but context.device_target is "
+              f"{config.context.device_target}", file=sys.stderr)
+
+    from training.collectives import init_world
+    from training.reporting import Reporter
+    from training.trainer import Trainer, load_lineage_inputs
+
+    world = init_world()
+    output_dir = Path(args.output_dir or Path(args.config).parent)
+    reporter = Reporter(output_dir / "metrics.jsonl", enabled=world.is_main)
+    try:
+        trainer = Trainer(config, world, output_dir, reporter, lineage_inputs=load_lineage_inputs(args.lineage),
+                          command=sys.argv)
+        summary = trainer.train()
+    except BaseException as exc:
+        reporter.close(exc)
+        raise
+    if summary.first_loss is not None:
+        reporter.info(f"[kiln] done: steps {summary.start_step}->{summary.end_step}, loss {summary.first_loss:.4f} "
+                      f"-> {summary.last_loss:.4f}, {summary.tokens_per_s or 0:.0f} tokens/s")
+    reporter.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
