@@ -1,0 +1,140 @@
+"""Kiln's built-in corpora: text every Python install carries, so the pipeline runs offline.
+
+* `python_stdlib_code`: each standard-library `.py` file, one JSONL object per file:
+  {"text": source, "path": path relative to the stdlib root}.
+* `python_stdlib_docstrings`: module, class and function docstrings, read with `ast` (nothing is
+  imported): {"text": docstring, "path": ..., "qualname": "<module>" or e.g. "Class.method"}.
+
+Files are visited in sorted order, so the output depends only on the Python installation and
+`max_bytes`. Test suites, test data and installed packages are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import sysconfig
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+BUILTIN_KINDS = ("python_stdlib_code", "python_stdlib_docstrings")
+PART_BYTES = 64 * 1024 * 1024
+# Installed packages are not the standard library; test dirs (incl. idlelib/idle_test and
+# lib2to3/tests/data) hold deliberately odd or broken code.
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+_PART_NAME = re.compile(r"part-\d{5}\.jsonl")
+
+
+def _stdlib_modules(root: Path) -> Iterator[tuple[str, str, ast.Module]]:
+    """(relative path, source, syntax tree) of every parseable UTF-8 `.py` file, in sorted order."""
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in _EXCLUDED_DIRS)
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = Path(directory, name)
+            try:
+                source = path.read_bytes().decode("utf-8")
+                with warnings.catch_warnings():
+                    # Old escape sequences in some modules warn; the text is still what we want.
+                    warnings.simplefilter("ignore")
+                    tree = ast.parse(source, filename=str(path))
+            except (UnicodeDecodeError, SyntaxError, ValueError, OSError):
+                continue
+            yield path.relative_to(root).as_posix(), source, tree
+
+
+def _docstrings(tree: ast.Module) -> Iterator[tuple[str, str]]:
+    """(qualname, docstring) in source order; qualnames follow Python's, e.g. `f.<locals>.g`."""
+    module_doc = ast.get_docstring(tree)
+    if module_doc:
+        yield "<module>", module_doc
+
+    def walk(node: ast.AST, prefix: str) -> Iterator[tuple[str, str]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                qualname = prefix + child.name
+                doc = ast.get_docstring(child)
+                if doc:
+                    yield qualname, doc
+                inner = ".<locals>." if not isinstance(child, ast.ClassDef) else "."
+                yield from walk(child, qualname + inner)
+            else:
+                # Definitions also live inside if/try/with blocks.
+                yield from walk(child, prefix)
+
+    yield from walk(tree, "")
+
+
+def _records(kind: str, root: Path) -> Iterator[dict]:
+    for relative, source, tree in _stdlib_modules(root):
+        if kind == "python_stdlib_code":
+            yield {"text": source, "path": relative}
+        else:
+            for qualname, doc in _docstrings(tree):
+                yield {"text": doc, "path": relative, "qualname": qualname}
+
+
+def write_builtin_source(
+    kind: str, out_dir: str | os.PathLike, max_bytes: int, part_bytes: int = PART_BYTES
+) -> list[Path]:
+    """Write the built-in corpus `kind` as `out_dir/part-NNNNN.jsonl`, at most `max_bytes` of text.
+
+    Documents are added in order until the next one would pass `max_bytes` (UTF-8 bytes of the
+    texts); each part holds at most `part_bytes` bytes of JSONL. Parts are written under
+    temporary names and renamed at the end; parts left from an earlier, larger call are removed.
+    Returns the part paths in order.
+    """
+    if kind not in BUILTIN_KINDS:
+        raise ValueError(f"unknown builtin source kind {kind!r}; expected one of {', '.join(BUILTIN_KINDS)}")
+    for name, value in (("max_bytes", max_bytes), ("part_bytes", part_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    root = Path(sysconfig.get_paths()["stdlib"])
+
+    temporaries: list[Path] = []
+    try:
+        part, part_size, text_bytes = None, 0, 0
+        for record in _records(kind, root):
+            try:
+                text_size = len(record["text"].encode("utf-8"))
+                line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+            except UnicodeEncodeError:
+                # A docstring literal may spell a lone surrogate ("\udc80"), which UTF-8 cannot hold.
+                continue
+            if text_bytes + text_size > max_bytes:
+                break
+            if len(line) > part_bytes:
+                raise ValueError(f"{record['path']}: one JSONL line of {len(line)} bytes exceeds part_bytes={part_bytes}")
+            if part is None or part_size + len(line) > part_bytes:
+                if part is not None:
+                    part.close()
+                fd, tmp = tempfile.mkstemp(dir=out, prefix=f"part-{len(temporaries):05d}.jsonl.", suffix=".tmp")
+                temporaries.append(Path(tmp))
+                part, part_size = os.fdopen(fd, "wb"), 0
+            part.write(line)
+            part_size += len(line)
+            text_bytes += text_size
+        if part is None:
+            raise ValueError(f"max_bytes={max_bytes} is smaller than the first {kind} document")
+        part.close()
+    except BaseException:
+        if part is not None:
+            part.close()
+        for tmp in temporaries:
+            tmp.unlink(missing_ok=True)
+        raise
+
+    paths = [out / f"part-{number:05d}.jsonl" for number in range(len(temporaries))]
+    for tmp, path in zip(temporaries, paths):
+        os.replace(tmp, path)
+    for stale in out.iterdir():
+        if _PART_NAME.fullmatch(stale.name) and stale not in paths:
+            stale.unlink()
+    return paths
