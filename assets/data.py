@@ -4,7 +4,6 @@ Each asset records what it read and wrote (paths, bytes, counts, sha256) and ret
 ``DataVersion``, so Dagster can tell when a downstream asset is stale and an audit can re-verify it.
 Outputs are written under a temporary name and renamed, so a failed step never leaves half a file.
 """
-from __future__ import annotations
 
 import hashlib
 import json
@@ -28,23 +27,19 @@ SOURCES = load_sources(os.environ.get("KILN_SOURCES", PROJECT_ROOT / "configs" /
 source_partitions = dg.StaticPartitionsDefinition(sorted(SOURCES))
 SHARD_SIDECAR = ".kiln.json"  # beside each shard prefix: what it was tokenized from
 
-
 def combined_hash(hashes: list[str]) -> str:
     return hashlib.sha256("".join(hashes).encode()).hexdigest()
-
 
 def files_table(rows: list[dict], columns: list[str]) -> dg.MetadataValue:
     types = {"bytes": "int", "docs": "int", "tokens": "int"}
     schema = dg.TableSchema(columns=[dg.TableColumn(c, types.get(c, "string")) for c in columns])
     return dg.MetadataValue.table([dg.TableRecord({c: row[c] for c in columns}) for row in rows], schema=schema)
 
-
 def _source_spec(storage: KilnStorage, source: str):
     sources = load_sources(storage.sources_config)
     if source not in sources:
         raise dg.Failure(f"source {source!r} is not in {storage.sources_config} (has {sorted(sources)})")
     return sources[source]
-
 
 def _replace_dir(staging: Path, target: Path) -> None:
     """Swap a fully written staging directory into place."""
@@ -58,14 +53,12 @@ def _replace_dir(staging: Path, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, target)
 
-
 def raw_files(storage: KilnStorage, source: str) -> list[Path]:
     files = sorted(storage.raw_dir(source).glob("*.jsonl"))
     if not files:
         raise dg.Failure(f"no raw files for source {source!r} in {storage.raw_dir(source)}; "
                          f"materialize raw_corpus[{source}] first")
     return files
-
 
 @dg.asset(partitions_def=source_partitions, group_name="data", code_version="raw-v1", kinds={"json"},
           owners=["team:kiln"])
@@ -107,7 +100,6 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
         data_version=dg.DataVersion(combined_hash([r["sha256"] for r in rows])),
     )
 
-
 @dg.asset(deps=[raw_corpus], group_name="data", code_version="tok-v1", kinds={"sentencepiece"},
           owners=["team:kiln"])
 def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
@@ -122,10 +114,10 @@ def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
                 yield text
 
     final = storage.tokenizer_prefix()
-    staging = final.with_name(f".{final.name}.staging")
+    staging = final.with_name(f".{final.name}-staging")
     stats = tokenizer_settings.train(documents(), staging)
     for ext in (".model", ".vocab"):
-        os.replace(staging.with_suffix(ext), final.with_suffix(ext))
+        os.replace(f"{staging}{ext}", f"{final}{ext}")
     model_path = final.with_suffix(".model")
     digest = sha256_file(model_path)
     special = {**SPECIAL_IDS, "eod": SPECIAL_IDS["eos"]}
@@ -140,7 +132,6 @@ def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
         },
         data_version=dg.DataVersion(digest),
     )
-
 
 @dg.asset(partitions_def=source_partitions, deps=[raw_corpus, tokenizer], group_name="data",
           code_version="shards-v1", kinds={"numpy"}, owners=["team:kiln"])
@@ -180,19 +171,16 @@ def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.
         data_version=dg.DataVersion(combined_hash([stats["bin_sha256"], stats["idx_sha256"]])),
     )
 
-
 class BlendConfig(dg.Config):
     seq_length: int = 128
     split: str = "98,2,0"
     seed: int = 1234
-
 
 def read_shard_sidecar(storage: KilnStorage, source: str) -> dict:
     path = Path(f"{storage.shard_prefix(source)}{SHARD_SIDECAR}")
     if not path.exists():
         raise dg.Failure(f"no shards for source {source!r} ({path} missing); materialize token_shards[{source}]")
     return json.loads(path.read_text())
-
 
 @dg.asset(deps=[token_shards, tokenizer], group_name="data", code_version="blend-v1", kinds={"json"},
           owners=["team:kiln"])

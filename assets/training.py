@@ -5,7 +5,6 @@ Pipes cannot report a partitioned materialization, so rank 0 sends each saved ch
 message and the ``training_run`` step turns it into a partition plus a materialization while training
 is still running.
 """
-from __future__ import annotations
 
 import json
 import re
@@ -19,7 +18,7 @@ from assets.data import blend_manifest, combined_hash, files_table
 from resources.msrun import MsrunResource
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.checkpoint import latest_complete_checkpoint
-from training.config import ConfigError, apply_overrides, load_config
+from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest, training_data_path
 from training.lineage import lineage_inputs
@@ -33,14 +32,12 @@ checkpoint = dg.AssetSpec(
     description="One partition per saved training step, keyed `<run>/iteration_XXXXXXXX`, materialized by "
                 "`training_run` as soon as the step's files are complete. Audit one with `kiln audit <dir>`.")
 
-
 class TrainingRunConfig(dg.Config):
     config_path: str = Field(default="configs/qwen3_tiny.yaml",
                              description="training YAML (MindFormers layout), relative to the project root")
     run_name: str = Field(default="qwen3_tiny", description="run directory name under the runs root")
     overrides: list[str] = Field(default_factory=list, description="KEY.PATH=VALUE, e.g. training.steps=300")
     resume: bool = Field(default=True, description="continue from the run's newest complete checkpoint")
-
 
 def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_target: str) -> tuple[dict, Path]:
     """The user's YAML with Kiln's wiring: data from the manifest, save/resume paths from the run dir."""
@@ -52,17 +49,19 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
     run_dir = storage.run_dir(cfg.run_name)
     save_path = run_dir / "checkpoints"
     special = manifest["tokenizer"]["special_ids"]
-    wiring = [
-        f"train_dataset.dataloader.config.data_path={json.dumps(training_data_path(manifest, storage.root))}",
-        f"train_dataset.dataloader.config.eod={special['eod']}",
-        f"train_dataset.dataloader.config.pad={special['pad']}",
-        f"train_dataset.dataloader.config.path_to_cache={run_dir / 'index_cache'}",
-        f"checkpoint.save_path={save_path}",
-        f"context.device_target={device_target}",
-    ]
     resume_from = latest_complete_checkpoint(save_path) if cfg.resume and save_path.exists() else None
-    wiring.append(f"checkpoint.load_path={save_path if resume_from else ''}")
-    return apply_overrides(data, wiring + list(cfg.overrides)), run_dir
+    wiring = {
+        "train_dataset.dataloader.config.data_path": training_data_path(manifest, storage.root),
+        "train_dataset.dataloader.config.eod": special["eod"],
+        "train_dataset.dataloader.config.pad": special["pad"],
+        "train_dataset.dataloader.config.path_to_cache": str(run_dir / "index_cache"),
+        "checkpoint.save_path": str(save_path),
+        "checkpoint.load_path": str(save_path) if resume_from else "",
+        "context.device_target": device_target,
+    }
+    for key, value in wiring.items():
+        set_field(data, key, value)
+    return apply_overrides(data, cfg.overrides), run_dir
 
 
 def _checkpoint_event(message: dict, run_name: str, code_version: str) -> tuple[str, dg.AssetMaterialization]:
@@ -80,7 +79,6 @@ def _checkpoint_event(message: dict, run_name: str, code_version: str) -> tuple[
         },
         tags={"dagster/data_version": data_version, "dagster/code_version": code_version},
     )
-
 
 @dg.asset(deps=[blend_manifest], group_name="training", code_version=TRAIN_CODE_VERSION, kinds={"mindspore"},
           owners=["team:kiln"], pool="npu")
@@ -139,7 +137,6 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         })
     return dg.MaterializeResult(metadata=metadata,
                                 data_version=dg.DataVersion(combined_hash([f["sha256"] for f in final_files])))
-
 
 def _loss_table(steps: list[dict], rows: int = 10) -> str:
     stride = max(1, len(steps) // rows)

@@ -20,6 +20,12 @@ class ChainResult:
         raise KeyError(f"no materialization of {key}[{partition}]")
 
 
+def config_for(key: str, run_config: dict) -> dict:
+    """The part of a whole-chain run config that a run of the one asset ``key`` accepts."""
+    ops = run_config.get("ops", {})
+    return {**{k: v for k, v in run_config.items() if k != "ops"}, **({"ops": {key: ops[key]}} if key in ops else {})}
+
+
 def materialize_chain(instance: dg.DagsterInstance, resources: dict, run_config: dict | None = None,
                       log=print) -> ChainResult:
     """raw_corpus[*] → tokenizer → token_shards[*] → blend_manifest → training_run (+ checkpoints)."""
@@ -31,7 +37,7 @@ def materialize_chain(instance: dg.DagsterInstance, resources: dict, run_config:
         for partition in partitions:
             log(f"==> materializing {key}" + (f"[{partition}]" if partition else ""))
             outcome = dg.materialize(ALL_ASSETS, selection=[key], partition_key=partition, instance=instance,
-                                     resources=resources, run_config=run_config or {})
+                                     resources=resources, run_config=config_for(key, run_config or {}))
             for event in outcome.get_asset_materialization_events():
                 mat = event.event_specific_data.materialization
                 result.materializations.setdefault(mat.asset_key.to_user_string(), []).append(mat)

@@ -64,6 +64,7 @@ class MsrunResource(dg.ConfigurableResource):
 
     def environment(self, extra: dict[str, str]) -> dict[str, str]:
         env = {**os.environ, **extra}
+        env.setdefault("GLOG_v", "3")  # MindSpore's C++ WARNING lines (cluster retries...) would drown the step log
         # msrun starts workers with the `python` on PATH: make it this interpreter's environment
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))

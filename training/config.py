@@ -515,20 +515,29 @@ class TrainConfig(Section):
         return t.global_batch_size // per_step
 
 
+def set_field(data: dict, dotted_key: str, value: Any) -> dict:
+    """Set ``a.b.c`` in a nested dict, creating sections on the way."""
+    node = data
+    parts = dotted_key.split(".")
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(parts[:depth + 1])} is not a section (setting {dotted_key})")
+        node = child
+    node[parts[-1]] = value
+    return data
+
+
 def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
     """Apply ``a.b.c=value`` overrides (value parsed as YAML) before validation."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected KEY.PATH=VALUE")
-        node = data
-        parts = key.split(".")
-        for depth, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is not a section")
-            node = child
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            set_field(data, key, yaml.safe_load(raw))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: invalid YAML value ({exc})") from None
     return data
 
 

@@ -53,8 +53,9 @@ def main(argv=None) -> int:
 
     from training.collectives import init_world
     from training.reporting import Reporter
-    from training.trainer import Trainer, load_lineage_inputs
+    from training.trainer import Trainer, configure_runtime, load_lineage_inputs
 
+    configure_runtime(config)
     world = init_world()
     output_dir = Path(args.output_dir or Path(args.config).parent)
     reporter = Reporter(output_dir / "metrics.jsonl", enabled=world.is_main)

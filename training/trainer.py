@@ -35,13 +35,12 @@ class TrainSummary:
     last_checkpoint: str | None
 
 
-def set_runtime(config: TrainConfig) -> None:
+def configure_runtime(config: TrainConfig) -> None:
+    """Mode, device and determinism; MindSpore requires them before ``communication.init()``."""
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device(config.context.device_target)
     if config.training.deterministic:
         ms.set_context(deterministic="ON")
-    ms.set_seed(config.training.seed)
-    np.random.seed(config.training.seed)
 
 
 def _lr_section(config: TrainConfig) -> dict:
@@ -64,7 +63,8 @@ class Trainer:
         self.command = command or []
         self.reporter = reporter
 
-        set_runtime(config)
+        ms.set_seed(config.training.seed)
+        np.random.seed(config.training.seed)
         self.model = build_model(config.model)
         self.params = self.model.trainable_params()
         self.lr_schedule = build_lr_schedule(_lr_section(config), config.training.steps)
@@ -155,7 +155,7 @@ class Trainer:
         return (f"{{ step:[{m['step']:>5}/{steps:>5}], consumed_samples: {m['consumed_samples']}, "
                 f"global_batch_size: {self.config.training.global_batch_size}, loss: {m['loss']:>10.6f}, "
                 f"per_step_time: {m['step_time_s'] * 1000:>6.0f}ms, lr: {m['lr']:.6e}, "
-                f"grad_norm: {m['grad_norm']:>10.6f}, throughput: {m['tflops_per_device']:.4f}T, "
+                f"grad_norm: {m['grad_norm']:>10.6f}, throughput: {m['tflops_per_device']:.3g}T, "
                 f"tokens_per_s: {m['tokens_per_s']:.0f} }}")
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -1,0 +1,85 @@
+"""End to end: every asset of the chain, msrun with 2 CPU workers, checkpoints, resume and audit."""
+import json
+import shutil
+
+import dagster as dg
+import pytest
+
+from conftest import MICRO_CONFIG
+from pipelines.chain import config_for, materialize_chain
+from pipelines.definitions import ALL_ASSETS, resources
+from resources.msrun import MsrunResource
+from resources.storage import KilnStorage
+from resources.tokenizer import TokenizerSettings
+from training.cli import main as kiln
+
+pytestmark = pytest.mark.msrun
+
+
+def chain_resources(tmp_path, sources):
+    return resources(storage=KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                                         sources_config=str(sources)),
+                     tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=20_000),
+                     msrun=MsrunResource(worker_num=2, local_worker_num=2))
+
+
+def training_config(**extra):
+    return {"ops": {"training_run": {"config": {"config_path": MICRO_CONFIG, "run_name": "micro", **extra}},
+                    "blend_manifest": {"config": {"seq_length": 32}}}}
+
+
+def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, capsys):
+    res = chain_resources(tmp_path, micro_sources)
+    with dg.instance_for_test() as instance:
+        chain = materialize_chain(instance, res, training_config())
+        run = chain.metadata("training_run")
+        assert run["first_step"] == 1 and run["final_step"] == 6
+        assert run["final_loss"] < run["first_loss"]
+        assert sorted(instance.get_dynamic_partitions("checkpoints")) == [
+            "micro/iteration_00000003", "micro/iteration_00000006"]
+        assert [m.metadata["step"].value for m in chain.materializations["checkpoint"]] == [3, 6]
+        shards = chain.metadata("token_shards", "stdlib_code")
+        assert shards["tokens"] > 10_000 and shards["dtype"] == "uint16"
+
+        # more steps: resumes from iteration 6 instead of starting over
+        again = dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, resources=res,
+                               run_config=config_for("training_run", training_config(overrides=["training.steps=9"])))
+        (event,) = [m for m in again.asset_materializations_for_node("training_run")
+                    if m.asset_key == dg.AssetKey("training_run")]
+        resumed = {k: v.value for k, v in event.metadata.items()}
+        assert resumed["first_step"] == 7 and resumed["final_step"] == 9
+        checkpoint_dir = tmp_path / "runs/micro/checkpoints/iteration_00000009"
+        lineage = json.loads((checkpoint_dir / "lineage.json").read_text())
+        assert lineage["run"]["resumed_from"].endswith("iteration_00000006")
+
+    capsys.readouterr()
+    assert kiln(["audit", str(checkpoint_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "ok        tokenizer" in out and "ok        raw file" in out and "OK:" in out
+
+    raw = tmp_path / "data/raw/stdlib_docs/part-00000.jsonl"
+    raw.write_text(raw.read_text().replace("a", "b", 1))
+    assert kiln(["audit", str(checkpoint_dir)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: raw file raw/stdlib_docs/part-00000.jsonl changed since training" in out
+
+    # the checkpoint alone, copied elsewhere: its own files verify, the rest are reported missing
+    copy = tmp_path / "copy" / checkpoint_dir.name
+    shutil.copytree(checkpoint_dir, copy)
+    assert kiln(["audit", str(copy), "--data-root", str(tmp_path / "gone")]) == 3
+
+
+def test_failing_worker_fails_the_asset_with_its_log_tail(tmp_path, micro_sources):
+    res = chain_resources(tmp_path, micro_sources)
+    with dg.instance_for_test() as instance:
+        for key, partitions in [("raw_corpus", ["stdlib_code", "stdlib_docs"]), ("tokenizer", [None]),
+                                ("token_shards", ["stdlib_code", "stdlib_docs"]), ("blend_manifest", [None])]:
+            for p in partitions:
+                dg.materialize(ALL_ASSETS, selection=[key], partition_key=p, instance=instance, resources=res,
+                               run_config=config_for(key, training_config()))
+        with pytest.raises(dg.Failure) as failure:
+            dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, resources=res,
+                           run_config=config_for("training_run", training_config(
+                               overrides=[f"checkpoint.load_path={tmp_path}/missing"])))
+    assert "msrun exited with code" in failure.value.description
+    assert "checkpoint.load_path" in failure.value.description and "no such directory" in failure.value.description

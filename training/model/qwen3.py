@@ -1,0 +1,332 @@
+"""Qwen3 dense decoder for MindSpore PyNative, read top to bottom.
+
+token embedding → N × [RMSNorm → GQA self-attention (QK-norm, RoPE, causal) → residual
+                       → RMSNorm → SwiGLU MLP → residual] → final RMSNorm → output layer (or tied).
+
+Parameter names follow MindFormers' pynative Megatron-style layout (no prefix, global layer indices),
+so checkpoints look like theirs: ``decoder.layers.{i}.self_attention.linear_qkv.weight`` etc. Two
+fused layouts matter for anyone converting weights (MindFormers reference §7.4):
+  * ``linear_qkv`` rows are grouped per KV group: [q heads of group 0, k0, v0, q heads of group 1, k1, v1, …];
+  * ``linear_fc1`` rows interleave gate and up: output reshaped to [..., ffn, 2] is (gate, up).
+Activations are [batch, seq, hidden]. Linear weights are stored [out, in].
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from training.config import ConfigError, Section
+
+DTYPES = {"float32": ms.float32, "bfloat16": ms.bfloat16, "float16": ms.float16}
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class Qwen3Config(Section):
+    """Hugging Face Qwen3 field names (plus MindFormers' ``seq_length`` and dtypes)."""
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    initializer_range: float = 0.02
+    seq_length: int = 4096
+    compute_dtype: str = "float32"
+    params_dtype: str = "float32"
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str = "model") -> "Qwen3Config":
+        """Strict parse: unknown keys name the dotted path and nearest key; types and consistency checked."""
+        return super().from_dict(data, path)
+
+    def check(self, path: str) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+                     "seq_length"):
+            _require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
+            _require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
+        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+                 f"{path}.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                 f"{path}.num_key_value_heads ({self.num_key_value_heads})")
+        _require(self.head_dim % 2 == 0, f"{path}.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        _require(self.seq_length <= self.max_position_embeddings,
+                 f"{path}.seq_length ({self.seq_length}) exceeds {path}.max_position_embeddings "
+                 f"({self.max_position_embeddings})")
+        _require(self.hidden_act == "silu", f"{path}.hidden_act = {self.hidden_act!r}: Qwen3 uses 'silu' (SwiGLU)")
+        for name in ("compute_dtype", "params_dtype"):
+            value = getattr(self, name)
+            _require(value in DTYPES, f"{path}.{name} = {value!r}: expected one of {', '.join(DTYPES)}")
+        _require(self.params_dtype == "float32",
+                 f"{path}.params_dtype = {self.params_dtype!r} is not supported yet: AdamW keeps no fp32 master "
+                 "copy, so low-precision parameters would lose small updates; use float32")
+        if ms.get_context("device_target") == "CPU":
+            _require(self.compute_dtype == "float32",
+                     f"{path}.compute_dtype = {self.compute_dtype!r} is not supported on CPU "
+                     "(MindSpore's CPU matmul kernels are fp32 only); use float32")
+
+
+# ---- building blocks -------------------------------------------------------------------------------
+
+class Init:
+    """Deterministic parameter initializer: every tensor comes from one seeded numpy RandomState,
+    drawn in construction order, so a seed gives the same weights in every process."""
+
+    def __init__(self, seed: int, std: float):
+        self.rng = np.random.RandomState(seed)
+        self.std = std
+
+    def normal(self, *shape: int) -> Parameter:
+        return Parameter(Tensor(self.rng.normal(0.0, self.std, shape).astype(np.float32)))
+
+    @staticmethod
+    def ones(*shape: int) -> Parameter:
+        return Parameter(Tensor(np.ones(shape, np.float32)))
+
+    @staticmethod
+    def zeros(*shape: int) -> Parameter:
+        return Parameter(Tensor(np.zeros(shape, np.float32)))
+
+
+def _cast(x: Tensor, dtype) -> Tensor:
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+_matmul_transpose_b = ops.MatMul(transpose_b=True)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x @ weight.T (+ bias) for weight [out, in]. Flattened to 2-D: MindSpore's CPU MatMul with
+    transpose_b is about twice as fast as ops.dense on a 3-D input."""
+    out = _matmul_transpose_b(x.reshape(-1, x.shape[-1]), _cast(weight, x.dtype))
+    if bias is not None:
+        out = out + _cast(bias, x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Cell):
+    def __init__(self, init: Init, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = init.normal(out_features, in_features)
+        self.bias = init.zeros(out_features) if bias else None
+
+    def construct(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Cell):
+    """RMSNorm over the last axis, computed in fp32 (CPU has no rms_norm kernel, so built from rsqrt/mean)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = Init.ones(dim)
+        self.eps = eps
+
+    def construct(self, x: Tensor) -> Tensor:
+        x32 = _cast(x, ms.float32)
+        normed = x32 * ops.rsqrt((x32 * x32).mean(axis=-1, keep_dims=True) + self.eps)
+        return _cast(normed * self.weight, x.dtype)
+
+
+class VocabEmbedding(nn.Cell):
+    def __init__(self, init: Init, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.weight = init.normal(vocab_size, hidden_size)
+
+    def construct(self, input_ids: Tensor) -> Tensor:
+        return ops.gather(self.weight, input_ids, 0)
+
+
+class LanguageModelEmbedding(nn.Cell):
+    """Holds ``word_embeddings`` so the table is named ``embedding.word_embeddings.weight`` as in Megatron."""
+
+    def __init__(self, init: Init, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.word_embeddings = VocabEmbedding(init, vocab_size, hidden_size)
+
+    def construct(self, input_ids: Tensor) -> Tensor:
+        return self.word_embeddings(input_ids)
+
+
+class RotaryEmbedding:
+    """cos/sin tables for RoPE in HF's rotate-half convention (frequencies duplicated across both halves).
+
+    HF computes x·cos + rotate_half(x)·sin with rotate_half(x) = [-x2, x1]; the sign is baked into the
+    first half of the sin table here, so applying it needs only [x2, x1] (one op fewer per call)."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
+        inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)  # [positions, head_dim/2]
+        self.cos = Tensor(np.cos(np.concatenate([angles, angles], axis=-1)).astype(np.float32))
+        self.signed_sin = Tensor(np.sin(np.concatenate([-angles, angles], axis=-1)).astype(np.float32))
+
+    def tables(self, seq_len: int) -> tuple[Tensor, Tensor]:
+        return self.cos[:seq_len], self.signed_sin[:seq_len]
+
+
+def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x: [..., seq, head_dim]; cos/signed_sin: [seq, head_dim] from RotaryEmbedding. Done in fp32."""
+    x32 = _cast(x, ms.float32)
+    first, second = ops.chunk(x32, 2, axis=-1)
+    return _cast(x32 * cos + ops.cat((second, first), axis=-1) * signed_sin, x.dtype)
+
+
+def causal_mask(seq_len: int, repeats: int = 1) -> Tensor:
+    """Additive mask, 0 where a query may attend (itself and earlier positions) and a huge negative for
+    future positions: [seq, seq], stacked ``repeats`` times along the query axis → [repeats·seq, seq]."""
+    future = np.triu(np.ones((seq_len, seq_len), dtype=bool), k=1)
+    mask = np.where(future, np.finfo(np.float32).min, 0.0).astype(np.float32)
+    return Tensor(np.tile(mask, (repeats, 1)))
+
+
+_bmm = ops.BatchMatMul()
+_bmm_transpose_b = ops.BatchMatMul(transpose_b=True)
+
+
+class SelfAttention(nn.Cell):
+    """Grouped-query attention with a fused, per-group ``linear_qkv`` and per-head RMSNorm on q and k.
+
+    GQA without copying K/V: the q heads of one KV group are stacked along the query axis
+    ([batch, groups, heads_per_group·seq, dim]), so one batched matmul per group serves all its heads;
+    the causal mask is stacked the same way."""
+
+    def __init__(self, init: Init, config: Qwen3Config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_groups = config.num_key_value_heads
+        self.heads_per_group = self.num_heads // self.num_groups
+        self.head_dim = config.head_dim
+        qkv_rows = self.num_groups * (self.heads_per_group + 2) * self.head_dim
+        self.linear_qkv = Linear(init, config.hidden_size, qkv_rows, bias=config.attention_bias)
+        self.q_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.linear_proj = Linear(init, self.num_heads * self.head_dim, config.hidden_size)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        """x: [batch, seq, hidden]; mask: causal_mask(seq, heads_per_group)."""
+        batch, seq, _ = x.shape
+        groups, per_group, dim = self.num_groups, self.heads_per_group, self.head_dim
+        qkv = self.linear_qkv(x).reshape(batch, seq, groups, per_group + 2, dim)
+        q, k, v = ops.split(qkv, [per_group, 1, 1], axis=3)  # q head g·per_group + j uses KV group g (HF)
+        q = self.q_layernorm(q).transpose(0, 2, 3, 1, 4)                  # [batch, groups, per_group, seq, dim]
+        k = self.k_layernorm(k.squeeze(3)).transpose(0, 2, 1, 3)           # [batch, groups, seq, dim]
+        v = v.squeeze(3).transpose(0, 2, 1, 3)
+        q = apply_rotary(q, cos, sin).reshape(batch, groups, per_group * seq, dim) * self.scale
+        k = apply_rotary(k, cos, sin)
+
+        scores = _cast(_bmm_transpose_b(q, k), ms.float32) + mask          # [batch, groups, per_group·seq, seq]
+        probs = _cast(ops.softmax(scores, axis=-1), v.dtype)
+        out = _bmm(probs, v).reshape(batch, groups, per_group, seq, dim)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, self.num_heads * dim)
+        return self.linear_proj(out)
+
+
+class MLP(nn.Cell):
+    """SwiGLU: fc2(silu(gate) * up), with gate/up interleaved in the rows of ``linear_fc1``."""
+
+    def __init__(self, init: Init, config: Qwen3Config):
+        super().__init__()
+        self.ffn = config.intermediate_size
+        self.linear_fc1 = Linear(init, config.hidden_size, 2 * self.ffn)
+        self.linear_fc2 = Linear(init, self.ffn, config.hidden_size)
+
+    def construct(self, x: Tensor) -> Tensor:
+        gate_up = self.linear_fc1(x).reshape(*x.shape[:-1], self.ffn, 2)
+        gate, up = gate_up[..., 0], gate_up[..., 1]
+        return self.linear_fc2(ops.silu(gate) * up)
+
+
+class TransformerLayer(nn.Cell):
+    def __init__(self, init: Init, config: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attention = SelfAttention(init, config)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(init, config)
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class TransformerBlock(nn.Cell):
+    def __init__(self, init: Init, config: Qwen3Config):
+        super().__init__()
+        self.layers = nn.CellList([TransformerLayer(init, config) for _ in range(config.num_hidden_layers)])
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.final_layernorm(x)
+
+
+# ---- the model -------------------------------------------------------------------------------------
+
+class GPTModel(nn.Cell):
+    """Qwen3 causal LM. ``construct(input_ids, labels, loss_mask)`` returns the masked mean token loss."""
+
+    def __init__(self, config: Qwen3Config, seed: int | None = None):
+        super().__init__()
+        self.config = config
+        self.compute_dtype = DTYPES[config.compute_dtype]
+        if seed is None:  # follow mindspore.set_seed (the trainer sets it); unseeded runs still init the same
+            seed = ms.get_seed() or 0
+        init = Init(seed, config.initializer_range)
+        self.embedding = LanguageModelEmbedding(init, config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.decoder = TransformerBlock(init, config)
+        self.output_layer = None if config.tie_word_embeddings else Linear(init, config.hidden_size, config.vocab_size)
+
+    def logits(self, input_ids: Tensor) -> Tensor:
+        """[batch, seq] token ids → [batch, seq, vocab] fp32 logits."""
+        seq = input_ids.shape[1]
+        if seq > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {seq} exceeds model.max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        cos, sin = self.rotary.tables(seq)
+        hidden = _cast(self.embedding(input_ids), self.compute_dtype)
+        mask = causal_mask(seq, self.config.num_attention_heads // self.config.num_key_value_heads)
+        hidden = self.decoder(hidden, cos, sin, mask)
+        if self.output_layer is None:
+            logits = linear(hidden, self.embedding.word_embeddings.weight)
+        else:
+            logits = self.output_layer(hidden)
+        return _cast(logits, ms.float32)
+
+    def construct(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
+        logits = self.logits(input_ids)
+        token_loss = ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+        mask = _cast(loss_mask.reshape(-1), ms.float32)
+        return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def num_parameters(self) -> int:
+        return sum(int(np.prod(p.shape)) for p in self.trainable_params())
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token, Megatron/PaLM style: 6·N for the weight matmuls (forward + backward)
+        plus 12·layers·heads·head_dim·seq for QKᵀ and attention·V (no discount for the causal mask).
+        N excludes the input embedding table unless it is also the (tied) output matmul."""
+        c = self.config
+        matmul_params = self.num_parameters()
+        if not c.tie_word_embeddings:
+            matmul_params -= c.vocab_size * c.hidden_size
+        attention = 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_length
+        return float(6 * matmul_params + attention)
