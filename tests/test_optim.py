@@ -180,5 +180,4 @@ def test_tiny_model_memorizes_a_batch():
         opt.step(grads)
         losses.append(float(loss.asnumpy()))
     assert losses[0] == pytest.approx(math.log(256), abs=0.2)
-    print(losses)
     assert losses[-1] < 0.5 * losses[0], losses
