@@ -83,13 +83,12 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
         checks.append(Check("checkpoint", "common.json", "as recorded", None, "missing"))
     run = lineage["run"]
     checks.append(_check("run config", Path(run["config_path"]), run["config_path"], run["config_sha256"]))
-    if "manifest" in lineage:
-        m = lineage["manifest"]
-        checks.append(_check("manifest", root / m["path"], m["path"], m["sha256"]))
-        checks += [_check("shard", root / s["path"], s["path"], s["sha256"]) for s in lineage["shards"]]
-        t = lineage["tokenizer"]
-        checks.append(_check("tokenizer", root / t["path"], t["path"], t["sha256"]))
-        checks += [_check("raw file", root / r["path"], r["path"], r["sha256"]) for r in lineage["raw_files"]]
+    # a run trained outside Dagster on hand-picked shards has no upstream links to check
+    for link, key in (("manifest", "manifest"), ("shard", "shards"), ("tokenizer", "tokenizer"),
+                      ("raw file", "raw_files")):
+        records = lineage.get(key) or []
+        for record in [records] if isinstance(records, dict) else records:
+            checks.append(_check(link, root / record["path"], record["path"], record["sha256"]))
     return lineage, checks
 
 

@@ -30,7 +30,8 @@ class _Encoder:
         self.dtype = np.dtype(dtype)
 
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        pieces = self.processor.encode(texts, out_type=int)
+        # one thread: the parallelism is the process pool, and more threads per process oversubscribe the cores
+        pieces = self.processor.encode(texts, out_type=int, num_threads=1)
         if self.eod_id is not None:
             for ids in pieces:
                 ids.append(self.eod_id)
