@@ -137,7 +137,7 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _require(condition: bool, message: str) -> None:
+def require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
 
@@ -171,10 +171,10 @@ class CheckpointConfig(Section):
     }
 
     def check(self, path):
-        _require(self.save_max >= 1, f"{path}.save_max must be >= 1, got {self.save_max}")
-        _require(self.save_interleaved_steps >= 1,
+        require(self.save_max >= 1, f"{path}.save_max must be >= 1, got {self.save_max}")
+        require(self.save_interleaved_steps >= 1,
                  f"{path}.save_interleaved_steps must be >= 1, got {self.save_interleaved_steps}")
-        _require(not (self.enable_save and not self.save_path),
+        require(not (self.enable_save and not self.save_path),
                  f"{path}.save_path must be set when {path}.enable_save is true")
 
 
@@ -195,9 +195,9 @@ class TrainingConfig(Section):
 
     def check(self, path):
         for name in ("steps", "local_batch_size", "global_batch_size"):
-            _require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
-        _require(self.max_norm > 0, f"{path}.max_norm must be > 0 (it scales gradients), got {self.max_norm}")
-        _require(self.max_consecutive_skipped_steps >= 0, f"{path}.max_consecutive_skipped_steps must be >= 0")
+            require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
+        require(self.max_norm > 0, f"{path}.max_norm must be > 0 (it scales gradients), got {self.max_norm}")
+        require(self.max_consecutive_skipped_steps >= 0, f"{path}.max_consecutive_skipped_steps must be >= 0")
 
 
 @dataclass
@@ -244,15 +244,15 @@ class ParallelismConfig(Section):
     }
 
     def check(self, path):
-        _require(self.data_parallel_shard == -1 or self.data_parallel_shard > 0,
+        require(self.data_parallel_shard == -1 or self.data_parallel_shard > 0,
                  f"{path}.data_parallel_shard must be -1 or > 0, got {self.data_parallel_shard}")
-        _require(self.reshard_after_forward_policy in ("default", "always", "never"),
+        require(self.reshard_after_forward_policy in ("default", "always", "never"),
                  f"{path}.reshard_after_forward_policy must be default/always/never")
-        _require(self.context_parallel_method in ("colossal", "ulysses", "hybrid"),
+        require(self.context_parallel_method in ("colossal", "ulysses", "hybrid"),
                  f"{path}.context_parallel_method must be colossal/ulysses/hybrid")
-        _require(self.pipeline_parallel_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
+        require(self.pipeline_parallel_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
                  f"{path}.pipeline_parallel_schedule must be 1f1b/interleaved_1f1b/gpipe")
-        _require(self.moe_token_dispatcher_type in ("alltoall", "alltoall_deredundancy"),
+        require(self.moe_token_dispatcher_type in ("alltoall", "alltoall_deredundancy"),
                  f"{path}.moe_token_dispatcher_type must be alltoall/alltoall_deredundancy")
 
 
@@ -266,11 +266,11 @@ class OptimizerConfig(Section):
     weight_decay_exclude: list[str] = field(default_factory=list)
 
     def check(self, path):
-        _require(self.type == "AdamW", f"{path}.type = {self.type!r} is not supported yet (AdamW only)")
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+        require(self.type == "AdamW", f"{path}.type = {self.type!r} is not supported yet (AdamW only)")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                  f"{path}.betas must be two numbers in [0, 1), got {self.betas}")
-        _require(self.eps > 0, f"{path}.eps must be > 0")
-        _require(self.weight_decay >= 0, f"{path}.weight_decay must be >= 0")
+        require(self.eps > 0, f"{path}.eps must be > 0")
+        require(self.weight_decay >= 0, f"{path}.weight_decay must be >= 0")
 
 
 @dataclass
@@ -285,13 +285,13 @@ class LrSchedulerConfig(Section):
     SCHEDULES = ("ConstantWarmUpLR", "LinearWithWarmUpLR", "CosineWithWarmUpLR")
 
     def check(self, path):
-        _require(self.type in self.SCHEDULES,
+        require(self.type in self.SCHEDULES,
                  f"{path}.type = {self.type!r} is not supported yet; supported: {', '.join(self.SCHEDULES)}")
-        _require(self.learning_rate > 0, f"{path}.learning_rate must be > 0")
-        _require(self.warmup_steps is None or self.warmup_ratio is None,
+        require(self.learning_rate > 0, f"{path}.learning_rate must be > 0")
+        require(self.warmup_steps is None or self.warmup_ratio is None,
                  f"{path}: set warmup_steps or warmup_ratio, not both")
-        _require(self.warmup_ratio is None or 0 <= self.warmup_ratio <= 1, f"{path}.warmup_ratio must be in [0, 1]")
-        _require(self.warmup_steps is None or self.warmup_steps >= 0, f"{path}.warmup_steps must be >= 0")
+        require(self.warmup_ratio is None or 0 <= self.warmup_ratio <= 1, f"{path}.warmup_ratio must be in [0, 1]")
+        require(self.warmup_steps is None or self.warmup_steps >= 0, f"{path}.warmup_steps must be >= 0")
 
 
 @dataclass
@@ -323,14 +323,14 @@ class GPTDatasetConfig(Section):
     }
 
     def check(self, path):
-        _require(self.seq_length > 0, f"{path}.seq_length must be > 0")
-        _require(len(self.data_path) >= 2 and len(self.data_path) % 2 == 0,
+        require(self.seq_length > 0, f"{path}.seq_length must be > 0")
+        require(len(self.data_path) >= 2 and len(self.data_path) % 2 == 0,
                  f"{path}.data_path must be [weight, prefix, weight, prefix, ...], got {len(self.data_path)} items")
         ratios = self.split.split(",")
-        _require(1 <= len(ratios) <= 3 and all(_FLOAT_RE.match(r.strip()) for r in ratios),
+        require(1 <= len(ratios) <= 3 and all(_FLOAT_RE.match(r.strip()) for r in ratios),
                  f"{path}.split must be up to three comma-separated ratios like '99,1,0', got {self.split!r}")
-        _require(float(ratios[0]) > 0, f"{path}.split gives the training split no documents: {self.split!r}")
-        _require(self.eod >= 0, f"{path}.eod must be the tokenizer's end-of-document id, got {self.eod}")
+        require(float(ratios[0]) > 0, f"{path}.split gives the training split no documents: {self.split!r}")
+        require(self.eod >= 0, f"{path}.eod must be the tokenizer's end-of-document id, got {self.eod}")
 
 
 @dataclass
@@ -346,9 +346,9 @@ class DataloaderConfig(Section):
     UNSUPPORTED = {"shuffle": "sample order comes from GPTDataset's seeded shuffle index"}
 
     def check(self, path):
-        _require(self.type == "BlendedMegatronDatasetDataLoader",
+        require(self.type == "BlendedMegatronDatasetDataLoader",
                  f"{path}.type = {self.type!r} is not supported yet (BlendedMegatronDatasetDataLoader only)")
-        _require(self.datasets_type == "GPTDataset", f"{path}.datasets_type must be GPTDataset")
+        require(self.datasets_type == "GPTDataset", f"{path}.datasets_type must be GPTDataset")
 
 
 @dataclass
@@ -415,10 +415,10 @@ class ContextConfig(Section):
     device_target: str = "Ascend"
 
     def check(self, path):
-        _require(self.mode == 1, f"{path}.mode = {self.mode}: graph mode (0) is not supported, Kiln runs PyNative (1)")
-        _require(self.device_target in ("Ascend", "GPU", "CPU"),
+        require(self.mode == 1, f"{path}.mode = {self.mode}: graph mode (0) is not supported, Kiln runs PyNative (1)")
+        require(self.device_target in ("Ascend", "GPU", "CPU"),
                  f"{path}.device_target must be Ascend, GPU or CPU, got {self.device_target!r}")
-        _require(re.fullmatch(r"\d+(\.\d+)?GB", self.max_device_memory) is not None,
+        require(re.fullmatch(r"\d+(\.\d+)?GB", self.max_device_memory) is not None,
                  f"{path}.max_device_memory must look like '59GB', got {self.max_device_memory!r}")
 
 
@@ -438,7 +438,7 @@ class ProfilerConfig(Section):
     UNSUPPORTED = {"enable_profiling": "profiling is not implemented yet"}
 
     def check(self, path):
-        _require(0 < self.start_step <= self.end_step,
+        require(0 < self.start_step <= self.end_step,
                  f"{path}: need 0 < start_step <= end_step, got {self.start_step} and {self.end_step}")
 
 
@@ -495,13 +495,13 @@ class TrainConfig(Section):
 
     def check(self, path):
         for key in ("model_type", "architectures"):
-            _require(key in self.model, f"model.{key} is required")
+            require(key in self.model, f"model.{key} is required")
 
     def data_parallel_size(self, world_size: int) -> int:
         """dp = world / (tp·pp·cp), and the batch sizes must split evenly over it."""
         p = self.parallelism
         model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
-        _require(world_size % model_parallel == 0,
+        require(world_size % model_parallel == 0,
                  f"parallelism: tensor×pipeline×context = {model_parallel} does not divide the world size {world_size}")
         return world_size // model_parallel
 
@@ -509,7 +509,7 @@ class TrainConfig(Section):
         dp = self.data_parallel_size(world_size)
         t = self.training
         per_step = t.local_batch_size * dp
-        _require(t.global_batch_size % per_step == 0,
+        require(t.global_batch_size % per_step == 0,
                  f"training.global_batch_size={t.global_batch_size} is not divisible by "
                  f"training.local_batch_size={t.local_batch_size} × data_parallel={dp}")
         return t.global_batch_size // per_step

@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +119,25 @@ def _cache_paths(cache_dir: str | os.PathLike, description: str, kind: str, name
     return [directory / f"{digest}-{kind}-{name}.npy" for name in names]
 
 
+def _cached_indices(cache_dir: str | os.PathLike | None, description: str, kind: str, names: Sequence[str],
+                    build: Callable[[], Sequence[np.ndarray]],
+                    is_consistent: Callable[..., bool]) -> tuple[Sequence[np.ndarray], bool]:
+    """Index arrays from the cache keyed by `description`, else built (and cached); a cache entry that
+    fails `is_consistent` is rebuilt, not trusted. Returns the arrays and whether they came from the cache."""
+    if cache_dir is None:
+        return build(), False
+    cache_paths = _cache_paths(cache_dir, description, kind, names)
+    indices = _load_npy(cache_paths)
+    if indices is not None:
+        if is_consistent(*indices):
+            return indices, True
+        logger.warning("%s cache %s is inconsistent with its description; rebuilding", kind, cache_paths[0])
+    indices = build()
+    for path, values in zip(cache_paths, indices):
+        _save_npy(path, values)
+    return indices, False
+
+
 class GPTDataset:
     """`num_samples` samples of `seq_length` tokens from one split of an indexed dataset.
 
@@ -186,21 +205,9 @@ class GPTDataset:
             },
             sort_keys=True,
         )
-        self.loaded_from_cache = False
-        indices = None
-        if cache_dir is not None:
-            names = ("document_index", "sample_index", "shuffle_index")
-            cache_paths = _cache_paths(cache_dir, self.description, "GPTDataset", names)
-            indices = _load_npy(cache_paths)
-            if indices is not None and not self._indices_are_consistent(*indices):
-                logger.warning("index cache %s is inconsistent with its description; rebuilding", cache_paths[0])
-                indices = None
-            self.loaded_from_cache = indices is not None
-        if indices is None:
-            indices = self._build_indices()
-            if cache_dir is not None:
-                for path, values in zip(cache_paths, indices):
-                    _save_npy(path, values)
+        indices, self.loaded_from_cache = _cached_indices(
+            cache_dir, self.description, "GPTDataset", ("document_index", "sample_index", "shuffle_index"),
+            build=self._build_indices, is_consistent=self._indices_are_consistent)
         self.document_index, self.sample_index, self.shuffle_index = indices
 
     def _num_epochs(self) -> int:
@@ -362,27 +369,16 @@ class BlendedDataset:
         self.size = _positive_int("size", size)
         self.seed = seed
 
-        self.loaded_from_cache = False
-        indices = None
-        if cache_dir is not None:
-            # The greedy index depends on the weights and size only; the seed is part of the blend's
-            # identity as in Megatron, whose blend cache is keyed on it too.
-            description = json.dumps(
-                {"class": "BlendedDataset", "index_format": _INDEX_FORMAT, "weights": self.weights,
-                 "size": self.size, "seed": seed},
-                sort_keys=True,
-            )
-            cache_paths = _cache_paths(cache_dir, description, "BlendedDataset", ("dataset_index", "dataset_sample_index"))
-            indices = _load_npy(cache_paths)
-            if indices is not None and not self._indices_are_consistent(*indices):
-                logger.warning("blend cache %s is inconsistent; rebuilding", cache_paths[0])
-                indices = None
-            self.loaded_from_cache = indices is not None
-        if indices is None:
-            indices = _blending_indices(self.weights, self.size)
-            if cache_dir is not None:
-                for path, values in zip(cache_paths, indices):
-                    _save_npy(path, values)
+        # The greedy index depends on the weights and size only; the seed is part of the blend's
+        # identity as in Megatron, whose blend cache is keyed on it too.
+        description = json.dumps(
+            {"class": "BlendedDataset", "index_format": _INDEX_FORMAT, "weights": self.weights,
+             "size": self.size, "seed": seed},
+            sort_keys=True,
+        )
+        indices, self.loaded_from_cache = _cached_indices(
+            cache_dir, description, "BlendedDataset", ("dataset_index", "dataset_sample_index"),
+            build=lambda: _blending_indices(self.weights, self.size), is_consistent=self._indices_are_consistent)
         self.dataset_index, self.dataset_sample_index = indices
 
         needed = np.bincount(self.dataset_index, minlength=len(self.datasets))

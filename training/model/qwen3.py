@@ -19,14 +19,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from training.config import ConfigError, Section
+from training.config import Section, require
 
 DTYPES = {"float32": ms.float32, "bfloat16": ms.bfloat16, "float16": ms.float16}
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
 
 
 @dataclass
@@ -59,25 +54,25 @@ class Qwen3Config(Section):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
                      "seq_length"):
-            _require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
+            require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
         for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
-            _require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
-        _require(self.num_attention_heads % self.num_key_value_heads == 0,
+            require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
+        require(self.num_attention_heads % self.num_key_value_heads == 0,
                  f"{path}.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                  f"{path}.num_key_value_heads ({self.num_key_value_heads})")
-        _require(self.head_dim % 2 == 0, f"{path}.head_dim must be even for rotary embeddings, got {self.head_dim}")
-        _require(self.seq_length <= self.max_position_embeddings,
+        require(self.head_dim % 2 == 0, f"{path}.head_dim must be even for rotary embeddings, got {self.head_dim}")
+        require(self.seq_length <= self.max_position_embeddings,
                  f"{path}.seq_length ({self.seq_length}) exceeds {path}.max_position_embeddings "
                  f"({self.max_position_embeddings})")
-        _require(self.hidden_act == "silu", f"{path}.hidden_act = {self.hidden_act!r}: Qwen3 uses 'silu' (SwiGLU)")
+        require(self.hidden_act == "silu", f"{path}.hidden_act = {self.hidden_act!r}: Qwen3 uses 'silu' (SwiGLU)")
         for name in ("compute_dtype", "params_dtype"):
             value = getattr(self, name)
-            _require(value in DTYPES, f"{path}.{name} = {value!r}: expected one of {', '.join(DTYPES)}")
-        _require(self.params_dtype == "float32",
+            require(value in DTYPES, f"{path}.{name} = {value!r}: expected one of {', '.join(DTYPES)}")
+        require(self.params_dtype == "float32",
                  f"{path}.params_dtype = {self.params_dtype!r} is not supported yet: AdamW keeps no fp32 master "
                  "copy, so low-precision parameters would lose small updates; use float32")
         if ms.get_context("device_target") == "CPU":
-            _require(self.compute_dtype == "float32",
+            require(self.compute_dtype == "float32",
                      f"{path}.compute_dtype = {self.compute_dtype!r} is not supported on CPU "
                      "(MindSpore's CPU matmul kernels are fp32 only); use float32")
 
