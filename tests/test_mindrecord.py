@@ -1,5 +1,6 @@
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -160,11 +161,11 @@ def test_a_failure_mid_conversion_leaves_no_files(corpora, tmp_path):
 def test_a_failed_overwrite_keeps_the_old_output(corpora, tmp_path):
     output = tmp_path / "keep.mindrecord"
     convert_to_mindrecord(corpora["a"], output, seq_length=SEQ, eod_id=EOD, num_samples=10)
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    before = {p.name: sha256_file(p) for p in tmp_path.iterdir()}
     failing = _FailingDataset(IndexedDataset(corpora["a"]), seq_length=SEQ, num_samples=400, seed=SEED, eod_id=EOD)
     with pytest.raises(OSError):
         convert_to_mindrecord(failing, output, seq_length=SEQ, eod_id=EOD, overwrite=True)
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert {p.name: sha256_file(p) for p in tmp_path.iterdir()} == before
 
 
 def test_too_many_document_ends_name_the_sample(corpora, tmp_path):
@@ -302,11 +303,25 @@ def test_builder_takes_a_single_path(converted):
     assert dataset.counts == [A_SAMPLES] and len(dataset) == 5
 
 
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory, corpora):
+    """An empty directory, a file that is no MindRecord and a MindRecord cut in half."""
+    root = tmp_path_factory.mktemp("broken")
+    (root / "empty").mkdir()
+    (root / "garbage.mindrecord").write_bytes(b"not a mindrecord")
+    truncated = root / "truncated.mindrecord"
+    convert_to_mindrecord(corpora["a"], truncated, seq_length=SEQ, eod_id=EOD, num_samples=10)
+    # In place: MindRecord files are sparse and large, a copy would write tens of MB.
+    os.truncate(truncated, truncated.stat().st_size // 2)
+    return {"EMPTY": str(root / "empty"), "GARBAGE": str(root / "garbage.mindrecord"), "TRUNCATED": str(truncated)}
+
+
 @pytest.mark.parametrize("keys, message", [
     ({"dataset_files": ["A", "missing.mindrecord"]},
      r"train_dataset\.dataloader\.dataset_files\[1\]: no such file or directory: missing\.mindrecord"),
     ({"dataset_files": ["A", "EMPTY"]}, r"dataset_files\[1\]: no \*\.mindrecord files under"),
     ({"dataset_files": ["GARBAGE"]}, r"dataset_files\[0\]: cannot read MindRecord .*garbage\.mindrecord"),
+    ({"dataset_files": ["TRUNCATED"]}, r"dataset_files\[0\]: cannot read MindRecord .*truncated\.mindrecord"),
     ({"dataset_files": []}, r"train_dataset\.dataloader\.dataset_files must be a path or a non-empty list"),
     ({"dataset_files": ["A", 3]}, r"dataset_files\[1\]: 3 is not a path"),
     ({}, r"train_dataset\.dataloader\.dataset_files is required"),
@@ -328,11 +343,9 @@ def test_builder_takes_a_single_path(converted):
     ({"dataset_files": "A", "shuffle": "sometimes"}, r"train_dataset\.dataloader\.shuffle must be true, false"),
     ({"dataset_files": "A", "column_names": ["text"]}, r"column_names must be a list naming 'input_ids'"),
 ])
-def test_builder_errors_name_the_yaml_path(converted, tmp_path, keys, message):
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "garbage.mindrecord").write_bytes(b"not a mindrecord")
-    places = {"A": converted["a"], "B": converted["b_shard"], "EMPTY": str(tmp_path / "empty"),
-              "GARBAGE": str(tmp_path / "garbage.mindrecord")}
+def test_builder_errors_name_the_yaml_path(converted, broken, keys, message):
+    places = {"A": converted["a"], "B": converted["b_shard"], **broken}
+    keys = dict(keys)
     files = keys.get("dataset_files")
     if isinstance(files, str):
         keys["dataset_files"] = places[files]

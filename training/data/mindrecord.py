@@ -261,22 +261,28 @@ def read_mindrecord_samples(files: str | os.PathLike | Sequence[str | os.PathLik
     except RuntimeError as err:
         raise ValueError(f"{where}: cannot read MindRecord {names}: {_mindspore_reason(err)}") from None
     try:
-        column = reader.schema().get(INPUT_IDS, {})
-        if column.get("type") != "int32" or column.get("shape") != [-1]:
-            raise ValueError(f"{where}: column {INPUT_IDS} must be an int32 array (shape [-1]), got {column}")
-        samples = None
-        for index, row in enumerate(reader.get_next()):
-            tokens = row[INPUT_IDS]
-            if samples is None:
-                if tokens.size < 2:
-                    raise ValueError(f"{where}: record 0 holds {tokens.size} tokens; a sample needs at least 2")
-                samples = np.empty((reader.len(), tokens.size), dtype=np.int32)
-            if tokens.size != samples.shape[1]:
-                raise ValueError(f"{where}: record {index} holds {tokens.size} tokens, "
-                                 f"record 0 holds {samples.shape[1]}; every record must have the same length")
-            samples[index] = tokens
+        return _load_input_ids(reader, where)
+    except RuntimeError as err:
+        raise ValueError(f"{where}: cannot read MindRecord {names}: {_mindspore_reason(err)}") from None
     finally:
         reader.close()
+
+
+def _load_input_ids(reader: FileReader, where: str) -> np.ndarray:
+    column = reader.schema().get(INPUT_IDS, {})
+    if column.get("type") != "int32" or column.get("shape") != [-1]:
+        raise ValueError(f"{where}: column {INPUT_IDS} must be an int32 array (shape [-1]), got {column}")
+    samples = None
+    for index, row in enumerate(reader.get_next()):
+        tokens = row[INPUT_IDS]
+        if samples is None:
+            if tokens.size < 2:
+                raise ValueError(f"{where}: record 0 holds {tokens.size} tokens; a sample needs at least 2")
+            samples = np.empty((reader.len(), tokens.size), dtype=np.int32)
+        if tokens.size != samples.shape[1]:
+            raise ValueError(f"{where}: record {index} holds {tokens.size} tokens, "
+                             f"record 0 holds {samples.shape[1]}; every record must have the same length")
+        samples[index] = tokens
     if samples is None:
         raise ValueError(f"{where}: holds no records")
     return samples
