@@ -1,4 +1,7 @@
+import hashlib
+import importlib.util
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +14,18 @@ from training.data.indexed import (
 )
 
 DOCUMENTS = [[5, 6, 7, 2], [9, 2], [], [1, 65000, 3, 4, 2]]
+
+
+def _megatron_streams():
+    """STREAMS of fixtures/megatron/generate.py, loaded without importing Megatron."""
+    path = Path(__file__).parent / "fixtures" / "megatron" / "generate.py"
+    spec = importlib.util.spec_from_file_location("megatron_fixture", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.STREAMS
+
+
+MEGATRON_STREAMS = _megatron_streams()
 
 
 def _megatron_idx(lengths, dtype_code, itemsize):
@@ -133,3 +148,44 @@ def test_truncated_files(tmp_path):
     idx_path.unlink()
     with pytest.raises(IndexedDatasetError, match=r"shard\.idx: file not found"):
         IndexedDataset(prefix)
+
+
+MEGATRON_FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
+
+
+@pytest.mark.parametrize("name", sorted(MEGATRON_STREAMS))
+@pytest.mark.parametrize("batched", [False, True])
+def test_bytes_equal_megatron_core_output(tmp_path, name, batched):
+    """The fixtures were written by Megatron-core's IndexedDatasetBuilder (see fixtures/megatron/generate.py)."""
+    dtype, documents = MEGATRON_STREAMS[name]
+    with IndexedDatasetWriter(tmp_path / name, np.dtype(dtype)) as writer:
+        if batched:
+            writer.add_documents([len(d) for d in documents], np.concatenate(documents).astype(dtype))
+        else:
+            for doc in documents:
+                writer.add_document(doc)
+    for ext in ("bin", "idx"):
+        assert (tmp_path / f"{name}.{ext}").read_bytes() == (MEGATRON_FIXTURES / f"{name}.{ext}").read_bytes()
+    assert writer.bin_sha256 == hashlib.sha256((MEGATRON_FIXTURES / f"{name}.bin").read_bytes()).hexdigest()
+    assert writer.idx_sha256 == hashlib.sha256((MEGATRON_FIXTURES / f"{name}.idx").read_bytes()).hexdigest()
+
+
+def test_add_documents_checks_dtype_and_lengths(tmp_path):
+    with IndexedDatasetWriter(tmp_path / "shard", np.uint16) as writer:
+        with pytest.raises(ValueError, match=r"tokens must be a 1-D uint16 array, got 1-D int32"):
+            writer.add_documents([2], np.array([1, 2], np.int32))
+        with pytest.raises(ValueError, match=r"2 documents of 3 tokens in all, but 4 tokens given"):
+            writer.add_documents([1, 2], np.arange(4, dtype=np.uint16))
+        writer.add_documents([1, 2], np.arange(3, dtype=np.uint16))
+    assert IndexedDataset(tmp_path / "shard").sequence_lengths.tolist() == [1, 2]
+
+
+def test_closed_writers_commit_later(tmp_path):
+    writer = IndexedDatasetWriter(tmp_path / "shard", np.uint16)
+    writer.add_document([1, 2])
+    writer.close()
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".tmp", ".tmp"]
+    writer.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.bin", "shard.idx"]
+    with pytest.raises(RuntimeError, match="writer is committed, expected open"):
+        writer.add_document([3])

@@ -19,6 +19,7 @@ Kiln writes one sequence per document, so document_indices is [0, 1, ..., n].
 from __future__ import annotations
 
 import array
+import hashlib
 import os
 import struct
 import tempfile
@@ -76,10 +77,12 @@ def _temp_path_next_to(path: Path) -> Path:
 class IndexedDatasetWriter:
     """Writes `<prefix>.bin` and `<prefix>.idx`, one sequence per document.
 
-    Tokens stream to a temporary `.bin` as documents arrive; only the per-sequence lengths stay
-    in memory. `finalize()` writes the `.idx` and renames both temporaries into place; leaving the
-    `with` block through an exception (or calling `abort()`) deletes them, so no half-written
-    dataset ever carries the final names.
+    Tokens stream to a temporary `.bin` as documents arrive (hashed on the way, so the sha256 costs
+    no second read); only the per-sequence lengths stay in memory. `finalize()` is `close()` (write
+    the `.idx`, still under a temporary name) then `commit()` (rename both into place); a caller
+    writing several datasets closes each and commits them all at the end. Leaving the `with` block
+    through an exception (or calling `abort()`) deletes the temporaries, so no half-written dataset
+    ever carries the final names.
     """
 
     def __init__(self, prefix: str | os.PathLike, dtype: np.dtype | type) -> None:
@@ -89,11 +92,14 @@ class IndexedDatasetWriter:
         self.bin_path = Path(f"{self.prefix}.bin")
         self.idx_path = Path(f"{self.prefix}.idx")
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-        self._lengths = array.array("q")
+        self._lengths = array.array("i")  # int32, as in the .idx
         self._num_tokens = 0
         self._bin_tmp = _temp_path_next_to(self.bin_path)
+        self._idx_tmp: Path | None = None
         self._bin = open(self._bin_tmp, "wb")
-        self._done = False
+        self._bin_digest = hashlib.sha256()
+        self.bin_sha256 = self.idx_sha256 = None
+        self._state = "open"
 
     def __enter__(self) -> "IndexedDatasetWriter":
         return self
@@ -101,7 +107,7 @@ class IndexedDatasetWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
-        elif not self._done:
+        elif self._state != "committed":
             self.finalize()
 
     @property
@@ -112,10 +118,13 @@ class IndexedDatasetWriter:
     def num_tokens(self) -> int:
         return self._num_tokens
 
+    def _require(self, state: str) -> None:
+        if self._state != state:
+            raise RuntimeError(f"{self.prefix}: writer is {self._state}, expected {state}")
+
     def add_document(self, tokens) -> None:
         """Append one document (one sequence) of token ids."""
-        if self._done:
-            raise RuntimeError(f"{self.prefix}: writer is already finalized or aborted")
+        self._require("open")
         source = np.asarray(tokens)
         if source.ndim != 1:
             raise ValueError(f"{self.prefix}: document {len(self._lengths)} must be 1-D, got shape {source.shape}")
@@ -128,56 +137,89 @@ class IndexedDatasetWriter:
             )
         if values.size > _INT32_MAX:
             raise ValueError(f"{self.prefix}: document {len(self._lengths)} has {values.size} tokens, over int32")
-        self._bin.write(np.ascontiguousarray(values).tobytes())
-        self._lengths.append(values.size)
-        self._num_tokens += values.size
+        self._write(values, np.array([values.size], dtype=np.int32))
+
+    def add_documents(self, lengths, tokens) -> None:
+        """Append several documents at once: their `lengths` and their tokens, concatenated, in
+        this dataset's dtype (checked: no conversion here, so no value can silently wrap)."""
+        self._require("open")
+        lengths = np.asarray(lengths, dtype=np.int32)
+        tokens = np.asarray(tokens)
+        if tokens.dtype != self.dtype or tokens.ndim != 1:
+            raise ValueError(f"{self.prefix}: tokens must be a 1-D {self.dtype} array, got {tokens.ndim}-D {tokens.dtype}")
+        if int(lengths.sum()) != tokens.size:
+            raise ValueError(f"{self.prefix}: {lengths.size} documents of {int(lengths.sum())} tokens in all, "
+                             f"but {tokens.size} tokens given")
+        self._write(tokens, lengths)
+
+    def _write(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        data = np.ascontiguousarray(tokens, dtype=self.dtype.newbyteorder("<")).data
+        self._bin.write(data)
+        self._bin_digest.update(data)
+        self._lengths.frombytes(lengths.astype(np.int32).tobytes())
+        self._num_tokens += int(lengths.sum())
+
+    def close(self) -> None:
+        """Finish the `.bin` and write the `.idx`, both still under temporary names."""
+        self._require("open")
+        try:
+            self._bin.close()
+            self._idx_tmp = _temp_path_next_to(self.idx_path)
+            lengths = np.array(self._lengths, dtype=np.int64)
+            with open(self._idx_tmp, "wb") as idx:
+                self.idx_sha256 = _write_index(idx, self._code, self.dtype.itemsize, lengths)
+            self.bin_sha256 = self._bin_digest.hexdigest()
+        except BaseException:
+            self.abort()
+            raise
+        self._state = "closed"
+
+    def commit(self) -> None:
+        """Move both files to their final names."""
+        self._require("closed")
+        os.replace(self._bin_tmp, self.bin_path)
+        # The .idx lands last: a reader never sees a new .idx describing an old .bin.
+        os.replace(self._idx_tmp, self.idx_path)
+        self._state = "committed"
 
     def finalize(self) -> None:
         """Write the `.idx` and move both files to their final names."""
-        if self._done:
-            raise RuntimeError(f"{self.prefix}: writer is already finalized or aborted")
-        idx_tmp = None
-        try:
-            self._bin.close()
-            idx_tmp = _temp_path_next_to(self.idx_path)
-            lengths = np.frombuffer(self._lengths, dtype=np.int64) if self._lengths else np.zeros(0, np.int64)
-            with open(idx_tmp, "wb") as idx:
-                _write_index(idx, self._code, self.dtype.itemsize, lengths)
-            os.replace(self._bin_tmp, self.bin_path)
-            # The .idx lands last: a reader never sees a new .idx describing an old .bin.
-            os.replace(idx_tmp, self.idx_path)
-        except BaseException:
-            self._remove_temporaries(idx_tmp)
-            raise
-        finally:
-            self._done = True
+        self.close()
+        self.commit()
 
     def abort(self) -> None:
-        """Discard everything written so far."""
-        self._done = True
-        self._remove_temporaries(None)
-
-    def _remove_temporaries(self, idx_tmp: Path | None) -> None:
+        """Discard everything written so far (files already committed stay)."""
+        if self._state == "committed":
+            return
+        self._state = "aborted"
         self._bin.close()
-        for path in (self._bin_tmp, idx_tmp):
+        for path in (self._bin_tmp, self._idx_tmp):
             if path is not None:
                 path.unlink(missing_ok=True)
 
 
-def _write_index(stream, code: int, itemsize: int, lengths: np.ndarray) -> None:
+def _write_index(stream, code: int, itemsize: int, lengths: np.ndarray) -> str:
+    """Write the `.idx` for sequences of `lengths`; returns its sha256."""
     count = lengths.size
     pointers = np.zeros(count, dtype=np.int64)
     if count > 1:
         np.cumsum(lengths[:-1] * itemsize, out=pointers[1:])
     document_indices = np.arange(count + 1, dtype=np.int64)
-    stream.write(MAGIC)
-    stream.write(struct.pack("<Q", VERSION))
-    stream.write(struct.pack("<B", code))
-    stream.write(struct.pack("<Q", count))
-    stream.write(struct.pack("<Q", document_indices.size))
-    stream.write(lengths.astype("<i4").tobytes())
-    stream.write(pointers.astype("<i8").tobytes())
-    stream.write(document_indices.astype("<i8").tobytes())
+    parts = [
+        MAGIC,
+        struct.pack("<Q", VERSION),
+        struct.pack("<B", code),
+        struct.pack("<Q", count),
+        struct.pack("<Q", document_indices.size),
+        lengths.astype("<i4").tobytes(),
+        pointers.astype("<i8").tobytes(),
+        document_indices.astype("<i8").tobytes(),
+    ]
+    digest = hashlib.sha256()
+    for part in parts:
+        stream.write(part)
+        digest.update(part)
+    return digest.hexdigest()
 
 
 class IndexedDataset:
