@@ -18,20 +18,22 @@ from assets.sources import load_sources
 from resources.storage import PROJECT_ROOT, KilnStorage
 from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
 from training.checkpoint import write_json_atomic
-from training.data.corpus import iter_jsonl_documents, scan_jsonl
+from training.data.corpus import SUFFIXES, iter_texts, scan_corpus
 from training.data.hashing import sha256_file
 from training.data.manifest import build_manifest
 from training.data.preprocess import tokenize_to_indexed
 
 SOURCES = load_sources(os.environ.get("KILN_SOURCES", PROJECT_ROOT / "configs" / "sources.yaml"))
 source_partitions = dg.StaticPartitionsDefinition(sorted(SOURCES))
-SHARD_SIDECAR = ".kiln.json"  # beside each shard prefix: what it was tokenized from
+SHARD_SIDECAR = ".kiln.json"  # `shards/<source>/<source>.kiln.json`: the source's shards and what they came from
+SHARD_STATS = ("key", "docs", "tokens", "bin_sha256", "idx_sha256", "bin_bytes", "idx_bytes")  # copied per shard
 
 def combined_hash(hashes: list[str]) -> str:
     return hashlib.sha256("".join(hashes).encode()).hexdigest()
 
 def files_table(rows: list[dict], columns: list[str]) -> dg.MetadataValue:
-    types = {"bytes": "int", "docs": "int", "tokens": "int"}
+    types = {"bytes": "int", "docs": "int", "tokens": "int", "bin_bytes": "int", "idx_bytes": "int",
+             "empty_docs": "int", "skipped": "int"}
     schema = dg.TableSchema(columns=[dg.TableColumn(c, types.get(c, "string")) for c in columns])
     return dg.MetadataValue.table([dg.TableRecord({c: row[c] for c in columns}) for row in rows], schema=schema)
 
@@ -54,7 +56,7 @@ def _replace_dir(staging: Path, target: Path) -> None:
         os.replace(staging, target)
 
 def raw_files(storage: KilnStorage, source: str) -> list[Path]:
-    files = sorted(storage.raw_dir(source).glob("*.jsonl"))
+    files = sorted(p for p in storage.raw_dir(source).glob("part-*") if p.suffix in SUFFIXES)
     if not files:
         raise dg.Failure(f"no raw files for source {source!r} in {storage.raw_dir(source)}; "
                          f"materialize raw_corpus[{source}] first")
@@ -65,8 +67,10 @@ def raw_files(storage: KilnStorage, source: str) -> list[Path]:
 def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
     """A validated copy of one source's documents under `data/raw/<source>/`.
 
-    Built-in sources are written offline from the Python standard library; file sources are copied.
-    Every line is validated: a malformed line fails the step, naming `file:line`.
+    Built-in sources are written offline from the Python standard library; file sources (JSONL,
+    JSON arrays, Parquet) are copied as `part-NNNNN<suffix>`. Every record is validated: with the
+    source's `on_bad_line: error` a bad one fails the step, naming `file:line`; with `skip` it is
+    counted here and quarantined by `token_shards`.
     """
     source = context.partition_key
     spec = _source_spec(storage, source)
@@ -79,9 +83,10 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
             write_builtin_source(spec.builtin, staging, spec.max_bytes)
         else:
             for i, src in enumerate(spec.input_files()):
-                scan_jsonl(src, spec.json_keys)  # validate before copying: errors name the user's file:line
-                shutil.copyfile(src, staging / f"part-{i:05d}.jsonl")
-        rows = [{"path": p.name, **scan_jsonl(p, spec.json_keys)} for p in sorted(staging.glob("*.jsonl"))]
+                # validate before copying: errors name the user's file:line
+                scan_corpus(src, spec.json_keys, spec.on_bad_line)
+                shutil.copyfile(src, staging / f"part-{i:05d}{src.suffix}")
+        rows = [{"path": p.name, **scan_corpus(p, spec.json_keys, spec.on_bad_line)} for p in sorted(staging.iterdir())]
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -92,9 +97,9 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
     return dg.MaterializeResult(
         metadata={
             "dir": dg.MetadataValue.path(str(target)),
-            "files": files_table(rows, ["path", "bytes", "docs", "empty_docs", "sha256"]),
+            "files": files_table(rows, ["path", "bytes", "docs", "empty_docs", "skipped", "sha256"]),
             "num_files": len(rows), "docs": docs, "bytes": sum(r["bytes"] for r in rows),
-            "empty_docs": sum(r["empty_docs"] for r in rows),
+            "empty_docs": sum(r["empty_docs"] for r in rows), "skipped": sum(r["skipped"] for r in rows),
             "origin": spec.builtin or ", ".join(spec.files),
         },
         data_version=dg.DataVersion(combined_hash([r["sha256"] for r in rows])),
@@ -110,8 +115,7 @@ def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
 
     def documents():
         for name, path in inputs:
-            for _, text in iter_jsonl_documents(path, sources[name].json_keys):
-                yield text
+            yield from iter_texts(path, sources[name].json_keys, sources[name].on_bad_line)
 
     final = storage.tokenizer_prefix()
     staging = final.with_name(f".{final.name}-staging")
@@ -133,43 +137,71 @@ def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
         data_version=dg.DataVersion(digest),
     )
 
+def shard_dir(storage: KilnStorage, source: str) -> Path:
+    """`shards/<source>/`: every shard of the source, its sidecar and its quarantine file."""
+    return storage.shard_prefix(source).parent
+
+def shards_hash(shards: list[dict]) -> str:
+    return combined_hash([digest for s in shards for digest in (s["bin_sha256"], s["idx_sha256"])])
+
+def _histogram_table(histogram: dict[str, int]) -> dg.MetadataValue:
+    schema = dg.TableSchema(columns=[dg.TableColumn("tokens"), dg.TableColumn("docs", "int")])
+    return dg.MetadataValue.table([dg.TableRecord({"tokens": k, "docs": v}) for k, v in histogram.items()],
+                                  schema=schema)
+
 @dg.asset(partitions_def=source_partitions, deps=[raw_corpus, tokenizer], group_name="data",
-          code_version="shards-v1", kinds={"numpy"}, owners=["team:kiln"])
+          code_version="shards-v2", kinds={"numpy"}, owners=["team:kiln"])
 def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
-    """One source tokenized into a Megatron `.bin/.idx` pair (EOD after every document)."""
+    """One source tokenized into Megatron `.bin/.idx` datasets (EOD after every document).
+
+    `shards/<source>/<source>_<key>_document` per json key, or `..._document_00000`, ... with the
+    source's `max_shard_tokens`; bad records skipped under `on_bad_line: skip` are listed in
+    `<source>_quarantine.jsonl`. The directory is built aside and swapped in whole.
+    """
     source = context.partition_key
     spec = _source_spec(storage, source)
     inputs = raw_files(storage, source)
     model_path = storage.tokenizer_prefix().with_suffix(".model")
     if not model_path.exists():
         raise dg.Failure(f"no tokenizer at {model_path}; materialize `tokenizer` first")
-    prefix = storage.shard_prefix(source)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    stats = tokenize_to_indexed(inputs, model_path, prefix, json_keys=spec.json_keys, append_eod=True,
-                                workers=os.cpu_count() or 1)
-    sidecar = {
-        "prefix": str(prefix.relative_to(storage.root)), "docs": stats["docs"], "tokens": stats["tokens"],
-        "dtype": stats["dtype"], "bin_sha256": stats["bin_sha256"], "idx_sha256": stats["idx_sha256"],
-        "bin_bytes": stats["bin_bytes"], "idx_bytes": stats["idx_bytes"],
-        "tokenizer": {"path": str(model_path.relative_to(storage.root)), "sha256": sha256_file(model_path)},
-        "raw_files": [{"path": str(p.relative_to(storage.root)), "sha256": sha256_file(p),
-                       "bytes": p.stat().st_size} for p in inputs],
+    target = shard_dir(storage, source)
+    staging = target.with_name(f".{source}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        stats = tokenize_to_indexed(inputs, model_path, staging / source, json_keys=spec.json_keys,
+                                    append_eod=True, on_bad_line=spec.on_bad_line,
+                                    max_shard_tokens=spec.max_shard_tokens)
+        shards = [{"prefix": str((target / Path(out["prefix"]).name).relative_to(storage.root)),
+                   "dtype": stats["dtype"], **{k: out[k] for k in SHARD_STATS}} for out in stats["outputs"]]
+        sidecar = {
+            "source": source, "docs": stats["docs"], "tokens": stats["tokens"], "dtype": stats["dtype"],
+            "shards": shards,
+            "tokenizer": {"path": str(model_path.relative_to(storage.root)), "sha256": sha256_file(model_path)},
+            "raw_files": [{"path": str(p.relative_to(storage.root)), "sha256": sha256_file(p),
+                           "bytes": p.stat().st_size} for p in inputs],
+        }
+        write_json_atomic(staging / f"{source}{SHARD_SIDECAR}", sidecar)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _replace_dir(staging, target)
+    context.log.info(f"token_shards[{source}]: {stats['docs']} docs, {stats['tokens']} tokens in {len(shards)} "
+                     f"shard(s), {stats['tokens_per_s']:.0f} tokens/s, {stats['skipped']} bad record(s) skipped")
+    metadata = {
+        "dir": dg.MetadataValue.path(str(target)), "docs": stats["docs"], "tokens": stats["tokens"],
+        "dtype": stats["dtype"], "bytes": sum(s["bin_bytes"] + s["idx_bytes"] for s in shards),
+        "tokens_per_s": round(stats["tokens_per_s"], 1), "num_shards": len(shards),
+        "shards": files_table(shards, ["prefix", "key", "docs", "tokens", "bin_bytes", "idx_bytes", "bin_sha256",
+                                       "idx_sha256"]),
+        "tokenizer_sha256": dg.MetadataValue.text(sidecar["tokenizer"]["sha256"]),
+        "raw_files": files_table(sidecar["raw_files"], ["path", "bytes", "sha256"]),
+        "empty_docs": stats["empty_docs"], "skipped": stats["skipped"],
+        "skipped_by_reason": dg.MetadataValue.json(stats["skipped_by_reason"]),
+        "length_histogram": _histogram_table(stats["length_histogram"]),
     }
-    write_json_atomic(Path(f"{prefix}{SHARD_SIDECAR}"), sidecar)
-    context.log.info(f"token_shards[{source}]: {stats['docs']} docs, {stats['tokens']} tokens, "
-                     f"{stats['tokens_per_s']:.0f} tokens/s")
-    return dg.MaterializeResult(
-        metadata={
-            "prefix": dg.MetadataValue.path(str(prefix)), "docs": stats["docs"], "tokens": stats["tokens"],
-            "dtype": stats["dtype"], "tokens_per_s": round(stats["tokens_per_s"], 1),
-            "bin_sha256": dg.MetadataValue.text(stats["bin_sha256"]),
-            "idx_sha256": dg.MetadataValue.text(stats["idx_sha256"]),
-            "bin_bytes": stats["bin_bytes"], "idx_bytes": stats["idx_bytes"],
-            "tokenizer_sha256": dg.MetadataValue.text(sidecar["tokenizer"]["sha256"]),
-            "raw_files": files_table(sidecar["raw_files"], ["path", "bytes", "sha256"]),
-        },
-        data_version=dg.DataVersion(combined_hash([stats["bin_sha256"], stats["idx_sha256"]])),
-    )
+    if stats["quarantine"]:
+        metadata["quarantine"] = dg.MetadataValue.path(str(target / Path(stats["quarantine"]).name))
+    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(shards_hash(shards)))
 
 class BlendConfig(dg.Config):
     seq_length: int = 128
@@ -177,7 +209,7 @@ class BlendConfig(dg.Config):
     seed: int = 1234
 
 def read_shard_sidecar(storage: KilnStorage, source: str) -> dict:
-    path = Path(f"{storage.shard_prefix(source)}{SHARD_SIDECAR}")
+    path = shard_dir(storage, source) / f"{source}{SHARD_SIDECAR}"
     if not path.exists():
         raise dg.Failure(f"no shards for source {source!r} ({path} missing); materialize token_shards[{source}]")
     return json.loads(path.read_text())
@@ -197,10 +229,8 @@ def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
         raise dg.Failure(f"shards of {stale} were tokenized with another tokenizer than {model_path} "
                          f"(sha256 {sorted(tokenizer_shas)} vs {current}); re-materialize token_shards for them")
     manifest = build_manifest(
-        sources=[{"name": name, "weight": sources[name].weight,
-                  "shards": [{k: s[k] for k in ("prefix", "docs", "tokens", "dtype", "bin_sha256", "idx_sha256",
-                                                "bin_bytes", "idx_bytes")}],
-                  "raw_files": s["raw_files"]} for name, s in sidecars.items()],
+        sources=[{"name": name, "weight": sources[name].weight, "shards": s["shards"], "raw_files": s["raw_files"]}
+                 for name, s in sidecars.items()],
         tokenizer={"path": str(model_path), "sha256": current, "special_ids": {**SPECIAL_IDS, "eod": SPECIAL_IDS["eos"]}},
         seq_length=config.seq_length, split=config.split, seed=config.seed, data_root=storage.root)
     path = storage.manifest_path()
@@ -218,8 +248,7 @@ def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
             "sources": dg.MetadataValue.table([dg.TableRecord(r) for r in rows], schema=schema),
             "total_tokens": total, "seq_length": config.seq_length, "split": config.split,
             # Dagster's input event pointer is wrong for partitioned parents: record what we read
-            "shard_data_versions": dg.MetadataValue.json(
-                {n: combined_hash([s["bin_sha256"], s["idx_sha256"]]) for n, s in sidecars.items()}),
+            "shard_data_versions": dg.MetadataValue.json({n: shards_hash(s["shards"]) for n, s in sidecars.items()}),
             **{f"tokens/{s['name']}": s["tokens"] for s in manifest["sources"]},
         },
         data_version=dg.DataVersion(digest),

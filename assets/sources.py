@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from assets.builtin_corpus import BUILTIN_KINDS
+from training.data.corpus import ON_BAD_LINE
 
 
 class SourcesConfigError(ValueError):
@@ -22,6 +23,8 @@ class SourceSpec:
     max_bytes: int = 0
     files: tuple[str, ...] = ()
     json_keys: tuple[str, ...] = ("text",)
+    on_bad_line: str = "error"  # or "skip": bad records are counted and quarantined, not fatal
+    max_shard_tokens: int | None = None  # split the source's tokens into shards of at most this many
 
     def input_files(self) -> list[Path]:
         """The user's files (globs expanded, sorted); not used for built-in sources."""
@@ -31,7 +34,7 @@ class SourceSpec:
         return paths
 
 
-_KEYS = {"builtin", "max_bytes", "files", "json_keys", "weight"}
+_KEYS = {"builtin", "max_bytes", "files", "json_keys", "weight", "on_bad_line", "max_shard_tokens"}
 
 
 def load_sources(path: str | Path) -> dict[str, SourceSpec]:
@@ -64,6 +67,18 @@ def load_sources(path: str | Path) -> dict[str, SourceSpec]:
         max_bytes = entry.get("max_bytes", 0)
         if builtin is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
             raise SourcesConfigError(f"{where}.max_bytes must be a positive int for a built-in source")
+        json_keys = entry.get("json_keys", ["text"])
+        if (not isinstance(json_keys, list) or not json_keys or not all(isinstance(k, str) and k for k in json_keys)
+                or len(set(json_keys)) != len(json_keys)):
+            raise SourcesConfigError(f"{where}.json_keys must be a list of distinct non-empty strings, got {json_keys!r}")
+        on_bad_line = entry.get("on_bad_line", "error")
+        if on_bad_line not in ON_BAD_LINE:
+            raise SourcesConfigError(f"{where}.on_bad_line must be one of {list(ON_BAD_LINE)}, got {on_bad_line!r}")
+        max_shard_tokens = entry.get("max_shard_tokens")
+        if max_shard_tokens is not None and (isinstance(max_shard_tokens, bool) or not isinstance(max_shard_tokens, int)
+                                             or max_shard_tokens <= 0):
+            raise SourcesConfigError(f"{where}.max_shard_tokens must be a positive int, got {max_shard_tokens!r}")
         specs[str(name)] = SourceSpec(name=str(name), weight=float(weight), builtin=builtin, max_bytes=max_bytes,
-                                      files=tuple(files or ()), json_keys=tuple(entry.get("json_keys", ["text"])))
+                                      files=tuple(files or ()), json_keys=tuple(json_keys), on_bad_line=on_bad_line,
+                                      max_shard_tokens=max_shard_tokens)
     return specs

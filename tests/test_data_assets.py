@@ -1,0 +1,75 @@
+"""The data assets in process, on a file source with bad records, two json keys and a shard size limit."""
+import json
+
+import dagster as dg
+
+from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
+from resources.storage import KilnStorage
+from resources.tokenizer import TokenizerSettings
+from training.data.indexed import IndexedDataset
+
+DATA_ASSETS = [raw_corpus, tokenizer, token_shards, blend_manifest]
+
+
+def _write_sources(tmp_path):
+    corpus = tmp_path / "user" / "corpus.jsonl"
+    corpus.parent.mkdir()
+    lines = [json.dumps({"title": f"Title {i}", "body": f"body number {i} " * (1 + i % 7)}) for i in range(300)]
+    lines[10] = '{"title": "no body"}'
+    lines[20] = '{"title": "x", "body": 3}'
+    lines[30] = json.dumps({"title": "", "body": "untitled body"})
+    corpus.write_text("\n".join(lines) + "\n")
+    sources = tmp_path / "sources.yaml"
+    # the partition names are the project's (fixed when assets.data is imported)
+    sources.write_text(
+        "sources:\n"
+        f"  stdlib_code: {{files: ['{corpus}'], json_keys: [title, body], on_bad_line: skip,"
+        " max_shard_tokens: 1500, weight: 0.5}\n"
+        "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 60000, weight: 0.5}\n")
+    return corpus, sources
+
+
+def _materialize(instance, resources, key, partition=None):
+    result = dg.materialize(DATA_ASSETS, selection=[key], partition_key=partition, instance=instance,
+                            resources=resources)
+    (event,) = [m for m in result.asset_materializations_for_node(key) if m.asset_key == dg.AssetKey(key)]
+    return {k: v.value for k, v in event.metadata.items()}
+
+
+def test_token_shards_records_every_shard_and_the_skipped_records(tmp_path):
+    corpus, sources = _write_sources(tmp_path)
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                          sources_config=str(sources))
+    resources = {"storage": storage, "tokenizer_settings": TokenizerSettings(vocab_size=512, sample_lines=5_000)}
+    with dg.instance_for_test() as instance:
+        raw = _materialize(instance, resources, "raw_corpus", "stdlib_code")
+        assert raw["skipped"] == 2 and raw["docs"] == 298
+        _materialize(instance, resources, "raw_corpus", "stdlib_docs")
+        _materialize(instance, resources, "tokenizer")
+        shards = _materialize(instance, resources, "token_shards", "stdlib_code")
+        _materialize(instance, resources, "token_shards", "stdlib_docs")
+        blend = _materialize(instance, resources, "blend_manifest")
+
+    assert shards["skipped"] == 2 and shards["skipped_by_reason"] == {"missing_key": 1, "not_a_string": 1}
+    assert shards["empty_docs"] == 1 and shards["docs"] == 298 + 297 and shards["dtype"] == "uint16"
+    quarantine = [json.loads(line) for line in open(shards["quarantine"])]
+    assert [(q["line"], q["reason"]) for q in quarantine] == [(11, "missing_key"), (21, "not_a_string")]
+    assert quarantine[0]["file"].endswith("raw/stdlib_code/part-00000.jsonl")
+
+    rows = [row.data for row in shards["shards"].records]
+    assert shards["num_shards"] == len(rows) > 2
+    assert {row["key"] for row in rows} == {"title", "body"}
+    assert all(row["tokens"] <= 1500 for row in rows)
+    assert sum(row["tokens"] for row in rows) == shards["tokens"]
+    assert sum(row.data["docs"] for row in shards["length_histogram"].records) == shards["docs"]
+    data = tmp_path / "data"
+    assert rows[0]["prefix"] == "shards/stdlib_code/stdlib_code_title_document_00000"
+    assert IndexedDataset(data / rows[0]["prefix"]).num_tokens == rows[0]["tokens"]
+
+    manifest = json.loads((data / "blend" / "manifest.json").read_text())
+    (code,) = [s for s in manifest["sources"] if s["name"] == "stdlib_code"]
+    assert [s["prefix"] for s in code["shards"]] == [row["prefix"] for row in rows]
+    assert manifest["data_path"][1::2] == [row["prefix"] for row in rows] + [
+        "shards/stdlib_docs/stdlib_docs_text_document"]
+    assert abs(sum(manifest["data_path"][0::2]) - 1.0) < 1e-9
+    assert blend["total_tokens"] == sum(s["tokens"] for s in manifest["sources"])
