@@ -1,11 +1,16 @@
+import json
+import math
+
 import numpy as np
 import pytest
 
+from training.data import gpt_dataset
 from training.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,
     build_blended_train_dataset,
     parse_data_path,
+    sample_item,
     split_document_range,
 )
 from training.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -25,24 +30,87 @@ def _make_indexed(prefix, num_docs, seed, max_len=40):
     return IndexedDataset(prefix)
 
 
-def _megatron_sample_index(sizes, document_index, seq_length, num_epochs, tokens_per_epoch):
-    """Megatron-core's C++ build_sample_idx (add_extra_token=1, drop last partial), line by line."""
-    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
-    out = [(0, 0)]
-    doc_idx_index, doc_offset = 0, 0
-    for _ in range(num_samples):
-        remaining = seq_length + 1
+# ---- plain-Python statements of Megatron-core's rules, the oracles of these tests ----
+
+
+def _megatron_sample_index(sizes, document_index, seq_length, total_tokens, drop_last=True, extra=1):
+    """build_sample_idx of Megatron-core's helpers.cpp, one document step at a time."""
+    usable = total_tokens - extra
+    num_samples = usable // seq_length if drop_last else -(-usable // seq_length)
+    rows = [(0, 0)]
+    position, offset = 0, 0
+    while len(rows) <= num_samples:
+        remaining = seq_length + extra
         while remaining != 0:
-            doc_length = sizes[document_index[doc_idx_index]] - doc_offset
-            remaining -= doc_length
+            length = int(sizes[document_index[position]]) - offset
+            remaining -= length
             if remaining <= 0:
-                doc_offset += remaining + doc_length - 1
+                offset += remaining + length - extra
                 remaining = 0
+            elif position == len(document_index) - 1:
+                offset = int(sizes[document_index[position]]) - extra
+                break
             else:
-                doc_idx_index += 1
-                doc_offset = 0
-        out.append((doc_idx_index, doc_offset))
-    return np.array(out)
+                position, offset = position + 1, 0
+        rows.append((position, offset))
+    return np.array(rows)
+
+
+def _megatron_blend(weights, size):
+    """build_blending_indices: position i goes to the largest weight * max(i, 1) - count, first on ties."""
+    counts = [0] * len(weights)
+    sources, numbers = [], []
+    for i in range(size):
+        errors = [w * max(i, 1) - c for w, c in zip(weights, counts)]
+        best = errors.index(max(errors))
+        sources.append(best)
+        numbers.append(counts[best])
+        counts[best] += 1
+    return np.array(sources), np.array(numbers)
+
+
+def _megatron_masks(tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
+    """_get_ltor_masks_and_position_ids: (attention mask with 1 = masked, loss mask, positions)."""
+    size = len(tokens)
+    visible = np.tril(np.ones((size, size)))
+    loss_mask = np.ones(size)
+    if eod_mask_loss:
+        loss_mask[tokens == eod] = 0
+    positions = np.arange(size)
+    previous = 0
+    for i in np.flatnonzero(tokens == eod):
+        if reset_attention_mask:
+            visible[i + 1 :, : i + 1] = 0
+        if reset_position_ids:
+            positions[i + 1 :] -= i + 1 - previous
+            previous = i + 1
+    return (visible < 0.5).astype(np.int32)[None], loss_mask, positions
+
+
+def _expected_shuffles(dataset):
+    """The document and shuffle index Megatron's recipe gives for this dataset's seed and sizes."""
+    rng = np.random.RandomState(dataset.seed)
+    documents = list(range(dataset.document_begin, dataset.document_end))
+
+    def shuffled_epochs(epochs):
+        index = np.array(documents * epochs, dtype=np.int32)
+        rng.shuffle(index)
+        return index
+
+    epochs = dataset.num_epochs
+    if dataset.separate_final_epoch:
+        document_index = np.concatenate((shuffled_epochs(epochs - 1), shuffled_epochs(1)))
+        first = ((epochs - 1) * dataset.tokens_per_epoch - 1) // dataset.seq_length
+    else:
+        document_index = shuffled_epochs(epochs)
+        first = len(dataset)
+    head, tail = np.arange(first), np.arange(first, len(dataset))
+    rng.shuffle(head)
+    rng.shuffle(tail)
+    return document_index, np.concatenate((head, tail))
+
+
+# ---- GPTDataset --------------------------------------------------------------------------
 
 
 @pytest.fixture
@@ -56,50 +124,107 @@ def _dataset(indexed, **overrides):
     return GPTDataset(indexed, **options)
 
 
-@pytest.mark.parametrize("num_samples", [10, 150, 200, 400])
-def test_samples_are_contiguous_slices_of_the_stream(indexed, num_samples):
-    dataset = _dataset(indexed, num_samples=num_samples)
-    S = dataset.seq_length
-    stream = np.concatenate([indexed.get(int(d)) for d in dataset.document_index])
-    assert len(dataset) == num_samples
-    for i in range(len(dataset)):
-        j = int(dataset.shuffle_index[i])
-        expected = stream[j * S : j * S + S + 1]
-        assert dataset.sample_tokens(i).tolist() == expected.tolist()
-        item = dataset[i]
-        assert item["input_ids"].tolist() == expected[:-1].tolist()
-        assert item["labels"].tolist() == expected[1:].tolist()
-        assert item["input_ids"].dtype == np.int32 and item["labels"].dtype == np.int32
-        assert item["position_ids"].tolist() == list(range(S))
-        assert item["loss_mask"].dtype == np.float32 and item["loss_mask"].sum() == S
+@pytest.mark.parametrize("extra", [1, 0])
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("seq_length", [1, 5, 16])
+def test_sample_index_matches_megatron_loop_on_random_lengths(extra, drop_last, seq_length):
+    rng = np.random.default_rng(seq_length * 4 + extra * 2 + drop_last)
+    for _ in range(25):
+        sizes = rng.integers(0, 12, size=int(rng.integers(1, 30))).astype(np.int32)
+        sizes[rng.integers(sizes.size)] += 1 + extra  # at least one sample's worth over a few epochs
+        epochs = int(rng.integers(1, 4))
+        document_index = np.tile(np.arange(sizes.size, dtype=np.int32), epochs)
+        rng.shuffle(document_index)
+        total = int(sizes.sum()) * epochs
+        if total - extra < seq_length and drop_last:
+            continue
+        built = gpt_dataset._build_sample_index(sizes, document_index, seq_length, drop_last, extra)
+        expected = _megatron_sample_index(sizes, document_index, seq_length, total, drop_last, extra)
+        assert np.array_equal(built, expected), (sizes.tolist(), document_index.tolist())
 
 
 @pytest.mark.parametrize("num_samples", [10, 150, 200, 400])
 def test_indices_match_megatron(indexed, num_samples):
     dataset = _dataset(indexed, num_samples=num_samples)
-    sizes = indexed.sequence_lengths
-    expected = _megatron_sample_index(
-        sizes, dataset.document_index, dataset.seq_length, dataset.num_epochs, dataset.tokens_per_epoch
-    )
-    assert np.array_equal(dataset.sample_index, expected)
-    # Every epoch uses every document of the split exactly num_epochs times.
-    counts = np.bincount(dataset.document_index, minlength=len(indexed))
-    assert (counts == dataset.num_epochs).all()
-    assert sorted(dataset.shuffle_index.tolist()) == list(range(len(dataset.sample_index) - 1))
+    expected_documents, expected_shuffle = _expected_shuffles(dataset)
+    assert np.array_equal(dataset.document_index, expected_documents)
+    assert dataset.document_index.dtype == np.int32
+    expected_samples = _megatron_sample_index(indexed.sequence_lengths, dataset.document_index, 16,
+                                              dataset.num_epochs * dataset.tokens_per_epoch)
+    assert np.array_equal(dataset.sample_index, expected_samples)
+    assert np.array_equal(dataset.shuffle_index, expected_shuffle)
+    # Megatron's length: every sample of the whole epochs built, at least the ones asked for.
+    assert len(dataset) == (dataset.num_epochs * dataset.tokens_per_epoch - 1) // 16 >= num_samples
 
 
-def test_separate_final_epoch(indexed):
+def test_final_epoch_is_separate_below_80_percent(indexed):
     tokens = int(indexed.sequence_lengths.sum())
     per_epoch = (tokens - 1) // 16
-    # Two full epochs plus a sliver of a third: the third is shuffled on its own.
-    dataset = _dataset(indexed, num_samples=2 * per_epoch + 3)
-    assert dataset.num_epochs == 3
-    first_two = dataset.document_index[: 2 * len(indexed)]
-    last = dataset.document_index[2 * len(indexed) :]
-    assert sorted(last.tolist()) == list(range(len(indexed)))
-    assert (np.bincount(first_two) == 2).all()
-    head = dataset.shuffle_index[: (2 * tokens - 1) // 16]
-    assert head.max() < len(head)
+    before_final = (2 * tokens - 1) // 16
+    threshold = int(0.80 * per_epoch)
+    below = _dataset(indexed, num_samples=before_final + threshold - 1)
+    at = _dataset(indexed, num_samples=before_final + threshold)
+    assert below.num_epochs == at.num_epochs == 3
+    assert below.separate_final_epoch and not at.separate_final_epoch
+
+    # Separate: two shuffled epochs, then the third shuffled on its own, and the samples wholly
+    # inside the first two epochs are shuffled among themselves.
+    documents = len(indexed)
+    assert sorted(below.document_index[2 * documents :].tolist()) == list(range(documents))
+    assert sorted(below.shuffle_index[:before_final].tolist()) == list(range(before_final))
+    for dataset in (below, at):
+        expected_documents, expected_shuffle = _expected_shuffles(dataset)
+        assert np.array_equal(dataset.document_index, expected_documents)
+        assert np.array_equal(dataset.shuffle_index, expected_shuffle)
+
+
+@pytest.mark.parametrize("num_samples", [10, 150, 400])
+def test_samples_are_contiguous_slices_of_the_stream(indexed, num_samples):
+    dataset = _dataset(indexed, num_samples=num_samples)
+    stream = np.concatenate([indexed.get(int(d)) for d in dataset.document_index])
+    for i in range(len(dataset)):
+        j = int(dataset.shuffle_index[i])
+        expected = stream[j * 16 : j * 16 + 17]
+        assert dataset.sample_tokens(i).tolist() == expected.tolist()
+        item = dataset[i]
+        assert item["input_ids"].tolist() == expected[:-1].tolist()
+        assert item["labels"].tolist() == expected[1:].tolist()
+        assert item["input_ids"].dtype == np.int32 and item["labels"].dtype == np.int32
+        assert item["position_ids"].tolist() == list(range(16)) and item["position_ids"].dtype == np.int32
+        assert item["loss_mask"].dtype == np.float32 and item["loss_mask"].sum() == 16
+        assert list(item) == ["input_ids", "labels", "loss_mask", "position_ids"]
+    with pytest.raises(IndexError, match=f"sample {len(dataset)} out of range"):
+        dataset.sample_tokens(len(dataset))
+
+
+def test_without_the_extra_token_samples_do_not_overlap(indexed):
+    dataset = _dataset(indexed, add_extra_token_to_sequence=False, pad_id=-1)
+    stream = np.concatenate([indexed.get(int(d)) for d in dataset.document_index])
+    assert len(dataset) == dataset.num_epochs * dataset.tokens_per_epoch // 16
+    for i in range(0, len(dataset), 7):
+        j = int(dataset.shuffle_index[i])
+        item = dataset[i]
+        assert item["input_ids"].tolist() == stream[j * 16 : j * 16 + 16].tolist()
+        # The last label is unknown: Megatron fills it with the pad id, which is then masked.
+        assert item["labels"].tolist() == stream[j * 16 + 1 : j * 16 + 16].tolist() + [0]
+        assert item["loss_mask"].tolist() == [1.0] * 15 + [0.0]
+
+
+def test_last_partial_validation_sample_is_kept_and_padded_on_request(indexed):
+    options = dict(split="50,50,0", split_index=1, num_samples=None, pad_id=-1)
+    dropped = _dataset(indexed, **options)
+    kept = _dataset(indexed, drop_last_partial_validation_sequence=False, **options)
+    tokens = dropped.tokens_per_epoch
+    assert (tokens - 1) % 16  # this corpus ends in a partial sample
+    assert len(dropped) == (tokens - 1) // 16 and len(kept) == len(dropped) + 1
+    last = int(np.flatnonzero(kept.shuffle_index == len(kept) - 1)[0])
+    stream = np.concatenate([indexed.get(int(d)) for d in kept.document_index])
+    tail = stream[(len(kept) - 1) * 16 :]
+    assert kept.sample_tokens(last).tolist() == tail.tolist() + [-1] * (17 - tail.size)
+    assert kept[last]["loss_mask"].sum() == tail.size - 1
+    # The train split always drops it.
+    train = _dataset(indexed, split="50,50,0", num_samples=None, drop_last_partial_validation_sequence=False)
+    assert len(train) == (train.tokens_per_epoch - 1) // 16
 
 
 def test_deterministic_for_a_seed(indexed):
@@ -113,6 +238,8 @@ def test_split_ranges(indexed):
     assert split_document_range("8,1,1", 0, 100) == (0, 80)
     assert split_document_range("8, 1, 1", 1, 100) == (80, 90)
     assert split_document_range("98,2", 2, 100) == (100, 100)
+    # Megatron rounds the bookends half to even: 0.5 * 5 = 2.5 -> 2.
+    assert split_document_range("1,1", 0, 5) == (0, 2)
     valid = _dataset(indexed, split="50,50,0", split_index=1, num_samples=20)
     assert set(valid.document_index.tolist()) == set(range(30, 60))
     with pytest.raises(ValueError, match="gives split_index 2 no documents"):
@@ -130,70 +257,222 @@ def test_pad_is_masked_and_zeroed(indexed):
         assert not (item["labels"] == EOD).any() and not (item["input_ids"] == EOD).any()
 
 
-def test_cache_reused_and_corrupt_cache_rebuilt(indexed, tmp_path):
+# ---- items: masks, positions, compressed EOD ----------------------------------------------
+
+
+def test_sample_item_by_hand():
+    tokens = np.array([5, 6, EOD, 7, EOD, 8, 9, 1, 3])  # inputs 5 6 EOD 7 EOD 8 9 EOD, labels shifted
+    item = sample_item(tokens, eod_id=EOD, pad_id=3, reset_position_ids=True, eod_mask_loss=True,
+                       create_compressed_eod_mask=True, eod_pad_length=4)
+    assert item["input_ids"].tolist() == [5, 6, 1, 7, 1, 8, 9, 1]
+    assert item["labels"].tolist() == [6, 1, 7, 1, 8, 9, 1, 0]  # the pad label becomes 0 ...
+    assert item["loss_mask"].tolist() == [1, 1, 0, 1, 0, 1, 1, 0]  # ... and EOD inputs and pads are not learned
+    assert item["position_ids"].tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    # Document ends after inputs 2 and 4; the EOD in the last position does not count.
+    assert item["actual_seq_len"].tolist() == [3, 5, 8, 8]
+    assert item["actual_seq_len"].dtype == np.int32 and "attention_mask" not in item
+    assert sample_item(tokens, eod_id=EOD, create_compressed_eod_mask=True, eod_pad_length=2)[
+        "actual_seq_len"].tolist() == [3, 5]
+
+    masked = sample_item(tokens, eod_id=EOD, create_attention_mask=True, reset_attention_mask=True)
+    assert masked["attention_mask"].shape == (1, 8, 8) and masked["attention_mask"].dtype == np.int32
+    assert masked["attention_mask"][0, 3].tolist() == [1, 1, 1, 0, 1, 1, 1, 1]  # row 3 sees only itself
+    assert masked["position_ids"].tolist() == list(range(8))  # positions reset only when asked
+
+
+@pytest.mark.parametrize("reset_position_ids", [False, True])
+@pytest.mark.parametrize("reset_attention_mask", [False, True])
+@pytest.mark.parametrize("eod_mask_loss", [False, True])
+def test_items_follow_megatron_masks(tmp_path, reset_position_ids, reset_attention_mask, eod_mask_loss):
+    short_docs = _make_indexed(tmp_path / "short", 80, seed=3, max_len=7)
+    dataset = GPTDataset(short_docs, seq_length=24, num_samples=30, seed=5, eod_id=EOD, pad_id=-1,
+                         reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
+                         eod_mask_loss=eod_mask_loss, create_attention_mask=True)
+    for i in range(30):
+        inputs = dataset.sample_tokens(i)[:-1]
+        assert (inputs == EOD).sum() >= 2
+        mask, loss_mask, positions = _megatron_masks(inputs, EOD, reset_position_ids, reset_attention_mask,
+                                                     eod_mask_loss)
+        item = dataset[i]
+        assert np.array_equal(item["attention_mask"], mask)
+        assert np.array_equal(item["loss_mask"], loss_mask)
+        assert np.array_equal(item["position_ids"], positions)
+
+
+def test_compressed_eod_mask_wins_and_overflow_names_the_sample(tmp_path):
+    short_docs = _make_indexed(tmp_path / "short", 80, seed=3, max_len=7)
+    options = dict(seq_length=24, num_samples=30, seed=5, eod_id=EOD, create_attention_mask=True,
+                   create_compressed_eod_mask=True)
+    dataset = GPTDataset(short_docs, eod_pad_length=24, **options)
+    for i in range(30):
+        inputs = dataset.sample_tokens(i)[:-1]
+        ends = [k + 1 for k in range(23) if inputs[k] == EOD]
+        item = dataset[i]
+        assert "attention_mask" not in item
+        assert item["actual_seq_len"].tolist() == ends + [24] * (24 - len(ends))
+    tight = GPTDataset(short_docs, eod_pad_length=1, **options)
+    with pytest.raises(ValueError, match=r"short: sample 0 has \d+ document ends, more than eod_pad_length = 1"):
+        tight[0]
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("eod_pad_length", 0, "eod_pad_length must be a positive integer"),
+    ("reset_position_ids", "yes", "reset_position_ids must be true or false"),
+    ("drop_last_partial_validation_sequence", 1, "drop_last_partial_validation_sequence must be true or false"),
+    ("num_samples", 0, "num_samples must be a positive integer"),
+    ("seed", -1, r"seed must be an integer in \[0, 2\*\*32\)"),
+])
+def test_bad_options_are_named(indexed, option, value, message):
+    with pytest.raises(ValueError, match=message):
+        _dataset(indexed, split_index=0, **{option: value})
+
+
+# ---- index cache -------------------------------------------------------------------------
+
+
+INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
+
+
+def _cache_files(cache):
+    return {path.name.split("-GPTDataset-train-")[1]: path for path in cache.glob("*-GPTDataset-train-*")}
+
+
+def test_cache_is_reused(indexed, tmp_path):
     cache = tmp_path / "cache"
     built = _dataset(indexed, cache_dir=cache)
     assert not built.loaded_from_cache
-    files = sorted(cache.glob("*-GPTDataset-*.npy"))
-    assert [f.name.split("-GPTDataset-")[1] for f in files] == [
-        "document_index.npy", "sample_index.npy", "shuffle_index.npy"
-    ]
+    files = _cache_files(cache)
+    assert sorted(files) == ["description.json", "document_index.npy", "sample_index.npy", "shuffle_index.npy"]
     assert not list(cache.glob("*.tmp"))
+    assert json.loads(files["description.json"].read_text())["description"] == built.description
 
     loaded = _dataset(indexed, cache_dir=cache)
     assert loaded.loaded_from_cache
-    for name in ("document_index", "sample_index", "shuffle_index"):
+    for name in INDEX_NAMES:
         assert np.array_equal(getattr(built, name), getattr(loaded, name))
+        assert getattr(built, name).dtype == getattr(loaded, name).dtype
+    # Options that do not change the index share its cache; those that do, do not.
+    assert _dataset(indexed, cache_dir=cache, eod_mask_loss=True, pad_id=5).loaded_from_cache
+    assert not _dataset(indexed, cache_dir=cache, seed=99).loaded_from_cache
+    assert not _dataset(indexed, cache_dir=cache, add_extra_token_to_sequence=False).loaded_from_cache
 
-    other = _dataset(indexed, cache_dir=cache, seed=99)
-    assert not other.loaded_from_cache
 
-    sample_file = next(f for f in files if f.name.endswith("sample_index.npy"))
-    sample_file.write_bytes(sample_file.read_bytes()[:50])  # truncated
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "wrong array", "missing", "no description",
+                                    "other description", "bad json"])
+def test_damaged_cache_is_rebuilt(indexed, tmp_path, damage):
+    cache = tmp_path / "cache"
+    built = _dataset(indexed, cache_dir=cache)
+    files = _cache_files(cache)
+    sample_file, description_file = files["sample_index.npy"], files["description.json"]
+    if damage == "truncated":
+        sample_file.write_bytes(sample_file.read_bytes()[:100])
+    elif damage == "garbage":
+        data = bytearray(sample_file.read_bytes())
+        data[-8:] = b"\x07" * 8
+        sample_file.write_bytes(bytes(data))
+    elif damage == "wrong array":  # a valid .npy of the right shape and dtype, other values
+        np.save(sample_file, np.roll(built.sample_index, 1, axis=0))
+    elif damage == "missing":
+        sample_file.unlink()
+    elif damage == "no description":
+        description_file.unlink()
+    elif damage == "other description":
+        manifest = json.loads(description_file.read_text())
+        manifest["description"]["seed"] = 7
+        description_file.write_text(json.dumps(manifest))
+    else:
+        description_file.write_text("{not json")
+
     rebuilt = _dataset(indexed, cache_dir=cache)
     assert not rebuilt.loaded_from_cache
-    assert np.array_equal(rebuilt.sample_index, built.sample_index)
-    assert _dataset(indexed, cache_dir=cache).loaded_from_cache
-
-    np.save(sample_file, np.zeros((3, 2), np.int32))  # readable but wrong
-    assert not _dataset(indexed, cache_dir=cache).loaded_from_cache
+    for name in INDEX_NAMES:
+        assert np.array_equal(getattr(rebuilt, name), getattr(built, name))
     assert _dataset(indexed, cache_dir=cache).loaded_from_cache
 
 
-def test_blended_shares_follow_weights(tmp_path):
+# ---- blending ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", [[1.0], [0.5, 0.5], [0.7, 0.3], [1, 1, 1], [5, 3, 2], [0.01, 0.99],
+                                     list(np.random.default_rng(0).random(7))])
+def test_blending_index_is_megatrons_greedy(weights, monkeypatch):
+    weights = gpt_dataset._normalize(weights)
+    sources, numbers = _megatron_blend(weights, 3000)
+    # The scalar loop (small sizes) ...
+    built = gpt_dataset._blending_indices(weights, 3000)
+    # ... and the chunked numpy builder, forced on with small chunks; warm-up 0 makes some chunks
+    # start from a wrong state, so the repair path runs too.
+    monkeypatch.setattr(gpt_dataset, "_BLEND_PARALLEL_MIN_SIZE", 0)
+    chunked = [gpt_dataset._blending_indices(weights, 3000, chunk=64, warmup=w) for w in (16, 0)]
+    for dataset_index, dataset_sample_index in [built, *chunked]:
+        assert dataset_index.dtype == np.int16 and dataset_sample_index.dtype == np.int64
+        assert np.array_equal(dataset_index, sources)
+        assert np.array_equal(dataset_sample_index, numbers)
+
+
+def test_chunks_that_start_out_of_step_are_redone(monkeypatch):
+    weights = gpt_dataset._normalize(list(np.random.default_rng(1).random(5)))
+    redone = []
+    scalar = gpt_dataset._greedy_steps
+
+    def counting(weights, start, counts, steps):
+        redone.append(start)
+        return scalar(weights, start, counts, steps)
+
+    monkeypatch.setattr(gpt_dataset, "_BLEND_PARALLEL_MIN_SIZE", 0)
+    monkeypatch.setattr(gpt_dataset, "_greedy_steps", counting)
+    dataset_index, _ = gpt_dataset._blending_indices(weights, 5000, chunk=50, warmup=0)
+    assert redone and all(start % 50 == 0 for start in redone)
+    assert np.array_equal(dataset_index, _megatron_blend(weights, 5000)[0])
+
+
+def test_blend_shares_stay_within_one_sample_of_the_weights():
+    weights = gpt_dataset._normalize([5, 3, 2, 0.5])
+    dataset_index, _ = gpt_dataset._blending_indices(weights, 20000)
+    taken = np.cumsum(dataset_index[:, None] == np.arange(4), axis=0)
+    ideal = np.arange(1, 20001)[:, None] * np.array(weights)
+    assert np.abs(taken - ideal).max() <= 1
+
+
+def test_blended_dataset(tmp_path):
     weights = [5, 3, 2]
     sources = [_make_indexed(tmp_path / f"s{k}", 40, seed=k) for k in range(3)]
     size = 500
-    datasets = [
-        _dataset(src, num_samples=int(np.ceil(size * w / 10 * 1.005))) for src, w in zip(sources, weights)
-    ]
-    blend = BlendedDataset(datasets, weights, size, seed=1234)
-    assert len(blend) == size
-    shares = np.array(weights) / 10
-    counts = np.zeros(3)
-    for n, source in enumerate(blend.dataset_index, start=1):
-        counts[source] += 1
-        assert (np.abs(counts - shares * n) <= 1).all()
+    datasets = [_dataset(src, num_samples=math.ceil(size * w / 10 * 1.005)) for src, w in zip(sources, weights)]
+    blend = BlendedDataset(datasets, weights, size)
+    assert len(blend) == size and blend.weights == pytest.approx([0.5, 0.3, 0.2])
+    expected_sources, expected_numbers = _megatron_blend(blend.weights, size)
+    assert np.array_equal(blend.dataset_index, expected_sources)
     for i in (0, 1, 2, 250, 499):
-        k, j = int(blend.dataset_index[i]), int(blend.dataset_sample_index[i])
-        assert np.array_equal(blend[i]["input_ids"], datasets[k][j]["input_ids"])
+        k, j = int(expected_sources[i]), int(expected_numbers[i])
+        assert blend.source_of(i) == k
+        item = blend[i]
+        assert item["dataset_id"] == k
+        assert np.array_equal(item["input_ids"], datasets[k][j]["input_ids"])
+    with pytest.raises(IndexError, match="sample 500 out of range"):
+        blend.source_of(500)
 
     with pytest.raises(ValueError, match="blend source 0 must supply"):
-        BlendedDataset(datasets, [9, 0.5, 0.5], size, seed=1234)
+        BlendedDataset(datasets, [20, 0.5, 0.5], 2000)
+    with pytest.raises(ValueError, match="need one weight per dataset"):
+        BlendedDataset(datasets, [1, 1], size)
+    with pytest.raises(ValueError, match="weights must be finite, non-negative"):
+        BlendedDataset(datasets, [1, -1, 1], size)
 
 
 def test_blend_cache(tmp_path):
     source = _make_indexed(tmp_path / "s", 40, seed=0)
     datasets = [_dataset(source, num_samples=60), _dataset(source, num_samples=60, seed=5)]
-    first = BlendedDataset(datasets, [0.5, 0.5], 100, seed=1, cache_dir=tmp_path / "cache")
-    second = BlendedDataset(datasets, [1, 1], 100, seed=1, cache_dir=tmp_path / "cache")
+    first = BlendedDataset(datasets, [0.5, 0.5], 100, cache_dir=tmp_path / "cache")
+    second = BlendedDataset(datasets, [1, 1], 100, cache_dir=tmp_path / "cache")
     assert not first.loaded_from_cache and second.loaded_from_cache
     assert np.array_equal(first.dataset_index, second.dataset_index)
     index_file = next((tmp_path / "cache").glob("*-BlendedDataset-dataset_index.npy"))
-    np.save(index_file, np.full(100, 7, np.int16))
-    third = BlendedDataset(datasets, [1, 1], 100, seed=1, cache_dir=tmp_path / "cache")
+    np.save(index_file, np.full(100, 1, np.int16))
+    third = BlendedDataset(datasets, [1, 1], 100, cache_dir=tmp_path / "cache")
     assert not third.loaded_from_cache
     assert np.array_equal(first.dataset_index, third.dataset_index)
+    assert not BlendedDataset(datasets, [1, 2], 100, cache_dir=tmp_path / "cache").loaded_from_cache
 
 
 def test_build_blended_train_dataset(tmp_path):
@@ -203,11 +482,23 @@ def test_build_blended_train_dataset(tmp_path):
     blend = build_blended_train_dataset(
         data_path, seq_length=8, num_samples=200, seed=3, split="90,10,0", eod_id=EOD, cache_dir=tmp_path / "cache"
     )
-    assert len(blend) == 200
-    assert [len(d) for d in blend.datasets] == [141, 61]  # ceil(200 * w * 1.005)
+    # Each source is asked for ceil(200 * w * 1.005) samples and the blend holds all of them.
+    assert [d.num_samples for d in blend.datasets] == [141, 61]
+    assert len(blend) == 202
     assert blend.weights == pytest.approx([0.7, 0.3])
     assert all(d.document_end == 45 for d in blend.datasets)
     assert blend[199]["input_ids"].shape == (8,)
+    assert np.bincount(blend.dataset_index[:200]).tolist() == [140, 60]
+
+    again = build_blended_train_dataset(
+        data_path, seq_length=8, num_samples=200, seed=3, split="90,10,0", eod_id=EOD, cache_dir=tmp_path / "cache",
+        create_compressed_eod_mask=True, eod_pad_length=8,
+    )
+    assert again.loaded_from_cache and all(d.loaded_from_cache for d in again.datasets)
+    assert again[0]["actual_seq_len"].shape == (8,)
+    with pytest.raises(TypeError, match="create_attention_masks"):
+        build_blended_train_dataset(data_path, seq_length=8, num_samples=200, seed=3, split="90,10,0",
+                                    eod_id=EOD, create_attention_masks=True)
 
 
 @pytest.mark.parametrize(

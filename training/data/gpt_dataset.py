@@ -5,23 +5,29 @@ Three index arrays define a `GPTDataset` (numpy only, no compiled helper):
 * document index: the split's document ids, repeated once per epoch and shuffled with
   `np.random.RandomState(seed)`; when the last epoch is used for less than 80% of its samples it
   is shuffled separately so its few samples are not all drawn from the front of the order.
-* sample index: for each sample boundary, (position in the document index, token offset). Sample
-  j covers tokens j*S .. (j+1)*S of the stream the document index defines, S+1 tokens in all, so
-  consecutive samples share one token (the last label of one is the first input of the next).
+* sample index: row j is (position in the document index, token offset) where sample j starts.
+  Sample j covers tokens j*S .. j*S + S + e of the stream the document index defines (S =
+  seq_length, e = 1 with add_extra_token_to_sequence), so with e = 1 consecutive samples share one
+  token: the last label of one is the first input of the next.
 * shuffle index: a permutation of the samples (again with the final epoch kept apart).
 
-A `BlendedDataset` interleaves several datasets by weight.
+A `BlendedDataset` interleaves several datasets by weight with Megatron's greedy rule. Both cache
+their index arrays on disk, keyed by a hash of everything that determines them.
 """
 
 from __future__ import annotations
 
+import array
+import functools
 import hashlib
 import json
 import logging
 import math
 import os
 import tempfile
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +41,19 @@ logger = logging.getLogger(__name__)
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 # Megatron asks each blended source for this many times its share, so rounding never starves the blend.
 _BLEND_SURPLUS = 1.005
-# Bump when the way indices are built changes, so old caches stop matching.
-_INDEX_FORMAT = 1
+# Bump when the way indices are built or cached changes, so old caches stop matching.
+_INDEX_FORMAT = 2
+_SPLIT_NAMES = ("train", "valid", "test")
+# Megatron stores blend sources as int16.
+_MAX_SOURCES = np.iinfo(np.int16).max
+# The parallel blend builder (see _blending_indices): positions per chain, steps each chain runs from a
+# guessed state before its own positions, and the size below which one scalar loop is quicker.
+_BLEND_CHUNK = 1024
+_BLEND_WARMUP = 256
+_BLEND_PARALLEL_MIN_SIZE = 1 << 18
+
+
+# ---- splits ---------------------------------------------------------------------------------
 
 
 def parse_split(split: str) -> list[float]:
@@ -52,9 +69,7 @@ def parse_split(split: str) -> list[float]:
         raise ValueError(f"split {split!r}: every ratio must be a number") from None
     if any(not math.isfinite(r) or r < 0 for r in ratios) or sum(ratios) <= 0:
         raise ValueError(f"split {split!r}: ratios must be finite, non-negative and not all zero")
-    ratios += [0.0] * (3 - len(ratios))
-    total = sum(ratios)
-    return [r / total for r in ratios]
+    return _normalize(ratios + [0.0] * (3 - len(ratios)))
 
 
 def split_document_range(split: str, split_index: int, num_documents: int) -> tuple[int, int]:
@@ -69,249 +84,146 @@ def split_document_range(split: str, split_index: int, num_documents: int) -> tu
     return begin, end
 
 
+def _normalize(weights: Sequence[float]) -> list[float]:
+    """Weights divided by their sum the way Megatron does it (numpy float64), for bit-identical blends."""
+    values = np.array(weights, dtype=np.float64)
+    return (values / np.sum(values)).tolist()
+
+
+# ---- argument checks ------------------------------------------------------------------------
+
+
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
 
-def _save_npy(path: Path, values: np.ndarray) -> None:
-    """np.save through a temporary name, so a crash never leaves a truncated cache file."""
+def _integer(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    return bool(value)
+
+
+# ---- index cache ----------------------------------------------------------------------------
+
+
+def _save_atomically(path: Path, write: Callable) -> None:
+    """`write(stream)` into a temporary name, then rename: a crash never leaves a truncated file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as stream:
-            np.save(stream, values, allow_pickle=False)
+            write(stream)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def _save_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _canonical(description) -> str:
+    return json.dumps(description, sort_keys=True)
 
 
-def _load_npy(paths: Sequence[Path]) -> list[np.ndarray] | None:
-    """The arrays, or None when any file is missing or unreadable (the caller rebuilds)."""
-    if not all(path.is_file() for path in paths):
-        return None
-    try:
-        return [np.load(path, allow_pickle=False) for path in paths]
-    except (OSError, ValueError, EOFError) as err:
-        logger.warning("index cache %s is unreadable (%s); rebuilding", paths[0].parent, err)
-        return None
+def _cached_indices(cache_dir: str | os.PathLike | None, kind: str, description: dict, names: Sequence[str],
+                    build: Callable[[], Sequence[np.ndarray]]) -> tuple[list[np.ndarray], bool]:
+    """Index arrays from the cache entry for `description`, else built and cached.
 
-
-def _cache_paths(cache_dir: str | os.PathLike, description: str, kind: str, names: Sequence[str]) -> list[Path]:
+    An entry is `<sha256 of description>-<kind>-<name>.npy` per array plus
+    `<sha256>-<kind>-description.json`, written last, holding the description and each array
+    file's sha256. An entry whose description differs or whose files do not match their sums is
+    rebuilt, not trusted. Returns the arrays and whether they came from the cache.
+    """
+    if cache_dir is None:
+        return list(build()), False
     directory = Path(cache_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(description.encode("utf-8")).hexdigest()
-    description_path = directory / f"{digest}-{kind}-description.json"
-    if not description_path.is_file():
-        _save_text(description_path, description)
-    return [directory / f"{digest}-{kind}-{name}.npy" for name in names]
+    stem = f"{hashlib.sha256(_canonical(description).encode('utf-8')).hexdigest()}-{kind}"
+    manifest_path = directory / f"{stem}-description.json"
+    paths = [directory / f"{stem}-{name}.npy" for name in names]
+
+    arrays = _load_cached(manifest_path, paths, description)
+    if arrays is not None:
+        return arrays, True
+    arrays = list(build())
+    for path, values in zip(paths, arrays):
+        _save_atomically(path, lambda stream, values=values: np.save(stream, values, allow_pickle=False))
+    manifest = {"description": description, "sha256": {path.name: sha256_file(path) for path in paths}}
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    _save_atomically(manifest_path, lambda stream: stream.write(text.encode("utf-8")))
+    return arrays, False
 
 
-def _cached_indices(cache_dir: str | os.PathLike | None, description: str, kind: str, names: Sequence[str],
-                    build: Callable[[], Sequence[np.ndarray]],
-                    is_consistent: Callable[..., bool]) -> tuple[Sequence[np.ndarray], bool]:
-    """Index arrays from the cache keyed by `description`, else built (and cached); a cache entry that
-    fails `is_consistent` is rebuilt, not trusted. Returns the arrays and whether they came from the cache."""
-    if cache_dir is None:
-        return build(), False
-    cache_paths = _cache_paths(cache_dir, description, kind, names)
-    indices = _load_npy(cache_paths)
-    if indices is not None:
-        if is_consistent(*indices):
-            return indices, True
-        logger.warning("%s cache %s is inconsistent with its description; rebuilding", kind, cache_paths[0])
-    indices = build()
-    for path, values in zip(cache_paths, indices):
-        _save_npy(path, values)
-    return indices, False
+def _load_cached(manifest_path: Path, paths: Sequence[Path], description: dict) -> list[np.ndarray] | None:
+    """The cached arrays, or None (with a warning when an entry exists but cannot be trusted)."""
+    if not manifest_path.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        logger.warning("%s: unreadable index cache description (%s); rebuilding", manifest_path, err)
+        return None
+    if not isinstance(manifest, dict) or _canonical(manifest.get("description")) != _canonical(description):
+        logger.warning("%s: index cache describes other indices; rebuilding", manifest_path)
+        return None
+    sums = manifest.get("sha256")
+    for path in paths:
+        if not path.is_file() or not isinstance(sums, dict) or sha256_file(path) != sums.get(path.name):
+            logger.warning("%s: index cache file is missing or corrupt; rebuilding", path)
+            return None
+    return [np.load(path, allow_pickle=False) for path in paths]
 
 
-class GPTDataset:
-    """`num_samples` samples of `seq_length` tokens from one split of an indexed dataset.
+# ---- GPTDataset index building ----------------------------------------------------------------
 
-    Each item is a dict of numpy arrays of length `seq_length`: `input_ids`, `labels` (input_ids
-    shifted by one), `position_ids` (int32) and `loss_mask` (float32, 0 where the label is
-    `pad_id`). As in Megatron, pad ids in input_ids/labels are replaced by 0. `eod_id` is kept
-    for consumers that reset positions or masks at document ends.
+
+def _build_document_index(documents: np.ndarray, num_epochs: int, random_state: np.random.RandomState,
+                          separate_final_epoch: bool) -> np.ndarray:
+    """`documents` once per epoch, shuffled; the final epoch shuffled on its own if asked (int32)."""
+    if not separate_final_epoch or num_epochs == 1:
+        index = np.tile(documents.astype(np.int32), num_epochs)
+        random_state.shuffle(index)
+        return index
+    return np.concatenate((_build_document_index(documents, num_epochs - 1, random_state, False),
+                           _build_document_index(documents, 1, random_state, False)))
+
+
+def _build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int,
+                        drop_last_partial_sequence: bool, extra_token: int) -> np.ndarray:
+    """Megatron's build_sample_idx, vectorized: [samples + 1, 2] rows of (document index position, offset).
+
+    Megatron walks the documents sample by sample, each sample taking seq_length + extra_token
+    tokens and the next one starting seq_length tokens later. Its stopping rule puts boundary
+    j*S in the first document whose end reaches past token j*S + extra_token - 1, so a document
+    ending exactly at a boundary is kept when extra_token is 0 (offset = its length) and left
+    behind when it is 1; searchsorted on the documents' cumulative ends finds that document for
+    every boundary at once. Row 0 is always (0, 0). A last partial sequence, when kept, ends at the
+    last document's length - extra_token, as Megatron's loop leaves it.
     """
+    lengths = sequence_lengths[document_index].astype(np.int64)
+    ends = np.cumsum(lengths)
+    usable = int(ends[-1]) - extra_token
+    num_samples = usable // seq_length if drop_last_partial_sequence else -(-usable // seq_length)
+    boundaries = np.arange(1, num_samples + 1, dtype=np.int64) * seq_length
+    positions = np.searchsorted(ends, boundaries + (extra_token - 1), side="right")
+    past_end = positions == ends.size
+    positions[past_end] = ends.size - 1
+    offsets = boundaries - (ends[positions] - lengths[positions])
+    offsets[past_end] = lengths[-1] - extra_token
 
-    def __init__(
-        self,
-        indexed: IndexedDataset,
-        *,
-        seq_length: int,
-        num_samples: int,
-        seed: int,
-        split: str = "1,0,0",
-        split_index: int = 0,
-        eod_id: int,
-        pad_id: int = -1,
-        cache_dir: str | os.PathLike | None = None,
-    ) -> None:
-        self.indexed = indexed
-        self.seq_length = _positive_int("seq_length", seq_length)
-        self.num_samples = _positive_int("num_samples", num_samples)
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
-        self.seed = int(seed)
-        self.eod_id = int(eod_id)
-        self.pad_id = int(pad_id)
-        if indexed.num_documents != len(indexed):
-            raise ValueError(
-                f"{indexed.prefix}: {indexed.num_documents} documents but {len(indexed)} sequences; "
-                "GPTDataset needs one sequence per document"
-            )
-        self.split = split
-        self.split_index = split_index
-        self.document_begin, self.document_end = split_document_range(split, split_index, indexed.num_documents)
-        if self.document_end <= self.document_begin:
-            raise ValueError(
-                f"{indexed.prefix}: split {split!r} gives split_index {split_index} no documents "
-                f"(of {indexed.num_documents})"
-            )
-        self.tokens_per_epoch = int(
-            indexed.sequence_lengths[self.document_begin : self.document_end].sum(dtype=np.int64)
-        )
-        if self.tokens_per_epoch < 2:
-            raise ValueError(
-                f"{indexed.prefix}: split {split_index} holds {self.tokens_per_epoch} tokens; a sample needs at least 2"
-            )
-        self.num_epochs = self._num_epochs()
-
-        self.description = json.dumps(
-            {
-                "class": "GPTDataset",
-                "index_format": _INDEX_FORMAT,
-                "prefix": str(Path(indexed.prefix).resolve()),
-                "idx_sha256": sha256_file(indexed.idx_path),
-                "idx_bytes": indexed.idx_path.stat().st_size,
-                "seq_length": self.seq_length,
-                "num_samples": self.num_samples,
-                "seed": self.seed,
-                "split": parse_split(split),
-                "split_index": split_index,
-            },
-            sort_keys=True,
-        )
-        indices, self.loaded_from_cache = _cached_indices(
-            cache_dir, self.description, "GPTDataset", ("document_index", "sample_index", "shuffle_index"),
-            build=self._build_indices, is_consistent=self._indices_are_consistent)
-        self.document_index, self.sample_index, self.shuffle_index = indices
-
-    def _num_epochs(self) -> int:
-        # Each sample reads seq_length + 1 tokens and shares one with the next.
-        needed = self.num_samples * self.seq_length + 1
-        return max(1, -(-needed // self.tokens_per_epoch))
-
-    def _samples_in_index(self) -> int:
-        return (self.num_epochs * self.tokens_per_epoch - 1) // self.seq_length
-
-    def _build_indices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        S, epochs, per_epoch = self.seq_length, self.num_epochs, self.tokens_per_epoch
-        separate_final_epoch = False
-        if epochs > 1:
-            samples_before_final = ((epochs - 1) * per_epoch - 1) // S
-            samples_from_final = self.num_samples - samples_before_final
-            samples_per_epoch = (per_epoch - 1) // S
-            separate_final_epoch = samples_from_final < int(_SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch)
-
-        random_state = np.random.RandomState(self.seed)
-        documents = np.arange(self.document_begin, self.document_end, dtype=np.int32)
-        if separate_final_epoch:
-            document_index = np.concatenate(
-                (_shuffled_epochs(documents, epochs - 1, random_state), _shuffled_epochs(documents, 1, random_state))
-            )
-        else:
-            document_index = _shuffled_epochs(documents, epochs, random_state)
-
-        # Sample boundaries are every S-th token of the stream; searchsorted maps each to the
-        # document containing it (side="right" steps past a document that ends exactly there).
-        lengths = self.indexed.sequence_lengths[document_index].astype(np.int64)
-        ends = np.cumsum(lengths)
-        total_samples = self._samples_in_index()
-        boundaries = np.arange(total_samples + 1, dtype=np.int64) * S
-        positions = np.searchsorted(ends, boundaries, side="right")
-        offsets = boundaries - (ends[positions] - lengths[positions])
-        fits_int32 = max(int(ends[-1]), document_index.size) <= np.iinfo(np.int32).max
-        sample_index = np.stack((positions, offsets), axis=1).astype(np.int32 if fits_int32 else np.int64)
-
-        if separate_final_epoch:
-            shuffle_index = _shuffled_range(samples_before_final, total_samples, random_state)
-        else:
-            shuffle_index = _shuffled_range(total_samples, total_samples, random_state)
-        return document_index, sample_index, shuffle_index
-
-    def _indices_are_consistent(self, document_index, sample_index, shuffle_index) -> bool:
-        """Structural check of cached arrays, so a damaged cache is rebuilt instead of misread."""
-        total_samples = self._samples_in_index()
-        documents = self.document_end - self.document_begin
-        return bool(
-            document_index.shape == (self.num_epochs * documents,)
-            and np.issubdtype(document_index.dtype, np.integer)
-            and document_index.min() >= self.document_begin
-            and document_index.max() < self.document_end
-            and sample_index.shape == (total_samples + 1, 2)
-            and np.issubdtype(sample_index.dtype, np.integer)
-            and sample_index.min() >= 0
-            and sample_index[:, 0].max() < document_index.size
-            and shuffle_index.shape == (total_samples,)
-            and np.issubdtype(shuffle_index.dtype, np.integer)
-            and np.array_equal(np.sort(shuffle_index), np.arange(total_samples))
-        )
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def sample_tokens(self, idx: int) -> np.ndarray:
-        """The seq_length + 1 tokens of sample `idx` (after shuffling)."""
-        if not 0 <= idx < self.num_samples:
-            raise IndexError(f"sample {idx} out of range [0, {self.num_samples})")
-        sample = int(self.shuffle_index[idx])
-        begin_position, begin_offset = (int(v) for v in self.sample_index[sample])
-        end_position, end_offset = (int(v) for v in self.sample_index[sample + 1])
-        get = self.indexed.get
-        if begin_position == end_position:
-            return get(int(self.document_index[begin_position]), begin_offset, end_offset - begin_offset + 1)
-        parts = [get(int(self.document_index[begin_position]), begin_offset)]
-        parts += [get(int(document)) for document in self.document_index[begin_position + 1 : end_position]]
-        parts.append(get(int(self.document_index[end_position]), 0, end_offset + 1))
-        return np.concatenate(parts)
-
-    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
-        tokens = self.sample_tokens(idx).astype(np.int64)
-        input_ids, labels = tokens[:-1].copy(), tokens[1:].copy()
-        loss_mask = np.ones(self.seq_length, dtype=np.float32)
-        loss_mask[labels == self.pad_id] = 0.0
-        # A pad id may be outside the vocabulary (-1); never feed it to the embedding.
-        input_ids[input_ids == self.pad_id] = 0
-        labels[labels == self.pad_id] = 0
-        return {
-            "input_ids": input_ids.astype(np.int32),
-            "labels": labels.astype(np.int32),
-            "loss_mask": loss_mask,
-            "position_ids": np.arange(self.seq_length, dtype=np.int32),
-        }
-
-
-def _shuffled_epochs(documents: np.ndarray, epochs: int, random_state: np.random.RandomState) -> np.ndarray:
-    index = np.tile(documents, epochs)
-    random_state.shuffle(index)
+    dtype = np.int32 if document_index.size <= np.iinfo(np.int32).max else np.int64
+    index = np.zeros((num_samples + 1, 2), dtype=dtype)
+    index[1:, 0] = positions
+    index[1:, 1] = offsets
     return index
 
 
-def _shuffled_range(first_part: int, total: int, random_state: np.random.RandomState) -> np.ndarray:
+def _build_shuffle_index(first_part: int, total: int, random_state: np.random.RandomState) -> np.ndarray:
     """Permutation of range(total) with [0, first_part) and [first_part, total) shuffled apart."""
     dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
     head = np.arange(first_part, dtype=dtype)
@@ -323,29 +235,364 @@ def _shuffled_range(first_part: int, total: int, random_state: np.random.RandomS
     return np.concatenate((head, tail))
 
 
-def _blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy blend: sample i goes to the source furthest behind its share, weight*(i+1) - count."""
-    counts = [0] * len(weights)
-    chosen = [0] * size
-    within = [0] * size
-    for i in range(size):
-        target = i + 1
-        best, best_error = 0, weights[0] * target - counts[0]
-        for source in range(1, len(weights)):
-            error = weights[source] * target - counts[source]
+# ---- sample items ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleFormat:
+    """How a sample's tokens become a training item (Megatron's `_get_ltor_masks_and_position_ids`).
+
+    Items hold `input_ids`, `labels` (int32), `loss_mask` (float32) and `position_ids` (int32),
+    seq_length each, then either `actual_seq_len` (int32 [eod_pad_length], with
+    create_compressed_eod_mask, which wins) or `attention_mask` (int32 [1, S, S], 1 = masked; with
+    create_attention_mask). Documents end at EOD tokens of the inputs: eod_mask_loss zeroes the
+    loss there, reset_position_ids restarts positions after each, reset_attention_mask makes the
+    mask block-diagonal (causal within a document). Labels equal to pad_id are not learned, and pad
+    ids are replaced by 0 so the embedding never sees them (pad_id may be -1).
+    """
+
+    eod_id: int
+    pad_id: int = -1
+    add_extra_token_to_sequence: bool = True
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = False
+    create_compressed_eod_mask: bool = False
+    eod_pad_length: int = 128
+
+    def __post_init__(self) -> None:
+        _integer("eod_id", self.eod_id)
+        _integer("pad_id", self.pad_id)
+        for name in ("add_extra_token_to_sequence", "reset_position_ids", "reset_attention_mask",
+                     "eod_mask_loss", "create_attention_mask", "create_compressed_eod_mask"):
+            _flag(name, getattr(self, name))
+        _positive_int("eod_pad_length", self.eod_pad_length)
+
+    def item(self, tokens: np.ndarray, where: str = "sample") -> dict[str, np.ndarray]:
+        """The item for a sample's seq_length + 1 tokens (seq_length without the extra token)."""
+        text = np.asarray(tokens)
+        if self.add_extra_token_to_sequence:
+            inputs, labels = text[:-1].astype(np.int32), text[1:].astype(np.int32)
+        else:
+            inputs = text.astype(np.int32)
+            labels = np.append(text[1:], self.pad_id).astype(np.int32)
+        size = inputs.size
+        eods = inputs == self.eod_id
+
+        loss_mask = np.ones(size, dtype=np.float32)
+        if self.eod_mask_loss:
+            loss_mask[eods] = 0.0
+        position_ids = np.arange(size, dtype=np.int32)
+        if self.reset_position_ids:
+            position_ids -= _document_starts(eods)
+        extra = {}
+        if self.create_compressed_eod_mask:
+            extra["actual_seq_len"] = _actual_seq_len(eods, self.eod_pad_length, where)
+        elif self.create_attention_mask:
+            extra["attention_mask"] = (_block_causal_mask(_document_starts(eods)) if self.reset_attention_mask
+                                       else _causal_mask(size))
+
+        loss_mask[labels == self.pad_id] = 0.0
+        inputs[inputs == self.pad_id] = 0
+        labels[labels == self.pad_id] = 0
+        return {"input_ids": inputs, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
+                **extra}
+
+
+def sample_item(tokens: np.ndarray, *, eod_id: int, pad_id: int = -1, **options) -> dict[str, np.ndarray]:
+    """The training item for a sample's tokens; `options` are SampleFormat's (all off by default)."""
+    return SampleFormat(eod_id=eod_id, pad_id=pad_id, **options).item(tokens)
+
+
+def _document_starts(eods: np.ndarray) -> np.ndarray:
+    """For each position, where its document starts: one past the last EOD before it (0 if none)."""
+    starts = np.zeros(eods.size, dtype=np.int32)
+    after_eod = np.flatnonzero(eods[:-1]) + 1
+    starts[after_eod] = after_eod
+    return np.maximum.accumulate(starts)
+
+
+@functools.lru_cache(maxsize=4)
+def _causal_mask(size: int) -> np.ndarray:
+    """[1, size, size] int32, 1 above the diagonal; shared between items, so read-only."""
+    mask = np.triu(np.ones((1, size, size), dtype=np.int32), k=1)
+    mask.flags.writeable = False
+    return mask
+
+
+def _block_causal_mask(document_starts: np.ndarray) -> np.ndarray:
+    """Causal mask that also hides every earlier document from a position (1 = masked)."""
+    columns = np.arange(document_starts.size)
+    masked = (columns[None, :] > columns[:, None]) | (columns[None, :] < document_starts[:, None])
+    return masked.astype(np.int32)[None]
+
+
+def _actual_seq_len(eods: np.ndarray, eod_pad_length: int, where: str) -> np.ndarray:
+    """End (index + 1) of each document inside the sample, an EOD in the last position excluded,
+    right-padded with the sequence length: MindFormers' compressed EOD mask."""
+    ends = np.flatnonzero(eods[:-1]) + 1
+    if ends.size > eod_pad_length:
+        raise ValueError(f"{where} has {ends.size} document ends, more than eod_pad_length = {eod_pad_length}")
+    padded = np.full(eod_pad_length, eods.size, dtype=np.int32)
+    padded[: ends.size] = ends
+    return padded
+
+
+# ---- GPTDataset -----------------------------------------------------------------------------
+
+
+class GPTDataset:
+    """Samples of `seq_length` tokens from one split of an indexed dataset, as Megatron-core cuts them.
+
+    The index covers enough whole epochs for `num_samples` samples (one epoch if None), and
+    `len()` is every sample it holds, as in Megatron: at least `num_samples`. Items are
+    `SampleFormat` dicts; `sample_options` are SampleFormat's fields besides eod_id and pad_id
+    (`add_extra_token_to_sequence`, `reset_position_ids`, `reset_attention_mask`,
+    `eod_mask_loss`, `create_attention_mask`, `create_compressed_eod_mask`, `eod_pad_length`).
+    `drop_last_partial_validation_sequence` applies to the valid split only (split_index 1); the
+    others always drop a last partial sample. With `cache_dir` the index arrays are cached there.
+    """
+
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        *,
+        seq_length: int,
+        num_samples: int | None,
+        seed: int,
+        eod_id: int,
+        split: str = "1,0,0",
+        split_index: int = 0,
+        pad_id: int = -1,
+        cache_dir: str | os.PathLike | None = None,
+        drop_last_partial_validation_sequence: bool = True,
+        **sample_options,
+    ) -> None:
+        self.indexed = indexed
+        self.seq_length = _positive_int("seq_length", seq_length)
+        self.num_samples = None if num_samples is None else _positive_int("num_samples", num_samples)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        self.seed = int(seed)
+        self.format = SampleFormat(eod_id=eod_id, pad_id=pad_id, **sample_options)
+        self.split = split
+        self.split_index = split_index
+        drop_last_partial = _flag("drop_last_partial_validation_sequence", drop_last_partial_validation_sequence)
+        self.drop_last_partial_sequence = drop_last_partial or split_index != 1
+        if indexed.num_documents != len(indexed):
+            raise ValueError(
+                f"{indexed.prefix}: {indexed.num_documents} documents but {len(indexed)} sequences; "
+                "GPTDataset needs one sequence per document"
+            )
+        self.document_begin, self.document_end = split_document_range(split, split_index, indexed.num_documents)
+        if self.document_end <= self.document_begin:
+            raise ValueError(
+                f"{indexed.prefix}: split {split!r} gives split_index {split_index} no documents "
+                f"(of {indexed.num_documents})"
+            )
+        lengths = indexed.sequence_lengths[self.document_begin : self.document_end]
+        self.tokens_per_epoch = int(lengths.sum(dtype=np.int64))
+        # Samples may span epochs, so a short split only fails when it must supply one epoch.
+        if self.tokens_per_epoch == 0 or (
+                num_samples is None and self.tokens_per_epoch < self.seq_length + self._extra_token):
+            raise ValueError(
+                f"{indexed.prefix}: split {split_index} holds {self.tokens_per_epoch} tokens, too few for one "
+                f"sample of seq_length {self.seq_length}"
+            )
+        self.num_epochs = self._num_epochs()
+        self.separate_final_epoch = self._separate_final_epoch()
+
+        self.description = {
+            "class": "GPTDataset",
+            "index_format": _INDEX_FORMAT,
+            "sequence_lengths_sha256": hashlib.sha256(np.ascontiguousarray(lengths)).hexdigest(),
+            "documents": [self.document_begin, self.document_end],
+            "seq_length": self.seq_length,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "add_extra_token_to_sequence": self.format.add_extra_token_to_sequence,
+            "drop_last_partial_sequence": self.drop_last_partial_sequence,
+        }
+        indices, self.loaded_from_cache = _cached_indices(
+            cache_dir, f"GPTDataset-{_SPLIT_NAMES[split_index]}", self.description,
+            ("document_index", "sample_index", "shuffle_index"), self._build_indices)
+        self.document_index, self.sample_index, self.shuffle_index = indices
+
+    @property
+    def eod_id(self) -> int:
+        return self.format.eod_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.format.pad_id
+
+    @property
+    def _extra_token(self) -> int:
+        return int(self.format.add_extra_token_to_sequence)
+
+    def _num_epochs(self) -> int:
+        if self.num_samples is None:
+            return 1
+        needed = self.num_samples * self.seq_length + self._extra_token
+        return max(1, -(-needed // self.tokens_per_epoch))
+
+    def _samples_before_final_epoch(self) -> int:
+        return ((self.num_epochs - 1) * self.tokens_per_epoch - self._extra_token) // self.seq_length
+
+    def _separate_final_epoch(self) -> bool:
+        """Megatron's rule: the final epoch stands apart when it supplies under 80% of an epoch's samples."""
+        if self.num_epochs == 1:
+            return False
+        from_final_epoch = self.num_samples - self._samples_before_final_epoch()
+        per_epoch = (self.tokens_per_epoch - self._extra_token) // self.seq_length
+        return from_final_epoch < int(_SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
+
+    def _build_indices(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        started = time.perf_counter()
+        # One generator for both shuffles, document index first, as in Megatron.
+        random_state = np.random.RandomState(self.seed)
+        documents = np.arange(self.document_begin, self.document_end, dtype=np.int32)
+        document_index = _build_document_index(documents, self.num_epochs, random_state, self.separate_final_epoch)
+        sample_index = _build_sample_index(self.indexed.sequence_lengths, document_index, self.seq_length,
+                                           self.drop_last_partial_sequence, self._extra_token)
+        total = sample_index.shape[0] - 1
+        first_part = self._samples_before_final_epoch() if self.separate_final_epoch else total
+        shuffle_index = _build_shuffle_index(first_part, total, random_state)
+        logger.info("%s: built the GPTDataset index (%d samples, %d epochs) in %.2f s",
+                    self.indexed.prefix, total, self.num_epochs, time.perf_counter() - started)
+        return document_index, sample_index, shuffle_index
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def sample_tokens(self, idx: int) -> np.ndarray:
+        """The seq_length + 1 tokens (seq_length without the extra token) of sample `idx`, after
+        shuffling; a last partial sample is padded with pad_id."""
+        if not 0 <= idx < len(self):
+            raise IndexError(f"{self.indexed.prefix}: sample {idx} out of range [0, {len(self)})")
+        sample = int(self.shuffle_index[idx])
+        begin_position, begin_offset = (int(v) for v in self.sample_index[sample])
+        end_position, end_offset = (int(v) for v in self.sample_index[sample + 1])
+        get, documents, extra = self.indexed.get, self.document_index, self._extra_token
+        if begin_position == end_position:
+            parts = [get(int(documents[begin_position]), begin_offset, end_offset - begin_offset + extra)]
+        else:
+            parts = [get(int(documents[begin_position]), begin_offset)]
+            parts += [get(document) for document in documents[begin_position + 1 : end_position].tolist()]
+            parts.append(get(int(documents[end_position]), 0, end_offset + extra))
+        tokens = np.concatenate(parts, dtype=np.int64)
+        missing = self.seq_length + extra - tokens.size
+        if missing > 0:
+            tokens = np.append(tokens, np.full(missing, self.pad_id, dtype=np.int64))
+        return tokens
+
+    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+        return self.format.item(self.sample_tokens(idx), where=f"{self.indexed.prefix}: sample {idx}")
+
+
+# ---- blending -------------------------------------------------------------------------------
+
+
+def _greedy_steps(weights: Sequence[float], start: int, counts: list[int],
+                  steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron's build_blending_indices from position `start`, `counts` samples already taken
+    (updated in place): position i goes to the source with the largest weight * max(i, 1) - count,
+    the lowest index winning a tie. Plain Python floats give the C++ helper's double arithmetic.
+    Returns each position's source and its sample number within that source."""
+    sources, numbers = array.array("h", bytes(2 * steps)), array.array("q", bytes(8 * steps))
+    first_weight, others = weights[0], list(enumerate(weights))[1:]
+    for i in range(start, start + steps):
+        t = i if i > 1 else 1
+        best, best_error = 0, first_weight * t - counts[0]
+        for source, weight in others:
+            error = weight * t - counts[source]
             if error > best_error:
                 best, best_error = source, error
-        chosen[i] = best
-        within[i] = counts[best]
+        sources[i - start], numbers[i - start] = best, counts[best]
         counts[best] += 1
-    return np.array(chosen, dtype=np.int16), np.array(within, dtype=np.int64)
+    return np.frombuffer(sources, dtype=np.int16), np.frombuffer(numbers, dtype=np.int64)
+
+
+def _guessed_counts(weights: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """[sources, positions]: counts summing to each position, as close to weight * position as
+    possible (largest remainders round up): a plausible state of the greedy there."""
+    quotas = weights[:, None] * positions[None, :].astype(np.float64)
+    counts = np.floor(quotas)
+    short = positions - counts.sum(axis=0)
+    ranks = np.argsort(np.argsort(counts - quotas, axis=0, kind="stable"), axis=0, kind="stable")
+    return counts + (ranks < short[None, :])
+
+
+def _blending_indices(weights: Sequence[float], size: int, chunk: int = _BLEND_CHUNK,
+                      warmup: int = _BLEND_WARMUP) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset_index int16, dataset_sample_index int64) under Megatron's greedy rule, exactly,
+    without a Python loop over positions.
+
+    The positions are cut into chunks and numpy steps through all chunks together: chunk 0 from
+    the true start, every other one from a guessed state `warmup` positions before it. The greedy
+    forgets its past within a few dozen steps, so a chunk's state on reaching its first position
+    almost always equals the true one, i.e. the previous chunk's final state; the rule being
+    deterministic, equal states give equal futures, which makes that check exact. A chunk that
+    fails it is redone from the true state with the scalar loop. Needs chunk >= warmup.
+    """
+    num_sources = len(weights)
+    if num_sources == 1:
+        return np.zeros(size, dtype=np.int16), np.arange(size, dtype=np.int64)
+    if size < max(_BLEND_PARALLEL_MIN_SIZE, 2 * chunk):
+        return _greedy_steps(weights, 0, [0] * num_sources, size)
+
+    weight_column = np.asarray(weights, dtype=np.float64)[:, None]
+    starts = np.arange(0, size, chunk)
+    begins = np.maximum(starts - warmup, 0)
+    chains = np.arange(starts.size)
+    counts = _guessed_counts(weight_column[:, 0], begins)  # [source, chain], float64 like the C++ helper
+    source_column = np.arange(num_sources)[:, None]
+    position = begins.astype(np.float64)
+    sources = np.empty((warmup + chunk, starts.size), dtype=np.int16)
+    numbers = np.empty((warmup + chunk, starts.size), dtype=np.int64)
+    states = {}
+    for step in range(warmup + chunk):
+        if step in (warmup, chunk):
+            states[step] = counts.copy()
+        errors = weight_column * np.maximum(position, 1.0)
+        errors -= counts
+        # argmax over the few sources, a strict > so the lowest index wins ties as in Megatron
+        best, best_error = np.zeros(starts.size, dtype=np.intp), errors[0]
+        for source in range(1, num_sources):
+            best[errors[source] > best_error] = source
+            best_error = np.maximum(best_error, errors[source])
+        sources[step] = best
+        numbers[step] = counts[best, chains]
+        counts += best == source_column
+        position += 1.0
+    states.setdefault(chunk, counts)  # without warm-up, chunk 0 ends when the loop does
+
+    # Chunk 0 starts at position 0 (no warm-up); the others start `warmup` steps into their run.
+    def by_position(per_step: np.ndarray) -> np.ndarray:
+        return np.concatenate((per_step[:chunk, 0], per_step[warmup:, 1:].T.ravel()))[:size]
+
+    dataset_index, dataset_sample_index = by_position(sources), by_position(numbers)
+    true_state = states[chunk][:, 0]
+    for c in range(1, starts.size):
+        if np.array_equal(states[warmup][:, c], true_state):
+            true_state = counts[:, c]
+            continue
+        replayed = true_state.astype(np.int64).tolist()
+        begin, end = int(starts[c]), min(int(starts[c]) + chunk, size)
+        dataset_index[begin:end], dataset_sample_index[begin:end] = _greedy_steps(weights, begin, replayed,
+                                                                                 end - begin)
+        true_state = np.array(replayed, dtype=np.float64)
+    return dataset_index, dataset_sample_index
 
 
 class BlendedDataset:
-    """`size` samples drawn from `datasets` in proportion to `weights`.
+    """`size` samples drawn from `datasets` in proportion to `weights`, as Megatron's BlendedDataset.
 
     Sample i is sample `dataset_sample_index[i]` of dataset `dataset_index[i]`; each source's
-    samples are taken in order, so a source is read exactly as far as its share requires.
+    samples are taken in order, so a source is read exactly as far as its share requires. Position
+    i goes to the source furthest behind its share, weight * max(i, 1) - samples taken so far
+    (Megatron's greedy rule, max(i, 1) included); items carry their source as `dataset_id`.
     """
 
     def __init__(
@@ -353,32 +600,29 @@ class BlendedDataset:
         datasets: Sequence,
         weights: Sequence[float],
         size: int,
-        seed: int,
+        *,
         cache_dir: str | os.PathLike | None = None,
     ) -> None:
         if not datasets or len(datasets) != len(weights):
             raise ValueError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
-        if len(datasets) > np.iinfo(np.int16).max:
-            raise ValueError(f"at most {np.iinfo(np.int16).max} datasets can be blended, got {len(datasets)}")
-        weights = [float(w) for w in weights]
-        if any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"weights must be finite, non-negative and not all zero, got {weights}")
-        total = sum(weights)
+        if len(datasets) > _MAX_SOURCES:
+            raise ValueError(f"at most {_MAX_SOURCES} datasets can be blended, got {len(datasets)}")
+        try:
+            values = [float(w) for w in weights]
+        except (TypeError, ValueError):
+            raise ValueError(f"weights must be numbers, got {list(weights)}") from None
+        if any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
+            raise ValueError(f"weights must be finite, non-negative and not all zero, got {values}")
         self.datasets = list(datasets)
-        self.weights = [w / total for w in weights]
+        self.weights = _normalize(values)
         self.size = _positive_int("size", size)
-        self.seed = seed
 
-        # The greedy index depends on the weights and size only; the seed is part of the blend's
-        # identity as in Megatron, whose blend cache is keyed on it too.
-        description = json.dumps(
-            {"class": "BlendedDataset", "index_format": _INDEX_FORMAT, "weights": self.weights,
-             "size": self.size, "seed": seed},
-            sort_keys=True,
-        )
+        # The greedy index depends on the weights and the size only.
+        description = {"class": "BlendedDataset", "index_format": _INDEX_FORMAT, "weights": self.weights,
+                       "size": self.size}
         indices, self.loaded_from_cache = _cached_indices(
-            cache_dir, description, "BlendedDataset", ("dataset_index", "dataset_sample_index"),
-            build=lambda: _blending_indices(self.weights, self.size), is_consistent=self._indices_are_consistent)
+            cache_dir, "BlendedDataset", description, ("dataset_index", "dataset_sample_index"),
+            lambda: _blending_indices(self.weights, self.size))
         self.dataset_index, self.dataset_sample_index = indices
 
         needed = np.bincount(self.dataset_index, minlength=len(self.datasets))
@@ -386,27 +630,26 @@ class BlendedDataset:
             if count > len(dataset):
                 raise ValueError(f"blend source {source} must supply {count} samples but has only {len(dataset)}")
 
-    def _indices_are_consistent(self, dataset_index: np.ndarray, dataset_sample_index: np.ndarray) -> bool:
-        if dataset_index.shape != (self.size,) or dataset_sample_index.shape != (self.size,):
-            return False
-        if not np.issubdtype(dataset_index.dtype, np.integer) or not np.issubdtype(dataset_sample_index.dtype, np.integer):
-            return False
-        if dataset_index.min() < 0 or dataset_index.max() >= len(self.datasets):
-            return False
-        # Every source's samples must be 0, 1, 2, ... in order of use.
-        for source in range(len(self.datasets)):
-            taken = dataset_sample_index[dataset_index == source]
-            if not np.array_equal(taken, np.arange(taken.size)):
-                return False
-        return True
-
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
+    def _check(self, idx: int) -> None:
         if not 0 <= idx < self.size:
             raise IndexError(f"sample {idx} out of range [0, {self.size})")
-        return self.datasets[int(self.dataset_index[idx])][int(self.dataset_sample_index[idx])]
+
+    def source_of(self, idx: int) -> int:
+        """Which of `datasets` sample `idx` comes from."""
+        self._check(idx)
+        return int(self.dataset_index[idx])
+
+    def __getitem__(self, idx: int) -> dict:
+        source = self.source_of(idx)
+        item = self.datasets[source][int(self.dataset_sample_index[idx])]
+        item["dataset_id"] = source
+        return item
+
+
+# ---- Megatron blend lists -------------------------------------------------------------------
 
 
 def parse_data_path(data_path: Sequence) -> list[tuple[float, str]]:
@@ -449,23 +692,22 @@ def build_blended_train_dataset(
     eod_id: int,
     pad_id: int = -1,
     cache_dir: str | os.PathLike | None = None,
+    **options,
 ) -> BlendedDataset:
-    """The training split of a Megatron blend: one GPTDataset per source, blended by weight."""
+    """The training split of a Megatron blend: one GPTDataset per source, blended by weight.
+
+    As MindFormers' BlendedMegatronDatasetBuilder: source k is asked for
+    ceil(num_samples * weight_k * 1.005) samples and the blend is as long as all those requests
+    together, marginally more than `num_samples` (the greedy order of its first positions does not
+    depend on its length). `options` are GPTDataset's further keyword options.
+    """
     pairs = parse_data_path(data_path)
     num_samples = _positive_int("num_samples", num_samples)
-    total = sum(weight for weight, _ in pairs)
+    weights = _normalize([weight for weight, _ in pairs])
+    sizes = [math.ceil(num_samples * weight * _BLEND_SURPLUS) for weight in weights]
     datasets = [
-        GPTDataset(
-            IndexedDataset(prefix),
-            seq_length=seq_length,
-            num_samples=math.ceil(num_samples * (weight / total) * _BLEND_SURPLUS),
-            seed=seed,
-            split=split,
-            split_index=0,
-            eod_id=eod_id,
-            pad_id=pad_id,
-            cache_dir=cache_dir,
-        )
-        for weight, prefix in pairs
+        GPTDataset(IndexedDataset(prefix), seq_length=seq_length, num_samples=size, seed=seed, split=split,
+                   split_index=0, eod_id=eod_id, pad_id=pad_id, cache_dir=cache_dir, **options)
+        for size, (_, prefix) in zip(sizes, pairs)
     ]
-    return BlendedDataset(datasets, [weight for weight, _ in pairs], num_samples, seed, cache_dir=cache_dir)
+    return BlendedDataset(datasets, weights, sum(sizes), cache_dir=cache_dir)
