@@ -12,6 +12,7 @@ from resources.msrun import MsrunResource
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 from training.cli import main as kiln
+from training.run import main as train_main
 
 pytestmark = pytest.mark.msrun
 
@@ -21,6 +22,10 @@ def chain_resources(tmp_path, sources):
                                          sources_config=str(sources)),
                      tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=20_000),
                      msrun=MsrunResource(worker_num=2, local_worker_num=2))
+
+
+def metric_losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def training_config(**extra):
@@ -40,6 +45,13 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         assert [m.metadata["step"].value for m in chain.materializations["checkpoint"]] == [3, 6]
         shards = chain.metadata("token_shards", "stdlib_code")
         assert shards["tokens"] > 10_000 and shards["dtype"] == "uint16"
+
+        # data parallel is exact: one process with gradient accumulation sees the same global batches
+        run_dir = tmp_path / "runs/micro"
+        single = tmp_path / "single_process"
+        assert train_main(["--config", str(run_dir / "config.yaml"), "--output-dir", str(single),
+                           "--set", "checkpoint.enable_save=false"]) == 0
+        assert metric_losses(single) == pytest.approx(metric_losses(run_dir), rel=1e-5)
 
         # more steps: resumes from iteration 6 instead of starting over
         again = dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, resources=res,

@@ -10,7 +10,7 @@ from training.config import load_config
 from training.data.indexed import IndexedDatasetWriter
 from training.lineage import audit_checkpoint, audit_exit_code
 from training.reporting import Reporter
-from training.trainer import Trainer, configure_runtime
+from training.trainer import Trainer, configure_runtime, micro_batch_indices
 
 WORLD = World(rank=0, size=1)
 
@@ -84,3 +84,17 @@ def test_audit_names_the_file_changed_since_training(tmp_path, shard):
     _, checks = audit_checkpoint(checkpoint)
     assert audit_exit_code(checks) == 1
     assert [(c.link, c.path) for c in checks if c.status == "MISMATCH"] == [("raw file", "raw/random/part-00000.jsonl")]
+
+
+@pytest.mark.parametrize("dp,local_batch_size,global_batch_size", [(1, 8, 8), (2, 2, 8), (4, 1, 8), (2, 4, 8)])
+def test_data_parallel_ranks_read_disjoint_slices_in_single_process_order(dp, local_batch_size, global_batch_size):
+    accumulation = global_batch_size // (local_batch_size * dp)
+    for step in range(3):
+        consumed = step * global_batch_size
+        per_rank = {rank: [i for micro in range(accumulation)
+                           for i in micro_batch_indices(consumed, micro, rank, dp, local_batch_size)]
+                    for rank in range(dp)}
+        in_read_order = [i for micro in range(accumulation) for rank in range(dp)
+                         for i in micro_batch_indices(consumed, micro, rank, dp, local_batch_size)]
+        assert in_read_order == list(range(consumed, consumed + global_batch_size))
+        assert sum(len(v) for v in per_rank.values()) == len(set().union(*per_rank.values())) == global_batch_size

@@ -35,6 +35,14 @@ class TrainSummary:
     last_checkpoint: str | None
 
 
+def micro_batch_indices(consumed_samples: int, micro: int, rank: int, dp: int, local_batch_size: int) -> range:
+    """The global sample indices that data-parallel rank ``rank`` reads for micro-batch ``micro`` of the
+    step starting at ``consumed_samples``: ranks take disjoint, interleaved slices of the global batch, so
+    concatenating (micro 0: rank 0, 1, …; micro 1: …) gives the single-process order."""
+    start = consumed_samples + (micro * dp + rank) * local_batch_size
+    return range(start, start + local_batch_size)
+
+
 def configure_runtime(config: TrainConfig) -> None:
     """Mode, device and determinism; MindSpore requires them before ``communication.init()``."""
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -121,9 +129,9 @@ class Trainer:
 
     # ---- one step ----------------------------------------------------------------------------
     def _micro_batch(self, micro: int) -> tuple[Tensor, Tensor, Tensor]:
-        lbs = self.config.training.local_batch_size
-        start = self.consumed_samples + (micro * self.dp + self.world.rank) * lbs
-        samples = [self.dataset[i] for i in range(start, start + lbs)]
+        indices = micro_batch_indices(self.consumed_samples, micro, self.world.rank, self.dp,
+                                      self.config.training.local_batch_size)
+        samples = [self.dataset[i] for i in indices]
         stack = lambda key, dtype: Tensor(np.stack([s[key] for s in samples]).astype(dtype))  # noqa: E731
         return stack("input_ids", np.int32), stack("labels", np.int32), stack("loss_mask", np.float32)
 
