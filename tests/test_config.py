@@ -86,3 +86,31 @@ def test_invalid_yaml_names_file_and_line(tmp_path):
     path.write_text("training:\n  steps: [1,\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml:\d+: invalid YAML"):
         load_config(path)
+
+
+def dataloader(section):
+    return TrainConfig.from_dict({**MINIMAL, "train_dataset": {"dataloader": section}})
+
+
+def test_dataloader_schema_follows_its_type():
+    from training.config import MindDatasetLoaderConfig
+
+    loader = dataloader({"type": "MindDataset", "dataset_files": ["/r/a.mindrecord"], "eod": 2,
+                         "shuffle": "infile"}).train_dataset.dataloader
+    assert isinstance(loader, MindDatasetLoaderConfig) and loader.shuffle == "infile" and loader.seed == 1234
+    with pytest.raises(ConfigError, match=r"train_dataset\.dataloader\.type = 'HFDataLoader' is not supported"):
+        dataloader({"type": "HFDataLoader"})
+    with pytest.raises(ConfigError, match=r"train_dataset\.dataloader\.data_path: unknown key"):
+        dataloader({"type": "MindDataset", "dataset_files": "/r", "eod": 2, "data_path": []})
+    with pytest.raises(ConfigError, match=r"train_dataset\.dataloader\.shuffle must be"):
+        dataloader({"type": "MindDataset", "dataset_files": "/r", "eod": 2, "shuffle": "sometimes"})
+
+
+def test_reset_attention_mask_needs_a_mask():
+    config = {"seq_length": 8, "data_path": [1.0, "/d/a"], "eod": 2, "reset_attention_mask": True,
+              "create_attention_mask": False}
+    with pytest.raises(ConfigError, match=r"config\.reset_attention_mask needs create_attention_mask"):
+        dataloader({"type": "BlendedMegatronDatasetDataLoader", "config": config})
+    config["create_compressed_eod_mask"] = True
+    assert dataloader({"type": "BlendedMegatronDatasetDataLoader", "config": config}
+                      ).train_dataset.dataloader.config.document_attention

@@ -8,7 +8,7 @@ from training.data import gpt_dataset
 from training.data.gpt_dataset import (
     BlendedDataset,
     GPTDataset,
-    build_blended_train_dataset,
+    build_blended_dataset,
     parse_data_path,
     sample_item,
     split_document_range,
@@ -475,11 +475,11 @@ def test_blend_cache(tmp_path):
     assert not BlendedDataset(datasets, [1, 2], 100, cache_dir=tmp_path / "cache").loaded_from_cache
 
 
-def test_build_blended_train_dataset(tmp_path):
+def test_build_blended_dataset(tmp_path):
     for k in range(2):
         _make_indexed(tmp_path / f"s{k}", 50, seed=k)
     data_path = ["0.7", str(tmp_path / "s0"), 0.3, str(tmp_path / "s1")]
-    blend = build_blended_train_dataset(
+    blend = build_blended_dataset(
         data_path, seq_length=8, num_samples=200, seed=3, split="90,10,0", eod_id=EOD, cache_dir=tmp_path / "cache"
     )
     # Each source is asked for ceil(200 * w * 1.005) samples and the blend holds all of them.
@@ -490,14 +490,14 @@ def test_build_blended_train_dataset(tmp_path):
     assert blend[199]["input_ids"].shape == (8,)
     assert np.bincount(blend.dataset_index[:200]).tolist() == [140, 60]
 
-    again = build_blended_train_dataset(
+    again = build_blended_dataset(
         data_path, seq_length=8, num_samples=200, seed=3, split="90,10,0", eod_id=EOD, cache_dir=tmp_path / "cache",
         create_compressed_eod_mask=True, eod_pad_length=8,
     )
     assert again.loaded_from_cache and all(d.loaded_from_cache for d in again.datasets)
     assert again[0]["actual_seq_len"].shape == (8,)
     with pytest.raises(TypeError, match="create_attention_masks"):
-        build_blended_train_dataset(data_path, seq_length=8, num_samples=200, seed=3, split="90,10,0",
+        build_blended_dataset(data_path, seq_length=8, num_samples=200, seed=3, split="90,10,0",
                                     eod_id=EOD, create_attention_masks=True)
 
 

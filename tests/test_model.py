@@ -97,6 +97,26 @@ def test_causality():
     assert not np.allclose(before[:, t:], after[:, t:])
 
 
+def test_packed_documents_with_reset_positions_and_block_mask_match_separate_runs():
+    """Two documents packed in one sequence, positions restarting and attention stopping at the boundary,
+    give each document exactly the logits it gets alone: what reset_position_ids + reset_attention_mask mean."""
+    from training.data.gpt_dataset import sample_item
+
+    model = tiny_model()
+    first, second = random_ids(1, 12, seed=1)[0], random_ids(1, 20, seed=2)[0]
+    first[-1] = 2  # EOD ends the first document
+    item = sample_item(np.concatenate([first, second, [0]]), eod_id=2, reset_position_ids=True,
+                       reset_attention_mask=True, create_attention_mask=True)
+    packed = model.logits(Tensor(item["input_ids"][None]), Tensor(item["position_ids"][None]),
+                          Tensor(item["attention_mask"][None])).asnumpy()[0]
+    alone = [model.logits(Tensor(doc[None])).asnumpy()[0] for doc in (first, second)]
+    np.testing.assert_allclose(packed[:12], alone[0], atol=1e-4)
+    np.testing.assert_allclose(packed[12:], alone[1], atol=1e-4)
+    # and without the reset, the second document does see the first
+    plain = model.logits(Tensor(item["input_ids"][None])).asnumpy()[0]
+    assert np.abs(plain[12:] - alone[1]).max() > 1e-3
+
+
 def test_rope_is_applied():
     # rotation is the identity at position 0, so only later positions feel rope_theta
     ids = Tensor(random_ids(batch=1))

@@ -98,3 +98,32 @@ def test_data_parallel_ranks_read_disjoint_slices_in_single_process_order(dp, lo
                          for i in micro_batch_indices(consumed, micro, rank, dp, local_batch_size)]
         assert in_read_order == list(range(consumed, consumed + global_batch_size))
         assert sum(len(v) for v in per_rank.values()) == len(set().union(*per_rank.values())) == global_batch_size
+
+
+def test_document_boundaries_change_what_the_model_sees(tmp_path, shard):
+    """reset_position_ids + block-causal masks (dense or compressed) + eod_mask_loss reach the model."""
+    data = "train_dataset.dataloader.config"
+    plain = make_trainer(tmp_path, shard, "plain").train_step()["loss"]
+    dense = make_trainer(tmp_path, shard, "dense", f"{data}.reset_position_ids=true",
+                         f"{data}.reset_attention_mask=true").train_step()["loss"]
+    compressed = make_trainer(tmp_path, shard, "compressed", f"{data}.reset_position_ids=true",
+                              f"{data}.reset_attention_mask=true", f"{data}.create_compressed_eod_mask=true",
+                              f"{data}.eod_pad_length=32").train_step()["loss"]
+    assert dense != plain
+    assert compressed == pytest.approx(dense, rel=1e-6)  # the same mask, given two ways
+    masked_eod = make_trainer(tmp_path, shard, "eod", f"{data}.eod_mask_loss=true").train_step()["loss"]
+    assert masked_eod != plain
+
+
+def test_trains_from_mindrecord_sources(tmp_path, shard):
+    from training.data.mindrecord import convert_to_mindrecord
+
+    convert_to_mindrecord(shard, tmp_path / "records/random.mindrecord", seq_length=32, eod_id=2)
+    config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
+        "train_dataset.dataloader={type: MindDataset, eod: 2, pad: 3, dataset_files: "
+        f"['{tmp_path / 'records/random.mindrecord'}'], shuffle: files}}",
+        "checkpoint.enable_save=false"])
+    trainer = Trainer(config, WORLD, tmp_path / "mr", Reporter(None, enabled=False))
+    assert trainer.seq_length == 32
+    first = trainer.train_step()
+    assert abs(first["loss"] - np.log(512)) < 0.5

@@ -47,7 +47,7 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(f"{path}: expected {_type_name(annotation)}, got {value!r}")
-    if dataclasses.is_dataclass(annotation):
+    if hasattr(annotation, "from_dict"):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping (section {annotation.__name__}), got {value!r}")
         return annotation.from_dict(value, path)
@@ -314,14 +314,6 @@ class GPTDatasetConfig(Section):
     drop_last_partial_validation_sequence: bool = True
     add_extra_token_to_sequence: bool = True
 
-    UNSUPPORTED = {
-        "reset_position_ids": "document-local positions are not implemented",
-        "reset_attention_mask": "document-local attention is not implemented",
-        "eod_mask_loss": "EOD loss masking is not implemented",
-        "create_compressed_eod_mask": "compressed EOD masks are not implemented",
-        "add_extra_token_to_sequence": "samples are always seq_length + 1 tokens",
-    }
-
     def check(self, path):
         require(self.seq_length > 0, f"{path}.seq_length must be > 0")
         require(len(self.data_path) >= 2 and len(self.data_path) % 2 == 0,
@@ -331,10 +323,20 @@ class GPTDatasetConfig(Section):
                  f"{path}.split must be up to three comma-separated ratios like '99,1,0', got {self.split!r}")
         require(float(ratios[0]) > 0, f"{path}.split gives the training split no documents: {self.split!r}")
         require(self.eod >= 0, f"{path}.eod must be the tokenizer's end-of-document id, got {self.eod}")
+        # MindFormers silently ignores reset_attention_mask when no mask is produced; Kiln says so
+        require(not self.reset_attention_mask or self.create_attention_mask or self.create_compressed_eod_mask,
+                f"{path}.reset_attention_mask needs create_attention_mask or create_compressed_eod_mask")
+        require(self.eod_pad_length > 0, f"{path}.eod_pad_length must be > 0")
+
+    @property
+    def document_attention(self) -> bool:
+        """Attention must stop at document ends (the model's plain causal mask is not enough)."""
+        return self.create_compressed_eod_mask or (self.create_attention_mask and self.reset_attention_mask)
 
 
 @dataclass
-class DataloaderConfig(Section):
+class BlendedMegatronLoaderConfig(Section):
+    """``type: BlendedMegatronDatasetDataLoader``: Megatron .bin/.idx sources blended by weight."""
     type: str
     config: GPTDatasetConfig
     datasets_type: str = "GPTDataset"
@@ -346,9 +348,49 @@ class DataloaderConfig(Section):
     UNSUPPORTED = {"shuffle": "sample order comes from GPTDataset's seeded shuffle index"}
 
     def check(self, path):
-        require(self.type == "BlendedMegatronDatasetDataLoader",
-                 f"{path}.type = {self.type!r} is not supported yet (BlendedMegatronDatasetDataLoader only)")
         require(self.datasets_type == "GPTDataset", f"{path}.datasets_type must be GPTDataset")
+        require(self.sizes is None or (len(self.sizes) == 3 and all(n >= 0 for n in self.sizes)),
+                f"{path}.sizes must be three sample counts [train, valid, test], got {self.sizes}")
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+
+@dataclass
+class MindDatasetLoaderConfig(Section):
+    """``type: MindDataset``: MindRecord sources (``kiln mindrecord`` writes them) read with
+    MindFormers' MultiSourceDataLoader ratios; see training/data/mindrecord.py for each key."""
+    type: str
+    dataset_files: Union[str, list[str]]
+    dataset_ratios: Optional[list[float]] = None
+    samples_count: Optional[int] = None
+    nums_per_dataset: Optional[list[int]] = None
+    shuffle: Union[bool, str] = True
+    shuffle_buffer_size: int = 320
+    seed: int = 1234
+    eod: int = -1
+    pad: int = -1
+    column_names: list[str] = field(default_factory=lambda: ["input_ids"])
+    python_multiprocessing: bool = False
+
+    def check(self, path):
+        require(self.eod >= 0, f"{path}.eod must be the tokenizer's end-of-document id, got {self.eod}")
+        require(self.shuffle in (True, False, "global", "files", "infile"),
+                f"{path}.shuffle must be true, false, 'global', 'files' or 'infile', got {self.shuffle!r}")
+        require("input_ids" in self.column_names, f"{path}.column_names must include 'input_ids'")
+
+
+class DataloaderConfig:
+    """``train_dataset.dataloader``: the section's schema is chosen by its ``type``."""
+    TYPES = {"BlendedMegatronDatasetDataLoader": BlendedMegatronLoaderConfig, "MindDataset": MindDatasetLoaderConfig}
+
+    @classmethod
+    def from_dict(cls, data: dict, path: str):
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind not in cls.TYPES:
+            raise ConfigError(f"{path}.type = {kind!r} is not supported; supported: {', '.join(cls.TYPES)}")
+        return cls.TYPES[kind].from_dict(data, path)
 
 
 @dataclass

@@ -18,8 +18,8 @@ from mindspore import Tensor
 
 from training.checkpoint import CheckpointError, load_checkpoint, resolve_load_path, save_checkpoint
 from training.collectives import Collectives, World
-from training.config import TrainConfig, config_sha256, dump_config
-from training.data.gpt_dataset import build_blended_train_dataset
+from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
+from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.model import build_model
 from training.optim import build_lr_schedule, build_optimizer, clip_grad_norm
 from training.reporting import Reporter
@@ -80,13 +80,10 @@ class Trainer:
                                          [(p.name, p) for p in self.params], self.lr_schedule)
         self.grad_fn = ms.value_and_grad(self.model, None, self.params)
 
-        data_cfg = config.train_dataset.dataloader.config
-        self.seq_length = data_cfg.seq_length
-        self.dataset = build_blended_train_dataset(
-            data_cfg.data_path, seq_length=data_cfg.seq_length,
-            num_samples=config.training.steps * config.training.global_batch_size,
-            seed=data_cfg.seed, split=data_cfg.split, eod_id=data_cfg.eod, pad_id=data_cfg.pad,
-            cache_dir=data_cfg.path_to_cache)
+        self.dataset = build_dataset(config, num_samples=config.training.steps * config.training.global_batch_size)
+        self.seq_length = seq_length_of(config, self.dataset)
+        loader = config.train_dataset.dataloader
+        self.use_positions = isinstance(loader, BlendedMegatronLoaderConfig) and loader.config.reset_position_ids
         self.step = 0
         self.consumed_samples = 0
         self.resumed_from: str | None = None
@@ -128,12 +125,14 @@ class Trainer:
                            f"{self.consumed_samples} samples consumed")
 
     # ---- one step ----------------------------------------------------------------------------
-    def _micro_batch(self, micro: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _micro_batch(self, micro: int) -> tuple[Tensor | None, ...]:
+        """The model's positional inputs: input_ids, labels, loss_mask, position_ids, attention_mask
+        (the last two None when the model's own positions and causal mask are right)."""
         indices = micro_batch_indices(self.consumed_samples, micro, self.world.rank, self.dp,
                                       self.config.training.local_batch_size)
-        samples = [self.dataset[i] for i in indices]
-        stack = lambda key, dtype: Tensor(np.stack([s[key] for s in samples]).astype(dtype))  # noqa: E731
-        return stack("input_ids", np.int32), stack("labels", np.int32), stack("loss_mask", np.float32)
+        batch = stack_model_inputs([self.dataset[i] for i in indices], self.use_positions)
+        return tuple(None if batch.get(key) is None else Tensor(batch[key])
+                     for key in ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask"))
 
     def train_step(self) -> dict:
         started = time.perf_counter()
@@ -176,7 +175,7 @@ class Trainer:
             # Kiln's extras: what a bit-identical resume and an audit need
             "loss": metrics["loss"], "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
             "config_sha256": config_sha256(self.resolved_yaml),
-            "data_position": {"consumed_samples": self.consumed_samples, "seed": cfg.train_dataset.dataloader.config.seed},
+            "data_position": {"consumed_samples": self.consumed_samples, "seed": cfg.train_dataset.dataloader.seed},
             "rng": {"seed": cfg.training.seed, "numpy_global": "seeded once at start; the training step draws no random numbers"},
             "world_size": self.world.size,
         }

@@ -328,6 +328,16 @@ def _block_causal_mask(document_starts: np.ndarray) -> np.ndarray:
     return masked.astype(np.int32)[None]
 
 
+def block_causal_mask_from_actual_seq_len(actual_seq_len: np.ndarray, size: int) -> np.ndarray:
+    """The [1, size, size] mask (1 = masked) that a compressed EOD mask stands for: causal within each
+    document, documents ending at the listed positions (padding entries equal `size`)."""
+    ends = np.asarray(actual_seq_len)
+    ends = ends[ends < size]
+    starts = np.zeros(size, dtype=np.int32)
+    starts[ends] = ends
+    return _block_causal_mask(np.maximum.accumulate(starts))
+
+
 def _actual_seq_len(eods: np.ndarray, eod_pad_length: int, where: str) -> np.ndarray:
     """End (index + 1) of each document inside the sample, an EOD in the last position excluded,
     right-padded with the sequence length: MindFormers' compressed EOD mask."""
@@ -642,6 +652,10 @@ class BlendedDataset:
         self._check(idx)
         return int(self.dataset_index[idx])
 
+    def sample_tokens(self, idx: int) -> np.ndarray:
+        """The raw tokens behind item `idx` (see GPTDataset.sample_tokens)."""
+        return self.datasets[self.source_of(idx)].sample_tokens(int(self.dataset_sample_index[idx]))
+
     def __getitem__(self, idx: int) -> dict:
         source = self.source_of(idx)
         item = self.datasets[source][int(self.dataset_sample_index[idx])]
@@ -682,7 +696,7 @@ def parse_data_path(data_path: Sequence) -> list[tuple[float, str]]:
     return pairs
 
 
-def build_blended_train_dataset(
+def build_blended_dataset(
     data_path: Sequence,
     *,
     seq_length: int,
@@ -692,9 +706,11 @@ def build_blended_train_dataset(
     eod_id: int,
     pad_id: int = -1,
     cache_dir: str | os.PathLike | None = None,
+    split_index: int = 0,
     **options,
 ) -> BlendedDataset:
-    """The training split of a Megatron blend: one GPTDataset per source, blended by weight.
+    """Split `split_index` (0 train, 1 valid, 2 test) of a Megatron blend: one GPTDataset per source,
+    blended by weight.
 
     As MindFormers' BlendedMegatronDatasetBuilder: source k is asked for
     ceil(num_samples * weight_k * 1.005) samples and the blend is as long as all those requests
@@ -707,7 +723,7 @@ def build_blended_train_dataset(
     sizes = [math.ceil(num_samples * weight * _BLEND_SURPLUS) for weight in weights]
     datasets = [
         GPTDataset(IndexedDataset(prefix), seq_length=seq_length, num_samples=size, seed=seed, split=split,
-                   split_index=0, eod_id=eod_id, pad_id=pad_id, cache_dir=cache_dir, **options)
+                   split_index=split_index, eod_id=eod_id, pad_id=pad_id, cache_dir=cache_dir, **options)
         for size, (_, prefix) in zip(sizes, pairs)
     ]
     return BlendedDataset(datasets, weights, sum(sizes), cache_dir=cache_dir)

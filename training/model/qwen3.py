@@ -171,8 +171,13 @@ class RotaryEmbedding:
         self.cos = Tensor(np.cos(np.concatenate([angles, angles], axis=-1)).astype(np.float32))
         self.signed_sin = Tensor(np.sin(np.concatenate([-angles, angles], axis=-1)).astype(np.float32))
 
-    def tables(self, seq_len: int) -> tuple[Tensor, Tensor]:
-        return self.cos[:seq_len], self.signed_sin[:seq_len]
+    def tables(self, seq_len: int, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """[seq, head_dim] for positions 0..seq-1, or [batch, 1, seq, head_dim] for explicit per-sample
+        ``position_ids`` [batch, seq] (positions restarting at document boundaries)."""
+        if position_ids is None:
+            return self.cos[:seq_len], self.signed_sin[:seq_len]
+        return (ops.gather(self.cos, position_ids, 0).expand_dims(1),
+                ops.gather(self.signed_sin, position_ids, 0).expand_dims(1))
 
 
 def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
@@ -188,6 +193,13 @@ def causal_mask(seq_len: int, repeats: int = 1) -> Tensor:
     future = np.triu(np.ones((seq_len, seq_len), dtype=bool), k=1)
     mask = np.where(future, np.finfo(np.float32).min, 0.0).astype(np.float32)
     return Tensor(np.tile(mask, (repeats, 1)))
+
+
+def additive_mask(attention_mask: Tensor, repeats: int = 1) -> Tensor:
+    """Per-sample masks as the dataset gives them ([batch, 1, seq, seq], 1 = masked, e.g. block-causal
+    at document ends) → additive [batch, 1, repeats·seq, seq], stacked like ``causal_mask``."""
+    additive = _cast(attention_mask, ms.float32) * float(np.finfo(np.float32).min)
+    return ops.tile(additive, (1, 1, repeats, 1))
 
 
 _bmm = ops.BatchMatMul()
@@ -215,7 +227,8 @@ class SelfAttention(nn.Cell):
         self.scale = 1.0 / math.sqrt(self.head_dim)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        """x: [batch, seq, hidden]; mask: causal_mask(seq, heads_per_group)."""
+        """x: [batch, seq, hidden]; cos/sin from RotaryEmbedding.tables; mask: causal_mask(seq,
+        heads_per_group) or additive_mask(attention_mask, heads_per_group)."""
         batch, seq, _ = x.shape
         groups, per_group, dim = self.num_groups, self.heads_per_group, self.head_dim
         qkv = self.linear_qkv(x).reshape(batch, seq, groups, per_group + 2, dim)
@@ -223,7 +236,9 @@ class SelfAttention(nn.Cell):
         q = self.q_layernorm(q).transpose(0, 2, 3, 1, 4)                  # [batch, groups, per_group, seq, dim]
         k = self.k_layernorm(k.squeeze(3)).transpose(0, 2, 1, 3)           # [batch, groups, seq, dim]
         v = v.squeeze(3).transpose(0, 2, 1, 3)
-        q = apply_rotary(q, cos, sin).reshape(batch, groups, per_group * seq, dim) * self.scale
+        # per-sample tables are [batch, 1, seq, dim] (k's layout); q has one more head axis
+        q_cos, q_sin = (cos, sin) if cos.ndim == 2 else (cos.expand_dims(1), sin.expand_dims(1))
+        q = apply_rotary(q, q_cos, q_sin).reshape(batch, groups, per_group * seq, dim) * self.scale
         k = apply_rotary(k, cos, sin)
 
         scores = _cast(_bmm_transpose_b(q, k), ms.float32) + mask          # [batch, groups, per_group·seq, seq]
@@ -285,7 +300,8 @@ def token_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
 # ---- the model -------------------------------------------------------------------------------------
 
 class GPTModel(nn.Cell):
-    """Qwen3 causal LM. ``construct(input_ids, labels, loss_mask)`` returns the masked mean token loss."""
+    """Qwen3 causal LM. ``construct(input_ids, labels, loss_mask[, position_ids, attention_mask])`` returns
+    the masked mean token loss."""
 
     def __init__(self, config: Qwen3Config, seed: int | None = None):
         super().__init__()
@@ -299,15 +315,19 @@ class GPTModel(nn.Cell):
         self.decoder = TransformerBlock(init, config)
         self.output_layer = None if config.tie_word_embeddings else Linear(init, config.hidden_size, config.vocab_size)
 
-    def logits(self, input_ids: Tensor) -> Tensor:
-        """[batch, seq] token ids → [batch, seq, vocab] fp32 logits."""
+    def logits(self, input_ids: Tensor, position_ids: Tensor | None = None,
+               attention_mask: Tensor | None = None) -> Tensor:
+        """[batch, seq] token ids → [batch, seq, vocab] fp32 logits. Without ``position_ids`` positions
+        are 0..seq-1; without ``attention_mask`` ([batch, 1, seq, seq], 1 = masked) attention is causal."""
         seq = input_ids.shape[1]
         if seq > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {seq} exceeds model.max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
-        cos, sin = self.rotary.tables(seq)
+        cos, sin = self.rotary.tables(seq, position_ids)
         hidden = _cast(self.embedding(input_ids), self.compute_dtype)
-        mask = causal_mask(seq, self.config.num_attention_heads // self.config.num_key_value_heads)
+        heads_per_group = self.config.num_attention_heads // self.config.num_key_value_heads
+        mask = (causal_mask(seq, heads_per_group) if attention_mask is None
+                else additive_mask(attention_mask, heads_per_group))
         hidden = self.decoder(hidden, cos, sin, mask)
         if self.output_layer is None:
             logits = linear(hidden, self.embedding.word_embeddings.weight)
@@ -315,8 +335,9 @@ class GPTModel(nn.Cell):
             logits = self.output_layer(hidden)
         return _cast(logits, ms.float32)
 
-    def construct(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
-        logits = self.logits(input_ids)
+    def construct(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor, position_ids: Tensor | None = None,
+                  attention_mask: Tensor | None = None) -> Tensor:
+        logits = self.logits(input_ids, position_ids, attention_mask)
         token_loss = token_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         mask = _cast(loss_mask.reshape(-1), ms.float32)
         return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
