@@ -17,7 +17,7 @@ from assets.builtin_corpus import write_builtin_source
 from assets.sources import load_sources
 from resources.storage import PROJECT_ROOT, KilnStorage
 from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
-from training.checkpoint import write_json_atomic
+from training.atomic import write_json_atomic
 from training.data.corpus import SUFFIXES, iter_texts, scan_corpus
 from training.data.hashing import sha256_file
 from training.data.manifest import build_manifest

@@ -60,7 +60,7 @@ def run(report, consume_samples_per_s: float = DEFAULT_CONSUME_SAMPLES_PER_S, nu
         options = dict(seq_length=SEQ_LENGTH, num_samples=int(2.5 * tokens / SEQ_LENGTH), seed=1234, eod_id=EOD,
                        cache_dir=work / "cache")
         started = time.perf_counter()
-        dataset = GPTDataset(IndexedDataset(work / "corpus"), **options)
+        GPTDataset(IndexedDataset(work / "corpus"), **options)
         report(f"open + index build, {num_documents / 1e6:g}M docs", 1e3 * (time.perf_counter() - started), "ms")
         started = time.perf_counter()
         cached = GPTDataset(IndexedDataset(work / "corpus"), **options)

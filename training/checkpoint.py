@@ -9,7 +9,6 @@ Nothing is deserialized with pickle: tensors are safetensors, the rest JSON.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -17,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
+from training.atomic import write_atomic, write_json_atomic, write_text_atomic
 from training.data.hashing import sha256_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -44,23 +44,9 @@ def shard_file_name(prefix: str | None, kind: str, rank: int, world_size: int) -
     return f"{prefix}-{stem}" if prefix else stem
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, payload: dict) -> None:
-    write_text_atomic(path, json.dumps(payload, indent=4, sort_keys=False) + "\n")
-
-
 def _write_safetensors_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp))
-    os.replace(tmp, path)
+    data = save({k: np.ascontiguousarray(v) for k, v in arrays.items()})
+    write_atomic(path, lambda stream: stream.write(data))
 
 
 @dataclass

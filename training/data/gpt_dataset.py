@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from training.atomic import write_atomic
 from training.data.hashing import sha256_file
 from training.data.indexed import IndexedDataset
 
@@ -114,18 +114,6 @@ def _flag(name: str, value) -> bool:
 # ---- index cache ----------------------------------------------------------------------------
 
 
-def _save_atomically(path: Path, write: Callable) -> None:
-    """`write(stream)` into a temporary name, then rename: a crash never leaves a truncated file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as stream:
-            write(stream)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _canonical(description) -> str:
     return json.dumps(description, sort_keys=True)
 
@@ -152,10 +140,10 @@ def _cached_indices(cache_dir: str | os.PathLike | None, kind: str, description:
         return arrays, True
     arrays = list(build())
     for path, values in zip(paths, arrays):
-        _save_atomically(path, lambda stream, values=values: np.save(stream, values, allow_pickle=False))
+        write_atomic(path, lambda stream, values=values: np.save(stream, values, allow_pickle=False))
     manifest = {"description": description, "sha256": {path.name: sha256_file(path) for path in paths}}
     text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    _save_atomically(manifest_path, lambda stream: stream.write(text.encode("utf-8")))
+    write_atomic(manifest_path, lambda stream: stream.write(text.encode("utf-8")))
     return arrays, False
 
 
