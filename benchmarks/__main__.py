@@ -1,14 +1,16 @@
 """python -m benchmarks [--steps N] — preprocessing and training throughput on this machine.
 
 Each line is `name: figure (ratio × reference)`, the reference measured in the same process:
-- tokenizing: the parallel `.bin/.idx` writer vs. bare sentencepiece encoding × workers (1.0 means
-  reading, pickling and writing cost nothing);
+- tokenizing: the whole `kiln preprocess` command, start-up included, vs. the fastest bare
+  sentencepiece encoding of the same texts on the same cores (threads or processes, Python lists
+  or numpy buffers; 1.0 means start-up, reading, parsing and writing cost nothing);
 - training: the trainer's tokens/s and FLOP/s vs. this machine's fp32 matmul peak in MindSpore.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -24,33 +26,111 @@ def report(name: str, value: float, unit: str, ratio: float | None = None, refer
     print(f"{name:<34} {value:>14,.1f} {unit}{suffix}", flush=True)
 
 
-def bench_tokenizing(work: Path, corpus_bytes: int) -> Path:
-    """Builds the built-in code source, a 4,096-piece tokenizer and its shard; returns the shard prefix."""
+def _corpus(work: Path, corpus_bytes: int) -> list[Path]:
+    """The built-in code and docstring sources, topped up with a second pass over the code lines
+    when the standard library holds less than `corpus_bytes`."""
+    from assets.builtin_corpus import write_builtin_source
+
+    files = write_builtin_source("python_stdlib_code", work / "raw" / "code", corpus_bytes)
+    size = sum(p.stat().st_size for p in files)
+    files += write_builtin_source("python_stdlib_docstrings", work / "raw" / "docs", max(1, corpus_bytes - size))
+    size = sum(p.stat().st_size for p in files)
+    if size < corpus_bytes:
+        top_up = work / "raw" / "again.jsonl"
+        with open(files[0], "rb") as source, open(top_up, "wb") as out:
+            for line in source:
+                if size + len(line) > corpus_bytes:
+                    break
+                out.write(line)
+                size += len(line)
+        files.append(top_up)
+    return files
+
+
+def _bare_processes(files: list[Path], model: str, out_type, workers: int, repeats: int) -> float:
+    """tokens/s of `workers` warm processes each encoding its share; the wall time of a round is
+    that of the slowest share (process start-up and text loading not counted)."""
+    import multiprocessing
+
+    from benchmarks import bare_encode
+
+    context = multiprocessing.get_context("spawn")
+    pools = [context.Pool(1, initializer=bare_encode.load_share, initargs=(files, model, i, workers))
+             for i in range(workers)]
+    try:
+        best = 0.0
+        for _ in range(repeats):
+            results = [pool.apply_async(bare_encode.encode_share, (out_type,)) for pool in pools]
+            shares = [r.get() for r in results]
+            best = max(best, sum(t for t, _ in shares) / max(s for _, s in shares))
+        return best
+    finally:
+        for pool in pools:
+            pool.terminate()
+
+
+def _best_rate(run, repeats: int) -> float:
+    """The best tokens/s of `repeats` runs of `run() -> tokens`: other load on the machine only slows runs."""
+    best = 0.0
+    for _ in range(repeats):
+        started = time.perf_counter()
+        tokens = run()
+        best = max(best, tokens / (time.perf_counter() - started))
+    return best
+
+
+def bench_tokenizing(work: Path, corpus_bytes: int, repeats: int = 3) -> Path:
+    """The whole `kiln preprocess` command (interpreter start-up included) against the best bare
+    sentencepiece encoding of the same texts on the same cores; returns the shard prefix."""
     import sentencepiece
 
-    from assets.builtin_corpus import write_builtin_source
     from resources.tokenizer import TokenizerSettings
-    from training.data.corpus import iter_jsonl_documents
+    from training.data.corpus import iter_texts
     from training.data.preprocess import tokenize_to_indexed
 
-    files = write_builtin_source("python_stdlib_code", work / "raw", corpus_bytes)
-    texts = [text for path in files for _, text in iter_jsonl_documents(path, ["text"])]
+    files = _corpus(work, corpus_bytes)
+    texts = [text for path in files for text in iter_texts(path)]
+    size = sum(p.stat().st_size for p in files)
     started = time.perf_counter()
     TokenizerSettings(sample_lines=50_000).train(texts, work / "tokenizer")
     report("tokenizer training (50k lines)", time.perf_counter() - started, "s")
 
     model = str(work / "tokenizer.model")
     processor = sentencepiece.SentencePieceProcessor(model_file=model)
-    started = time.perf_counter()
-    bare_tokens = sum(len(ids) + 1 for ids in processor.encode(texts, out_type=int, num_threads=1))
-    bare_rate = bare_tokens / (time.perf_counter() - started)
-    report("sentencepiece encode, 1 thread", bare_rate, "tokens/s")
-
     workers = os.cpu_count() or 1
-    stats = tokenize_to_indexed(files, model, work / "shard", workers=workers)
-    report(f"tokenize_to_indexed, {workers} workers", stats["tokens_per_s"], "tokens/s",
-           stats["tokens_per_s"] / (bare_rate * workers), f"bare encode × {workers}")
-    return work / "shard"
+    bare = {}
+    for out_type in (int, "numpy"):
+        name = "int lists" if out_type is int else "numpy buffers"
+        bare[f"1 thread, {name}"] = _best_rate(
+            lambda: sum(len(ids) + 1 for ids in processor.encode(texts, out_type=out_type, num_threads=1)), repeats)
+        bare[f"{workers} threads, {name}"] = _best_rate(
+            lambda: sum(len(ids) + 1 for ids in processor.encode(texts, out_type=out_type, num_threads=workers)),
+            repeats)
+        bare[f"{workers} processes, {name}"] = _bare_processes(files, model, out_type, workers, repeats)
+    for name, rate in bare.items():
+        report(f"bare sentencepiece, {name}", rate, "tokens/s")
+    best_name = max(bare, key=bare.get)
+
+    command = [sys.executable, "-m", "training.cli", "preprocess", *(f"--input={p}" for p in files),
+               f"--tokenizer-model={model}", f"--output-prefix={work / 'shard'}", f"--workers={workers}",
+               "--append-eod"]
+    rate = _best_rate(lambda: _run_command(command, work / "shard_text_document"), repeats)
+    report(f"kiln preprocess, {size / 1e6:.1f} MB", rate, "tokens/s", rate / bare[best_name], f"bare {best_name}")
+    lists = max((name for name in bare if "int lists" in name), key=bare.get)
+    report("  same, vs Python-list encoding", rate, "tokens/s", rate / bare[lists], f"bare {lists}")
+    # the same function in this process: the command's figure less interpreter start-up and imports
+    rate = _best_rate(lambda: tokenize_to_indexed(files, model, work / "in_process", workers=workers)["tokens"],
+                      repeats)
+    report("  tokenize_to_indexed in process", rate, "tokens/s", rate / bare[best_name], f"bare {best_name}")
+    return work / "shard_text_document"
+
+
+def _run_command(command: list[str], prefix: Path) -> int:
+    """Run the command to its end; the tokens it wrote."""
+    from training.data.indexed import IndexedDataset
+
+    subprocess.run(command, check=True, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL)
+    return IndexedDataset(prefix).num_tokens
 
 
 def matmul_peak_flops(size: int = 1024, repeats: int = 20) -> float:
@@ -101,10 +181,12 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus-bytes", type=int, default=20_000_000)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--tokenizing-only", action="store_true", help="skip the training benchmark")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
         shard = bench_tokenizing(Path(tmp), args.corpus_bytes)
-        bench_training(shard, args.steps)
+        if not args.tokenizing_only:
+            bench_training(shard, args.steps)
     return 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 
@@ -19,7 +20,31 @@ def _audit(args) -> int:
     return audit_exit_code(checks)
 
 
+def _preprocess(args) -> int:
+    from training.data.preprocess import tokenize_to_indexed
+
+    try:
+        stats = tokenize_to_indexed(args.input, args.tokenizer_model, args.output_prefix, json_keys=args.json_keys,
+                                    append_eod=args.append_eod, prepend_bos=args.prepend_bos, workers=args.workers,
+                                    on_bad_line=args.on_bad_line, max_shard_tokens=args.max_shard_tokens)
+    except (ValueError, OSError) as exc:  # CorpusError is a ValueError: its message names file:line
+        print(f"kiln preprocess: {exc}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - args.started
+    print(f"{stats['docs']:,} documents, {stats['tokens']:,} tokens ({stats['dtype']}) from {stats['records']:,} "
+          f"records in {seconds:.2f} s: {stats['tokens'] / seconds:,.0f} tokens/s with {stats['workers']} workers")
+    if stats["empty_docs"]:
+        print(f"dropped {stats['empty_docs']:,} empty documents")
+    if stats["skipped"]:
+        reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(stats["skipped_by_reason"].items()))
+        print(f"skipped {stats['skipped']:,} bad records ({reasons}); see {stats['quarantine']}")
+    for output in stats["outputs"]:
+        print(f"wrote {output['bin_path']} and .idx: {output['docs']:,} documents, {output['tokens']:,} tokens")
+    return 0
+
+
 def main(argv=None) -> int:
+    started = time.perf_counter()
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln pretraining pipeline tools")
     commands = parser.add_subparsers(dest="command", required=True)
     audit = commands.add_parser("audit", help="re-verify a checkpoint's lineage back to the raw files",
@@ -29,6 +54,25 @@ def main(argv=None) -> int:
     audit.add_argument("--data-root", help="where the data root is now (default: as recorded)")
     audit.add_argument("--json", action="store_true", help="machine-readable output")
     audit.set_defaults(handler=_audit)
+
+    preprocess = commands.add_parser(
+        "preprocess", help="tokenize JSONL / JSON-array / Parquet files into Megatron .bin/.idx datasets",
+        description="Writes <output-prefix>_<key>_document.bin/.idx per json key (with --max-shard-tokens: "
+                    "..._document_00000, _00001, ...). Exit 2 on bad input, naming file:line.")
+    preprocess.add_argument("--input", action="append", required=True, metavar="FILE",
+                            help="a .jsonl, .json (one array) or .parquet file; repeat for several, read in order")
+    preprocess.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                            help="keys holding the text; each key is its own dataset (default: text)")
+    preprocess.add_argument("--tokenizer-model", required=True, help="a sentencepiece .model file")
+    preprocess.add_argument("--output-prefix", required=True)
+    preprocess.add_argument("--workers", type=int, default=None, help="tokenizing threads (default: CPU count)")
+    preprocess.add_argument("--append-eod", action="store_true", help="end every document with the eos id")
+    preprocess.add_argument("--prepend-bos", action="store_true", help="start every document with the bos id")
+    preprocess.add_argument("--on-bad-line", choices=["error", "skip"], default="error",
+                            help="skip: count bad records and write them to <output-prefix>_quarantine.jsonl")
+    preprocess.add_argument("--max-shard-tokens", type=int, default=None,
+                            help="split each dataset into shards of at most this many tokens")
+    preprocess.set_defaults(handler=_preprocess, started=started)
     args = parser.parse_args(argv)
     return args.handler(args)
 

@@ -20,7 +20,6 @@ HISTOGRAM_BUCKETS = 32
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    model_file: str
     keys: tuple[str, ...]
     dtype: str  # of the tokens: "uint16" or "int32"
     eod_id: int | None  # the model's eos id, appended to every document when set
@@ -47,9 +46,9 @@ class Encoded:
 
 
 class Encoder:
-    def __init__(self, spec: EncoderSpec) -> None:
+    def __init__(self, spec: EncoderSpec, processor: sentencepiece.SentencePieceProcessor) -> None:
         self.spec = spec
-        self.processor = sentencepiece.SentencePieceProcessor(model_file=spec.model_file)
+        self.processor = processor  # shared by all worker threads: its encode is thread-safe
         self.dtype = np.dtype(spec.dtype).newbyteorder("<")  # Megatron's files are little-endian
         self.extra = (spec.bos_id is not None) + (spec.eod_id is not None)
 

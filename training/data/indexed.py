@@ -163,11 +163,13 @@ class IndexedDatasetWriter:
         """Finish the `.bin` and write the `.idx`, both still under temporary names."""
         self._require("open")
         try:
+            _flush_to_disk(self._bin)  # on disk before the rename, like every file Kiln writes
             self._bin.close()
             self._idx_tmp = _temp_path_next_to(self.idx_path)
             lengths = np.array(self._lengths, dtype=np.int64)
             with open(self._idx_tmp, "wb") as idx:
                 self.idx_sha256 = _write_index(idx, self._code, self.dtype.itemsize, lengths)
+                _flush_to_disk(idx)
             self.bin_sha256 = self._bin_digest.hexdigest()
         except BaseException:
             self.abort()
@@ -196,6 +198,11 @@ class IndexedDatasetWriter:
         for path in (self._bin_tmp, self._idx_tmp):
             if path is not None:
                 path.unlink(missing_ok=True)
+
+
+def _flush_to_disk(stream) -> None:
+    stream.flush()
+    os.fsync(stream.fileno())
 
 
 def _write_index(stream, code: int, itemsize: int, lengths: np.ndarray) -> str:

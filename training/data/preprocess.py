@@ -152,8 +152,7 @@ def _record_tasks(path: Path, keys: tuple[str, ...], chunk_bytes: int) -> Iterat
     yield task
 
 
-def _encoded_in_order(tasks: Iterable[_Task], spec: EncoderSpec, workers: int) -> Iterator[tuple[_Task, Encoded]]:
-    encoder = Encoder(spec)  # one model for all threads: sentencepiece's encode is thread-safe
+def _encoded_in_order(tasks: Iterable[_Task], encoder: Encoder, workers: int) -> Iterator[tuple[_Task, Encoded]]:
     if workers == 1:
         for task in tasks:
             yield task, encoder(task.work)
@@ -225,7 +224,7 @@ def tokenize_to_indexed(
         if wanted and piece_id < 0:
             raise ValueError(f"{model_file}: the model has no {piece} piece ({piece}_id = -1), so none can be added")
     dtype = dtype_for_vocab(processor.vocab_size())
-    spec = EncoderSpec(model_file, keys, str(dtype), processor.eos_id() if append_eod else None,
+    spec = EncoderSpec(keys, str(dtype), processor.eos_id() if append_eod else None,
                        processor.bos_id() if prepend_bos else None)
 
     started = time.perf_counter()
@@ -237,7 +236,7 @@ def tokenize_to_indexed(
     try:
         streams += [_ShardedStream(output_prefix, key, dtype, max_shard_tokens) for key in keys]
         tasks = _tasks(files, keys, _chunk_bytes(files, workers))
-        for task, encoded in _encoded_in_order(tasks, spec, workers):
+        for task, encoded in _encoded_in_order(tasks, Encoder(spec, processor), workers):
             _report_bad_records(task, encoded, bad, line_bases)
             for k, stream in enumerate(streams):
                 stream.add(encoded.lengths[k], encoded.tokens[k])
