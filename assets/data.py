@@ -55,8 +55,11 @@ def _replace_dir(staging: Path, target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, target)
 
+def _part_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("part-*") if p.suffix.lower() in SUFFIXES)
+
 def raw_files(storage: KilnStorage, source: str) -> list[Path]:
-    files = sorted(p for p in storage.raw_dir(source).glob("part-*") if p.suffix in SUFFIXES)
+    files = _part_files(storage.raw_dir(source))
     if not files:
         raise dg.Failure(f"no raw files for source {source!r} in {storage.raw_dir(source)}; "
                          f"materialize raw_corpus[{source}] first")
@@ -86,7 +89,7 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
                 # validate before copying: errors name the user's file:line
                 scan_corpus(src, spec.json_keys, spec.on_bad_line)
                 shutil.copyfile(src, staging / f"part-{i:05d}{src.suffix}")
-        rows = [{"path": p.name, **scan_corpus(p, spec.json_keys, spec.on_bad_line)} for p in sorted(staging.iterdir())]
+        rows = [{"path": p.name, **scan_corpus(p, spec.json_keys, spec.on_bad_line)} for p in _part_files(staging)]
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -220,8 +220,9 @@ class _JsonArrayReader:
     where the next element starts, so it always raises CorpusError.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, stream) -> None:
         self.path = path
+        self._stream = stream
         self._decoder = json.JSONDecoder()
         self._text_decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="surrogateescape")
         self._buffer = ""
@@ -229,9 +230,8 @@ class _JsonArrayReader:
         self._line = 1  # line number at self._pos
         self._eof = False
 
-    def elements(self, stream) -> Iterator[tuple[int, int, object, str]]:
+    def elements(self) -> Iterator[tuple[int, int, object, str]]:
         """(line, index, value, raw text) of each element."""
-        self._stream = stream
         self._expect("[", "expected a JSON array (the file's first character must be '[')")
         if self._peek() == "]":
             self._advance(1)
@@ -249,7 +249,7 @@ class _JsonArrayReader:
             self._fail("unexpected data after the closing ']'")
 
     def _element(self, index: int) -> tuple[int, int, object, str]:
-        self._peek()
+        self._peek()  # to the element's first character
         line = self._line
         while True:
             try:
@@ -274,7 +274,9 @@ class _JsonArrayReader:
     def _read_more(self, index: int) -> None:
         if len(self._buffer) - self._pos > MAX_ELEMENT_BYTES:
             self._fail(f"element {index} is longer than {MAX_ELEMENT_BYTES} bytes or not valid JSON")
-        block = self._stream.read(_READ_BLOCK)
+        # at least as much as is buffered: an element spanning many blocks is re-parsed only
+        # a logarithmic number of times
+        block = self._stream.read(max(_READ_BLOCK, len(self._buffer) - self._pos))
         self._eof = not block
         self._buffer = self._buffer[self._pos:] + self._text_decoder.decode(block, final=self._eof)
         self._pos = 0
@@ -305,7 +307,7 @@ class _JsonArrayReader:
 
 def _iter_json_array(path: Path, keys: tuple[str, ...]) -> Iterator[Record | Rejection]:
     with open(path, "rb") as stream:
-        for line, index, value, raw in _JsonArrayReader(path).elements(stream):
+        for line, index, value, raw in _JsonArrayReader(path, stream).elements():
             place = {"line": line, "element": index}
             try:
                 values = record_values(value, keys, check_surrogates=True)

@@ -140,9 +140,10 @@ def _record_tasks(path: Path, keys: tuple[str, ...], chunk_bytes: int) -> Iterat
         for item in iter_records(path, keys):
             if isinstance(item, Rejection):
                 task.rejections.append(item)
-                continue
-            task.work.append(item.values)
-            size += sum(map(len, item.values))
+                size += len(item.raw)  # a file of bad records must not pile them all up here
+            else:
+                task.work.append(item.values)
+                size += sum(map(len, item.values))
             if size >= chunk_bytes:
                 yield task
                 task, size = _Task(path, []), 0
