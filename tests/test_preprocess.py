@@ -239,3 +239,26 @@ def test_bad_arguments(tmp_path, tokenizer_model, kwargs, message):
         tokenize_to_indexed([path], tokenizer_model, tmp_path / "p", **kwargs)
     with pytest.raises(FileNotFoundError, match=r"missing\.jsonl: input file not found"):
         tokenize_to_indexed([tmp_path / "missing.jsonl"], tokenizer_model, tmp_path / "p")
+
+
+def test_command_prints_a_summary_and_names_a_bad_line(tmp_path, tokenizer_model, capsys):
+    from training.cli import main as kiln
+
+    jsonl = _write_jsonl(tmp_path / "a.jsonl", _documents(10, 30) + [""])
+    parquet = tmp_path / "b.parquet"
+    pq.write_table(pa.table({"text": _documents(11, 20)}), parquet)
+    prefix = tmp_path / "out" / "corpus"
+    assert kiln(["preprocess", "--input", str(jsonl), "--input", str(parquet), "--tokenizer-model",
+                 str(tokenizer_model), "--output-prefix", str(prefix), "--workers", "2", "--append-eod"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("50 documents, ") and "tokens/s with 2 workers" in out
+    assert "dropped 1 empty documents" in out
+    assert f"wrote {prefix}_text_document.bin and .idx: 50 documents" in out
+    assert len(IndexedDataset(f"{prefix}_text_document")) == 50
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "alpha"}\n{"text": "beta"\n')
+    assert kiln(["preprocess", "--input", str(bad), "--tokenizer-model", str(tokenizer_model),
+                 "--output-prefix", str(tmp_path / "bad")]) == 2
+    assert capsys.readouterr().err.startswith(f"kiln preprocess: {bad}:2: invalid JSON")
+    assert not list(tmp_path.glob("bad_*"))
