@@ -13,6 +13,7 @@ from typing import BinaryIO, Callable
 def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
     """``write(stream)`` into a temporary file next to ``path``, then rename it to ``path``."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as stream:

@@ -43,6 +43,47 @@ def _preprocess(args) -> int:
     return 0
 
 
+def _dataset_inspect(args) -> int:
+    from training.config import ConfigError, load_config
+    from training.data.inspect import inspect_samples, render
+
+    try:
+        config = load_config(args.config, args.overrides)
+        tokens, sources = inspect_samples(config, args.split, args.num)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"kiln dataset inspect: {exc}", file=sys.stderr)
+        return 2
+    decode = None
+    if args.tokenizer_model:
+        import sentencepiece
+
+        processor = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model)
+        decode = lambda ids: processor.decode([i for i in ids if 0 <= i < processor.vocab_size()])  # noqa: E731
+    print(render(tokens, sources, config.training.global_batch_size, decode))
+    if args.dump:
+        from training.atomic import write_atomic
+        import numpy as np
+
+        write_atomic(args.dump, lambda stream: np.save(stream, tokens, allow_pickle=False))
+        print(f"saved {tokens.shape[0]} samples as int64 {list(tokens.shape)} to {args.dump}")
+    return 0
+
+
+def _mindrecord(args) -> int:
+    from training.data.mindrecord import convert_to_mindrecord
+
+    try:
+        sidecar = convert_to_mindrecord(args.input_prefix, args.output, seq_length=args.seq_length,
+                                        eod_id=args.eod, num_samples=args.num_samples, seed=args.seed,
+                                        actual_seq_len=args.actual_seq_len, shard_num=args.shards,
+                                        overwrite=args.overwrite)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"kiln mindrecord: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {sidecar['num_samples']:,} samples of {args.seq_length} + 1 tokens to {args.output}")
+    return 0
+
+
 def main(argv=None) -> int:
     started = time.perf_counter()
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln pretraining pipeline tools")
@@ -73,6 +114,34 @@ def main(argv=None) -> int:
     preprocess.add_argument("--max-shard-tokens", type=int, default=None,
                             help="split each dataset into shards of at most this many tokens")
     preprocess.set_defaults(handler=_preprocess, started=started)
+
+    dataset = commands.add_parser("dataset", help="look at a training config's dataset")
+    inspect = dataset.add_subparsers(dest="dataset_command", required=True).add_parser(
+        "inspect", help="the first samples exactly as training reads them, with their source",
+        description="Sample i is what training reads at step i // global_batch_size (see the trainer's "
+                    "data-parallel order). Exit 2 on a bad config.")
+    inspect.add_argument("--config", required=True, help="a training YAML (e.g. runs/<run>/config.yaml)")
+    inspect.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    inspect.add_argument("--split", choices=["train", "valid", "test"], default="train")
+    inspect.add_argument("--num", type=int, default=8, help="how many samples (default 8)")
+    inspect.add_argument("--dump", metavar="OUT.npy", help="save the samples as int64 [num, seq_length + 1]")
+    inspect.add_argument("--tokenizer-model", help="a sentencepiece .model to show the samples' text too")
+    inspect.set_defaults(handler=_dataset_inspect)
+
+    mindrecord = commands.add_parser(
+        "mindrecord", help="convert a Megatron .bin/.idx dataset into MindRecord training samples",
+        description="Cuts GPTDataset samples (seq-length + 1 tokens) and writes them with MindSpore's "
+                    "FileWriter; a MindDataset dataloader reads the result.")
+    mindrecord.add_argument("--input-prefix", required=True, help="the dataset path without .bin/.idx")
+    mindrecord.add_argument("--output", required=True, help="the .mindrecord file to write")
+    mindrecord.add_argument("--seq-length", type=int, required=True)
+    mindrecord.add_argument("--eod", type=int, required=True, help="the tokenizer's end-of-document id")
+    mindrecord.add_argument("--num-samples", type=int, help="default: one pass over the data")
+    mindrecord.add_argument("--seed", type=int, help="GPTDataset shuffle seed (default 1234)")
+    mindrecord.add_argument("--actual-seq-len", action="store_true", help="also store compressed EOD masks")
+    mindrecord.add_argument("--shards", type=int, default=1, help="MindRecord files to spread the samples over")
+    mindrecord.add_argument("--overwrite", action="store_true")
+    mindrecord.set_defaults(handler=_mindrecord)
     args = parser.parse_args(argv)
     return args.handler(args)
 

@@ -1,0 +1,48 @@
+"""`kiln dataset inspect`: the first samples of a run's dataset, exactly as training reads them."""
+from __future__ import annotations
+
+import numpy as np
+
+from training.config import BlendedMegatronLoaderConfig, TrainConfig
+from training.data.gpt_dataset import parse_data_path
+from training.data.loader import build_dataset
+
+
+def source_labels(config: TrainConfig, dataset) -> list[str]:
+    loader = config.train_dataset.dataloader
+    if isinstance(loader, BlendedMegatronLoaderConfig):
+        return [prefix for _, prefix in parse_data_path(loader.config.data_path)]
+    return list(dataset.labels)
+
+
+def inspect_samples(config: TrainConfig, split: str = "train", num: int = 8) -> tuple[np.ndarray, list[str]]:
+    """The first ``num`` samples' raw tokens ([num, seq_length + 1] int64) and each one's source.
+
+    The training split is built for steps × global_batch_size samples, as the trainer builds it, so
+    the shuffles and the blend are the ones training uses; sample i is read at step i // global_batch_size.
+    """
+    loader = config.train_dataset.dataloader
+    if split == "train":
+        total = config.training.steps * config.training.global_batch_size
+    else:
+        sizes = getattr(loader, "sizes", None)
+        total = sizes[("train", "valid", "test").index(split)] if sizes else num
+    if num > total:
+        raise ValueError(f"--num {num}: the {split} split of this config holds {total} samples")
+    dataset = build_dataset(config, num_samples=total, split=split)
+    labels = source_labels(config, dataset)
+    tokens = np.stack([dataset.sample_tokens(i).astype(np.int64) for i in range(num)])
+    return tokens, [labels[dataset.source_of(i)] for i in range(num)]
+
+
+def render(tokens: np.ndarray, sources: list[str], global_batch_size: int, decode=None, width: int = 16) -> str:
+    """One block per sample: index, step, source, the first token ids and, with a tokenizer, the text."""
+    lines = []
+    for i, (row, source) in enumerate(zip(tokens, sources)):
+        head = " ".join(map(str, row[:width].tolist())) + (" …" if row.size > width else "")
+        lines.append(f"sample {i} (step {i // global_batch_size}) from {source}: {row.size} tokens")
+        lines.append(f"  ids: {head}")
+        if decode is not None:
+            text = decode(row.tolist())
+            lines.append(f"  text: {text[:200]!r}" + (" …" if len(text) > 200 else ""))
+    return "\n".join(lines)
