@@ -13,8 +13,8 @@ message, "skip" counts them by reason and streams them to a quarantine file.
 
 Nothing here holds a whole file: JSONL is read line by line (or by byte range, see
 `parse_jsonl_chunk`), JSON arrays by an incremental parser over a buffered read, Parquet by row
-batches. This module imports only the standard library (pyarrow on first use), because tokenizer
-worker processes import it and should start fast.
+batches. pyarrow is imported only when a Parquet file is read: it is slow to import, and
+`kiln preprocess` pays every import in its start-up.
 """
 
 from __future__ import annotations
