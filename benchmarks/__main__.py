@@ -4,7 +4,9 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
 - tokenizing: the whole `kiln preprocess` command, start-up included, vs. the fastest bare
   sentencepiece encoding of the same texts on the same cores (threads or processes, Python lists
   or numpy buffers; 1.0 means start-up, reading, parsing and writing cost nothing);
-- training: the trainer's tokens/s and FLOP/s vs. this machine's fp32 matmul peak in MindSpore.
+- training: the trainer's tokens/s and FLOP/s vs. this machine's fp32 matmul peak in MindSpore;
+- data index: GPTDataset index build for 1M documents, the 10M-sample blend vs a scalar loop, and
+  sample fetching vs. the training consumption rate just measured.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks import data_index
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -147,8 +151,9 @@ def matmul_peak_flops(size: int = 1024, repeats: int = 20) -> float:
     return 2 * size ** 3 * repeats / (time.perf_counter() - started)
 
 
-def bench_training(shard_prefix: Path, steps: int) -> None:
-    """The demo's model (configs/qwen3_tiny.yaml) trained by the real Trainer in one process."""
+def bench_training(shard_prefix: Path, steps: int) -> float:
+    """The demo's model (configs/qwen3_tiny.yaml) trained by the real Trainer in one process; returns
+    its tokens/s."""
     from training.collectives import World
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
@@ -174,6 +179,7 @@ def bench_training(shard_prefix: Path, steps: int) -> None:
     flops = trainer.model.flops_per_token(trainer.seq_length) * tokens / seconds
     report(f"training {trainer.model.num_parameters() / 1e6:.1f}M params, 1 process", tokens / seconds, "tokens/s")
     report("training model FLOP/s", flops / 1e9, "GFLOP/s", flops / peak, "fp32 matmul peak")
+    return tokens / seconds
 
 
 def main(argv=None) -> int:
@@ -186,7 +192,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
         shard = bench_tokenizing(Path(tmp), args.corpus_bytes)
         if not args.tokenizing_only:
-            bench_training(shard, args.steps)
+            tokens_per_s = bench_training(shard, args.steps)
+            # sample fetching against what training consumes at the same number of tokens per sample
+            data_index.run(report, consume_samples_per_s=tokens_per_s / data_index.SEQ_LENGTH)
     return 0
 
 
