@@ -379,9 +379,9 @@ def multi_source_indices(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One epoch's (source_index, sample_index): item i is record sample_index[i] of source source_index[i].
 
-    Interleaving places source k's j-th sample at its ideal time (j + 1/2) / counts[k] — the
-    sorted-key form of the greedy "source furthest behind its share goes next" rule BlendedDataset
-    uses, exact per-source counts by construction — and, to randomize it, shuffles that order
+    Interleaving places source k's j-th sample at its ideal time (j + 1/2) / counts[k] (a fixed
+    sort order close to, but not the same as, the greedy rule of Megatron's BlendedDataset; per-source
+    counts are exact by construction) and, to randomize it, shuffles that order
     within consecutive windows of `shuffle_buffer_size` items (MindFormers draws its source choices
     from a buffer of that size), so every prefix stays within a window of the exact proportions.
     Without interleaving the sources follow each other in order.
