@@ -442,7 +442,7 @@ def test_blended_dataset(tmp_path):
     blend = BlendedDataset(datasets, weights, size)
     assert len(blend) == size and blend.weights == pytest.approx([0.5, 0.3, 0.2])
     expected_sources, expected_numbers = _megatron_blend(blend.weights, size)
-    assert np.array_equal(blend.dataset_index, expected_sources)
+    assert np.array_equal(blend.source_index, expected_sources)
     for i in (0, 1, 2, 250, 499):
         k, j = int(expected_sources[i]), int(expected_numbers[i])
         assert blend.source_of(i) == k
@@ -466,12 +466,12 @@ def test_blend_cache(tmp_path):
     first = BlendedDataset(datasets, [0.5, 0.5], 100, cache_dir=tmp_path / "cache")
     second = BlendedDataset(datasets, [1, 1], 100, cache_dir=tmp_path / "cache")
     assert not first.loaded_from_cache and second.loaded_from_cache
-    assert np.array_equal(first.dataset_index, second.dataset_index)
+    assert np.array_equal(first.source_index, second.source_index)
     index_file = next((tmp_path / "cache").glob("*-BlendedDataset-dataset_index.npy"))
     np.save(index_file, np.full(100, 1, np.int16))
     third = BlendedDataset(datasets, [1, 1], 100, cache_dir=tmp_path / "cache")
     assert not third.loaded_from_cache
-    assert np.array_equal(first.dataset_index, third.dataset_index)
+    assert np.array_equal(first.source_index, third.source_index)
     assert not BlendedDataset(datasets, [1, 2], 100, cache_dir=tmp_path / "cache").loaded_from_cache
 
 
@@ -488,7 +488,7 @@ def test_build_blended_dataset(tmp_path):
     assert blend.weights == pytest.approx([0.7, 0.3])
     assert all(d.document_end == 45 for d in blend.datasets)
     assert blend[199]["input_ids"].shape == (8,)
-    assert np.bincount(blend.dataset_index[:200]).tolist() == [140, 60]
+    assert np.bincount(blend.source_index[:200]).tolist() == [140, 60]
 
     again = build_blended_dataset(
         data_path, seq_length=8, num_samples=200, seed=3, split="90,10,0", eod_id=EOD, cache_dir=tmp_path / "cache",

@@ -584,10 +584,34 @@ def _blending_indices(weights: Sequence[float], size: int, chunk: int = _BLEND_C
     return dataset_index, dataset_sample_index
 
 
-class BlendedDataset:
+class SourceIndexedDataset:
+    """Items drawn from several sources: item i is sample `sample_index[i]` of source `source_index[i]`.
+
+    Subclasses set `source_index`, `sample_index` (one entry per item) and `size`, and say how a
+    source's sample becomes tokens (`sample_tokens`) and a training item (`__getitem__`)."""
+
+    source_index: np.ndarray
+    sample_index: np.ndarray
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+    def locate(self, idx: int) -> tuple[int, int]:
+        """(source, sample within that source) of item `idx`."""
+        if not 0 <= idx < self.size:
+            raise IndexError(f"sample {idx} out of range [0, {self.size})")
+        return int(self.source_index[idx]), int(self.sample_index[idx])
+
+    def source_of(self, idx: int) -> int:
+        """Which source item `idx` comes from."""
+        return self.locate(idx)[0]
+
+
+class BlendedDataset(SourceIndexedDataset):
     """`size` samples drawn from `datasets` in proportion to `weights`, as Megatron's BlendedDataset.
 
-    Sample i is sample `dataset_sample_index[i]` of dataset `dataset_index[i]`; each source's
+    Sample i is sample `sample_index[i]` of dataset `source_index[i]`; each source's
     samples are taken in order, so a source is read exactly as far as its share requires. Position
     i goes to the source furthest behind its share, weight * max(i, 1) - samples taken so far
     (Megatron's greedy rule, max(i, 1) included); items carry their source as `dataset_id`.
@@ -621,32 +645,21 @@ class BlendedDataset:
         indices, self.loaded_from_cache = _cached_indices(
             cache_dir, "BlendedDataset", description, ("dataset_index", "dataset_sample_index"),
             lambda: _blending_indices(self.weights, self.size))
-        self.dataset_index, self.dataset_sample_index = indices
+        self.source_index, self.sample_index = indices
 
-        needed = np.bincount(self.dataset_index, minlength=len(self.datasets))
+        needed = np.bincount(self.source_index, minlength=len(self.datasets))
         for source, (count, dataset) in enumerate(zip(needed, self.datasets)):
             if count > len(dataset):
                 raise ValueError(f"blend source {source} must supply {count} samples but has only {len(dataset)}")
 
-    def __len__(self) -> int:
-        return self.size
-
-    def _check(self, idx: int) -> None:
-        if not 0 <= idx < self.size:
-            raise IndexError(f"sample {idx} out of range [0, {self.size})")
-
-    def source_of(self, idx: int) -> int:
-        """Which of `datasets` sample `idx` comes from."""
-        self._check(idx)
-        return int(self.dataset_index[idx])
-
     def sample_tokens(self, idx: int) -> np.ndarray:
         """The raw tokens behind item `idx` (see GPTDataset.sample_tokens)."""
-        return self.datasets[self.source_of(idx)].sample_tokens(int(self.dataset_sample_index[idx]))
+        source, sample = self.locate(idx)
+        return self.datasets[source].sample_tokens(sample)
 
     def __getitem__(self, idx: int) -> dict:
-        source = self.source_of(idx)
-        item = self.datasets[source][int(self.dataset_sample_index[idx])]
+        source, sample = self.locate(idx)
+        item = self.datasets[source][sample]
         item["dataset_id"] = source
         return item
 

@@ -410,7 +410,7 @@ def _gpt_sample_item(tokens: np.ndarray, *, eod_id: int, pad_id: int) -> dict[st
     return gpt_dataset.sample_item(tokens, eod_id=eod_id, pad_id=pad_id)
 
 
-class MultiSourceMindRecordDataset:
+class MultiSourceMindRecordDataset(gpt_dataset.SourceIndexedDataset):
     """`num_samples` items drawn from several MindRecord sources by MultiSourceDataLoader's rules.
 
     `sources` lists each source's files (see `read_mindrecord_samples`); `labels` name them in
@@ -472,22 +472,10 @@ class MultiSourceMindRecordDataset:
         self.sample_index = np.concatenate([samples for _, samples in epochs])[: self.size]
         self.to_item = to_item or functools.partial(_gpt_sample_item, eod_id=eod_id, pad_id=pad_id)
 
-    def __len__(self) -> int:
-        return self.size
-
-    def _check(self, idx: int) -> None:
-        if not 0 <= idx < self.size:
-            raise IndexError(f"sample {idx} out of range [0, {self.size})")
-
-    def source_of(self, idx: int) -> int:
-        """Index (into `labels`) of the source item `idx` comes from."""
-        self._check(idx)
-        return int(self.source_index[idx])
-
     def sample_tokens(self, idx: int) -> np.ndarray:
         """The seq_length + 1 stored tokens behind item `idx`."""
-        self._check(idx)
-        return self.records[int(self.source_index[idx])][int(self.sample_index[idx])]
+        source, sample = self.locate(idx)
+        return self.records[source][sample]
 
     def __getitem__(self, idx: int) -> dict[str, np.ndarray]:
         return self.to_item(self.sample_tokens(idx))
