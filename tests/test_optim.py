@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from mindspore import Parameter, Tensor
 
-from training.config import ConfigError
+from training.config import ConfigError, LrSchedulerConfig
 from training.model import Qwen3Config
 from training.model.qwen3 import GPTModel
-from training.optim import (AdamW, ConstantWarmUpLR, CosineWithWarmUpLR, LinearWithWarmUpLR, build_lr_schedule,
-                            build_optimizer, clip_grad_norm, uses_weight_decay)
+from training.optim import (AdamW, ConstantWarmUpLR, CosineWithWarmUpLR, LinearWithWarmUpLR, WarmUpStableDecayLR,
+                            build_lr_schedule, build_optimizer, clip_grad_norm, uses_weight_decay)
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
@@ -181,3 +181,51 @@ def test_tiny_model_memorizes_a_batch():
         losses.append(float(loss.asnumpy()))
     assert losses[0] == pytest.approx(math.log(256), abs=0.2)
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+# ---- warm-up, stable, decay -----------------------------------------------------------------------------
+
+def test_warmup_stable_decay_schedule():
+    lr = WarmUpStableDecayLR(learning_rate=1.0, total_steps=100, warmup_steps=10, warmup_lr_init=0.2,
+                             decay_start_steps=60, lr_end=0.1)
+    assert lr(0) == pytest.approx(0.2) and lr(5) == pytest.approx(0.6)          # warm-up
+    assert lr(10) == lr(35) == lr(59) == pytest.approx(1.0)                      # stable
+    assert lr(60) == pytest.approx(1.0) and lr(80) == pytest.approx(0.55)        # linear decay
+    assert lr(100) == pytest.approx(0.1) and lr(150) == pytest.approx(0.1)
+
+
+def test_warmup_stable_decay_ratios_and_mindformers_default_lr_end():
+    lr = WarmUpStableDecayLR(learning_rate=1.0, total_steps=200, warmup_ratio=0.05, decay_start_ratio=0.9)
+    assert (lr.warmup_steps, lr.decay_start_steps) == (10, 180)
+    assert lr(179) == 1.0 and lr(190) == pytest.approx(0.5 + 0.5e-7) and lr(200) == pytest.approx(1e-7)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "decay_start_steps or decay_start_ratio"),
+    ({"decay_start_steps": 50, "decay_start_ratio": 0.5}, "decay_start_steps or decay_start_ratio"),
+    ({"decay_start_steps": 5, "warmup_steps": 10}, "between the end of warm-up"),
+    ({"decay_start_steps": 101}, "between the end of warm-up"),
+    ({"decay_start_steps": 50, "lr_end": 1.0}, r"lr_scheduler\.lr_end"),
+])
+def test_warmup_stable_decay_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        WarmUpStableDecayLR(learning_rate=1.0, total_steps=100, **kwargs)
+
+
+def test_build_warmup_stable_decay_and_keys_of_other_schedules():
+    lr = build_lr_schedule({"type": "WarmUpStableDecayLR", "learning_rate": 1.0, "decay_start_ratio": 0.5}, 10)
+    assert lr.decay_start_steps == 5 and lr.total_steps == 10
+    with pytest.raises(ConfigError, match=r"lr_scheduler\.decay_start_steps: unknown key"):
+        build_lr_schedule({"type": "CosineWithWarmUpLR", "learning_rate": 1.0, "decay_start_steps": 3}, 10)
+
+
+def test_lr_scheduler_section_checks_warmup_stable_decay_fields():
+    parse = lambda section: LrSchedulerConfig.from_dict(section, "lr_scheduler")  # noqa: E731
+    section = parse({"type": "WarmUpStableDecayLR", "decay_start_ratio": 0.8})
+    assert section.decay_start_ratio == 0.8 and section.lr_end is None
+    with pytest.raises(ConfigError, match=r"lr_scheduler: WarmUpStableDecayLR needs decay_start_steps"):
+        parse({"type": "WarmUpStableDecayLR"})
+    with pytest.raises(ConfigError, match=r"lr_scheduler\.decay_start_ratio must be in \[0, 1\]"):
+        parse({"type": "WarmUpStableDecayLR", "decay_start_ratio": 1.5})
+    with pytest.raises(ConfigError, match=r"lr_scheduler\.decay_start_steps applies to WarmUpStableDecayLR only"):
+        parse({"type": "CosineWithWarmUpLR", "decay_start_steps": 5})

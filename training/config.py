@@ -280,9 +280,11 @@ class LrSchedulerConfig(Section):
     warmup_steps: Optional[int] = None
     warmup_ratio: Optional[float] = None
     warmup_lr_init: float = 0.0
-    lr_end: float = 0.0
+    lr_end: Optional[float] = None  # unset: the schedule's default (MindFormers' WSD: 1e-7, others: 0)
+    decay_start_steps: Optional[int] = None  # WarmUpStableDecayLR: where the stable phase ends
+    decay_start_ratio: Optional[float] = None
 
-    SCHEDULES = ("ConstantWarmUpLR", "LinearWithWarmUpLR", "CosineWithWarmUpLR")
+    SCHEDULES = ("ConstantWarmUpLR", "LinearWithWarmUpLR", "CosineWithWarmUpLR", "WarmUpStableDecayLR")
 
     def check(self, path):
         require(self.type in self.SCHEDULES,
@@ -292,6 +294,16 @@ class LrSchedulerConfig(Section):
                  f"{path}: set warmup_steps or warmup_ratio, not both")
         require(self.warmup_ratio is None or 0 <= self.warmup_ratio <= 1, f"{path}.warmup_ratio must be in [0, 1]")
         require(self.warmup_steps is None or self.warmup_steps >= 0, f"{path}.warmup_steps must be >= 0")
+        if self.type == "WarmUpStableDecayLR":
+            require((self.decay_start_steps is None) != (self.decay_start_ratio is None),
+                    f"{path}: WarmUpStableDecayLR needs decay_start_steps or decay_start_ratio (exactly one)")
+            require(self.decay_start_ratio is None or 0 <= self.decay_start_ratio <= 1,
+                    f"{path}.decay_start_ratio must be in [0, 1]")
+            require(self.decay_start_steps is None or self.decay_start_steps >= 0,
+                    f"{path}.decay_start_steps must be >= 0")
+        else:
+            for name in ("decay_start_steps", "decay_start_ratio"):
+                require(getattr(self, name) is None, f"{path}.{name} applies to WarmUpStableDecayLR only")
 
 
 @dataclass
@@ -409,13 +421,14 @@ class TrainDatasetConfig(Section):
 
 @dataclass
 class TrainStateConfig(Section):
+    """What each field reports: training/monitor.py."""
     local_norm: Union[bool, str, list[str]] = ""
     device_norm: Union[bool, str, list[str]] = False
     local_loss: bool = False
     device_loss: bool = False
-
-    UNSUPPORTED = {name: "per-parameter monitoring is not implemented"
-                   for name in ("local_norm", "device_norm", "local_loss", "device_loss")}
+    # Kiln extensions (MindFormers has no parameter norms; its max logits need a callback)
+    param_norm: Union[bool, str, list[str]] = False
+    max_attention_logit: bool = False
 
 
 @dataclass
@@ -423,6 +436,12 @@ class HealthCheckpointConfig(Section):
     embedding_local_norm_threshold: float = 100.0
     global_norm_skip_threshold: float = 100.0
     global_norm_skip_time: int = 10
+
+    def check(self, path):
+        for name in ("embedding_local_norm_threshold", "global_norm_skip_threshold"):
+            require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
+        require(self.global_norm_skip_time >= 1,
+                f"{path}.global_norm_skip_time must be >= 1, got {self.global_norm_skip_time}")
 
 
 @dataclass
@@ -477,11 +496,13 @@ class ProfilerConfig(Section):
     profile_cpu: bool = True
     with_stack: bool = True
 
-    UNSUPPORTED = {"enable_profiling": "profiling is not implemented yet"}
-
     def check(self, path):
         require(0 < self.start_step <= self.end_step,
                  f"{path}: need 0 < start_step <= end_step, got {self.start_step} and {self.end_step}")
+        # MindFormers silently profiles nothing for other levels
+        require(self.profiler_level in (0, 1, 2), f"{path}.profiler_level must be 0, 1 or 2, got {self.profiler_level}")
+        require(self.profiler_rank is None or all(r >= 0 for r in self.profiler_rank),
+                f"{path}.profiler_rank must list ranks >= 0, got {self.profiler_rank}")
 
 
 @dataclass

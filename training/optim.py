@@ -25,6 +25,9 @@ class WarmUpLR:
     """Linear warm-up from ``warmup_lr_init`` to ``learning_rate`` over ``warmup_steps`` (or
     ``warmup_ratio`` × total_steps), then ``decay(progress)`` with progress 0 → 1 over the remaining steps."""
 
+    # the YAML keys this schedule takes (besides ``type``), so a key another schedule needs is an error here
+    KWARGS = ("learning_rate", "warmup_steps", "warmup_ratio", "warmup_lr_init", "lr_end", "total_steps")
+
     def __init__(self, learning_rate: float, total_steps: int, warmup_steps: int | None = None,
                  warmup_ratio: float | None = None, warmup_lr_init: float = 0.0, lr_end: float = 0.0):
         if warmup_steps is not None and warmup_ratio is not None:
@@ -40,6 +43,9 @@ class WarmUpLR:
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.warmup_lr_init + (self.learning_rate - self.warmup_lr_init) * step / self.warmup_steps
+        return self.after_warmup(step)
+
+    def after_warmup(self, step: int) -> float:
         decay_steps = max(1, self.total_steps - self.warmup_steps)
         return self.decay(min(1.0, (step - self.warmup_steps) / decay_steps))
 
@@ -69,8 +75,39 @@ class CosineWithWarmUpLR(WarmUpLR):
         return self.lr_end + 0.5 * (self.learning_rate - self.lr_end) * (1.0 + math.cos(math.pi * progress))
 
 
-LR_SCHEDULES = {cls.__name__: cls for cls in (ConstantWarmUpLR, LinearWithWarmUpLR, CosineWithWarmUpLR)}
-_LR_KWARGS = ("learning_rate", "warmup_steps", "warmup_ratio", "warmup_lr_init", "lr_end", "total_steps")
+class WarmUpStableDecayLR(WarmUpLR):
+    """Warm-up, then ``learning_rate`` held until ``decay_start_steps`` (or ``decay_start_ratio`` ×
+    total_steps), then a straight line down to ``lr_end`` at total_steps (MindFormers' WSD: its
+    ``lr_end`` defaults to 1e-7 and must be below ``learning_rate``)."""
+
+    KWARGS = WarmUpLR.KWARGS + ("decay_start_steps", "decay_start_ratio")
+
+    def __init__(self, learning_rate: float, total_steps: int, lr_end: float = 1e-7,
+                 decay_start_steps: int | None = None, decay_start_ratio: float | None = None, **kwargs):
+        super().__init__(learning_rate, total_steps, lr_end=lr_end, **kwargs)
+        if (decay_start_steps is None) == (decay_start_ratio is None):
+            raise ConfigError("lr_scheduler: WarmUpStableDecayLR needs decay_start_steps or decay_start_ratio "
+                              "(exactly one): where the stable phase ends")
+        if decay_start_ratio is not None:
+            decay_start_steps = int(total_steps * decay_start_ratio)
+        if not self.warmup_steps <= decay_start_steps <= total_steps:
+            raise ConfigError(f"lr_scheduler: the decay must start between the end of warm-up "
+                              f"({self.warmup_steps}) and training.steps ({total_steps}); "
+                              f"decay_start_steps/decay_start_ratio give step {decay_start_steps}")
+        if not lr_end < learning_rate:
+            raise ConfigError(f"lr_scheduler.lr_end ({lr_end}) must be below lr_scheduler.learning_rate "
+                              f"({learning_rate})")
+        self.decay_start_steps = decay_start_steps
+
+    def after_warmup(self, step: int) -> float:
+        if step < self.decay_start_steps:
+            return self.learning_rate
+        progress = min(1.0, (step - self.decay_start_steps) / max(1, self.total_steps - self.decay_start_steps))
+        return self.learning_rate - (self.learning_rate - self.lr_end) * progress
+
+
+LR_SCHEDULES = {cls.__name__: cls for cls in (ConstantWarmUpLR, LinearWithWarmUpLR, CosineWithWarmUpLR,
+                                              WarmUpStableDecayLR)}
 
 
 def build_lr_schedule(section: dict, total_steps: int) -> WarmUpLR:
@@ -80,11 +117,12 @@ def build_lr_schedule(section: dict, total_steps: int) -> WarmUpLR:
     kind = kwargs.pop("type", None)
     if kind not in LR_SCHEDULES:
         raise ConfigError(f"lr_scheduler.type = {kind!r} is not supported; supported: {', '.join(LR_SCHEDULES)}")
+    schedule = LR_SCHEDULES[kind]
     for key in kwargs:
-        if key not in _LR_KWARGS:
-            raise unknown_key_error(key, _LR_KWARGS, "lr_scheduler")
+        if key not in schedule.KWARGS:
+            raise unknown_key_error(key, schedule.KWARGS, "lr_scheduler")
     kwargs["total_steps"] = total_steps
-    return LR_SCHEDULES[kind](**kwargs)
+    return schedule(**kwargs)
 
 
 # ---- gradient clipping --------------------------------------------------------------------------------
