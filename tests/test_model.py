@@ -153,7 +153,9 @@ def _rope(x, theta):  # x: [batch, heads, seq, dim]
     return x * cos + rotated * sin
 
 
-def numpy_qwen3_logits(weights: dict, ids: np.ndarray, heads=4, groups=2, dim=16, ffn=96, theta=1e6):
+def numpy_qwen3_logits(weights: dict, ids: np.ndarray, heads=4, groups=2, dim=16, ffn=96, theta=1e6,
+                       max_logits: list | None = None):
+    """Logits; each layer's per-head max attention logit (unmasked) is appended to ``max_logits``."""
     per_group = heads // groups
     batch, seq = ids.shape
     x = weights["embedding.word_embeddings.weight"][ids]
@@ -171,6 +173,8 @@ def numpy_qwen3_logits(weights: dict, ids: np.ndarray, heads=4, groups=2, dim=16
         q, k = _rope(q, theta), _rope(k, theta)
         k, v = np.repeat(k, per_group, axis=1), np.repeat(v, per_group, axis=1)  # HF repeat_kv
         scores = q @ k.transpose(0, 1, 3, 2) / math.sqrt(dim) + causal
+        if max_logits is not None:
+            max_logits.append(scores.max(axis=(0, 2, 3)))
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         attn = (probs @ v).transpose(0, 2, 1, 3).reshape(batch, seq, heads * dim)
@@ -196,6 +200,21 @@ def test_matches_numpy_qwen3(tied):
     ids = random_ids(batch=2, seq=12)
     np.testing.assert_allclose(model.logits(Tensor(ids)).asnumpy(), numpy_qwen3_logits(weights, ids),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_max_attention_logits_match_numpy_and_cost_nothing_when_off():
+    model = tiny_model(seed=3)
+    weights = {name: p.asnumpy().astype(np.float64) for name, p in model.parameters_and_names()}
+    ids = random_ids(batch=2, seq=12)
+    model.logits(Tensor(ids))
+    assert model.pop_max_attention_logits() is None  # not tracked unless asked
+    model.track_max_attention_logits(True)
+    model.logits(Tensor(ids[:1]))
+    model.logits(Tensor(ids[1:]))  # the running max spans calls (micro-batches)
+    expected = []
+    numpy_qwen3_logits(weights, ids, max_logits=expected)
+    np.testing.assert_allclose(model.pop_max_attention_logits(), np.stack(expected), rtol=1e-4, atol=1e-4)
+    assert model.pop_max_attention_logits() is None  # popping resets
 
 
 # ---- initialization ---------------------------------------------------------------------------------

@@ -202,6 +202,26 @@ def additive_mask(attention_mask: Tensor, repeats: int = 1) -> Tensor:
     return ops.tile(additive, (1, 1, repeats, 1))
 
 
+class MaxLogitTracker:
+    """Running per-head maximum of an attention layer's scaled QKᵀ over unmasked positions (masked
+    scores sit near float32 min, and every query sees at least itself), for MaxLogits monitoring.
+    A plain object, not a Cell attribute tensor, so it stays out of the graph and the gradients."""
+
+    def __init__(self):
+        self.enabled = False
+        self.running_max: Tensor | None = None
+
+    def update(self, scores: Tensor) -> None:
+        """scores: [batch, groups, heads_per_group, ...] → max per head (group-major, as HF numbers heads)."""
+        heads = ops.stop_gradient(scores).amax(axis=(0, 3)).reshape(-1)
+        self.running_max = heads if self.running_max is None else ops.maximum(self.running_max, heads)
+
+    def pop(self) -> np.ndarray | None:
+        out = None if self.running_max is None else self.running_max.asnumpy()
+        self.running_max = None
+        return out
+
+
 _bmm = ops.BatchMatMul()
 _bmm_transpose_b = ops.BatchMatMul(transpose_b=True)
 
@@ -225,6 +245,7 @@ class SelfAttention(nn.Cell):
         self.k_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.linear_proj = Linear(init, self.num_heads * self.head_dim, config.hidden_size)
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.logit_tracker = MaxLogitTracker()
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         """x: [batch, seq, hidden]; cos/sin from RotaryEmbedding.tables; mask: causal_mask(seq,
@@ -242,6 +263,8 @@ class SelfAttention(nn.Cell):
         k = apply_rotary(k, cos, sin)
 
         scores = _cast(_bmm_transpose_b(q, k), ms.float32) + mask          # [batch, groups, per_group·seq, seq]
+        if self.logit_tracker.enabled:
+            self.logit_tracker.update(scores.reshape(batch, groups, per_group, seq * seq))
         probs = _cast(ops.softmax(scores, axis=-1), v.dtype)
         out = _bmm(probs, v).reshape(batch, groups, per_group, seq, dim)
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, self.num_heads * dim)
@@ -341,6 +364,16 @@ class GPTModel(nn.Cell):
         token_loss = token_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         mask = _cast(loss_mask.reshape(-1), ms.float32)
         return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def track_max_attention_logits(self, enabled: bool) -> None:
+        """Record each layer's per-head max attention logit from now on (costs one reduction per layer)."""
+        for layer in self.decoder.layers:
+            layer.self_attention.logit_tracker.enabled = enabled
+
+    def pop_max_attention_logits(self) -> np.ndarray | None:
+        """[layers, heads] maxima since the last pop (None if nothing was tracked); resets them."""
+        maxima = [layer.self_attention.logit_tracker.pop() for layer in self.decoder.layers]
+        return None if any(m is None for m in maxima) else np.stack(maxima)
 
     def num_parameters(self) -> int:
         return sum(int(np.prod(p.shape)) for p in self.trainable_params())
