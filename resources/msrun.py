@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -22,6 +21,7 @@ import dagster as dg
 from pydantic import Field
 
 from resources.storage import PROJECT_ROOT
+from training.launch import MsrunSettings, SettingError, msrun_command, msrun_environment
 
 
 def free_port() -> int:
@@ -37,7 +37,11 @@ def tail(path: Path, lines: int) -> str:
 
 
 class MsrunResource(dg.ConfigurableResource):
-    """msrun settings for one node; a multi-node run starts one materialization per node_rank."""
+    """msrun settings for one node; a multi-node run starts one materialization per node_rank.
+
+    The command comes from ``training.launch.msrun_command``, like the command-line launcher's; msrun
+    always joins here, since the Pipes session lives as long as msrun does.
+    """
 
     worker_num: int = Field(default=2, description="workers in the whole job")
     local_worker_num: int = Field(default=2, description="workers on this node")
@@ -51,26 +55,26 @@ class MsrunResource(dg.ConfigurableResource):
     termination_timeout_s: float = 20.0
     failure_tail_lines: int = 40
 
+    def settings(self, log_dir: Path, master_port: int) -> MsrunSettings:
+        try:
+            return MsrunSettings(worker_num=self.worker_num, local_worker_num=self.local_worker_num,
+                                 master_addr=self.master_addr, master_port=master_port, node_rank=self.node_rank,
+                                 log_dir=str(log_dir), cluster_time_out=self.cluster_time_out,
+                                 tail_worker_log=self.tail_worker_log)
+        except SettingError as exc:
+            raise dg.Failure(f"MsrunResource.{exc}") from None
+
     def command(self, script_args: list[str], log_dir: Path, master_port: int) -> list[str]:
-        msrun = [
-            shutil.which("msrun", path=str(Path(sys.executable).parent)) or "msrun",
-            f"--worker_num={self.worker_num}", f"--local_worker_num={self.local_worker_num}",
-            f"--master_addr={self.master_addr}", f"--master_port={master_port}", f"--node_rank={self.node_rank}",
-            f"--log_dir={log_dir}", "--join=True", f"--cluster_time_out={self.cluster_time_out}",
-            f"--tail_worker_log={self.tail_worker_log}", "python", *script_args,
-        ]
+        """The same msrun command as ``python -m training.launch`` builds, under setpriv when available."""
+        msrun = msrun_command(self.settings(log_dir, master_port), script_args)
         setpriv = shutil.which("setpriv")
         return [setpriv, "--pdeathsig=INT", "--", *msrun] if setpriv else msrun
 
     def environment(self, extra: dict[str, str]) -> dict[str, str]:
-        env = {**os.environ, **extra}
-        env.setdefault("GLOG_v", "3")  # MindSpore's C++ WARNING lines (cluster retries...) would drown the step log
-        # msrun starts workers with the `python` on PATH: make it this interpreter's environment
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
-        if self.visible_devices is not None:
-            env["ASCEND_RT_VISIBLE_DEVICES"] = self.visible_devices
-        return env
+        try:
+            return msrun_environment({**os.environ, **extra}, self.visible_devices)
+        except SettingError as exc:
+            raise dg.Failure(f"MsrunResource: {exc}") from None
 
     def run(self, context: dg.AssetExecutionContext, script_args: list[str], log_dir: Path,
             on_custom_message: Callable[[dict], None]) -> list[str]:
