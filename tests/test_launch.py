@@ -1,0 +1,166 @@
+"""The msrun launcher: MindFormers' argument forms, its errors, and the Dagster resource's identical command."""
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from resources.msrun import MsrunResource
+from training import launch
+from training.launch import MsrunSettings, SettingError, msrun_command, msrun_environment
+from training.run import main as train_main
+
+MSRUN = launch.msrun_executable()
+TRAIN = "python -m training.run --config runs/qwen3_tiny/config.yaml --mode 1"
+TRAIN_ARGS = ["-m", "training.run", "--config", "runs/qwen3_tiny/config.yaml", "--mode", "1"]
+
+
+def dry_run(capsys, *argv: str) -> list[str]:
+    launch.main(["--dry-run", *argv])
+    return shlex.split(capsys.readouterr().out)
+
+
+def expected(worker_num, local_worker_num, master_addr, master_port, node_rank, log_dir, cluster_time_out,
+             script_args=TRAIN_ARGS) -> list[str]:
+    return [MSRUN, f"--worker_num={worker_num}", f"--local_worker_num={local_worker_num}",
+            f"--master_addr={master_addr}", f"--master_port={master_port}", f"--node_rank={node_rank}",
+            f"--log_dir={log_dir}", "--join=True", f"--cluster_time_out={cluster_time_out}", "--tail_worker_log=-1",
+            "python", *script_args]
+
+
+def test_msrun_comes_from_this_interpreter():
+    assert MSRUN == str(Path(sys.executable).parent / "msrun")
+
+
+@pytest.mark.parametrize("positions, command", [
+    # MindFormers' defaults: 8 workers on this node
+    ([], expected(8, 8, "127.0.0.1", 8118, 0, "output/msrun_log", 7200)),
+    (["4"], expected(4, 4, "127.0.0.1", 8118, 0, "output/msrun_log", 7200)),
+    # MindFormers' README single-node example (with JOIN True)
+    (["8", "8110", "output/msrun_log", "True", "7200"], expected(8, 8, "127.0.0.1", 8110, 0, "output/msrun_log", 7200)),
+    # MindFormers' README multi-node example, node 3 of 32
+    (["256", "8", "10.0.0.7", "8110", "3", "logs/run1", "True", "7200"],
+     expected(256, 8, "10.0.0.7", 8110, 3, "logs/run1", 7200)),
+    # nine arguments with LOCAL_WORKER == WORKER_NUM: one node; a negative timeout waits forever
+    (["2", "2", "127.0.0.1", "9000", "0", "logs", "true", "-1"], expected(2, 2, "127.0.0.1", 9000, 0, "logs", -1)),
+])
+def test_each_argument_form_builds_its_msrun_command(capsys, positions, command):
+    assert dry_run(capsys, TRAIN, *positions) == command
+
+
+@pytest.mark.parametrize("command, script_args", [
+    ("python -m training.run --config 'my runs/a.yaml'", ["-m", "training.run", "--config", "my runs/a.yaml"]),
+    ("python3 training/run.py --config a.yaml", ["training/run.py", "--config", "a.yaml"]),
+    # MindFormers' style: a script without the interpreter, which msrun would run with python anyway
+    ("training/run.py --config a.yaml --mode 1", ["training/run.py", "--config", "a.yaml", "--mode", "1"]),
+])
+def test_command_forms_run_under_python(capsys, command, script_args):
+    assert dry_run(capsys, command, "2") == expected(2, 2, "127.0.0.1", 8118, 0, "output/msrun_log", 7200,
+                                                     script_args)
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([TRAIN, "2", "8118"], "expected 1, 2, 6 or 9 arguments (the command first), got 3"),
+    ([TRAIN, "2", "2", "127.0.0.1", "8118", "0", "logs", "True"], "expected 1, 2, 6 or 9 arguments"),
+    ([TRAIN, "two"], "argument 2 (WORKER_NUM): must be a whole number, got 'two'"),
+    ([TRAIN, "1"], "argument 2 (WORKER_NUM): is 1: one worker needs no msrun"),
+    ([TRAIN, "0"], "argument 2 (WORKER_NUM): must be at least 1, got 0"),
+    ([TRAIN, "2", "port", "logs", "True", "60"], "argument 3 (MASTER_PORT): must be a whole number, got 'port'"),
+    ([TRAIN, "2", "80", "logs", "True", "60"], "argument 3 (MASTER_PORT): must be a port in 1024..65535, got 80"),
+    ([TRAIN, "2", "8118", "", "True", "60"], "argument 4 (LOG_DIR): must be a directory"),
+    ([TRAIN, "2", "8118", "logs", "False", "60"], "argument 5 (JOIN): must be True, got 'False'"),
+    ([TRAIN, "2", "8118", "logs", "True", "0"], "argument 6 (CLUSTER_TIME_OUT): must be a number of seconds"),
+    ([TRAIN, "4", "8", "10.0.0.7", "8110", "0", "logs", "True", "60"],
+     "argument 3 (LOCAL_WORKER): must be between 1 and worker_num (4), got 8"),
+    ([TRAIN, "8", "4", "", "8110", "0", "logs", "True", "60"], "argument 4 (MASTER_ADDR): must be a host name"),
+    ([TRAIN, "8", "4", "10.0.0.7", "8110", "-1", "logs", "True", "60"],
+     "argument 6 (NODE_RANK): must be 0 or more, got -1"),
+    ([TRAIN, "4", "4", "10.0.0.7", "8110", "1", "logs", "True", "60"],
+     "argument 6 (NODE_RANK): must be 0 when this node runs all 4 workers, got 1"),
+    ([TRAIN, "8", "4", "10.0.0.7", "8110", "1", "logs", "no", "60"], "argument 8 (JOIN): must be True, got 'no'"),
+    (["", "2"], "argument 1 (command): is empty"),
+    (["python", "2"], "argument 1 (command): runs python with no script or module"),
+    (["/usr/bin/python3 -m training.run", "2"], "argument 1 (command): starts with '/usr/bin/python3'"),
+])
+def test_bad_arguments_are_errors_naming_the_position(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(["--dry-run", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_documents_every_form(capsys):
+    with pytest.raises(SystemExit):
+        launch.main(["--help"])
+    text = capsys.readouterr().out
+    assert 'launch "<command>" WORKER_NUM MASTER_PORT LOG_DIR JOIN CLUSTER_TIME_OUT' in text
+    assert 'launch "<command>" WORKER_NUM LOCAL_WORKER MASTER_ADDR MASTER_PORT NODE_RANK' in text
+    assert "MASTER_PORT 8118, NODE_RANK 0, LOG_DIR output/msrun_log, CLUSTER_TIME_OUT 7200" in text
+
+
+def test_launcher_execs_msrun_with_this_interpreter_first_on_path(monkeypatch, capsys):
+    """The launcher becomes msrun (so msrun's exit code is its own); execvpe is replaced to see what it runs."""
+    calls = []
+    monkeypatch.setattr(os, "execvpe", lambda file, args, env: calls.append((file, args, env)))
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,5")
+    monkeypatch.setenv("PATH", "/usr/bin")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    launch.main([TRAIN, "2", "8200", "logs", "True", "60"])
+    ((file, args, env),) = calls
+    assert file == MSRUN and args == expected(2, 2, "127.0.0.1", 8200, 0, "logs", 60)
+    assert env["PATH"] == f"{Path(sys.executable).parent}{os.pathsep}/usr/bin"
+    assert shutil.which("python", path=env["PATH"]) == str(Path(sys.executable).parent / "python")
+    assert env["PYTHONPATH"] == str(launch.PROJECT_ROOT)
+    assert env["ASCEND_RT_VISIBLE_DEVICES"] == "4,5"
+    assert f"[kiln] {shlex.join(args)}" in capsys.readouterr().err
+
+
+def test_launcher_refuses_malformed_visible_devices(monkeypatch):
+    monkeypatch.setattr(os, "execvpe", lambda *_: pytest.fail("msrun must not start"))
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "0;1")
+    with pytest.raises(SystemExit, match="ASCEND_RT_VISIBLE_DEVICES: must be comma-separated device ids"):
+        launch.main([TRAIN, "2"])
+
+
+def test_environment_keeps_the_callers_and_sets_visible_devices():
+    base = {"PATH": "/bin", "PYTHONPATH": "/extra", "GLOG_v": "1", "ASCEND_RT_VISIBLE_DEVICES": "0,1"}
+    env = msrun_environment(base)
+    assert env["PYTHONPATH"] == f"{launch.PROJECT_ROOT}{os.pathsep}/extra"
+    assert env["GLOG_v"] == "1" and env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"
+    assert msrun_environment(base, "2,3")["ASCEND_RT_VISIBLE_DEVICES"] == "2,3"
+    assert msrun_environment({})["GLOG_v"] == "3"
+    with pytest.raises(SettingError, match="lists a device twice"):
+        msrun_environment({}, "0,1,0")
+
+
+def test_settings_errors_name_the_field():
+    with pytest.raises(SettingError, match="tail_worker_log: must be -1 .* below 2, got 2"):
+        MsrunSettings(worker_num=2, local_worker_num=2, tail_worker_log=2)
+
+
+def test_resource_builds_the_launchers_command(capsys, tmp_path):
+    launched = dry_run(capsys, TRAIN, "4", "2", "10.0.0.5", "9000", "1", str(tmp_path), "True", "300")
+    resource = MsrunResource(worker_num=4, local_worker_num=2, master_addr="10.0.0.5", node_rank=1,
+                             cluster_time_out=300, tail_worker_log=-1)
+    command = resource.command(TRAIN_ARGS, tmp_path, 9000)
+    setpriv = shutil.which("setpriv")
+    assert command == ([setpriv, "--pdeathsig=INT", "--"] if setpriv else []) + launched
+    assert command[-len(launched):] == msrun_command(resource.settings(tmp_path, 9000), TRAIN_ARGS)
+
+
+def test_resource_environment_and_errors_name_its_fields(tmp_path):
+    env = MsrunResource(visible_devices="0,1,2,3").environment({"DAGSTER_PIPES_CONTEXT": "x"})
+    assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1,2,3" and env["DAGSTER_PIPES_CONTEXT"] == "x"
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    with pytest.raises(dg.Failure, match="MsrunResource: ASCEND_RT_VISIBLE_DEVICES: must be comma-separated"):
+        MsrunResource(visible_devices="all").environment({})
+    with pytest.raises(dg.Failure, match=r"MsrunResource.local_worker_num: must be between 1 and worker_num \(2\)"):
+        MsrunResource(worker_num=2, local_worker_num=3).command(TRAIN_ARGS, tmp_path, 9000)
+
+
+def test_graph_mode_is_a_clear_error(capsys, tmp_path):
+    assert train_main(["--config", str(tmp_path / "unused.yaml"), "--mode", "0"]) == 2
+    assert "--mode 0: graph mode is not supported; Kiln trains in PyNative mode (--mode 1)" in capsys.readouterr().err
