@@ -9,8 +9,9 @@ from mindspore import Parameter, Tensor
 from training.config import ConfigError, LrSchedulerConfig
 from training.model import Qwen3Config
 from training.model.qwen3 import GPTModel
-from training.optim import (AdamW, ConstantWarmUpLR, CosineWithWarmUpLR, LinearWithWarmUpLR, WarmUpStableDecayLR,
-                            build_lr_schedule, build_optimizer, clip_grad_norm, uses_weight_decay)
+from training.optim import (AdamW, ConstantWarmUpLR, CosineWithWarmUpLR, LinearWithWarmUpLR, NonFiniteStepError,
+                            SkipStepOnNaN, WarmUpStableDecayLR, build_lr_schedule, build_optimizer, clip_grad_norm,
+                            uses_weight_decay)
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
@@ -229,3 +230,25 @@ def test_lr_scheduler_section_checks_warmup_stable_decay_fields():
         parse({"type": "WarmUpStableDecayLR", "decay_start_ratio": 1.5})
     with pytest.raises(ConfigError, match=r"lr_scheduler\.decay_start_steps applies to WarmUpStableDecayLR only"):
         parse({"type": "CosineWithWarmUpLR", "decay_start_steps": 5})
+
+
+# ---- NaN/Inf steps --------------------------------------------------------------------------------------
+
+def test_nan_or_inf_stops_training_unless_skipping_is_on():
+    with pytest.raises(NonFiniteStepError, match=r"step 7: loss = nan.*use_skip_step_on_nan"):
+        SkipStepOnNaN(enabled=False, max_consecutive=0).should_skip(7, float("nan"), 1.0)
+    with pytest.raises(NonFiniteStepError, match=r"step 3: loss = 2.0, grad_norm = inf"):
+        SkipStepOnNaN(enabled=False, max_consecutive=0).should_skip(3, 2.0, float("inf"))
+    assert not SkipStepOnNaN(enabled=False, max_consecutive=0).should_skip(1, 2.0, 1.0)
+
+
+def test_skips_count_consecutive_steps_and_stop_past_the_limit():
+    policy = SkipStepOnNaN(enabled=True, max_consecutive=2)
+    assert policy.should_skip(1, float("nan"), 1.0) and policy.should_skip(2, 1.0, float("nan"))
+    assert not policy.should_skip(3, 1.0, 1.0) and policy.consecutive == 0  # a good step resets the run
+    assert policy.should_skip(4, float("inf"), 1.0) and policy.should_skip(5, float("nan"), float("nan"))
+    with pytest.raises(NonFiniteStepError, match=r"step 6: .*3 steps in a row.*max_consecutive_skipped_steps = 2"):
+        policy.should_skip(6, float("nan"), 1.0)
+    unlimited = SkipStepOnNaN(enabled=True, max_consecutive=0)
+    assert all(unlimited.should_skip(step, float("nan"), 1.0) for step in range(1, 50))
+    assert unlimited.total == 49

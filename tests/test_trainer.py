@@ -127,3 +127,63 @@ def test_trains_from_mindrecord_sources(tmp_path, shard):
     assert trainer.seq_length == 32
     first = trainer.train_step()
     assert abs(first["loss"] - np.log(512)) < 0.5
+
+
+# ---- NaN/Inf steps ------------------------------------------------------------------------------------
+
+def poison_steps(trainer, steps):
+    """Make the loss and every gradient NaN on the given (1-based) steps, as an overflow would."""
+    grad_fn = trainer.grad_fn
+
+    def poisoned(*inputs):
+        loss, grads = grad_fn(*inputs)
+        if trainer.step + 1 in steps:
+            return loss * float("nan"), tuple(g * float("nan") for g in grads)
+        return loss, grads
+    trainer.grad_fn = poisoned
+
+
+def test_a_nan_step_is_skipped_without_touching_weights_or_optimizer(tmp_path, shard):
+    trainer = make_trainer(tmp_path, shard, "skip", "training.use_skip_step_on_nan=true",
+                           "training.max_consecutive_skipped_steps=1")
+    poison_steps(trainer, {2})
+    trainer.train_step()
+    weights = {p.name: p.asnumpy().copy() for p in trainer.params}
+    optimizer_state = trainer.optimizer.state_arrays()
+
+    skipped = trainer.train_step()
+    assert skipped["skipped"] and np.isnan(skipped["loss"])
+    assert (skipped["step"], skipped["consumed_samples"]) == (2, 8)  # the batch is consumed all the same
+    assert all(np.array_equal(weights[p.name], p.asnumpy()) for p in trainer.params)
+    after = trainer.optimizer.state_arrays()
+    assert all(np.array_equal(optimizer_state[key], after[key]) for key in optimizer_state)  # global_step too
+    assert skipped["lr"] == trainer.lr_schedule(1)
+
+    resumed = trainer.train_step()
+    assert not resumed["skipped"] and np.isfinite(resumed["loss"]) and trainer.optimizer.global_step == 2
+    assert resumed["lr"] == trainer.lr_schedule(2)
+    assert all(not np.array_equal(weights[p.name], p.asnumpy()) for p in trainer.params)
+
+
+def test_too_many_nan_steps_in_a_row_stop_training(tmp_path, shard):
+    from training.optim import NonFiniteStepError
+
+    trainer = make_trainer(tmp_path, shard, "skips", "training.use_skip_step_on_nan=true",
+                           "training.max_consecutive_skipped_steps=2")
+    poison_steps(trainer, {2, 3, 4})
+    assert [trainer.train_step()["skipped"] for _ in range(3)] == [False, True, True]
+    with pytest.raises(NonFiniteStepError, match=r"step 4: .*3 steps in a row.*max_consecutive_skipped_steps = 2"):
+        trainer.train_step()
+    assert trainer.optimizer.global_step == 1
+
+
+def test_a_nan_loss_without_skipping_is_an_error_naming_the_step(tmp_path, shard):
+    from training.optim import NonFiniteStepError
+
+    trainer = make_trainer(tmp_path, shard, "nan")
+    poison_steps(trainer, {1})
+    before = {p.name: p.asnumpy().copy() for p in trainer.params}
+    with pytest.raises(NonFiniteStepError, match=r"step 1: loss = nan"):
+        trainer.train_step()
+    assert all(np.array_equal(before[p.name], p.asnumpy()) for p in trainer.params)
+

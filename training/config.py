@@ -190,8 +190,7 @@ class TrainingConfig(Section):
     deterministic: bool = False
     rampup_batch_size: Optional[list[int]] = None
 
-    UNSUPPORTED = {"rampup_batch_size": "batch-size ramp-up is not implemented",
-                   "use_skip_step_on_nan": "NaN step skipping is not implemented"}
+    UNSUPPORTED = {"rampup_batch_size": "batch-size ramp-up is not implemented"}
 
     def check(self, path):
         for name in ("steps", "local_batch_size", "global_batch_size"):

@@ -256,3 +256,38 @@ def build_optimizer(section: dict, named_params: Sequence[tuple[str, Parameter]]
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     return AdamW(named_params, lr_schedule=lr_schedule, **kwargs)
+
+
+# ---- steps with a NaN/Inf loss or gradient norm -----------------------------------------------------------
+
+class NonFiniteStepError(RuntimeError):
+    """A step's loss or gradient norm is NaN/Inf and training must stop rather than learn from it."""
+
+
+class SkipStepOnNaN:
+    """``training.use_skip_step_on_nan`` and ``training.max_consecutive_skipped_steps``: a step whose loss
+    or global gradient norm is NaN/Inf is skipped (no update: weights, moments and the optimizer's step
+    counter, hence the LR, stay as they were) or, without the flag, stops training. More than
+    ``max_consecutive`` skips in a row also stop it (0 = no limit, as in MindFormers)."""
+
+    def __init__(self, enabled: bool, max_consecutive: int):
+        self.enabled = enabled
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+        self.total = 0
+
+    def should_skip(self, step: int, loss: float, grad_norm: float) -> bool:
+        """Whether step ``step`` must not update; raises NonFiniteStepError when training must stop."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.consecutive = 0
+            return False
+        problem = f"step {step}: loss = {loss}, grad_norm = {grad_norm}"
+        if not self.enabled:
+            raise NonFiniteStepError(f"{problem}; stopping rather than training on it "
+                                     "(training.use_skip_step_on_nan: true would skip such steps)")
+        self.consecutive += 1
+        self.total += 1
+        if self.max_consecutive and self.consecutive > self.max_consecutive:
+            raise NonFiniteStepError(f"{problem}: {self.consecutive} steps in a row with NaN/Inf exceed "
+                                     f"training.max_consecutive_skipped_steps = {self.max_consecutive}")
+        return True

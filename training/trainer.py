@@ -21,7 +21,7 @@ from training.collectives import Collectives, World
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.model import build_model
-from training.optim import build_lr_schedule, build_optimizer, clip_grad_norm
+from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm
 from training.reporting import Reporter
 
 
@@ -79,6 +79,8 @@ class Trainer:
         self.optimizer = build_optimizer(config.optimizer.to_dict(),
                                          [(p.name, p) for p in self.params], self.lr_schedule)
         self.grad_fn = ms.value_and_grad(self.model, None, self.params)
+        self.nan_policy = SkipStepOnNaN(config.training.use_skip_step_on_nan,
+                                        config.training.max_consecutive_skipped_steps)
 
         self.dataset = build_dataset(config, num_samples=config.training.steps * config.training.global_batch_size)
         self.seq_length = seq_length_of(config, self.dataset)
@@ -144,13 +146,21 @@ class Trainer:
         grads = tuple(g / self.accumulation for g in grads_sum) if self.accumulation > 1 else grads_sum
         grads = self.collectives.average_gradients(grads)
         grads, grad_norm = clip_grad_norm(grads, self.config.training.max_norm)
-        self.optimizer.step(grads)
+        # Every rank decides alike: the loss is summed over ranks (a NaN anywhere is NaN everywhere) and
+        # the norm is of the all-reduced gradients, which every rank holds identically.
         loss = float(self.collectives.all_reduce_array(np.array([local_loss]))[0]) / self.world.size
+        skipped = self.nan_policy.should_skip(self.step + 1, loss, grad_norm)
+        if skipped:  # the data is still consumed, as in MindFormers: the next step reads the next batch
+            self.reporter.info(f"[kiln] WARNING: step {self.step + 1}: loss {loss}, grad_norm {grad_norm}: update "
+                               f"skipped ({self.nan_policy.consecutive} in a row, {self.nan_policy.total} in total)")
+        else:
+            self.optimizer.step(grads)
         self.step += 1
         self.consumed_samples += self.config.training.global_batch_size
         elapsed = time.perf_counter() - started
         tokens = self.config.training.global_batch_size * self.seq_length
-        return {"step": self.step, "loss": loss, "lr": float(self.lr_schedule(self.step)),
+        # the optimizer's LR, not the schedule at self.step: skipped steps do not advance it
+        return {"step": self.step, "loss": loss, "lr": self.optimizer.current_lr, "skipped": skipped,
                 "grad_norm": float(grad_norm), "consumed_samples": self.consumed_samples,
                 "tokens_seen": self.consumed_samples * self.seq_length, "step_time_s": elapsed,
                 "tokens_per_s": tokens / elapsed,
