@@ -187,3 +187,36 @@ def test_a_nan_loss_without_skipping_is_an_error_naming_the_step(tmp_path, shard
         trainer.train_step()
     assert all(np.array_equal(before[p.name], p.asnumpy()) for p in trainer.params)
 
+
+# ---- reproducibility and gradient accumulation --------------------------------------------------------
+
+def test_same_seed_gives_bitwise_identical_losses(tmp_path, shard):
+    def run(name, seed):
+        trainer = make_trainer(tmp_path, shard, name, "training.steps=3", f"training.seed={seed}",
+                               "checkpoint.enable_save=false")
+        return [trainer.train_step()["loss"] for _ in range(3)]
+
+    first, again, other_seed = run("a", 7), run("b", 7), run("c", 8)
+    assert first == again
+    assert all(a != b for a, b in zip(first, other_seed))
+
+
+def test_accumulated_micro_batches_give_the_big_batch_update(tmp_path, shard):
+    """lbs 2 × 2 micro-batches and one lbs-4 batch read the same 4 samples: same loss, norm and update.
+    optimizer.eps = 1 keeps the first AdamW update about lr·g (with the default eps it is lr·sign(g),
+    which fp32 rounding can flip where a gradient is about 0)."""
+    def one_step(name, local_batch_size):
+        trainer = make_trainer(tmp_path, shard, name, f"training.local_batch_size={local_batch_size}",
+                               "training.global_batch_size=4", "optimizer.eps=1.0", "checkpoint.enable_save=false")
+        before = {p.name: p.asnumpy().copy() for p in trainer.params}
+        metrics = trainer.train_step()
+        return trainer.accumulation, metrics, {p.name: p.asnumpy() - before[p.name] for p in trainer.params}
+
+    accumulation, accumulated, accumulated_update = one_step("accumulated", 2)
+    single, big_batch, big_batch_update = one_step("big", 4)
+    assert (accumulation, single) == (2, 1)
+    assert accumulated["loss"] == pytest.approx(big_batch["loss"], rel=1e-6)
+    assert accumulated["grad_norm"] == pytest.approx(big_batch["grad_norm"], rel=1e-5)
+    for name, update in big_batch_update.items():
+        assert np.abs(update).max() > 0
+        np.testing.assert_allclose(accumulated_update[name], update, rtol=1e-3, atol=1e-8, err_msg=name)
