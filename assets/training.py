@@ -22,6 +22,7 @@ from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest, training_data_path
 from training.lineage import lineage_inputs
+from training.profiling import profile_root
 from training.reporting import CHECKPOINT_MESSAGE
 
 TRAIN_CODE_VERSION = "train-v1"
@@ -75,6 +76,11 @@ def _checkpoint_event(message: dict, run_name: str, code_version: str) -> tuple[
             "path": dg.MetadataValue.path(message["path"]), "step": message["step"], "loss": message["loss"],
             "lr": message["lr"], "tokens_seen": message["tokens_seen"],
             "consumed_samples": message["consumed_samples"],
+            # numeric entries become plots over the partitions in the UI
+            "grad_norm": dg.MetadataValue.float(message["grad_norm"]),
+            "tokens_per_s": dg.MetadataValue.float(message["tokens_per_s"]),
+            "samples_per_s": dg.MetadataValue.float(message["samples_per_s"]),
+            "ckpt_status": message["ckpt_status"],
             "bytes": sum(f["bytes"] for f in files), "files": files_table(files, ["name", "bytes", "sha256"]),
         },
         tags={"dagster/data_version": data_version, "dagster/code_version": code_version},
@@ -127,6 +133,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         "msrun_command": dg.MetadataValue.text(" ".join(command)), "workers": msrun.worker_num,
         "checkpoints_saved": len(saved), "final_checkpoint": dg.MetadataValue.path(str(final) if final else ""),
     }
+    if train_config.profiler.enable_profiling:
+        metadata["profile"] = dg.MetadataValue.path(str(profile_root(train_config, run_dir)))
     if steps:
         timed = [s["tokens_per_s"] for s in steps[1:]] or [steps[0]["tokens_per_s"]]
         metadata.update({

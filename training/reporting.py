@@ -37,6 +37,14 @@ class Reporter:
         if self._pipes:
             self._pipes.log.info(message)
 
+    def warning(self, message: str) -> None:
+        """A warning Dagster shows as one (Pipes log level WARNING)."""
+        if not self.enabled:
+            return
+        print(f"[kiln] WARNING: {message}", flush=True)
+        if self._pipes:
+            self._pipes.log.warning(message)
+
     def step(self, metrics: dict, line: str) -> None:
         if not self.enabled:
             return

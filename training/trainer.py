@@ -21,7 +21,9 @@ from training.collectives import Collectives, World
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.model import build_model
+from training.monitor import EMBEDDING_PARAM, HealthMonitor, TrainStateMonitor, summary_line, tensor_norms
 from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm
+from training.profiling import build_profiler, profile_root
 from training.reporting import Reporter
 
 
@@ -79,6 +81,11 @@ class Trainer:
         self.optimizer = build_optimizer(config.optimizer.to_dict(),
                                          [(p.name, p) for p in self.params], self.lr_schedule)
         self.grad_fn = ms.value_and_grad(self.model, None, self.params)
+        self.monitor = TrainStateMonitor(config.monitor.train_state, [p.name for p in self.params], self.collectives)
+        self.model.track_max_attention_logits(config.monitor.train_state.max_attention_logit)
+        self.health = HealthMonitor(config.monitor.health_checkpoint)
+        self.embedding_index = next(i for i, p in enumerate(self.params) if p.name == EMBEDDING_PARAM)
+        self.profiler = build_profiler(config, world.rank, self.output_dir)
         self.nan_policy = SkipStepOnNaN(config.training.use_skip_step_on_nan,
                                         config.training.max_consecutive_skipped_steps)
 
@@ -141,10 +148,14 @@ class Trainer:
         grads_sum, local_loss = None, 0.0
         for micro in range(self.accumulation):
             loss, grads = self.grad_fn(*self._micro_batch(micro))
-            local_loss += float(loss.asnumpy()) / self.accumulation
+            micro_loss = float(loss.asnumpy())
+            local_loss += micro_loss / self.accumulation
+            self.monitor.micro_batch(micro_loss, grads)
             grads_sum = grads if grads_sum is None else tuple(a + b for a, b in zip(grads_sum, grads))
         grads = tuple(g / self.accumulation for g in grads_sum) if self.accumulation > 1 else grads_sum
         grads = self.collectives.average_gradients(grads)
+        unclipped = grads  # what device_norm and the health check judge
+        embedding_norm = float(tensor_norms([grads[self.embedding_index]])[0])
         grads, grad_norm = clip_grad_norm(grads, self.config.training.max_norm)
         # Every rank decides alike: the loss is summed over ranks (a NaN anywhere is NaN everywhere) and
         # the norm is of the all-reduced gradients, which every rank holds identically.
@@ -155,6 +166,9 @@ class Trainer:
                                f"skipped ({self.nan_policy.consecutive} in a row, {self.nan_policy.total} in total)")
         else:
             self.optimizer.step(grads)
+        abnormal = self.health.observe(self.step + 1, float(grad_norm), embedding_norm)
+        monitored = (self.monitor.record(unclipped, self.params, loss, self.model.pop_max_attention_logits())
+                     if self.monitor.enabled else {})
         self.step += 1
         self.consumed_samples += self.config.training.global_batch_size
         elapsed = time.perf_counter() - started
@@ -164,24 +178,31 @@ class Trainer:
                 "grad_norm": float(grad_norm), "consumed_samples": self.consumed_samples,
                 "tokens_seen": self.consumed_samples * self.seq_length, "step_time_s": elapsed,
                 "tokens_per_s": tokens / elapsed,
+                "samples_per_s": self.config.training.global_batch_size / elapsed,
                 "tflops_per_device": self.model.flops_per_token(self.seq_length) * tokens
-                / elapsed / 1e12 / self.world.size}
+                / elapsed / 1e12 / self.world.size, "embedding_grad_norm": embedding_norm,
+                **({"abnormal": abnormal} if abnormal else {}), **monitored}
 
     def _log_line(self, m: dict) -> str:
         steps = self.config.training.steps
-        return (f"{{ step:[{m['step']:>5}/{steps:>5}], consumed_samples: {m['consumed_samples']}, "
+        line = (f"{{ step:[{m['step']:>5}/{steps:>5}], consumed_samples: {m['consumed_samples']}, "
                 f"global_batch_size: {self.config.training.global_batch_size}, loss: {m['loss']:>10.6f}, "
                 f"per_step_time: {m['step_time_s'] * 1000:>6.0f}ms, lr: {m['lr']:.6e}, "
                 f"grad_norm: {m['grad_norm']:>10.6f}, throughput: {m['tflops_per_device']:.3g}T, "
-                f"tokens_per_s: {m['tokens_per_s']:.0f} }}")
+                f"tokens_per_s: {m['tokens_per_s']:.0f}, samples_per_s: {m['samples_per_s']:.2f} }}")
+        return line + "\n" + summary_line(m["step"], steps, m) if self.monitor.enabled else line
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, metrics: dict) -> None:
         cfg = self.config
+        status = self.health.checkpoint_status()
+        if status:
+            self.reporter.warning(f"checkpoint of step {self.step} is marked abnormal (ckpt_status 1): "
+                                  "an unhealthy step since the previous save (see monitor.health_checkpoint)")
         common = {
             "epoch_num": 1, "step_num": cfg.training.steps, "global_step": self.step, "loss_scale": 1.0,
             "global_batch_size": cfg.training.global_batch_size, "consumed_samples": self.consumed_samples,
-            "ckpt_status": None,
+            "ckpt_status": status,
             # Kiln's extras: what a bit-identical resume and an audit need
             "loss": metrics["loss"], "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
             "config_sha256": config_sha256(self.resolved_yaml),
@@ -200,6 +221,8 @@ class Trainer:
             self.reporter.info(f"[kiln] saved checkpoint {saved.path}")
             self.reporter.checkpoint({"step": self.step, "path": str(saved.path), "loss": metrics["loss"],
                                       "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
+                                      "grad_norm": metrics["grad_norm"], "tokens_per_s": metrics["tokens_per_s"],
+                                      "samples_per_s": metrics["samples_per_s"], "ckpt_status": status,
                                       "consumed_samples": self.consumed_samples, "files": saved.files})
 
     def _run_record(self) -> dict:
@@ -222,18 +245,29 @@ class Trainer:
         self.reporter.info(f"[kiln] training {cfg.model['model_type']} ({n_params:,} parameters) on "
                            f"{self.world.size} worker(s), dp={self.dp}, accumulation={self.accumulation}, "
                            f"steps {start_step}->{cfg.training.steps}")
+        if cfg.profiler.enable_profiling:
+            self.reporter.info(f"[kiln] profiling steps {cfg.profiler.start_step}-{cfg.profiler.end_step} into "
+                               f"{profile_root(cfg, self.output_dir)}/rank_<id>")
         first = last = None
         throughput = []
         while self.step < cfg.training.steps:
+            if self.profiler:
+                self.profiler.before_step(self.step + 1)
             metrics = self.train_step()
+            if self.profiler:
+                self.profiler.after_step(self.step)
             first = metrics if first is None else first
             last = metrics
             if self.step - start_step > 1:  # the first step pays for kernel compilation
                 throughput.append(metrics["tokens_per_s"])
             self.reporter.step(metrics, self._log_line(metrics))
+            for reason in metrics.get("abnormal", []):
+                self.reporter.warning(f"step {self.step}: {reason}; the next checkpoint will be marked abnormal")
             if cfg.checkpoint.enable_save and ((self.step - start_step) % interval == 0
                                                or self.step == cfg.training.steps):
                 self.save(metrics)
+        if self.profiler:  # training ended inside the window
+            self.profiler.close()
         if last is None:
             self.reporter.info(f"[kiln] nothing to do: already at step {self.step} of {cfg.training.steps}")
         return TrainSummary(start_step=start_step, end_step=self.step,
