@@ -11,7 +11,7 @@ from mindspore import Tensor
 
 from training.config import ConfigError
 from training.model import Qwen3Config, build_model
-from training.model.qwen3 import GPTModel
+from training.model.qwen3 import DTYPES, GPTModel
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
@@ -298,3 +298,66 @@ def test_flops_per_token():
     assert model.flops_per_token(32) == expected
     tied = tiny_model(tie_word_embeddings=True)
     assert tied.flops_per_token(32) == 6 * tied.num_parameters() + 12 * 2 * 4 * 16 * 32
+
+
+# ---- precision fields -----------------------------------------------------------------------------------
+
+LOW_PRECISION_FIELDS = ("compute_dtype", "layernorm_compute_dtype", "softmax_compute_dtype", "rotary_dtype")
+
+
+@pytest.mark.parametrize("field", LOW_PRECISION_FIELDS)
+def test_bfloat16_is_refused_on_cpu_naming_the_field(field):
+    with pytest.raises(ConfigError, match=rf"model\.{field} = 'bfloat16' is not supported on CPU.*float16"):
+        build_model({**SECTION, field: "bfloat16"}, seed=0)
+
+
+def spy_dtypes(monkeypatch) -> dict:
+    """Record the dtype each kind of op runs in while the model computes."""
+    from training.model import qwen3
+
+    seen = {"matmul": set(), "softmax": set(), "norm": set(), "rotary": set()}
+
+    def spy(kind, fn, dtype_of=lambda *args: args[0].dtype):
+        def wrapped(*args, **kwargs):
+            seen[kind].add(dtype_of(*args))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for name in ("_matmul_transpose_b", "_bmm", "_bmm_transpose_b"):
+        monkeypatch.setattr(qwen3, name, spy("matmul", getattr(qwen3, name)))
+    monkeypatch.setattr(qwen3.ops, "softmax", spy("softmax", qwen3.ops.softmax))
+    monkeypatch.setattr(qwen3.ops, "rsqrt", spy("norm", qwen3.ops.rsqrt))
+    monkeypatch.setattr(qwen3, "apply_rotary", spy("rotary", qwen3.apply_rotary, lambda x, cos, sin: cos.dtype))
+    return seen
+
+
+@pytest.mark.parametrize("dtypes", [
+    dict(compute_dtype="float16", layernorm_compute_dtype="float32", softmax_compute_dtype="float32",
+         rotary_dtype="float16"),
+    dict(compute_dtype="float32", layernorm_compute_dtype="float16", softmax_compute_dtype="float16",
+         rotary_dtype="float32"),
+])
+def test_each_precision_field_sets_where_its_ops_run(monkeypatch, dtypes):
+    seen = spy_dtypes(monkeypatch)
+    logits = tiny_model(**dtypes).logits(Tensor(random_ids()))
+    field_of = {"matmul": "compute_dtype", "norm": "layernorm_compute_dtype", "softmax": "softmax_compute_dtype",
+                "rotary": "rotary_dtype"}
+    assert seen == {kind: {DTYPES[dtypes[field]]} for kind, field in field_of.items()}
+    assert logits.dtype == ms.float32
+
+
+def test_float16_compute_trains_on_cpu_close_to_float32():
+    """Matmuls, softmax and rotary in float16: the loss moves by fp16 rounding only, and gradients reach the
+    fp32 params. (RMSNorm stays fp32, as in MindFormers' configs: in float16 its rsqrt backward overflows
+    for activations as small as these.)"""
+    ids = random_ids()
+    batch = Tensor(ids), Tensor(ids), Tensor(np.ones(ids.shape, np.float32))
+    reference = tiny_model()
+    half = tiny_model(compute_dtype="float16", softmax_compute_dtype="float16", rotary_dtype="float16")
+    loss32, grads32 = ms.value_and_grad(reference, None, reference.trainable_params())(*batch)
+    loss16, grads16 = ms.value_and_grad(half, None, half.trainable_params())(*batch)
+    assert float(loss16.asnumpy()) != float(loss32.asnumpy())
+    assert float(loss16.asnumpy()) == pytest.approx(float(loss32.asnumpy()), rel=1e-2)
+    for g16, g32 in zip(grads16, grads32):
+        assert g16.dtype == ms.float32
+        np.testing.assert_allclose(g16.asnumpy(), g32.asnumpy(), atol=5e-3 * np.abs(g32.asnumpy()).max() + 1e-6)

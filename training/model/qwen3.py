@@ -22,6 +22,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from training.config import Section, require
 
 DTYPES = {"float32": ms.float32, "bfloat16": ms.bfloat16, "float16": ms.float16}
+DTYPE_FIELDS = ("compute_dtype", "params_dtype", "layernorm_compute_dtype", "softmax_compute_dtype", "rotary_dtype")
 
 
 @dataclass
@@ -42,8 +43,12 @@ class Qwen3Config(Section):
     attention_bias: bool = False
     initializer_range: float = 0.02
     seq_length: int = 4096
+    # MindFormers' precision fields: matmuls run in compute_dtype, the rest where named
     compute_dtype: str = "float32"
     params_dtype: str = "float32"
+    layernorm_compute_dtype: str = "float32"
+    softmax_compute_dtype: str = "float32"
+    rotary_dtype: str = "float32"
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "model") -> "Qwen3Config":
@@ -65,16 +70,21 @@ class Qwen3Config(Section):
                  f"{path}.seq_length ({self.seq_length}) exceeds {path}.max_position_embeddings "
                  f"({self.max_position_embeddings})")
         require(self.hidden_act == "silu", f"{path}.hidden_act = {self.hidden_act!r}: Qwen3 uses 'silu' (SwiGLU)")
-        for name in ("compute_dtype", "params_dtype"):
+        for name in DTYPE_FIELDS:
             value = getattr(self, name)
             require(value in DTYPES, f"{path}.{name} = {value!r}: expected one of {', '.join(DTYPES)}")
         require(self.params_dtype == "float32",
                  f"{path}.params_dtype = {self.params_dtype!r} is not supported yet: AdamW keeps no fp32 master "
                  "copy, so low-precision parameters would lose small updates; use float32")
         if ms.get_context("device_target") == "CPU":
-            require(self.compute_dtype == "float32",
-                     f"{path}.compute_dtype = {self.compute_dtype!r} is not supported on CPU "
-                     "(MindSpore's CPU matmul kernels are fp32 only); use float32")
+            for name in DTYPE_FIELDS:  # float16 kernels exist on CPU (MindSpore 2.10), bfloat16 ones do not
+                require(getattr(self, name) != "bfloat16",
+                        f"{path}.{name} = 'bfloat16' is not supported on CPU (MindSpore's CPU MatMul, Softmax "
+                        "and reductions have no bfloat16 kernels); use float32 or float16")
+
+    def dtype(self, name: str):
+        """The MindSpore dtype of the precision field ``name``."""
+        return DTYPES[getattr(self, name)]
 
 
 # ---- building blocks -------------------------------------------------------------------------------
@@ -126,17 +136,20 @@ class Linear(nn.Cell):
 
 
 class RMSNorm(nn.Cell):
-    """RMSNorm over the last axis, computed in fp32 (CPU has no rms_norm kernel, so built from rsqrt/mean)."""
+    """RMSNorm over the last axis, computed in ``dtype`` (model.layernorm_compute_dtype) and returned in the
+    input's dtype. Built from rsqrt/mean: CPU has no rms_norm kernel. float16 is honoured but fragile: the
+    rsqrt backward overflows for small activations, which is why MindFormers' configs keep norms in fp32."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, dtype=ms.float32):
         super().__init__()
         self.weight = Init.ones(dim)
         self.eps = eps
+        self.dtype = dtype
 
     def construct(self, x: Tensor) -> Tensor:
-        x32 = _cast(x, ms.float32)
-        normed = x32 * ops.rsqrt((x32 * x32).mean(axis=-1, keep_dims=True) + self.eps)
-        return _cast(normed * self.weight, x.dtype)
+        xc = _cast(x, self.dtype)
+        normed = xc * ops.rsqrt((xc * xc).mean(axis=-1, keep_dims=True) + self.eps)
+        return _cast(normed * _cast(self.weight, self.dtype), x.dtype)
 
 
 class VocabEmbedding(nn.Cell):
@@ -165,11 +178,13 @@ class RotaryEmbedding:
     HF computes x·cos + rotate_half(x)·sin with rotate_half(x) = [-x2, x1]; the sign is baked into the
     first half of the sin table here, so applying it needs only [x2, x1] (one op fewer per call)."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int):
+    def __init__(self, head_dim: int, theta: float, max_positions: int, dtype=ms.float32):
+        """Tables are computed in float64 and stored in ``dtype`` (model.rotary_dtype), the dtype
+        ``apply_rotary`` then works in."""
         inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
         angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)  # [positions, head_dim/2]
-        self.cos = Tensor(np.cos(np.concatenate([angles, angles], axis=-1)).astype(np.float32))
-        self.signed_sin = Tensor(np.sin(np.concatenate([-angles, angles], axis=-1)).astype(np.float32))
+        self.cos = _cast(Tensor(np.cos(np.concatenate([angles, angles], axis=-1)).astype(np.float32)), dtype)
+        self.signed_sin = _cast(Tensor(np.sin(np.concatenate([-angles, angles], axis=-1)).astype(np.float32)), dtype)
 
     def tables(self, seq_len: int, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """[seq, head_dim] for positions 0..seq-1, or [batch, 1, seq, head_dim] for explicit per-sample
@@ -181,10 +196,11 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """x: [..., seq, head_dim]; cos/signed_sin: [seq, head_dim] from RotaryEmbedding. Done in fp32."""
-    x32 = _cast(x, ms.float32)
-    first, second = ops.chunk(x32, 2, axis=-1)
-    return _cast(x32 * cos + ops.cat((second, first), axis=-1) * signed_sin, x.dtype)
+    """x: [..., seq, head_dim]; cos/signed_sin: [seq, head_dim] from RotaryEmbedding. Done in the tables'
+    dtype (model.rotary_dtype), returned in x's."""
+    xr = _cast(x, cos.dtype)
+    first, second = ops.chunk(xr, 2, axis=-1)
+    return _cast(xr * cos + ops.cat((second, first), axis=-1) * signed_sin, x.dtype)
 
 
 def causal_mask(seq_len: int, repeats: int = 1) -> Tensor:
@@ -241,8 +257,9 @@ class SelfAttention(nn.Cell):
         self.head_dim = config.head_dim
         qkv_rows = self.num_groups * (self.heads_per_group + 2) * self.head_dim
         self.linear_qkv = Linear(init, config.hidden_size, qkv_rows, bias=config.attention_bias)
-        self.q_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype("layernorm_compute_dtype"))
+        self.k_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps, config.dtype("layernorm_compute_dtype"))
+        self.softmax_dtype = config.dtype("softmax_compute_dtype")
         self.linear_proj = Linear(init, self.num_heads * self.head_dim, config.hidden_size)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.logit_tracker = MaxLogitTracker()
@@ -262,7 +279,8 @@ class SelfAttention(nn.Cell):
         q = apply_rotary(q, q_cos, q_sin).reshape(batch, groups, per_group * seq, dim) * self.scale
         k = apply_rotary(k, cos, sin)
 
-        scores = _cast(_bmm_transpose_b(q, k), ms.float32) + mask          # [batch, groups, per_group·seq, seq]
+        # [batch, groups, per_group·seq, seq]; in float16 the mask's float32 minimum becomes -inf: still 0 weight
+        scores = _cast(_bmm_transpose_b(q, k), self.softmax_dtype) + _cast(mask, self.softmax_dtype)
         if self.logit_tracker.enabled:
             self.logit_tracker.update(scores.reshape(batch, groups, per_group, seq * seq))
         probs = _cast(ops.softmax(scores, axis=-1), v.dtype)
@@ -289,9 +307,10 @@ class MLP(nn.Cell):
 class TransformerLayer(nn.Cell):
     def __init__(self, init: Init, config: Qwen3Config):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype("layernorm_compute_dtype"))
         self.self_attention = SelfAttention(init, config)
-        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                         config.dtype("layernorm_compute_dtype"))
         self.mlp = MLP(init, config)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
@@ -303,7 +322,7 @@ class TransformerBlock(nn.Cell):
     def __init__(self, init: Init, config: Qwen3Config):
         super().__init__()
         self.layers = nn.CellList([TransformerLayer(init, config) for _ in range(config.num_hidden_layers)])
-        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype("layernorm_compute_dtype"))
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         for layer in self.layers:
@@ -334,7 +353,8 @@ class GPTModel(nn.Cell):
             seed = ms.get_seed() or 0
         init = Init(seed, config.initializer_range)
         self.embedding = LanguageModelEmbedding(init, config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position_embeddings,
+                                      config.dtype("rotary_dtype"))
         self.decoder = TransformerBlock(init, config)
         self.output_layer = None if config.tie_word_embeddings else Linear(init, config.hidden_size, config.vocab_size)
 
