@@ -558,6 +558,8 @@ class TrainConfig(Section):
     def check(self, path):
         for key in ("model_type", "architectures"):
             require(key in self.model, f"model.{key} is required")
+        require(isinstance(self.model["model_type"], str),
+                f"model.model_type: expected a model name such as 'qwen3', got {self.model['model_type']!r}")
 
     def data_parallel_size(self, world_size: int) -> int:
         """dp = world / (tp·pp·cp), and the batch sizes must split evenly over it."""
