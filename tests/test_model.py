@@ -269,7 +269,6 @@ def test_build_model_accepts_architecture_list():
     ({**SECTION, "num_key_value_heads": 3}, ["model.num_attention_heads", "model.num_key_value_heads"]),
     ({**SECTION, "seq_length": 128}, ["model.seq_length", "max_position_embeddings"]),
     ({**SECTION, "compute_dtype": "bfloat16"}, ["model.compute_dtype", "CPU"]),
-    ({**SECTION, "params_dtype": "float16"}, ["model.params_dtype"]),
     ({**SECTION, "model_type": "llama"}, ["model.model_type", "qwen3"]),
     ({**SECTION, "architectures": "LlamaForCausalLM"}, ["model.architectures", "Qwen3ForCausalLM"]),
     ({**SECTION, "architectures": ["Qwen3ForCausalLM", "X"]}, ["model.architectures"]),
@@ -302,10 +301,11 @@ def test_flops_per_token():
 
 # ---- precision fields -----------------------------------------------------------------------------------
 
-LOW_PRECISION_FIELDS = ("compute_dtype", "layernorm_compute_dtype", "softmax_compute_dtype", "rotary_dtype")
+PRECISION_FIELDS = ("params_dtype", "compute_dtype", "layernorm_compute_dtype", "softmax_compute_dtype",
+                    "rotary_dtype")
 
 
-@pytest.mark.parametrize("field", LOW_PRECISION_FIELDS)
+@pytest.mark.parametrize("field", PRECISION_FIELDS)
 def test_bfloat16_is_refused_on_cpu_naming_the_field(field):
     with pytest.raises(ConfigError, match=rf"model\.{field} = 'bfloat16' is not supported on CPU.*float16"):
         build_model({**SECTION, field: "bfloat16"}, seed=0)
@@ -361,3 +361,15 @@ def test_float16_compute_trains_on_cpu_close_to_float32():
     for g16, g32 in zip(grads16, grads32):
         assert g16.dtype == ms.float32
         np.testing.assert_allclose(g16.asnumpy(), g32.asnumpy(), atol=5e-3 * np.abs(g32.asnumpy()).max() + 1e-6)
+
+
+def test_params_are_stored_in_params_dtype():
+    model = tiny_model(params_dtype="float16")
+    assert {p.dtype for p in model.get_parameters()} == {ms.float16}
+    reference = tiny_model()
+    np.testing.assert_array_equal(model.output_layer.weight.asnumpy(),
+                                  reference.output_layer.weight.asnumpy().astype(np.float16))
+    ids = Tensor(random_ids())
+    logits = model.logits(ids)
+    assert logits.dtype == ms.float32
+    np.testing.assert_allclose(logits.asnumpy(), reference.logits(ids).asnumpy(), atol=2e-2)

@@ -93,6 +93,50 @@ def test_state_round_trip():
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
 
 
+def test_low_precision_params_update_through_fp32_masters():
+    """float16 params: the update is AdamW's on an fp32 master (main_param.<name>, MindFormers' name), and the
+    param is the master rounded to float16; fp32 params have no master."""
+    named = [(n, Parameter(Tensor(p.asnumpy().astype(np.float32 if n == "layer.weight" else np.float16)), name=n))
+             for n, p in make_params()]
+    opt = AdamW(named, lr_schedule=lambda step: 0.01 * step, weight_decay=0.1)
+    ref = {n: (p.asnumpy().astype(np.float64), 0.0, 0.0) for n, p in named}
+    for step in (1, 2, 3):
+        grads = make_grads(seed=step)
+        opt.step(grads)
+        for (name, param), g in zip(named, grads):
+            p, m, v = ref[name]
+            ref[name] = numpy_adamw(p, g.asnumpy().astype(np.float64), m, v, step, 0.01 * step,
+                                    uses_weight_decay(name, param))
+    state = opt.state_arrays()
+    assert {k for k in state if k.startswith("main_param.")} == {f"main_param.{n}" for n in SHAPES} - {
+        "main_param.layer.weight"}
+    for name, param in named[1:]:
+        master = state[f"main_param.{name}"]
+        np.testing.assert_allclose(master, ref[name][0], rtol=1e-5, atol=1e-6)
+        assert param.dtype == ms.float16
+        np.testing.assert_array_equal(param.asnumpy(), master.astype(np.float16))
+
+
+def test_updates_below_float16_rounding_accumulate_in_the_master():
+    param = Parameter(Tensor(np.ones(4, np.float16)), name="w")
+    opt = AdamW([("w", param)], lr_schedule=lambda step: 1e-4, weight_decay=0.0)
+    ones = (Tensor(np.ones(4, np.float32)),)
+    opt.step(ones)
+    assert param.asnumpy().tolist() == [1.0] * 4  # 1 - 1e-4 rounds back to 1 in float16
+    for _ in range(9):
+        opt.step(ones)
+    assert opt.state_arrays()["main_param.w"][0] == pytest.approx(1 - 1e-3, rel=1e-5)
+    assert param.asnumpy()[0] == np.float16(1 - 1e-3) < 1.0
+
+
+def test_masters_start_from_weights_loaded_after_the_optimizer_was_built():
+    param = Parameter(Tensor(np.ones(4, np.float16)), name="w")
+    opt = AdamW([("w", param)], lr_schedule=lambda step: 1e-2, weight_decay=0.0)
+    param.set_data(Tensor(np.full(4, 2.0, np.float16)))  # what a weights-only resume does
+    opt.step((Tensor(np.ones(4, np.float32)),))
+    assert param.asnumpy()[0] == np.float16(2.0 - 1e-2)
+
+
 def test_load_state_errors_name_the_tensor():
     opt = AdamW(make_params(), lr_schedule=lambda s: 1e-2)
     state = opt.state_arrays()

@@ -1,6 +1,7 @@
 """The trainer in one process (no msrun): a step, a save, a resume, and an audit of what it saved."""
 import json
 
+import mindspore as ms
 import numpy as np
 import pytest
 
@@ -220,3 +221,16 @@ def test_accumulated_micro_batches_give_the_big_batch_update(tmp_path, shard):
     for name, update in big_batch_update.items():
         assert np.abs(update).max() > 0
         np.testing.assert_allclose(accumulated_update[name], update, rtol=1e-3, atol=1e-8, err_msg=name)
+
+
+def test_float16_params_resume_exactly_with_their_fp32_masters(tmp_path, shard):
+    half = "model.params_dtype=float16"
+    full = make_trainer(tmp_path, shard, "half", half, "training.steps=3", "checkpoint.save_interleaved_steps=1")
+    full.train()
+    assert {p.dtype for p in full.params} == {ms.float16}
+    resumed = make_trainer(tmp_path, shard, "half_resumed", half, "training.steps=3",
+                           f"checkpoint.load_path={tmp_path / 'half/checkpoints/iteration_00000002'}")
+    resumed.train()
+    assert losses(tmp_path / "half_resumed")[3] == losses(tmp_path / "half")[3]
+    for a, b in zip(full.params, resumed.params):
+        np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())

@@ -166,7 +166,9 @@ class AdamW:
     """Decoupled-weight-decay Adam on MindSpore Parameters with fp32 moments and bias correction.
 
     ``step(grads)`` takes the gradient tuple of ``mindspore.value_and_grad(fn, None, weights)`` where
-    ``weights`` are the params given here, in the same order."""
+    ``weights`` are the params given here, in the same order. As in MindFormers, a float16/bfloat16 param
+    is updated through an fp32 master copy (``main_param.<name>``) and then rounded back, so updates
+    smaller than its rounding step accumulate instead of being lost."""
 
     def __init__(self, named_params: Sequence[tuple[str, Parameter]], *, lr_schedule: LrSchedule,
                  betas: Sequence[float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.01,
@@ -182,6 +184,16 @@ class AdamW:
         self.exp_avg = [self._zeros_like(f"adam_m.{n}", p) for n, p in named_params]
         self.exp_avg_sq = [self._zeros_like(f"adam_v.{n}", p) for n, p in named_params]
         self.global_step = 0
+        self._master_copies: list[Parameter | None] | None = None
+
+    def _masters(self) -> list[Parameter | None]:
+        """The fp32 masters (None for fp32 params). Taken from the params on first use rather than at
+        construction, so weights loaded after the optimizer was built (a weights-only resume) are their start."""
+        if self._master_copies is None:
+            self._master_copies = [None if p.dtype == ms.float32 else
+                                   Parameter(p.astype(ms.float32), name=f"main_param.{n}", requires_grad=False)
+                                   for n, p in zip(self.names, self.params)]
+        return self._master_copies
 
     @staticmethod
     def _zeros_like(name: str, param: Parameter) -> Parameter:
@@ -207,37 +219,41 @@ class AdamW:
         kernel_lr = lr * sqrt_bias_correction2 / (1.0 - self.beta1 ** self.global_step)
         kernel_eps = self.eps * sqrt_bias_correction2
         kernel_decay = lr * self.weight_decay / kernel_lr if kernel_lr else 0.0
-        for param, grad, m, v, decay in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.decays):
-            _adam_weight_decay(param, m, v, kernel_lr, self.beta1, self.beta2, kernel_eps,
-                               kernel_decay if decay else 0.0, grad.astype(ms.float32))
+        for param, master, grad, m, v, decay in zip(self.params, self._masters(), grads, self.exp_avg,
+                                                    self.exp_avg_sq, self.decays):
+            _adam_weight_decay(param if master is None else master, m, v, kernel_lr, self.beta1, self.beta2,
+                               kernel_eps, kernel_decay if decay else 0.0, grad.astype(ms.float32))
+            if master is not None:
+                ops.assign(param, master.astype(param.dtype))
 
     # ---- checkpoint state ----
     def state_arrays(self) -> dict[str, np.ndarray]:
         state = {m.name: m.asnumpy() for m in self.exp_avg}
         state.update({v.name: v.asnumpy() for v in self.exp_avg_sq})
+        state.update({master.name: master.asnumpy() for master in self._masters() if master is not None})
         state["global_step"] = np.array([self.global_step], np.int64)
         return state
 
     def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Restore exactly what ``state_arrays`` produced; a missing, extra or mis-shaped tensor is an error."""
-        moments = self.exp_avg + self.exp_avg_sq
-        expected = {m.name for m in moments} | {"global_step"}
+        tensors = self.exp_avg + self.exp_avg_sq + [master for master in self._masters() if master is not None]
+        expected = {t.name for t in tensors} | {"global_step"}
         missing = sorted(expected - set(arrays))
         if missing:
             raise ValueError(f"optimizer state is missing {len(missing)} tensor(s): {', '.join(missing[:5])}")
         extra = sorted(set(arrays) - expected)
         if extra:
             raise ValueError(f"optimizer state has tensor(s) this model does not: {', '.join(extra[:5])}")
-        for moment in moments:
-            array = np.asarray(arrays[moment.name])
-            if tuple(array.shape) != tuple(moment.shape):
-                raise ValueError(f"optimizer state {moment.name}: shape {list(array.shape)}, "
-                                 f"the model expects {list(moment.shape)}")
+        for tensor in tensors:
+            array = np.asarray(arrays[tensor.name])
+            if tuple(array.shape) != tuple(tensor.shape):
+                raise ValueError(f"optimizer state {tensor.name}: shape {list(array.shape)}, "
+                                 f"the model expects {list(tensor.shape)}")
         step = np.asarray(arrays["global_step"])
         if step.size != 1:
             raise ValueError(f"optimizer state global_step: shape {list(step.shape)}, expected [1]")
-        for moment in moments:
-            moment.set_data(Tensor(np.asarray(arrays[moment.name], np.float32)))
+        for tensor in tensors:
+            tensor.set_data(Tensor(np.asarray(arrays[tensor.name], np.float32)))
         self.global_step = int(step.reshape(-1)[0])
 
 

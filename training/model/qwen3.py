@@ -73,9 +73,6 @@ class Qwen3Config(Section):
         for name in DTYPE_FIELDS:
             value = getattr(self, name)
             require(value in DTYPES, f"{path}.{name} = {value!r}: expected one of {', '.join(DTYPES)}")
-        require(self.params_dtype == "float32",
-                 f"{path}.params_dtype = {self.params_dtype!r} is not supported yet: AdamW keeps no fp32 master "
-                 "copy, so low-precision parameters would lose small updates; use float32")
         if ms.get_context("device_target") == "CPU":
             for name in DTYPE_FIELDS:  # float16 kernels exist on CPU (MindSpore 2.10), bfloat16 ones do not
                 require(getattr(self, name) != "bfloat16",
@@ -357,6 +354,10 @@ class GPTModel(nn.Cell):
                                       config.dtype("rotary_dtype"))
         self.decoder = TransformerBlock(init, config)
         self.output_layer = None if config.tie_word_embeddings else Linear(init, config.hidden_size, config.vocab_size)
+        # drawn in fp32 (the same seeded stream for every dtype), then stored as model.params_dtype; AdamW
+        # updates low-precision params through fp32 masters
+        for param in self.get_parameters():
+            param.set_dtype(config.dtype("params_dtype"))
 
     def logits(self, input_ids: Tensor, position_ids: Tensor | None = None,
                attention_mask: Tensor | None = None) -> Tensor:
