@@ -52,6 +52,12 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         assert train_main(["--config", str(run_dir / "config.yaml"), "--output-dir", str(single),
                            "--set", "checkpoint.enable_save=false"]) == 0
         assert metric_losses(single) == pytest.approx(metric_losses(run_dir), rel=1e-5)
+        # and a checkpoint written by 2 workers resumes in 1 process (metadata.json names where each tensor is)
+        resumed = tmp_path / "single_process_resumed"
+        assert train_main(["--config", str(run_dir / "config.yaml"), "--output-dir", str(resumed),
+                           "--set", "checkpoint.enable_save=false",
+                           "--set", f"checkpoint.load_path={run_dir / 'checkpoints/iteration_00000003'}"]) == 0
+        assert metric_losses(resumed) == pytest.approx(metric_losses(run_dir)[3:], rel=1e-5)
 
         # more steps: resumes from iteration 6 instead of starting over
         again = dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, resources=res,
