@@ -6,7 +6,8 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   or numpy buffers; 1.0 means start-up, reading, parsing and writing cost nothing);
 - training: the trainer's tokens/s and FLOP/s vs. this machine's fp32 matmul peak in MindSpore;
 - data index: GPTDataset index build for 1M documents, the 10M-sample blend vs a scalar loop, and
-  sample fetching vs. the training consumption rate just measured.
+  sample fetching vs. the training consumption rate just measured;
+- monitoring: the training step with every `monitor.train_state` option on (and each alone) vs. off.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import data_index
+from benchmarks import data_index, monitoring
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -195,6 +196,7 @@ def main(argv=None) -> int:
             tokens_per_s = bench_training(shard, args.steps)
             # sample fetching against what training consumes at the same number of tokens per sample
             data_index.run(report, consume_samples_per_s=tokens_per_s / data_index.SEQ_LENGTH)
+            monitoring.run(report)
     return 0
 
 
