@@ -7,7 +7,7 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
 - training: the trainer's tokens/s and FLOP/s vs. this machine's fp32 matmul peak in MindSpore;
 - data index: GPTDataset index build for 1M documents, the 10M-sample blend vs a scalar loop, and
   sample fetching vs. the training consumption rate just measured;
-- monitoring: the training step with every `monitor.train_state` option on (and each alone) vs. off.
+- monitoring: the training step with every `monitor.train_state` option on vs. off.
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """Step-time cost of ``monitor.train_state`` on the demo model (configs/qwen3_tiny.yaml), one process.
 
-Trainers with monitoring off, with every train_state option on, and with each option alone train on
-the same random corpus, one step each in turn (the order reversed every round), so machine load drifts
-affect them alike. Figures: the median step time, and the median over rounds of the step-time ratio to the
-unmonitored trainer's step in the same round. The health check (``monitor.health_checkpoint``) is always on and in every figure.
+Two trainers, monitoring off and every train_state option on, train on the same random corpus one step
+each in turn (the order swapped every round), so machine load drifts affect both alike. Figures: the
+median step time of each, and the median over rounds of the on/off step-time ratio within a round. On a
+shared machine that ratio is only good to several percent, so the monitoring work itself (the hooks'
+norms, losses and gathers, and the max-logit reductions inside attention) is also timed alone on real
+gradients. The health check (``monitor.health_checkpoint``) is always on, so it is in both trainers.
 """
 from __future__ import annotations
 
@@ -45,14 +47,36 @@ def _trainer(shard: Path, work: Path, name: str, options: dict[str, str], steps:
     return Trainer(config, World(rank=0, size=1), work / name, Reporter(None, enabled=False))
 
 
-def run(report, rounds: int = 16) -> None:
+def _hook_seconds(trainer, repeats: int = 20) -> float:
+    """Seconds per step spent in the monitoring code of ``trainer`` (all options on): a step's
+    per-micro-batch hooks and its record, plus the max-logit reductions on attention scores."""
+    from mindspore import Tensor
+
+    loss, grads = trainer.grad_fn(*trainer._micro_batch(0))
+    loss = float(loss.asnumpy())
+    model = trainer.model.config
+    heads, groups = model.num_attention_heads, model.num_key_value_heads
+    seq, batch = trainer.seq_length, trainer.config.training.local_batch_size
+    scores = Tensor(np.random.default_rng(0).standard_normal((batch, groups, heads // groups, seq * seq),
+                                                              dtype=np.float32))
+    trackers = [layer.self_attention.logit_tracker for layer in trainer.model.decoder.layers]
+    started = time.perf_counter()
+    for _ in range(repeats):
+        for _ in range(trainer.accumulation):
+            trainer.monitor.micro_batch(loss, grads)
+            for tracker in trackers:
+                tracker.update(scores)
+        trainer.monitor.record(grads, trainer.params, loss, trainer.model.pop_max_attention_logits())
+    return (time.perf_counter() - started) / repeats
+
+
+def run(report, rounds: int = 30) -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-monitor-") as tmp:
         work = Path(tmp)
         shard = _random_shard(work / "random", vocab_size=4096)
-        variants = {"off": {}, "all train_state options": OPTIONS,
-                    **{key: {key: value} for key, value in OPTIONS.items()}}
-        trainers = {name: _trainer(shard, work, f"run{i}", options, rounds + 1)
-                    for i, (name, options) in enumerate(variants.items())}
+        # one step more than timed for compilation, and a batch for _hook_seconds
+        trainers = {"off": _trainer(shard, work, "off", {}, rounds + 2),
+                    "on": _trainer(shard, work, "on", OPTIONS, rounds + 2)}
         times: dict[str, list[float]] = {name: [] for name in trainers}
         for trainer in trainers.values():
             trainer.train_step()  # the first step compiles kernels
@@ -62,12 +86,14 @@ def run(report, rounds: int = 16) -> None:
                 started = time.perf_counter()
                 trainers[name].train_step()
                 times[name].append(time.perf_counter() - started)
-            order.reverse()  # alternate the order so a load drift within a round hits both ends alike
+            order.reverse()
         report("step, monitoring off (median)", 1e3 * statistics.median(times["off"]), "ms")
-        for name in [n for n in trainers if n != "off"]:
-            # the median of per-round ratios: both steps of a pair ran in the same round, so shared load cancels
-            ratio = statistics.median(t / base for t, base in zip(times[name], times["off"]))
-            report(f"step, {name} (median)", 1e3 * statistics.median(times[name]), "ms", ratio, "off, paired")
+        ratio = statistics.median(on / off for on, off in zip(times["on"], times["off"]))
+        report("step, all train_state options on", 1e3 * statistics.median(times["on"]), "ms", ratio,
+               "off, paired per round")
+        hooks = _hook_seconds(trainers["on"])
+        report("  monitoring code alone, per step", 1e3 * hooks, "ms", hooks / statistics.median(times["off"]),
+               "off step")
 
 
 if __name__ == "__main__":
