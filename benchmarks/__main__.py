@@ -8,6 +8,7 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
 - data index: GPTDataset index build for 1M documents, the 10M-sample blend vs a scalar loop, and
   sample fetching vs. the training consumption rate just measured;
 - monitoring: the training step with every `monitor.train_state` option on vs. off.
+- Pipes: the trainer-side cost of one step report streamed to Dagster vs. the same report without Pipes.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import data_index, monitoring
+from benchmarks import data_index, monitoring, pipes_streaming
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -197,6 +198,7 @@ def main(argv=None) -> int:
             # sample fetching against what training consumes at the same number of tokens per sample
             data_index.run(report, consume_samples_per_s=tokens_per_s / data_index.SEQ_LENGTH)
             monitoring.run(report)
+            pipes_streaming.run(report)
     return 0
 
 
