@@ -2,6 +2,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -23,3 +24,21 @@ def write_micro_sources(path: Path) -> Path:
 @pytest.fixture
 def micro_sources(tmp_path) -> Path:
     return write_micro_sources(tmp_path / "sources.yaml")
+
+
+def write_random_documents(prefix: Path, *, seed: int = 0, low: int = 4, high: int = 512,
+                           documents: int = 200) -> Path:
+    """A Megatron dataset of random documents (ids in [low, high), 5-59 of them), each ending in EOD (id 2)."""
+    from training.data.indexed import IndexedDatasetWriter
+
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for _ in range(documents):
+            writer.add_document(np.append(rng.integers(low, high, size=rng.integers(5, 60)), 2).astype(np.uint16))
+    return prefix
+
+
+@pytest.fixture
+def shard(tmp_path) -> Path:
+    """Random documents over the micro config's 512-token vocabulary."""
+    return write_random_documents(tmp_path / "data/shards/random")

@@ -2,27 +2,19 @@
 import numpy as np
 import pytest
 
-from conftest import MICRO_CONFIG, PROJECT_ROOT
+from conftest import MICRO_CONFIG, PROJECT_ROOT, write_random_documents
 from training.cli import main as kiln
 from training.collectives import World
 from training.config import load_config
-from training.data.indexed import IndexedDatasetWriter
 from training.reporting import Reporter
 from training.trainer import Trainer, configure_runtime
-
-
-def write_source(prefix, seed, low, high):
-    rng = np.random.default_rng(seed)
-    with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for _ in range(150):
-            writer.add_document(np.append(rng.integers(low, high, size=rng.integers(5, 60)), 2).astype(np.uint16))
 
 
 @pytest.fixture
 def run_config(tmp_path):
     """A micro run over two sources whose token ranges tell them apart."""
-    write_source(tmp_path / "a", 0, 4, 200)
-    write_source(tmp_path / "b", 1, 300, 512)
+    write_random_documents(tmp_path / "a", seed=0, low=4, high=200, documents=150)
+    write_random_documents(tmp_path / "b", seed=1, low=300, high=512, documents=150)
     config = tmp_path / "run.yaml"
     config.write_text((PROJECT_ROOT / MICRO_CONFIG).read_text()
                       .replace("data_path: []", f"data_path: [0.7, '{tmp_path / 'a'}', 0.3, '{tmp_path / 'b'}']\n      eod: 2")

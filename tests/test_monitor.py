@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from test_trainer import make_trainer, shard  # noqa: F401  (shard is a fixture)
+from test_trainer import make_trainer
 from training.config import ConfigError, HealthCheckpointConfig, ProfilerConfig, TrainStateConfig
 from training.monitor import ABNORMAL, NORMAL, HealthMonitor, select_names
 from training.profiling import ProfilerError

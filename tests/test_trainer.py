@@ -8,23 +8,11 @@ import pytest
 from conftest import MICRO_CONFIG, PROJECT_ROOT
 from training.collectives import World
 from training.config import load_config
-from training.data.indexed import IndexedDatasetWriter
 from training.lineage import audit_checkpoint, audit_exit_code
 from training.reporting import Reporter
 from training.trainer import Trainer, configure_runtime, micro_batch_indices
 
 WORLD = World(rank=0, size=1)
-
-
-@pytest.fixture
-def shard(tmp_path):
-    """Random documents over the micro vocabulary, each ending in EOD (id 2)."""
-    rng = np.random.default_rng(0)
-    prefix = tmp_path / "data/shards/random"
-    with IndexedDatasetWriter(prefix, np.uint16) as writer:
-        for _ in range(200):
-            writer.add_document(np.append(rng.integers(4, 512, size=rng.integers(5, 60)), 2).astype(np.uint16))
-    return prefix
 
 
 def make_trainer(tmp_path, shard, name, *overrides, lineage=None):
