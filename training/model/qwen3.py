@@ -144,9 +144,15 @@ class RMSNorm(nn.Cell):
         self.dtype = dtype
 
     def construct(self, x: Tensor) -> Tensor:
-        xc = _cast(x, self.dtype)
-        normed = xc * ops.rsqrt((xc * xc).mean(axis=-1, keep_dims=True) + self.eps)
-        return _cast(normed * _cast(self.weight, self.dtype), x.dtype)
+        return rms_norm(x, self.weight, self.eps, self.dtype)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, dtype) -> Tensor:
+    """x / rms(x) · weight over the last axis, computed in ``dtype``, returned in x's dtype; ``weight``
+    broadcasts against x's trailing axes."""
+    xc = _cast(x, dtype)
+    normed = xc * ops.rsqrt((xc * xc).mean(axis=-1, keep_dims=True) + eps)
+    return _cast(normed * _cast(weight, dtype), x.dtype)
 
 
 class VocabEmbedding(nn.Cell):
@@ -261,15 +267,25 @@ class SelfAttention(nn.Cell):
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.logit_tracker = MaxLogitTracker()
 
+    def _qk_normed(self, qkv: Tensor) -> Tensor:
+        """q_layernorm on every q head and k_layernorm on every k head, as one RMSNorm over the whole
+        contiguous [batch, seq, groups, per_group + 2, dim] tensor (the v slot gets weight 1 and is not used):
+        on CPU, norms of the split q and k views measured ~3x slower than this one pass."""
+        per_group, norm = self.heads_per_group, self.q_layernorm
+        weights = ops.cat((ops.tile(norm.weight.expand_dims(0), (per_group, 1)),
+                           self.k_layernorm.weight.expand_dims(0), ops.ones((1, self.head_dim), norm.weight.dtype)))
+        return rms_norm(qkv, weights, norm.eps, norm.dtype)
+
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         """x: [batch, seq, hidden]; cos/sin from RotaryEmbedding.tables; mask: causal_mask(seq,
         heads_per_group) or additive_mask(attention_mask, heads_per_group)."""
         batch, seq, _ = x.shape
         groups, per_group, dim = self.num_groups, self.heads_per_group, self.head_dim
         qkv = self.linear_qkv(x).reshape(batch, seq, groups, per_group + 2, dim)
-        q, k, v = ops.split(qkv, [per_group, 1, 1], axis=3)  # q head g·per_group + j uses KV group g (HF)
-        q = self.q_layernorm(q).transpose(0, 2, 3, 1, 4)                  # [batch, groups, per_group, seq, dim]
-        k = self.k_layernorm(k.squeeze(3)).transpose(0, 2, 1, 3)           # [batch, groups, seq, dim]
+        q, k, _ = ops.split(self._qk_normed(qkv), [per_group, 1, 1], axis=3)  # q head g·per_group + j: KV group g
+        _, _, v = ops.split(qkv, [per_group, 1, 1], axis=3)
+        q = q.transpose(0, 2, 3, 1, 4)                                     # [batch, groups, per_group, seq, dim]
+        k = k.squeeze(3).transpose(0, 2, 1, 3)                             # [batch, groups, seq, dim]
         v = v.squeeze(3).transpose(0, 2, 1, 3)
         # per-sample tables are [batch, 1, seq, dim] (k's layout); q has one more head axis
         q_cos, q_sin = (cos, sin) if cos.ndim == 2 else (cos.expand_dims(1), sin.expand_dims(1))
