@@ -53,13 +53,9 @@ def test_weight_decay_groups():
     assert uses_weight_decay("special.weight", params["special.weight"], include=["special"], exclude=["special"])
 
 
-def test_adamw_matches_numpy_reference():
-    named = make_params()
-    schedule = lambda step: 0.01 * step  # noqa: E731 — distinct lr per step checks the step counter
-    opt = AdamW(named, lr_schedule=schedule, weight_decay=0.1,
-                weight_decay_include=["norm.*"], weight_decay_exclude=["special"])
-    decays = {"layer.weight": True, "layer.bias": False, "norm.weight": True, "special.weight": False,
-              "layer.out_bias_like.bias": False}
+def step_alongside_numpy(opt, named, decays: dict) -> dict:
+    """Three steps of ``opt`` (lr 0.01·step) and of numpy_adamw on the same gradients; the reference
+    (param, m, v) per name."""
     ref = {n: (p.asnumpy().astype(np.float64), 0.0, 0.0) for n, p in named}
     for step in (1, 2, 3):
         grads = make_grads(seed=step)
@@ -68,6 +64,17 @@ def test_adamw_matches_numpy_reference():
             p, m, v = ref[name]
             ref[name] = numpy_adamw(p, g.asnumpy().astype(np.float64), m, v, step, 0.01 * step, decays[name])
         assert opt.global_step == step and opt.current_lr == pytest.approx(0.01 * step)
+    return ref
+
+
+def test_adamw_matches_numpy_reference():
+    named = make_params()
+    schedule = lambda step: 0.01 * step  # noqa: E731 — distinct lr per step checks the step counter
+    opt = AdamW(named, lr_schedule=schedule, weight_decay=0.1,
+                weight_decay_include=["norm.*"], weight_decay_exclude=["special"])
+    decays = {"layer.weight": True, "layer.bias": False, "norm.weight": True, "special.weight": False,
+              "layer.out_bias_like.bias": False}
+    ref = step_alongside_numpy(opt, named, decays)
     for name, param in named:
         np.testing.assert_allclose(param.asnumpy(), ref[name][0], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(opt.state_arrays()[f"adam_m.{name}"], ref[name][1], rtol=1e-5, atol=1e-7)
@@ -99,14 +106,7 @@ def test_low_precision_params_update_through_fp32_masters():
     named = [(n, Parameter(Tensor(p.asnumpy().astype(np.float32 if n == "layer.weight" else np.float16)), name=n))
              for n, p in make_params()]
     opt = AdamW(named, lr_schedule=lambda step: 0.01 * step, weight_decay=0.1)
-    ref = {n: (p.asnumpy().astype(np.float64), 0.0, 0.0) for n, p in named}
-    for step in (1, 2, 3):
-        grads = make_grads(seed=step)
-        opt.step(grads)
-        for (name, param), g in zip(named, grads):
-            p, m, v = ref[name]
-            ref[name] = numpy_adamw(p, g.asnumpy().astype(np.float64), m, v, step, 0.01 * step,
-                                    uses_weight_decay(name, param))
+    ref = step_alongside_numpy(opt, named, {name: uses_weight_decay(name, param) for name, param in named})
     state = opt.state_arrays()
     assert {k for k in state if k.startswith("main_param.")} == {f"main_param.{n}" for n in SHAPES} - {
         "main_param.layer.weight"}
