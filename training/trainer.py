@@ -21,8 +21,8 @@ from training.collectives import Collectives, World
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.model import build_model
-from training.monitor import EMBEDDING_PARAM, HealthMonitor, TrainStateMonitor, summary_line, tensor_norms
-from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm
+from training.monitor import EMBEDDING_PARAM, HealthMonitor, TrainStateMonitor, summary_line
+from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm, tensor_norms
 from training.profiling import build_profiler, profile_root
 from training.reporting import Reporter
 
