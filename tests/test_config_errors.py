@@ -36,7 +36,11 @@ def test_the_base_config_is_valid():
     ("context.device_target=TPU", r"context\.device_target must be Ascend, GPU or CPU"),
     ("context.max_device_memory=lots", r"context\.max_device_memory must look like '59GB'"),
     ("train_dataset.dataloader.config.split=a,b", r"train_dataset\.dataloader\.config\.split must be"),
-    ("train_dataset.dataloader.config.data_path=[1.0]", r"train_dataset\.dataloader\.config\.data_path must be"),
+    ("train_dataset.dataloader.config.data_path=[]", r"train_dataset\.dataloader\.config\.data_path must be a non-empty"),
+    ("train_dataset.dataloader.config.data_path=null", r"train_dataset\.dataloader\.config: no data: set data_path"),
+    ("train_dataset.dataloader.config.train_data_path=[/data/t]",
+     r"train_dataset\.dataloader\.config: data_path and train_data_path exclude each other"),
+    ("train_dataset.dataloader.config.mock=true", r"data_path and mock exclude each other"),
     ("train_dataset.dataloader.type=HFDataLoader", r"train_dataset\.dataloader\.type = 'HFDataLoader' is not supported"),
     # cross-field
     ("profiler.start_step=5", r"profiler: need 0 < start_step <= end_step, got 5 and 1"),
@@ -51,6 +55,21 @@ def test_the_base_config_is_valid():
 def test_error_names_the_field(override, message):
     with pytest.raises(ConfigError, match=message):
         load(override)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train_dataset.dataloader.config.valid_data_path=[/data/v]"],
+     r"train_dataset\.dataloader\.config\.train_data_path is missing"),
+    (["train_dataset.dataloader.config.train_data_path=[/data/t]", "train_dataset.dataloader.config.split='9,1,0'"],
+     r"train_dataset\.dataloader\.config\.split applies to data_path or mock; train_data_path"),
+    (["train_dataset.dataloader.config.mock=true"],
+     r"train_dataset\.dataloader\.config\.mock: .* model\.vocab_size must be at least 4095, got 512"),
+])
+def test_data_sources_without_data_path(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(PROJECT_ROOT / MICRO_CONFIG, ["train_dataset.dataloader.config.data_path=null",
+                                                  "train_dataset.dataloader.config.split=null",
+                                                  "train_dataset.dataloader.config.eod=2", *VALID[2:], *overrides])
 
 
 def test_batch_sizes_are_checked_against_the_world():

@@ -504,13 +504,15 @@ def test_build_blended_dataset(tmp_path):
 @pytest.mark.parametrize(
     "data_path, message",
     [
-        (["1.0"], "got 1 entries"),
-        ([], "got 0 entries"),
+        ([], r"data_path is empty"),
         ("1.0 prefix", "must be a list"),
-        (["heavy", "PREFIX"], r"data_path\[0\]: weight 'heavy' is not a number"),
+        (["heavy", "PREFIX"], r"data_path\[0\]: heavy\.bin not found"),
+        (["1.0"], r"data_path\[0\]: 1\.0\.bin not found"),
+        ([1, "PREFIX", "x", "PREFIX"], r"data_path\[2\]: weight 'x' is not a number \(the list mixes"),
         ([1, "PREFIX", -2, "PREFIX"], r"data_path\[2\]: weight -2 must be a positive number"),
         ([1, "PREFIX", 1, "MISSING"], r"data_path\[3\]: .*MISSING\.bin not found"),
-        ([True, "PREFIX"], r"data_path\[0\]: weight True is not a number"),
+        (["PREFIX", 0.5], r"data_path\[1\]: prefix 0\.5 is not a path"),
+        ([True, "PREFIX"], r"data_path\[0\]: prefix True is not a path"),
     ],
 )
 def test_malformed_data_path(tmp_path, data_path, message):
@@ -520,3 +522,78 @@ def test_malformed_data_path(tmp_path, data_path, message):
         data_path = [names.get(e, e) if isinstance(e, str) else e for e in data_path]
     with pytest.raises(ValueError, match=message):
         parse_data_path(data_path)
+
+
+def test_parse_data_path_forms(tmp_path):
+    for k in range(3):
+        _make_indexed(tmp_path / f"s{k}", 5, seed=k)
+    p = [str(tmp_path / f"s{k}") for k in range(3)]
+    assert parse_data_path(["2", p[0], 0.5, p[1]]) == ([p[0], p[1]], [2.0, 0.5])
+    assert parse_data_path(p) == (p, None)  # odd length: prefixes only
+    assert parse_data_path(p[:2]) == (p[:2], None)  # even length, no entry a number: prefixes only
+
+
+def _megatron_exhaustive_blend(lengths):
+    """build_exhaustive_blending_indices of Megatron-core's helpers.cpp, one position at a time."""
+    total = sum(lengths)
+    weights = [n / total for n in lengths]
+    counts = [0] * len(lengths)
+    sources, numbers = [], []
+    for i in range(total):
+        t = max(float(i), 1.0)
+        best, best_error = None, None
+        for k in range(len(lengths)):
+            if counts[k] == lengths[k]:
+                continue
+            error = weights[k] * t - counts[k]
+            if best_error is None or error > best_error:
+                best, best_error = k, error
+        sources.append(best)
+        numbers.append(counts[best])
+        counts[best] += 1
+    return np.array(sources), np.array(numbers)
+
+
+@pytest.mark.parametrize("lengths", [[7, 3], [100, 1, 37, 5], [300_000, 1_000, 17]])
+def test_exhaustive_blend_matches_megatron(lengths):
+    sources, numbers = gpt_dataset._exhaustive_blending_indices(lengths)
+    expected_sources, expected_numbers = _megatron_exhaustive_blend(lengths)
+    assert np.array_equal(sources, expected_sources) and np.array_equal(numbers, expected_numbers)
+    assert np.bincount(sources).tolist() == lengths
+
+
+def test_unweighted_blend(tmp_path):
+    for k in range(2):
+        _make_indexed(tmp_path / f"s{k}", 40 + 30 * k, seed=k)
+    prefixes = [str(tmp_path / f"s{k}") for k in range(2)]
+    blend = build_blended_dataset(prefixes, seq_length=8, num_samples=50, seed=3, split="1,0,0", eod_id=EOD,
+                                  builder_threads=2)
+    # each source is read for exactly one epoch, all of it, in proportion to its size
+    assert [d.num_samples for d in blend.datasets] == [None, None]
+    assert len(blend) == sum(len(d) for d in blend.datasets)
+    assert np.bincount(blend.source_index).tolist() == [len(d) for d in blend.datasets]
+    np.testing.assert_array_equal(blend[5]["input_ids"], blend.datasets[blend.source_of(5)][
+        int(blend.sample_index[5])]["input_ids"])
+    with pytest.raises(ValueError, match=r"cfg\.data_path: the unweighted blend holds \d+ samples .* 5000 are needed"):
+        build_blended_dataset(prefixes, seq_length=8, num_samples=5000, seed=3, split="1,0,0", eod_id=EOD,
+                              where="cfg.data_path")
+    # a single prefix without a weight is read for as many epochs as the samples need
+    single = build_blended_dataset(prefixes[:1], seq_length=8, num_samples=500, seed=3, split="1,0,0", eod_id=EOD)
+    assert len(single) == 500 and single.datasets[0].num_samples == 500 and single.datasets[0].num_epochs > 1
+
+
+def test_mock_dataset_follows_megatron():
+    mock = gpt_dataset.MockIndexedDataset(eod_id=7)
+    lengths = np.random.default_rng(0).integers(1, 4096, size=100_000, dtype=np.int32)
+    assert np.array_equal(mock.sequence_lengths, lengths)
+    document = mock.get(3)
+    assert document.size == lengths[3] and document[-1] == 7
+    assert np.array_equal(document[:-1], np.arange(1, lengths[3]))
+    assert np.array_equal(mock.get(3, 2, 5), document[2:7])
+    assert np.array_equal(mock.get(3, int(lengths[3]) - 3), document[-3:])
+    blend = build_blended_dataset(None, seq_length=16, num_samples=40, seed=1, split="1,0,0", eod_id=7)
+    assert len(blend) == 40 and blend[0]["input_ids"].shape == (16,)
+    # every sample is a stretch of counting tokens, broken only where a document ends with the eod id
+    tokens = blend.sample_tokens(0)
+    steps = np.diff(tokens)[tokens[:-1] != 7]
+    assert np.all((steps == 1) | (tokens[1:][tokens[:-1] != 7] == 7))

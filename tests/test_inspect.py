@@ -57,3 +57,29 @@ def test_mindrecord_command_writes_what_a_mind_dataset_reads(tmp_path, run_confi
     assert kiln(args) == 0
     assert read_mindrecord_samples(out, "a").shape == (20, 33)
     assert kiln(args) == 2 and "exists" in capsys.readouterr().err
+
+
+def test_inspect_reads_each_split_from_its_own_blend(tmp_path, run_config, capsys):
+    """train_data_path / valid_data_path: each split is its blend read whole, not a cut of data_path."""
+    dump = tmp_path / "valid.npy"
+    args = ["dataset", "inspect", "--config", str(run_config), "--num", "4", "--split", "valid",
+            "--set", "train_dataset.dataloader.config.data_path=null",
+            "--set", "train_dataset.dataloader.config.split=null",
+            "--set", f"train_dataset.dataloader.config.train_data_path=['{tmp_path / 'a'}']",
+            "--set", f"train_dataset.dataloader.config.valid_data_path=['{tmp_path / 'b'}']",
+            "--set", "train_dataset.dataloader.sizes=[24, 4, 4]", "--dump", str(dump)]
+    assert kiln(args) == 0
+    assert capsys.readouterr().out.count(f"from {tmp_path / 'b'}:") == 4
+    tokens = np.load(dump)
+    assert tokens[tokens != 2].min() >= 300  # only b's tokens besides the eod id
+    assert kiln(args[:6] + ["--split", "test"] + args[8:]) == 2
+    assert "test_data_path is not set" in capsys.readouterr().err
+
+
+def test_inspect_shows_mock_data(tmp_path, run_config, capsys):
+    dump = tmp_path / "mock.npy"
+    assert kiln(["dataset", "inspect", "--config", str(run_config), "--num", "2", "--dump", str(dump),
+                 "--set", "train_dataset.dataloader.config.data_path=null",
+                 "--set", "train_dataset.dataloader.config.mock=true", "--set", "model.vocab_size=4096"]) == 0
+    assert capsys.readouterr().out.count("from mock data:") == 2
+    assert np.load(dump).max() < 4096

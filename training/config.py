@@ -305,11 +305,20 @@ class LrSchedulerConfig(Section):
                 require(getattr(self, name) is None, f"{path}.{name} applies to WarmUpStableDecayLR only")
 
 
+_DATA_CONFIG = "train_dataset.dataloader.config"  # where GPTDatasetConfig sits in the YAML
+
+
 @dataclass
 class GPTDatasetConfig(Section):
     seq_length: int
-    data_path: list[Union[float, str]]
-    split: str = "1,0,0"
+    # Where samples come from, exactly one of: one blend cut into splits by `split`; a blend per split;
+    # or Megatron's mock data. A blend is [weight, prefix, weight, prefix, ...] or [prefix, ...].
+    data_path: Optional[list[Union[float, str]]] = None
+    train_data_path: Optional[list[Union[float, str]]] = None
+    valid_data_path: Optional[list[Union[float, str]]] = None
+    test_data_path: Optional[list[Union[float, str]]] = None
+    mock: bool = False  # Megatron's mock_data; MindFormers falls back to it silently when no blend is set
+    split: Optional[str] = None  # with data_path or mock; unset means "1,0,0"
     seed: int = 1234
     path_to_cache: Optional[str] = None
     eod: int = -1
@@ -325,19 +334,49 @@ class GPTDatasetConfig(Section):
     drop_last_partial_validation_sequence: bool = True
     add_extra_token_to_sequence: bool = True
 
+    SPLIT_PATHS = ("train_data_path", "valid_data_path", "test_data_path")
+
     def check(self, path):
         require(self.seq_length > 0, f"{path}.seq_length must be > 0")
-        require(len(self.data_path) >= 2 and len(self.data_path) % 2 == 0,
-                 f"{path}.data_path must be [weight, prefix, weight, prefix, ...], got {len(self.data_path)} items")
-        ratios = self.split.split(",")
-        require(1 <= len(ratios) <= 3 and all(_FLOAT_RE.match(r.strip()) for r in ratios),
-                 f"{path}.split must be up to three comma-separated ratios like '99,1,0', got {self.split!r}")
-        require(float(ratios[0]) > 0, f"{path}.split gives the training split no documents: {self.split!r}")
+        per_split = [name for name in self.SPLIT_PATHS if getattr(self, name) is not None]
+        chosen = (["data_path"] if self.data_path is not None else []) + per_split + (["mock"] if self.mock else [])
+        require(chosen, f"{path}: no data: set data_path, train_data_path (with valid_/test_data_path), "
+                        f"or mock: true for Megatron's mock data")
+        require(len(chosen) == 1 or not (self.data_path is not None or self.mock),
+                f"{path}: {' and '.join(chosen)} exclude each other: data_path with split, a blend per split, "
+                f"or mock")
+        if per_split:
+            require(self.split is None,
+                    f"{path}.split applies to data_path or mock; {per_split[0]} already names a split's blend")
+            require(self.train_data_path is not None, f"{path}.train_data_path is missing: training reads the "
+                                                      f"train split")
+        for name in ["data_path"] * (self.data_path is not None) + per_split:
+            blend = getattr(self, name)
+            require(not isinstance(blend, str) and len(blend) > 0,
+                    f"{path}.{name} must be a non-empty list [weight, prefix, ...] or [prefix, ...]")
+        if self.split is not None:
+            ratios = self.split.split(",")
+            require(1 <= len(ratios) <= 3 and all(_FLOAT_RE.match(r.strip()) for r in ratios),
+                    f"{path}.split must be up to three comma-separated ratios like '99,1,0', got {self.split!r}")
+            require(float(ratios[0]) > 0, f"{path}.split gives the training split no documents: {self.split!r}")
         require(self.eod >= 0, f"{path}.eod must be the tokenizer's end-of-document id, got {self.eod}")
         # MindFormers silently ignores reset_attention_mask when no mask is produced; Kiln says so
         require(not self.reset_attention_mask or self.create_attention_mask or self.create_compressed_eod_mask,
                 f"{path}.reset_attention_mask needs create_attention_mask or create_compressed_eod_mask")
         require(self.eod_pad_length > 0, f"{path}.eod_pad_length must be > 0")
+        require(self.num_dataset_builder_threads >= 1, f"{path}.num_dataset_builder_threads must be >= 1")
+
+    def blend_for(self, split_index: int) -> tuple[Optional[list], str, str]:
+        """(blend list or None for mock data, split string, YAML path) that split `split_index` reads.
+        A per-split blend is read whole: its split string gives that split every document."""
+        if self.data_path is not None or self.mock:
+            return self.data_path, self.split or "1,0,0", f"{_DATA_CONFIG}.data_path"
+        name = self.SPLIT_PATHS[split_index]
+        blend = getattr(self, name)
+        if blend is None:
+            raise ConfigError(f"{_DATA_CONFIG}.{name} is not set: this config has no "
+                              f"{name.split('_')[0]} split")
+        return blend, ",".join("1" if k == split_index else "0" for k in range(3)), f"{_DATA_CONFIG}.{name}"
 
     @property
     def document_attention(self) -> bool:
@@ -560,6 +599,15 @@ class TrainConfig(Section):
             require(key in self.model, f"model.{key} is required")
         require(isinstance(self.model["model_type"], str),
                 f"model.model_type: expected a model name such as 'qwen3', got {self.model['model_type']!r}")
+        loader = self.train_dataset.dataloader
+        if isinstance(loader, BlendedMegatronLoaderConfig) and loader.config.mock:
+            from training.data.gpt_dataset import MockIndexedDataset
+
+            largest = max(MockIndexedDataset.MAX_SEQUENCE_LENGTH - 2, loader.config.eod)
+            vocab = self.model.get("vocab_size")
+            require(isinstance(vocab, int) and vocab > largest,
+                    f"{_DATA_CONFIG}.mock: the mock documents hold token ids up to {largest}, so model.vocab_size "
+                    f"must be at least {largest + 1}, got {vocab}")
 
     def data_parallel_size(self, world_size: int) -> int:
         """dp = world / (tp·pp·cp), and the batch sizes must split evenly over it."""

@@ -26,6 +26,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -584,6 +585,29 @@ def _blending_indices(weights: Sequence[float], size: int, chunk: int = _BLEND_C
     return dataset_index, dataset_sample_index
 
 
+def _exhaustive_blending_indices(lengths: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron's build_exhaustive_blending_indices: every sample of every source exactly once, by the
+    greedy rule with weights length / total, a source leaving the race once it is used up.
+
+    Until the first source is used up this is the weighted greedy, which keeps every source within
+    one sample of its share, so only the last few positions need the scalar loop with exclusions."""
+    total = int(sum(lengths))
+    weights = [length / total for length in lengths]
+    dataset_index, dataset_sample_index = _blending_indices(weights, total)
+    over = np.flatnonzero(dataset_sample_index >= np.asarray(lengths, dtype=np.int64)[dataset_index])
+    if over.size == 0:
+        return dataset_index, dataset_sample_index
+    first = int(over[0])
+    counts = np.bincount(dataset_index[:first], minlength=len(lengths)).tolist()
+    for i in range(first, total):
+        t = max(float(i), 1.0)
+        best = max((k for k in range(len(lengths)) if counts[k] < lengths[k]),
+                   key=lambda k: (weights[k] * t - counts[k], -k))
+        dataset_index[i], dataset_sample_index[i] = best, counts[best]
+        counts[best] += 1
+    return dataset_index, dataset_sample_index
+
+
 class SourceIndexedDataset:
     """Items drawn from several sources: item i is sample `sample_index[i]` of source `source_index[i]`.
 
@@ -615,36 +639,49 @@ class BlendedDataset(SourceIndexedDataset):
     samples are taken in order, so a source is read exactly as far as its share requires. Position
     i goes to the source furthest behind its share, weight * max(i, 1) - samples taken so far
     (Megatron's greedy rule, max(i, 1) included); items carry their source as `dataset_id`.
+    With `weights` and `size` None, every sample of every dataset is taken once, by the same rule
+    with weights proportional to the datasets' lengths among the sources not yet used up
+    (Megatron's exhaustive blend, for a blend list without weights).
     """
 
     def __init__(
         self,
         datasets: Sequence,
-        weights: Sequence[float],
-        size: int,
+        weights: Sequence[float] | None,
+        size: int | None,
         *,
         cache_dir: str | os.PathLike | None = None,
     ) -> None:
-        if not datasets or len(datasets) != len(weights):
-            raise ValueError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
+        if not datasets:
+            raise ValueError("a blend needs at least one dataset")
         if len(datasets) > _MAX_SOURCES:
             raise ValueError(f"at most {_MAX_SOURCES} datasets can be blended, got {len(datasets)}")
-        try:
-            values = [float(w) for w in weights]
-        except (TypeError, ValueError):
-            raise ValueError(f"weights must be numbers, got {list(weights)}") from None
-        if any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
-            raise ValueError(f"weights must be finite, non-negative and not all zero, got {values}")
         self.datasets = list(datasets)
-        self.weights = _normalize(values)
-        self.size = _positive_int("size", size)
+        if weights is None:
+            if size is not None:
+                raise ValueError(f"an exhaustive blend (weights None) takes every sample: size must be None, got {size}")
+            lengths = [len(d) for d in self.datasets]
+            self.weights, self.size = _normalize(lengths), sum(lengths)
+            description = {"class": "BlendedDataset", "index_format": _INDEX_FORMAT, "exhaustive": lengths}
+            build = functools.partial(_exhaustive_blending_indices, lengths)
+        else:
+            if len(datasets) != len(weights):
+                raise ValueError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
+            try:
+                values = [float(w) for w in weights]
+            except (TypeError, ValueError):
+                raise ValueError(f"weights must be numbers, got {list(weights)}") from None
+            if any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
+                raise ValueError(f"weights must be finite, non-negative and not all zero, got {values}")
+            self.weights = _normalize(values)
+            self.size = _positive_int("size", size)
+            # The greedy index depends on the weights and the size only.
+            description = {"class": "BlendedDataset", "index_format": _INDEX_FORMAT, "weights": self.weights,
+                           "size": self.size}
+            build = functools.partial(_blending_indices, self.weights, self.size)
 
-        # The greedy index depends on the weights and the size only.
-        description = {"class": "BlendedDataset", "index_format": _INDEX_FORMAT, "weights": self.weights,
-                       "size": self.size}
         indices, self.loaded_from_cache = _cached_indices(
-            cache_dir, "BlendedDataset", description, ("dataset_index", "dataset_sample_index"),
-            lambda: _blending_indices(self.weights, self.size))
+            cache_dir, "BlendedDataset", description, ("dataset_index", "dataset_sample_index"), build)
         self.source_index, self.sample_index = indices
 
         needed = np.bincount(self.source_index, minlength=len(self.datasets))
@@ -667,38 +704,88 @@ class BlendedDataset(SourceIndexedDataset):
 # ---- Megatron blend lists -------------------------------------------------------------------
 
 
-def parse_data_path(data_path: Sequence) -> list[tuple[float, str]]:
-    """Megatron's flat blend list `[weight, prefix, weight, prefix, ...]` as (weight, prefix) pairs.
+def _as_weight(entry) -> float | None:
+    """`entry` as a blend weight, or None when it is not a number (bools are not numbers)."""
+    if isinstance(entry, bool):
+        return None
+    try:
+        return float(entry)
+    except (TypeError, ValueError):
+        return None
 
-    Weights may be numbers or numeric strings and must be positive; both files of every prefix
-    must exist. Errors name the offending entry by its index in the list.
+
+def parse_data_path(data_path: Sequence, where: str = "data_path") -> tuple[list[str], list[float] | None]:
+    """Megatron's blend list as (prefixes, weights), weights None for a list of prefixes only.
+
+    As Megatron's get_blend_from_list: an odd-length list is prefixes only; an even-length one is
+    `[weight, prefix, weight, prefix, ...]` when every even entry is a number (or numeric string),
+    prefixes only when none is, and an error when only some are. Weights must be positive; both
+    files of every prefix must exist. Errors name the entry as `where[i]`.
     """
     if isinstance(data_path, (str, bytes)) or not isinstance(data_path, Sequence):
-        raise ValueError(f"data_path must be a list [weight, prefix, ...], got {type(data_path).__name__}")
-    if not data_path or len(data_path) % 2:
-        raise ValueError(f"data_path must hold weight, prefix pairs; got {len(data_path)} entries")
-    pairs = []
-    for i in range(0, len(data_path), 2):
-        raw_weight, prefix = data_path[i], data_path[i + 1]
-        try:
-            if isinstance(raw_weight, bool):
-                raise ValueError
-            weight = float(raw_weight)
-        except (TypeError, ValueError):
-            raise ValueError(f"data_path[{i}]: weight {raw_weight!r} is not a number") from None
+        raise ValueError(f"{where} must be a list [weight, prefix, ...] or [prefix, ...], "
+                         f"got {type(data_path).__name__}")
+    if not data_path:
+        raise ValueError(f"{where} is empty: name at least one dataset prefix")
+    weights: list[float] | None = None
+    prefixes = list(data_path)
+    if len(data_path) % 2 == 0:
+        raw = [_as_weight(entry) for entry in data_path[0::2]]
+        if all(w is not None for w in raw):
+            weights, prefixes = raw, list(data_path[1::2])
+        elif any(w is not None for w in raw):
+            bad = next(i for i, w in zip(range(0, len(data_path), 2), raw) if w is None)
+            raise ValueError(f"{where}[{bad}]: weight {data_path[bad]!r} is not a number (the list mixes "
+                             "[weight, prefix] pairs with bare prefixes)")
+    step = 1 if weights is None else 2
+    for k, weight in enumerate(weights or []):
         if not math.isfinite(weight) or weight <= 0:
-            raise ValueError(f"data_path[{i}]: weight {raw_weight!r} must be a positive number")
+            raise ValueError(f"{where}[{2 * k}]: weight {data_path[2 * k]!r} must be a positive number")
+    for k, prefix in enumerate(prefixes):
+        index = k * step + step - 1
         if not isinstance(prefix, (str, os.PathLike)):
-            raise ValueError(f"data_path[{i + 1}]: prefix {prefix!r} is not a path")
+            raise ValueError(f"{where}[{index}]: prefix {prefix!r} is not a path")
         for suffix in (".bin", ".idx"):
             if not Path(f"{prefix}{suffix}").is_file():
-                raise ValueError(f"data_path[{i + 1}]: {prefix}{suffix} not found")
-        pairs.append((weight, str(prefix)))
-    return pairs
+                raise ValueError(f"{where}[{index}]: {prefix}{suffix} not found")
+    return [str(prefix).strip() for prefix in prefixes], weights
+
+
+class MockIndexedDataset:
+    """Megatron-core's mock low-level dataset, for trying training without data (`mock: true`).
+
+    100,000 documents with lengths drawn by `numpy.random.default_rng(0)` from [1, 4096); document
+    d holds the tokens 1, 2, ..., length - 1 and then the eod id. Token ids reach 4094, so the
+    model's vocabulary must hold at least 4,095 ids (plus the eod id).
+    """
+
+    SIZE = 100_000
+    MAX_SEQUENCE_LENGTH = 4096
+    prefix = "mock"
+
+    def __init__(self, eod_id: int) -> None:
+        self.eod_id = _integer("eod_id", eod_id)
+        self.sequence_lengths = np.random.default_rng(0).integers(1, self.MAX_SEQUENCE_LENGTH, size=self.SIZE,
+                                                                  dtype=np.int32)
+
+    def __len__(self) -> int:
+        return self.SIZE
+
+    @property
+    def num_documents(self) -> int:
+        return self.SIZE
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        full = int(self.sequence_lengths[idx])
+        length = full - offset if length is None else length
+        tokens = np.arange(offset + 1, offset + length + 1, dtype=np.int64)
+        if length and offset + length == full:
+            tokens[-1] = self.eod_id
+        return tokens
 
 
 def build_blended_dataset(
-    data_path: Sequence,
+    data_path: Sequence | None,
     *,
     seq_length: int,
     num_samples: int,
@@ -708,23 +795,44 @@ def build_blended_dataset(
     pad_id: int = -1,
     cache_dir: str | os.PathLike | None = None,
     split_index: int = 0,
+    builder_threads: int = 1,
+    where: str = "data_path",
     **options,
 ) -> BlendedDataset:
-    """Split `split_index` (0 train, 1 valid, 2 test) of a Megatron blend: one GPTDataset per source,
-    blended by weight.
+    """Split `split_index` (0 train, 1 valid, 2 test) of a Megatron blend, one GPTDataset per source,
+    at least `num_samples` samples long.
 
-    As MindFormers' BlendedMegatronDatasetBuilder: source k is asked for
+    As MindFormers' BlendedMegatronDatasetBuilder: with weights, source k is asked for
     ceil(num_samples * weight_k * 1.005) samples and the blend is as long as all those requests
     together, marginally more than `num_samples` (the greedy order of its first positions does not
-    depend on its length). `options` are GPTDataset's further keyword options.
+    depend on its length). Without weights, one source is asked for `num_samples`, and several are
+    each read for one epoch and blended exhaustively, in proportion to their sizes. `data_path`
+    None is Megatron's mock data (MockIndexedDataset). The per-source datasets are built by
+    `builder_threads` threads (num_dataset_builder_threads). `options` are GPTDataset's further
+    keyword options; errors about the list name it as `where`.
     """
-    pairs = parse_data_path(data_path)
     num_samples = _positive_int("num_samples", num_samples)
-    weights = _normalize([weight for weight, _ in pairs])
-    sizes = [math.ceil(num_samples * weight * _BLEND_SURPLUS) for weight in weights]
-    datasets = [
-        GPTDataset(IndexedDataset(prefix), seq_length=seq_length, num_samples=size, seed=seed, split=split,
-                   split_index=split_index, eod_id=eod_id, pad_id=pad_id, cache_dir=cache_dir, **options)
-        for size, (_, prefix) in zip(sizes, pairs)
-    ]
-    return BlendedDataset(datasets, weights, sum(sizes), cache_dir=cache_dir)
+    if data_path is None:
+        sources, weights = [MockIndexedDataset(eod_id)], None
+    else:
+        prefixes, weights = parse_data_path(data_path, where)
+        sources = [IndexedDataset(prefix) for prefix in prefixes]
+    if weights is not None:
+        weights = _normalize(weights)
+        sizes = [math.ceil(num_samples * weight * _BLEND_SURPLUS) for weight in weights]
+    else:
+        sizes = [num_samples] if len(sources) == 1 else [None] * len(sources)
+
+    def build(source, size) -> GPTDataset:
+        return GPTDataset(source, seq_length=seq_length, num_samples=size, seed=seed, split=split,
+                          split_index=split_index, eod_id=eod_id, pad_id=pad_id, cache_dir=cache_dir, **options)
+
+    with ThreadPoolExecutor(_positive_int("builder_threads", builder_threads)) as pool:
+        datasets = list(pool.map(build, sources, sizes))
+    if weights is None and len(datasets) > 1:
+        blend = BlendedDataset(datasets, None, None, cache_dir=cache_dir)
+        if len(blend) < num_samples:
+            raise ValueError(f"{where}: the unweighted blend holds {len(blend)} samples (one epoch of every "
+                             f"source) but {num_samples} are needed; give weights to repeat sources")
+        return blend
+    return BlendedDataset(datasets, weights or [1.0], sum(sizes), cache_dir=cache_dir)

@@ -5,13 +5,14 @@ import numpy as np
 
 from training.config import BlendedMegatronLoaderConfig, TrainConfig
 from training.data.gpt_dataset import parse_data_path
-from training.data.loader import build_dataset
+from training.data.loader import SPLITS, build_dataset
 
 
-def source_labels(config: TrainConfig, dataset) -> list[str]:
+def source_labels(config: TrainConfig, dataset, split: str) -> list[str]:
     loader = config.train_dataset.dataloader
     if isinstance(loader, BlendedMegatronLoaderConfig):
-        return [prefix for _, prefix in parse_data_path(loader.config.data_path)]
+        blend, _, where = loader.config.blend_for(SPLITS.index(split))
+        return parse_data_path(blend, where)[0] if blend is not None else ["mock data"]
     return list(dataset.labels)
 
 
@@ -26,11 +27,11 @@ def inspect_samples(config: TrainConfig, split: str = "train", num: int = 8) -> 
         total = config.training.steps * config.training.global_batch_size
     else:
         sizes = getattr(loader, "sizes", None)
-        total = sizes[("train", "valid", "test").index(split)] if sizes else num
+        total = sizes[SPLITS.index(split)] if sizes else num
     if num > total:
         raise ValueError(f"--num {num}: the {split} split of this config holds {total} samples")
     dataset = build_dataset(config, num_samples=total, split=split)
-    labels = source_labels(config, dataset)
+    labels = source_labels(config, dataset, split)
     tokens = np.stack([dataset.sample_tokens(i).astype(np.int64) for i in range(num)])
     return tokens, [labels[dataset.source_of(i)] for i in range(num)]
 

@@ -28,9 +28,12 @@ def build_dataset(config: TrainConfig, num_samples: int, split: str = "train"):
                                               pad_id=loader.pad, eod_id=loader.eod)
     assert isinstance(loader, BlendedMegatronLoaderConfig)
     c = loader.config
+    split_index = SPLITS.index(split)
+    blend, split_ratios, where = c.blend_for(split_index)
     return build_blended_dataset(
-        c.data_path, seq_length=c.seq_length, num_samples=num_samples, seed=c.seed, split=c.split,
-        split_index=SPLITS.index(split), eod_id=c.eod, pad_id=c.pad, cache_dir=c.path_to_cache,
+        blend, seq_length=c.seq_length, num_samples=num_samples, seed=c.seed, split=split_ratios,
+        split_index=split_index, eod_id=c.eod, pad_id=c.pad, cache_dir=c.path_to_cache, where=where,
+        builder_threads=c.num_dataset_builder_threads,
         drop_last_partial_validation_sequence=c.drop_last_partial_validation_sequence,
         add_extra_token_to_sequence=c.add_extra_token_to_sequence, reset_position_ids=c.reset_position_ids,
         reset_attention_mask=c.reset_attention_mask, eod_mask_loss=c.eod_mask_loss,
