@@ -145,6 +145,38 @@ def test_jsonl_chunk_reports_line_index_and_raw_text():
     assert count == 4
 
 
+TRICKY_LINES = [
+    b'{"text": "plain"}', b'{"text": "caf\xc3\xa9 \\u00e9"}', b'{"text": "tab\\tnew\\nline"}\r',
+    b'{"text": "a"}  ', b'  {"text": "leading space"}', b'{"text": "a"}{"text": "b"}', b'{"text": "a"}, 5',
+    b'{"text": "\\ud800 lone"}', b'{"text": "\\ud83d\\ude00 pair"}', b'{"text": ["list"]}', b'{"txt": "x"}',
+    b'["text"]', b'{"text": "unterminated', b'{"text": "bad \xff byte"}', b'\xef\xbb\xbf{"text": "bom"}',
+    b'{"text": "x", "text": 7}', b'   ', b'{"text": NaN}', b'{"text": "dup", "text": "last"}',
+]
+
+
+@pytest.mark.parametrize("first", [0, 14])
+@pytest.mark.parametrize("with_invalid_utf8", [False, True])  # True: the whole chunk takes the careful path
+def test_jsonl_chunk_agrees_with_the_line_parser_on_every_line(first, with_invalid_utf8):
+    """The chunk parser's fast path must give each line exactly the careful parser's verdict."""
+    lines = TRICKY_LINES[first:] + TRICKY_LINES[:first]
+    lines = [line for line in lines if with_invalid_utf8 or b"\xff" not in line]
+    records, rejected, count = parse_jsonl_chunk(b"\n".join(lines) + b"\n", ("text",), True)
+    expected_records, expected_rejected = [], []
+    for index, raw in enumerate(lines):
+        try:
+            values = corpus.parse_jsonl_line(raw, ("text",), index == 0)
+        except corpus.BadRecord as bad:
+            expected_rejected.append((index, bad.reason, bad.detail))
+            continue
+        if values is not None:
+            expected_records.append((index, values))
+    assert records == expected_records
+    assert [r[:3] for r in rejected] == expected_rejected
+    assert count == len(lines)
+    assert {r[1] for r in rejected} >= {"invalid_json", "invalid_utf8", "not_a_string", "missing_key",
+                                        "not_an_object"}
+
+
 # ------------------------------------------------------------------------------------- JSON arrays
 
 ARRAY = (
