@@ -313,7 +313,7 @@ def test_bfloat16_is_refused_on_cpu_naming_the_field(field):
 
 def spy_dtypes(monkeypatch) -> dict:
     """Record the dtype each kind of op runs in while the model computes."""
-    from training.model import qwen3
+    from training.model import attention, layers
 
     seen = {"matmul": set(), "softmax": set(), "norm": set(), "rotary": set()}
 
@@ -323,11 +323,12 @@ def spy_dtypes(monkeypatch) -> dict:
             return fn(*args, **kwargs)
         return wrapped
 
-    for name in ("_matmul_transpose_b", "_bmm", "_bmm_transpose_b"):
-        monkeypatch.setattr(qwen3, name, spy("matmul", getattr(qwen3, name)))
-    monkeypatch.setattr(qwen3.ops, "softmax", spy("softmax", qwen3.ops.softmax))
-    monkeypatch.setattr(qwen3.ops, "rsqrt", spy("norm", qwen3.ops.rsqrt))
-    monkeypatch.setattr(qwen3, "apply_rotary", spy("rotary", qwen3.apply_rotary, lambda x, cos, sin: cos.dtype))
+    monkeypatch.setattr(layers, "_matmul_transpose_b", spy("matmul", layers._matmul_transpose_b))
+    for name in ("_bmm", "_bmm_transpose_b"):
+        monkeypatch.setattr(attention, name, spy("matmul", getattr(attention, name)))
+    monkeypatch.setattr(layers.ops, "softmax", spy("softmax", layers.ops.softmax))
+    monkeypatch.setattr(layers.ops, "rsqrt", spy("norm", layers.ops.rsqrt))
+    monkeypatch.setattr(attention, "apply_rotary", spy("rotary", attention.apply_rotary, lambda x, cos, sin: cos.dtype))
     return seen
 
 

@@ -1,0 +1,240 @@
+"""GPTModel: the one model interface. A family config (Qwen3Config, DeepseekV3Config) supplies the layer
+specs, the rotary tables and the sizes; GPTModel assembles
+
+embedding → TransformerBlock (one layer per spec) → output layer (or the tied embedding)
+          [→ MultiTokenPredictionBlock: one more token per depth, sharing embedding and output layer]
+
+and returns the training loss: main loss + mtp_loss_scaling_factor · mean(MTP depth losses) + MoE
+load-balancing losses. Parameter names follow MindFormers' pynative Megatron-style layout (no prefix,
+global layer indices): ``decoder.layers.{i}.self_attention.linear_qkv.weight`` etc.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from training.config import Section, require
+from training.model.layers import (DTYPE_FIELDS, DTYPES, Init, LanguageModelEmbedding, Linear, RotaryEmbedding,
+                                   additive_mask, causal_mask, cast, linear, token_cross_entropy)
+from training.model.moe import MoELayer
+from training.model.mtp import MultiTokenPredictionBlock
+from training.model.spec import ModuleSpec
+from training.model.transformer import TransformerBlock
+
+
+@dataclass
+class GPTConfig(Section):
+    """Fields every family shares, with Hugging Face names (plus MindFormers' ``seq_length`` and dtypes).
+    Families override defaults and add their own fields, and implement the hooks below."""
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    seq_length: int = 4096
+    # MindFormers' precision fields: matmuls run in compute_dtype, the rest where named
+    compute_dtype: str = "float32"
+    params_dtype: str = "float32"
+    layernorm_compute_dtype: str = "float32"
+    softmax_compute_dtype: str = "float32"
+    rotary_dtype: str = "float32"
+
+    def check(self, path: str) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "seq_length"):
+            require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
+        for name in ("rms_norm_eps", "rope_theta", "initializer_range"):
+            require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
+        require(self.seq_length <= self.max_position_embeddings,
+                f"{path}.seq_length ({self.seq_length}) exceeds {path}.max_position_embeddings "
+                f"({self.max_position_embeddings})")
+        require(self.hidden_act == "silu", f"{path}.hidden_act = {self.hidden_act!r}: only 'silu' (SwiGLU) is implemented")
+        for name in DTYPE_FIELDS:
+            value = getattr(self, name)
+            require(value in DTYPES, f"{path}.{name} = {value!r}: expected one of {', '.join(DTYPES)}")
+        if ms.get_context("device_target") == "CPU":
+            for name in DTYPE_FIELDS:  # float16 kernels exist on CPU (MindSpore 2.10), bfloat16 ones do not
+                require(getattr(self, name) != "bfloat16",
+                        f"{path}.{name} = 'bfloat16' is not supported on CPU (MindSpore's CPU MatMul, Softmax "
+                        "and reductions have no bfloat16 kernels); use float32 or float16")
+
+    def dtype(self, name: str):
+        """The MindSpore dtype of the precision field ``name``."""
+        return DTYPES[getattr(self, name)]
+
+    # ---- what a family supplies ----
+    has_moe = False
+    num_mtp_layers = 0
+    mtp_loss_scale = 0.0
+
+    def decoder_layer_specs(self) -> list[ModuleSpec]:
+        raise NotImplementedError
+
+    def rotary_embedding(self) -> RotaryEmbedding:
+        raise NotImplementedError
+
+    def mask_repeats(self) -> int:
+        """How many times the attention stacks the [seq, seq] mask along its query axis."""
+        raise NotImplementedError
+
+    def attention_dims(self) -> tuple[int, int, int]:
+        """(heads, q·k head dim, v head dim), for FLOP counting."""
+        raise NotImplementedError
+
+
+def roll_left(x: Tensor) -> Tensor:
+    """[batch, seq] shifted one position left, the freed last position zero (MTP's next-token view)."""
+    return ops.cat((x[:, 1:], ops.zeros_like(x[:, :1])), axis=1)
+
+
+class GPTModel(nn.Cell):
+    """Causal LM built from ``config``'s specs. ``construct(input_ids, labels, loss_mask[, position_ids,
+    attention_mask])`` returns the training loss; ``loss_components()`` its parts from the last call."""
+
+    def __init__(self, config: GPTConfig, seed: int | None = None):
+        super().__init__()
+        self.config = config
+        self.compute_dtype = DTYPES[config.compute_dtype]
+        if seed is None:  # follow mindspore.set_seed (the trainer sets it); unseeded runs still init the same
+            seed = ms.get_seed() or 0
+        init = Init(seed, config.initializer_range)
+        self.embedding = LanguageModelEmbedding(init, config.vocab_size, config.hidden_size)
+        self.rotary = config.rotary_embedding()
+        layer_specs = config.decoder_layer_specs()
+        self.decoder = TransformerBlock(init, config, layer_specs)
+        self.output_layer = None if config.tie_word_embeddings else Linear(init, config.hidden_size, config.vocab_size)
+        # MTP layers reuse the last decoder layer's spec (as MindFormers' get_gpt_mtp_block_spec)
+        self.mtp = MultiTokenPredictionBlock(init, config, layer_specs[-1]) if config.num_mtp_layers else None
+        self.mask_repeats = config.mask_repeats()
+        self._last_components: dict[str, Tensor] = {}
+        # drawn in fp32 (the same seeded stream for every dtype), then stored as model.params_dtype; AdamW
+        # updates low-precision params through fp32 masters
+        for param in self.get_parameters():
+            if param.requires_grad:  # MoE bookkeeping buffers stay fp32
+                param.set_dtype(config.dtype("params_dtype"))
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _decode(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None):
+        seq = input_ids.shape[1]
+        if seq > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {seq} exceeds model.max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        cos, sin = self.rotary.tables(seq, position_ids)
+        hidden = cast(self.embedding(input_ids), self.compute_dtype)
+        mask = (causal_mask(seq, self.mask_repeats) if attention_mask is None
+                else additive_mask(attention_mask, self.mask_repeats))
+        return self.decoder(hidden, cos, sin, mask), cos, sin, mask
+
+    def _output(self, hidden: Tensor) -> Tensor:
+        if self.output_layer is None:
+            logits = linear(hidden, self.embedding.word_embeddings.weight)
+        else:
+            logits = self.output_layer(hidden)
+        return cast(logits, ms.float32)
+
+    @staticmethod
+    def _masked_mean_loss(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
+        token_loss = token_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        mask = cast(loss_mask.reshape(-1), ms.float32)
+        return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def logits(self, input_ids: Tensor, position_ids: Tensor | None = None,
+               attention_mask: Tensor | None = None) -> Tensor:
+        """[batch, seq] token ids → [batch, seq, vocab] fp32 logits. Without ``position_ids`` positions
+        are 0..seq-1; without ``attention_mask`` ([batch, 1, seq, seq], 1 = masked) attention is causal."""
+        return self._output(self._decode(input_ids, position_ids, attention_mask)[0])
+
+    def construct(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor, position_ids: Tensor | None = None,
+                  attention_mask: Tensor | None = None) -> Tensor:
+        hidden, cos, sin, mask = self._decode(input_ids, position_ids, attention_mask)
+        loss = self._masked_mean_loss(self._output(hidden), labels, loss_mask)
+        if self.mtp is None and not self.config.has_moe:
+            return loss
+        components = {"lm_loss": loss}
+        if self.mtp is not None:
+            # depth k predicts token i+k+1 from position i: inputs, labels and mask move left once per depth
+            depth_losses, ids = [], input_ids
+            for k, layer in enumerate(self.mtp.layers):
+                ids, labels, loss_mask = roll_left(ids), roll_left(labels), roll_left(loss_mask)
+                hidden = layer(cast(self.embedding(ids), self.compute_dtype), hidden, cos, sin, mask)
+                depth_losses.append(self._masked_mean_loss(self._output(hidden), labels, loss_mask))
+                components[f"mtp_{k + 1}_loss"] = depth_losses[-1]
+            loss = loss + self.config.mtp_loss_scale * sum(depth_losses) / len(depth_losses)
+        aux_losses = [moe.aux_loss for _, moe in self.moe_layers() if moe.aux_loss is not None]
+        if aux_losses:
+            components["load_balancing_loss"] = sum(aux_losses)
+            loss = loss + components["load_balancing_loss"]
+        self._last_components = {name: ops.stop_gradient(value) for name, value in components.items()}
+        return loss
+
+    def loss_components(self) -> dict[str, float]:
+        """The parts of the last ``construct`` loss: lm_loss, mtp_{k}_loss per depth, load_balancing_loss
+        (empty for a plain dense model, whose loss is the LM loss)."""
+        return {name: float(value.asnumpy()) for name, value in self._last_components.items()}
+
+    # ---- MoE bookkeeping ---------------------------------------------------------------------
+    def moe_layers(self) -> list[tuple[str, MoELayer]]:
+        """(layer name, its MoELayer) for every MoE layer, decoder first, then MTP depths."""
+        layers = [(f"decoder.layers.{i}", layer) for i, layer in enumerate(self.decoder.layers)]
+        if self.mtp is not None:
+            layers += [(f"mtp.layers.{k}", layer.transformer_layer) for k, layer in enumerate(self.mtp.layers)]
+        return [(name, layer.mlp) for name, layer in layers if isinstance(layer.mlp, MoELayer)]
+
+    def after_step(self, collectives, applied: bool = True) -> dict[str, list[int]]:
+        """After an optimizer step: sum every MoE layer's tokens-per-expert counts over the data-parallel
+        ranks (one AllReduce for all layers), nudge the expert biases toward balance (aux-loss-free
+        balancing; only when the update was ``applied``) and zero the counts. Returns the step's counts."""
+        moe = self.moe_layers()
+        if not moe:
+            return {}
+        local = np.stack([layer.take_counts() for _, layer in moe])
+        total = collectives.all_reduce_array(local.astype(np.float32)).astype(np.int64)
+        if applied:
+            for (_, layer), counts in zip(moe, total):
+                layer.update_expert_bias(counts)
+        return {name: counts.tolist() for (name, _), counts in zip(moe, total)}
+
+    # ---- monitoring and accounting -----------------------------------------------------------
+    def _attentions(self):
+        layers = list(self.decoder.layers) + ([l.transformer_layer for l in self.mtp.layers] if self.mtp else [])
+        return [layer.self_attention for layer in layers]
+
+    def track_max_attention_logits(self, enabled: bool) -> None:
+        """Record each layer's per-head max attention logit from now on (costs one reduction per layer)."""
+        for attention in self._attentions():
+            attention.logit_tracker.enabled = enabled
+
+    def pop_max_attention_logits(self) -> np.ndarray | None:
+        """[layers, heads] maxima since the last pop (None if nothing was tracked); resets them."""
+        maxima = [attention.logit_tracker.pop() for attention in self._attentions()]
+        return None if any(m is None for m in maxima) else np.stack(maxima)
+
+    def num_parameters(self) -> int:
+        return sum(int(np.prod(p.shape)) for p in self.trainable_params())
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token, Megatron/PaLM style: 6·N for the weight matmuls a token passes through
+        (forward + backward) plus 6·heads·(qk_dim + v_dim)·seq per attention layer for QKᵀ and
+        attention·V (no discount for the causal mask). N excludes the input embedding table unless it is
+        also the (tied) output matmul, counts only the routed experts a token visits (top-k of E), and
+        counts the output layer once more per MTP depth."""
+        c = self.config
+        matmul_params = self.num_parameters()
+        if not c.tie_word_embeddings:
+            matmul_params -= c.vocab_size * c.hidden_size
+        for _, moe in self.moe_layers():
+            matmul_params -= moe.expert_parameters() * (1 - moe.top_k / moe.num_experts)
+        matmul_params += c.num_mtp_layers * c.vocab_size * c.hidden_size
+        heads, qk_dim, v_dim = c.attention_dims()
+        attention = 6 * (c.num_hidden_layers + c.num_mtp_layers) * heads * (qk_dim + v_dim) * seq_length
+        return float(6 * matmul_params + attention)

@@ -1,0 +1,55 @@
+"""The dense MLP, the transformer layer and the decoder block, each assembled from ModuleSpecs."""
+from __future__ import annotations
+
+from mindspore import Tensor, nn, ops
+
+from training.model.layers import Init, Linear, RMSNorm
+from training.model.spec import ModuleSpec, build_module
+
+
+class MLP(nn.Cell):
+    """SwiGLU: fc2(silu(gate) * up), with gate/up interleaved in the rows of ``linear_fc1`` (row 2j is gate
+    unit j, row 2j+1 up unit j). ``ffn_size`` defaults to model.intermediate_size (dense layers); shared
+    experts pass their own."""
+
+    def __init__(self, init: Init, config, ffn_size: int | None = None):
+        super().__init__()
+        self.ffn = ffn_size or config.intermediate_size
+        self.linear_fc1 = Linear(init, config.hidden_size, 2 * self.ffn)
+        self.linear_fc2 = Linear(init, self.ffn, config.hidden_size)
+
+    def construct(self, x: Tensor) -> Tensor:
+        gate_up = self.linear_fc1(x).reshape(*x.shape[:-1], self.ffn, 2)
+        gate, up = gate_up[..., 0], gate_up[..., 1]
+        return self.linear_fc2(ops.silu(gate) * up)
+
+
+class TransformerLayer(nn.Cell):
+    """Pre-norm residual layer: x + attention(norm(x)), then + mlp(norm(x)); the attention and MLP
+    classes come from the spec (GQA or MLA; dense MLP or MoE)."""
+
+    def __init__(self, init: Init, config, self_attention: ModuleSpec, mlp: ModuleSpec):
+        super().__init__()
+        norm_dtype = config.dtype("layernorm_compute_dtype")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_dtype)
+        self.self_attention = build_module(self_attention, init, config)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_dtype)
+        self.mlp = build_module(mlp, init, config)
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class TransformerBlock(nn.Cell):
+    """The decoder: one layer per spec (global indices 0..n-1), then the final RMSNorm."""
+
+    def __init__(self, init: Init, config, layer_specs: list[ModuleSpec]):
+        super().__init__()
+        self.layers = nn.CellList([build_module(spec, init, config) for spec in layer_specs])
+        self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype("layernorm_compute_dtype"))
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.final_layernorm(x)
