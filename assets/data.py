@@ -13,17 +13,23 @@ from pathlib import Path
 
 import dagster as dg
 
+from assets import builtin_corpus
 from assets.builtin_corpus import write_builtin_source
 from assets.sources import load_sources
+from assets.versions import code_version_of
 from resources.storage import PROJECT_ROOT, KilnStorage
+from resources import tokenizer as resources_tokenizer
 from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
 from training.atomic import write_json_atomic
+from training.data import corpus, indexed, preprocess
 from training.data.corpus import SUFFIXES, iter_texts, scan_corpus
 from training.data.hashing import sha256_file
+from training.data import manifest as manifest_module
 from training.data.manifest import build_manifest
 from training.data.preprocess import tokenize_to_indexed
 
-SOURCES = load_sources(os.environ.get("KILN_SOURCES", PROJECT_ROOT / "configs" / "sources.yaml"))
+SOURCES_CONFIG = Path(os.environ.get("KILN_SOURCES", PROJECT_ROOT / "configs" / "sources.yaml"))
+SOURCES = load_sources(SOURCES_CONFIG)
 source_partitions = dg.StaticPartitionsDefinition(sorted(SOURCES))
 SHARD_SIDECAR = ".kiln.json"  # `shards/<source>/<source>.kiln.json`: the source's shards and what they came from
 SHARD_STATS = ("key", "docs", "tokens", "bin_sha256", "idx_sha256", "bin_bytes", "idx_bytes")  # copied per shard
@@ -65,17 +71,7 @@ def raw_files(storage: KilnStorage, source: str) -> list[Path]:
                          f"materialize raw_corpus[{source}] first")
     return files
 
-@dg.asset(partitions_def=source_partitions, group_name="data", code_version="raw-v1", kinds={"json"},
-          owners=["team:kiln"])
-def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
-    """A validated copy of one source's documents under `data/raw/<source>/`.
-
-    Built-in sources are written offline from the Python standard library; file sources (JSONL,
-    JSON arrays, Parquet) are copied as `part-NNNNN<suffix>`. Every record is validated: with the
-    source's `on_bad_line: error` a bad one fails the step, naming `file:line`; with `skip` it is
-    counted here and quarantined by `token_shards`.
-    """
-    source = context.partition_key
+def _ingest_source(storage: KilnStorage, source: str) -> dg.MaterializeResult:
     spec = _source_spec(storage, source)
     target = storage.raw_dir(source)
     staging = target.with_name(f".{source}.staging")
@@ -95,21 +91,58 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
         raise
     _replace_dir(staging, target)
     rows = [{**row, "path": str((target / row["path"]).relative_to(storage.root))} for row in rows]
-    docs = sum(r["docs"] for r in rows)
-    context.log.info(f"raw_corpus[{source}]: {len(rows)} file(s), {docs} documents")
     return dg.MaterializeResult(
         metadata={
             "dir": dg.MetadataValue.path(str(target)),
             "files": files_table(rows, ["path", "bytes", "docs", "empty_docs", "skipped", "sha256"]),
-            "num_files": len(rows), "docs": docs, "bytes": sum(r["bytes"] for r in rows),
+            "num_files": len(rows), "docs": sum(r["docs"] for r in rows), "bytes": sum(r["bytes"] for r in rows),
             "empty_docs": sum(r["empty_docs"] for r in rows), "skipped": sum(r["skipped"] for r in rows),
             "origin": spec.builtin or ", ".join(spec.files),
         },
         data_version=dg.DataVersion(combined_hash([r["sha256"] for r in rows])),
     )
 
-@dg.asset(deps=[raw_corpus], group_name="data", code_version="tok-v1", kinds={"sentencepiece"},
-          owners=["team:kiln"])
+def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult:
+    """Build every partition of the step; a run over several sources (the scheduled job) reports them all.
+
+    One step materializes a partition range with one result, so each source of a range gets the same
+    metadata: a table row per source and `<figure>/<source>` numbers, and no data version (Dagster
+    derives one from the inputs and the code version) since a shared one would be wrong for each.
+    """
+    keys = context.partition_keys
+    results = {source: build(source) for source in keys}
+    figures = {source: {k: v for k, v in r.metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+               for source, r in results.items()}
+    for source, numbers in figures.items():
+        context.log.info(f"{context.asset_key.to_user_string()}[{source}]: "
+                         + ", ".join(f"{k}={v}" for k, v in numbers.items()))
+    if len(keys) == 1:
+        return results[keys[0]]
+    names = sorted({k for numbers in figures.values() for k in numbers})
+    rows = [{"source": source, **{k: numbers.get(k, 0) for k in names}} for source, numbers in figures.items()]
+    metadata = {"sources": dg.MetadataValue.table(
+        [dg.TableRecord(r) for r in rows],
+        schema=dg.TableSchema(columns=[dg.TableColumn("source")] + [dg.TableColumn(k, "int") for k in names]))}
+    metadata.update({f"{k}/{source}": v for source, numbers in figures.items() for k, v in numbers.items()})
+    return dg.MaterializeResult(metadata=metadata)
+
+@dg.asset(partitions_def=source_partitions, group_name="data", code_version=code_version_of(
+              _ingest_source, per_source, _part_files, _replace_dir, builtin_corpus, corpus, SOURCES_CONFIG),
+          kinds={"json"}, owners=["team:kiln"],
+          backfill_policy=dg.BackfillPolicy.single_run())
+def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
+    """A validated copy of one source's documents under `data/raw/<source>/`.
+
+    Built-in sources are written offline from the Python standard library; file sources (JSONL,
+    JSON arrays, Parquet) are copied as `part-NNNNN<suffix>`. Every record is validated: with the
+    source's `on_bad_line: error` a bad one fails the step, naming `file:line`; with `skip` it is
+    counted here and quarantined by `token_shards`. The `raw_files_sensor` re-materializes a file
+    source's partition when one of its files changes.
+    """
+    return per_source(context, lambda source: _ingest_source(storage, source))
+
+@dg.asset(deps=[raw_corpus], group_name="data", code_version=code_version_of(raw_files, resources_tokenizer),
+          kinds={"sentencepiece"}, owners=["team:kiln"])
 def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
               tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
     """A sentencepiece model trained on a seeded, bounded sample of every source's raw documents."""
@@ -152,16 +185,7 @@ def _histogram_table(histogram: dict[str, int]) -> dg.MetadataValue:
     return dg.MetadataValue.table([dg.TableRecord({"tokens": k, "docs": v}) for k, v in histogram.items()],
                                   schema=schema)
 
-@dg.asset(partitions_def=source_partitions, deps=[raw_corpus, tokenizer], group_name="data",
-          code_version="shards-v2", kinds={"numpy"}, owners=["team:kiln"])
-def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
-    """One source tokenized into Megatron `.bin/.idx` datasets (EOD after every document).
-
-    `shards/<source>/<source>_<key>_document` per json key, or `..._document_00000`, ... with the
-    source's `max_shard_tokens`; bad records skipped under `on_bad_line: skip` are listed in
-    `<source>_quarantine.jsonl`. The directory is built aside and swapped in whole.
-    """
-    source = context.partition_key
+def _tokenize_source(storage: KilnStorage, source: str, log) -> dg.MaterializeResult:
     spec = _source_spec(storage, source)
     inputs = raw_files(storage, source)
     model_path = storage.tokenizer_prefix().with_suffix(".model")
@@ -188,8 +212,8 @@ def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _replace_dir(staging, target)
-    context.log.info(f"token_shards[{source}]: {stats['docs']} docs, {stats['tokens']} tokens in {len(shards)} "
-                     f"shard(s), {stats['tokens_per_s']:.0f} tokens/s, {stats['skipped']} bad record(s) skipped")
+    log.info(f"token_shards[{source}]: {stats['docs']} docs, {stats['tokens']} tokens in {len(shards)} "
+             f"shard(s), {stats['tokens_per_s']:.0f} tokens/s, {stats['skipped']} bad record(s) skipped")
     metadata = {
         "dir": dg.MetadataValue.path(str(target)), "docs": stats["docs"], "tokens": stats["tokens"],
         "dtype": stats["dtype"], "bytes": sum(s["bin_bytes"] + s["idx_bytes"] for s in shards),
@@ -206,6 +230,20 @@ def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.
         metadata["quarantine"] = dg.MetadataValue.path(str(target / Path(stats["quarantine"]).name))
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(shards_hash(shards)))
 
+@dg.asset(partitions_def=source_partitions, deps=[raw_corpus, tokenizer], group_name="data",
+          code_version=code_version_of(_tokenize_source, per_source, _replace_dir, preprocess, indexed),
+          kinds={"numpy"}, owners=["team:kiln"], backfill_policy=dg.BackfillPolicy.single_run(),
+          automation_condition=dg.AutomationCondition.eager())
+def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
+    """One source tokenized into Megatron `.bin/.idx` datasets (EOD after every document).
+
+    `shards/<source>/<source>_<key>_document` per json key, or `..._document_00000`, ... with the
+    source's `max_shard_tokens`; bad records skipped under `on_bad_line: skip` are listed in
+    `<source>_quarantine.jsonl`. The directory is built aside and swapped in whole. Re-materialized
+    automatically (eager) when its raw partition or the tokenizer changes.
+    """
+    return per_source(context, lambda source: _tokenize_source(storage, source, context.log))
+
 class BlendConfig(dg.Config):
     seq_length: int = 128
     split: str = "98,2,0"
@@ -217,11 +255,15 @@ def read_shard_sidecar(storage: KilnStorage, source: str) -> dict:
         raise dg.Failure(f"no shards for source {source!r} ({path} missing); materialize token_shards[{source}]")
     return json.loads(path.read_text())
 
-@dg.asset(deps=[token_shards, tokenizer], group_name="data", code_version="blend-v1", kinds={"json"},
-          owners=["team:kiln"])
+@dg.asset(deps=[token_shards, tokenizer], group_name="data", kinds={"json"}, owners=["team:kiln"],
+          code_version=code_version_of(read_shard_sidecar, manifest_module, SOURCES_CONFIG),
+          automation_condition=dg.AutomationCondition.eager())
 def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
                    storage: KilnStorage) -> dg.MaterializeResult:
-    """`manifest.json`: every source's shards with normalized weights, ready for `train_dataset`."""
+    """`manifest.json`: every source's shards with normalized weights, ready for `train_dataset`.
+
+    Re-materialized automatically (eager) once every source's shards are up to date again.
+    """
     sources = load_sources(storage.sources_config)
     sidecars = {name: read_shard_sidecar(storage, name) for name in sorted(sources)}
     tokenizer_shas = {s["tokenizer"]["sha256"] for s in sidecars.values()}

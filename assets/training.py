@@ -7,6 +7,7 @@ is still running.
 """
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -15,17 +16,17 @@ import yaml
 from pydantic import Field
 
 from assets.data import blend_manifest, combined_hash, files_table
+from assets.versions import code_version_of
 from resources.msrun import MsrunResource
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.checkpoint import latest_complete_checkpoint
 from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest, training_data_path
-from training.lineage import lineage_inputs
+from training.lineage import audit_checkpoint, audit_report, lineage_inputs
 from training.profiling import profile_root
 from training.reporting import CHECKPOINT_MESSAGE
 
-TRAIN_CODE_VERSION = "train-v1"
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 checkpoint = dg.AssetSpec(
     "checkpoint", partitions_def=checkpoint_partitions, deps=["training_run"], group_name="training",
@@ -65,6 +66,26 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
     return apply_overrides(data, cfg.overrides), run_dir
 
 
+def checkpoint_dir(storage: KilnStorage, partition: str) -> Path:
+    """The directory of checkpoint partition `<run>/iteration_N`."""
+    run_name, _, iteration = partition.partition("/")
+    return storage.run_dir(run_name) / "checkpoints" / iteration
+
+
+def audit_evaluation(checkpoint_dir: Path, partition: str) -> dg.AssetCheckEvaluation:
+    """`kiln audit` of one checkpoint as the `audit` check of its partition."""
+    try:
+        lineage, checks = audit_checkpoint(checkpoint_dir)
+    except ValueError as exc:  # no readable lineage.json: the checkpoint is incomplete
+        return dg.AssetCheckEvaluation(asset_key=checkpoint.key, check_name="audit", partition=partition,
+                                       passed=False, metadata={"error": dg.MetadataValue.text(str(exc))})
+    bad = [c for c in checks if c.status != "ok"]
+    return dg.AssetCheckEvaluation(
+        asset_key=checkpoint.key, check_name="audit", partition=partition, passed=not bad,
+        metadata={"verified": len(checks) - len(bad), "failed": len(bad),
+                  "report": dg.MetadataValue.md(f"```\n{audit_report(checkpoint_dir, lineage, checks)}\n```")})
+
+
 def _checkpoint_event(message: dict, run_name: str, code_version: str) -> tuple[str, dg.AssetMaterialization]:
     key = f"{run_name}/{Path(message['path']).name}"
     files = message["files"]
@@ -86,8 +107,17 @@ def _checkpoint_event(message: dict, run_name: str, code_version: str) -> tuple[
         tags={"dagster/data_version": data_version, "dagster/code_version": code_version},
     )
 
+# the engine and the default training YAML decide what a run produces
+TRAIN_CODE_VERSION = code_version_of(render_training_config, PROJECT_ROOT / "training",
+                                     PROJECT_ROOT / TrainingRunConfig().config_path)
+
+# training starts on its own after a new blend only when asked to: a run can take the devices for days
+AUTO_TRAIN = os.environ.get("KILN_AUTO_TRAIN") == "1"
+TRAINING_POOL = "npu"
+
 @dg.asset(deps=[blend_manifest], group_name="training", code_version=TRAIN_CODE_VERSION, kinds={"mindspore"},
-          owners=["team:kiln"], pool="npu")
+          owners=["team:kiln"], pool=TRAINING_POOL,
+          automation_condition=dg.AutomationCondition.eager() if AUTO_TRAIN else None)
 def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage,
                  msrun: MsrunResource) -> dg.MaterializeResult:
     """Train on the blend manifest with msrun (data parallel over its workers), saving step checkpoints.
@@ -117,6 +147,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         key, event = _checkpoint_event(message, config.run_name, TRAIN_CODE_VERSION)
         context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
         context.log_event(event)
+        context.log_event(audit_evaluation(Path(message["path"]), key))
         saved.append(message)
 
     metrics_path = run_dir / "metrics.jsonl"

@@ -1,13 +1,17 @@
 """Kiln's one Definitions object, loaded by workspace.yaml."""
 import dagster as dg
 
+from assets.checks import checkpoint_audit, manifest_shards_match, shards_are_well_formed
 from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
 from assets.training import checkpoint, training_run
+from pipelines.jobs import nightly_schedule, preprocess_then_train
+from pipelines.sensors import kiln_automation, raw_files_sensor
 from resources.msrun import MsrunResource
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 
 ALL_ASSETS = [raw_corpus, tokenizer, token_shards, blend_manifest, training_run, checkpoint]
+ALL_CHECKS = [shards_are_well_formed, manifest_shards_match, checkpoint_audit]
 
 
 def resources(**overrides) -> dict:
@@ -16,4 +20,10 @@ def resources(**overrides) -> dict:
             **overrides}
 
 
-defs = dg.Definitions(assets=ALL_ASSETS, resources=resources())
+def build_definitions(resources: dict, schedule_run_config: dict | None = None) -> dg.Definitions:
+    return dg.Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[preprocess_then_train],
+                          schedules=[nightly_schedule(schedule_run_config)],
+                          sensors=[raw_files_sensor, kiln_automation], resources=resources)
+
+
+defs = build_definitions(resources())

@@ -1,0 +1,87 @@
+"""Blocking asset checks on the data chain and the audit check on checkpoints.
+
+A failing blocking check stops the assets downstream of it in the same run (and marks the run failed),
+so a corrupt shard never reaches a blend and a blend naming a changed shard never reaches training.
+"""
+from pathlib import Path
+
+import dagster as dg
+
+from assets.data import blend_manifest, read_shard_sidecar, source_partitions, token_shards
+from assets.training import audit_evaluation, checkpoint, checkpoint_dir, checkpoint_partitions
+from resources.storage import KilnStorage
+from training.data.hashing import sha256_file
+from training.data.indexed import IndexedDataset, IndexedDatasetError
+from training.data.manifest import ManifestError, load_manifest
+
+
+def shard_problems(storage: KilnStorage, source: str) -> tuple[list[str], list[dict]]:
+    """Every shard of ``source``: the .idx parses and .bin size == sum(sequence lengths) x dtype size."""
+    problems, rows = [], []
+    try:
+        sidecar = read_shard_sidecar(storage, source)
+    except dg.Failure as exc:
+        return [exc.description], rows
+    for shard in sidecar["shards"]:
+        prefix = storage.root / shard["prefix"]
+        bin_path = Path(f"{prefix}.bin")
+        try:
+            dataset = IndexedDataset(prefix)
+        except IndexedDatasetError as exc:
+            problems.append(str(exc))
+            continue
+        expected = int(dataset.sequence_lengths.astype("int64").sum()) * dataset.dtype.itemsize
+        actual = bin_path.stat().st_size
+        if actual != expected:
+            problems.append(f"{bin_path}: {actual} bytes, expected {expected} "
+                            f"(sum of sequence lengths x {dataset.dtype.itemsize})")
+        rows.append({"prefix": shard["prefix"], "sequences": len(dataset), "bin_bytes": actual})
+    return problems, rows
+
+
+def _result(problems: list[str], metadata: dict) -> dg.AssetCheckResult:
+    if problems:
+        metadata["problems"] = dg.MetadataValue.md("\n".join(f"- {p}" for p in problems))
+    return dg.AssetCheckResult(passed=not problems, metadata=metadata)
+
+
+@dg.asset_check(asset=token_shards, blocking=True,
+                description="Every shard's .idx parses and its .bin holds exactly sum(lengths) x dtype bytes.")
+def shards_are_well_formed(storage: KilnStorage) -> dg.AssetCheckResult:
+    # checks the shards of every source materialized so far: the partitions of one run are a subset
+    problems, checked = [], 0
+    for source in source_partitions.get_partition_keys():
+        source_problems, rows = shard_problems(storage, source)
+        problems += [f"{source}: {p}" for p in source_problems]
+        checked += len(rows)
+    return _result(problems, {"shards_checked": checked})
+
+
+@dg.asset_check(asset=blend_manifest, blocking=True,
+                description="Every shard the manifest references exists with the sha256 it recorded.")
+def manifest_shards_match(storage: KilnStorage) -> dg.AssetCheckResult:
+    try:
+        manifest = load_manifest(storage.manifest_path(), storage.root)
+    except ManifestError as exc:
+        return _result([str(exc)], {})
+    problems, checked = [], 0
+    for source in manifest["sources"]:
+        for shard in source["shards"]:
+            for ext in ("bin", "idx"):
+                path = storage.root / f"{shard['prefix']}.{ext}"
+                checked += 1
+                if not path.is_file():
+                    problems.append(f"{source['name']}: {path} is missing")
+                elif sha256_file(path) != shard[f"{ext}_sha256"]:
+                    problems.append(f"{source['name']}: {path} changed since the manifest was written "
+                                    f"(sha256 {shard[f'{ext}_sha256'][:16]}… recorded)")
+    return _result(problems, {"files_checked": checked})
+
+
+@dg.asset_check(asset=checkpoint.key, name="audit", partitions_def=checkpoint_partitions,
+                description="`kiln audit` of the checkpoint: every file complete with its sha256, and the "
+                            "run config, manifest, shards, tokenizer and raw files it trained on unchanged.")
+def checkpoint_audit(context: dg.AssetCheckExecutionContext, storage: KilnStorage) -> dg.AssetCheckResult:
+    # training_run logs this check for every checkpoint it saves; this re-runs it from the UI
+    evaluation = audit_evaluation(checkpoint_dir(storage, context.partition_key), context.partition_key)
+    return dg.AssetCheckResult(passed=evaluation.passed, metadata=evaluation.metadata)
