@@ -1,53 +1,66 @@
 import json
 
+import mindspore as ms
 import numpy as np
 import pytest
 
-from training.checkpoint import (TRACKER, CheckpointError, load_checkpoint, resolve_load_path, save_checkpoint,
-                                 tracked_step)
+from training.checkpoint import (TRACKER, CheckpointError, CheckpointSaver, SavePlan, _write_safetensors_atomic,
+                                 balanced_assignment, capture_rng_state, is_hf_dir, iteration_dir, load_checkpoint,
+                                 resolve_load_path, restore_rng_state, save_checkpoint, tracked_step)
 from training.collectives import Collectives, World
 
 WORLD = World(rank=0, size=1)
+MODEL_FILE = "checkpoint-model-0000000-0000001.safetensors"
+OPT_FILE = "checkpoint-opt-0000000-0000001.safetensors"
 
 
 def arrays(seed):
     rng = np.random.default_rng(seed)
     model = {"embedding.word_embeddings.weight": rng.normal(size=(16, 4)).astype(np.float32),
+             "decoder.layers.0.mlp.linear_fc1.weight": rng.normal(size=(8, 4)).astype(np.float16),
              "decoder.final_layernorm.weight": np.ones(4, np.float32)}
-    optim = {f"adam_m.{k}": v * 0.1 for k, v in model.items()} | {"global_step": np.array([seed], np.int64)}
+    optim = {f"adam_m.{k}": (v * 0.1).astype(np.float32) for k, v in model.items()} | {
+        "global_step": np.array([seed], np.int64)}
     return model, optim
+
+
+def common(step):
+    return {"global_step": step, "consumed_samples": step * 8, "global_batch_size": 8}
 
 
 def save(root, step, save_max=5):
     model, optim = arrays(step)
-    return save_checkpoint(save_path=root, step=step, model=model, optim=optim,
-                           common={"global_step": step, "consumed_samples": step * 8, "global_batch_size": 8},
+    return save_checkpoint(save_path=root, step=step, model=model, optim=optim, common=common(step),
                            lineage={"run": {}}, prefix="checkpoint", save_max=save_max, world=WORLD,
                            collectives=Collectives(WORLD))
+
+
+def assert_loaded(loaded, step):
+    model, optim = arrays(step)
+    assert sorted(loaded.model) == sorted(model) and sorted(loaded.optim) == sorted(optim)
+    for k in model:
+        assert loaded.model[k].dtype == model[k].dtype
+        np.testing.assert_array_equal(loaded.model[k], model[k])
+    for k in optim:
+        np.testing.assert_array_equal(loaded.optim[k], optim[k])
 
 
 def test_round_trip_layout_and_tracker(tmp_path):
     saved = save(tmp_path, 3)
     names = sorted(p.name for p in saved.path.iterdir())
     assert saved.path.name == "iteration_00000003"
-    assert names == ["checkpoint-model-0000000-0000001.safetensors", "checkpoint-opt-0000000-0000001.safetensors",
-                     "common.json", "lineage.json", "metadata.json"]
+    assert names == [MODEL_FILE, OPT_FILE, "common.json", "lineage.json", "metadata.json"]
     assert tracked_step(tmp_path) == 3
     meta = json.loads((saved.path / "metadata.json").read_text())
     entry = meta["state_dict_metadata"]["embedding.word_embeddings.weight"]
     assert entry["global_shape"] == [16, 4] and entry["axis_fragmentations"] == [1, 1]
     assert entry["properties"]["dtype"] == "Float32"
-    assert meta["storage_data"]["('global_step', (0,))"][0]["file_name"] == "checkpoint-opt-0000000-0000001.safetensors"
+    assert meta["storage_data"]["('global_step', (0,))"][0]["file_name"] == OPT_FILE
     loaded = load_checkpoint(resolve_load_path(tmp_path))
-    model, optim = arrays(3)
-    for k in model:
-        np.testing.assert_array_equal(loaded.model[k], model[k])
-    for k in optim:
-        np.testing.assert_array_equal(loaded.optim[k], optim[k])
+    assert_loaded(loaded, 3)
     assert loaded.common["consumed_samples"] == 24
     lineage = json.loads((saved.path / "lineage.json").read_text())
-    assert {f["name"] for f in lineage["checkpoint"]["files"]} == {
-        "checkpoint-model-0000000-0000001.safetensors", "checkpoint-opt-0000000-0000001.safetensors", "metadata.json"}
+    assert {f["name"] for f in lineage["checkpoint"]["files"]} == {MODEL_FILE, OPT_FILE, "metadata.json"}
 
 
 def test_save_max_keeps_newest_and_counts_earlier_runs(tmp_path):
@@ -57,29 +70,167 @@ def test_save_max_keeps_newest_and_counts_earlier_runs(tmp_path):
     assert (tmp_path / TRACKER).read_text().strip() == "4"
 
 
+def test_save_max_never_deletes_the_tracked_checkpoint(tmp_path):
+    for step in (5, 6):  # an earlier run got further
+        save(tmp_path, step, save_max=5)
+    save(tmp_path, 2, save_max=1)  # a run resumed from an older checkpoint saves step 2
+    assert tracked_step(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.glob("iteration_*")) == ["iteration_00000002", "iteration_00000006"]
+
+
+def test_async_save_writes_host_copies_and_tracks_only_when_finished(tmp_path):
+    saver = CheckpointSaver(save_path=tmp_path, prefix="checkpoint", save_max=5, world=WORLD,
+                            collectives=Collectives(WORLD), async_save=True)
+    model, optim = arrays(4)
+    saver.save(step=4, model=model, optim=optim, common=common(4), lineage={"run": {}})
+    for array in (model | optim).values():  # the next optimizer step overwrites the parameters in place
+        array[...] = 0
+    assert saver.pending is not None and tracked_step(tmp_path) is None
+    saver.pending.writer.join()
+    assert saver.status().tolist() == [1.0, 0.0]
+    saver.settle(saver.status())  # what the trainer does after its per-step all-reduce
+    assert tracked_step(tmp_path) == 4 and saver.pending is None
+    [saved] = saver.take_completed()
+    assert saved.step == 4
+    assert_loaded(load_checkpoint(resolve_load_path(tmp_path)), 4)
+
+    # the next save first finalizes the pending one; wait() finalizes the last
+    saver.save(step=5, model=arrays(5)[0], optim=arrays(5)[1], common=common(5), lineage={"run": {}})
+    saver.save(step=6, model=arrays(6)[0], optim=arrays(6)[1], common=common(6), lineage={"run": {}})
+    assert tracked_step(tmp_path) == 5
+    saver.wait()
+    assert tracked_step(tmp_path) == 6 and [s.step for s in saver.take_completed()] == [5, 6]
+    assert_loaded(load_checkpoint(resolve_load_path(tmp_path)), 6)
+
+
+def test_failed_async_write_is_raised_and_never_tracked(tmp_path, monkeypatch):
+    saver = CheckpointSaver(save_path=tmp_path, prefix="checkpoint", save_max=5, world=WORLD,
+                            collectives=Collectives(WORLD), async_save=True)
+
+    def disk_full(path, arrays):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr("training.checkpoint._write_safetensors_atomic", disk_full)
+    model, optim = arrays(1)
+    saver.save(step=1, model=model, optim=optim, common=common(1), lineage={"run": {}})
+    with pytest.raises(CheckpointError, match="iteration_00000001: async save failed on 1 rank.*No space left"):
+        saver.wait()
+    assert tracked_step(tmp_path) is None and not (iteration_dir(tmp_path, 1) / "common.json").exists()
+
+
+def test_balanced_assignment_gives_each_tensor_to_one_rank_by_bytes():
+    sizes = {"a": 100, "b": 60, "c": 50, "d": 10, "e": 0}
+    owner = balanced_assignment(sizes, [0, 1])
+    assert owner == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 0}
+    load = [sum(s for n, s in sizes.items() if owner[n] == r) for r in (0, 1)]
+    assert load == [110, 110]
+    assert set(balanced_assignment(sizes, [0, 1, 2]).values()) == {0, 1, 2}
+
+
+def test_redundancy_free_save_of_two_ranks_loads_from_whichever_file_holds_each_tensor(tmp_path):
+    """What two ranks write with remove_redundancy (each rank its files), read back by one process."""
+    model, optim = arrays(7)
+    tensors = {"model": model, "opt": optim}
+    plan = SavePlan.build(tensors, "checkpoint", world_size=2, remove_redundancy=True)
+    assert all(len(ranks) == 1 for ranks in plan.writers.values())
+    meta = plan.metadata(tensors, world_size=2)
+    target = iteration_dir(tmp_path, 7)
+    target.mkdir()
+    written = {}
+    for rank in (0, 1):
+        for name, part in plan.own_files(tensors, rank).items():
+            _write_safetensors_atomic(target / name, part)
+            written[name] = sorted(part)
+    # every tensor in exactly one file; files numbered among the ranks that write one
+    assert sorted(n for names in written.values() for n in names) == sorted(model | optim)
+    # by bytes: adam_m.embedding (256 B) -> rank 0, embedding (256 B) -> 1, adam_m.fc1 (128 B) -> 0, the rest
+    # (152 B) -> 1; so only rank 1 writes model tensors, and its model file is number 0 of 1
+    assert sorted(written) == ["checkpoint-model-0000000-0000001.safetensors",
+                               "checkpoint-opt-0000000-0000002.safetensors",
+                               "checkpoint-opt-0000001-0000002.safetensors"]
+    entry = meta["storage_data"]["('embedding.word_embeddings.weight', (0,))"]
+    assert len(entry) == 1 and entry[0]["rank_group"] == [0, 1]
+    (target / "metadata.json").write_text(json.dumps(meta))
+    (target / "common.json").write_text(json.dumps(common(7)))
+    for rank in (0, 1):
+        assert_loaded(load_checkpoint(target, rank=rank), 7)
+
+
 def test_incomplete_and_corrupt_checkpoints_are_refused(tmp_path):
     saved = save(tmp_path, 2)
-    model_file = saved.path / "checkpoint-model-0000000-0000001.safetensors"
-    model_file.write_bytes(model_file.read_bytes()[:-10])
-    with pytest.raises(CheckpointError, match="checkpoint-model-0000000-0000001.safetensors"):
+    model_file = saved.path / MODEL_FILE
+    intact = model_file.read_bytes()
+    model_file.write_bytes(intact[:-10])
+    with pytest.raises(CheckpointError, match=f"{MODEL_FILE}: not a readable safetensors file"):
+        load_checkpoint(saved.path)
+    model_file.write_bytes(intact)
+    (saved.path / "common.json").write_text('{"global_step": 2, "consumed')
+    with pytest.raises(CheckpointError, match="iteration_00000002/common.json: unreadable"):
+        load_checkpoint(saved.path)
+    (saved.path / "common.json").write_text('{"global_step": 2, "global_batch_size": 8}')
+    with pytest.raises(CheckpointError, match="common.json: field consumed_samples must be an integer"):
         load_checkpoint(saved.path)
     (saved.path / "common.json").unlink()
     with pytest.raises(CheckpointError, match="incomplete checkpoint, common.json is missing"):
         resolve_load_path(tmp_path)
     with pytest.raises(CheckpointError, match="no such directory"):
         resolve_load_path(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="empty directory, nothing to load"):
+        resolve_load_path(tmp_path / "empty")
 
 
-def test_missing_shard_and_wrong_shape_name_the_file_and_tensor(tmp_path):
+def test_missing_shard_missing_tensor_and_wrong_shape_name_the_file_and_tensor(tmp_path):
     saved = save(tmp_path, 2)
     meta_path = saved.path / "metadata.json"
     meta = json.loads(meta_path.read_text())
     meta["state_dict_metadata"]["decoder.final_layernorm.weight"]["global_shape"] = [5]
     meta_path.write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match="tensor decoder.final_layernorm.weight has shape \\[4\\]"):
+    with pytest.raises(CheckpointError, match=f"{MODEL_FILE}: tensor decoder.final_layernorm.weight is "
+                                              r"float32\[4\], metadata.json says float32\[5\]"):
         load_checkpoint(saved.path)
     saved = save(tmp_path, 3)
-    (saved.path / "checkpoint-opt-0000000-0000001.safetensors").unlink()
-    assert load_checkpoint(saved.path, load_optim=False).optim == {}
-    with pytest.raises(CheckpointError, match="opt-0000000-0000001.safetensors: missing"):
+    model, _ = arrays(3)
+    del model["decoder.final_layernorm.weight"]
+    _write_safetensors_atomic(saved.path / MODEL_FILE, model)
+    with pytest.raises(CheckpointError, match="tensor decoder.final_layernorm.weight listed in metadata.json "
+                                              "is not in the file"):
         load_checkpoint(saved.path)
+    saved = save(tmp_path, 4)
+    (saved.path / OPT_FILE).unlink()
+    assert load_checkpoint(saved.path, load_optim=False).optim == {}
+    with pytest.raises(CheckpointError, match=f"{OPT_FILE}: missing"):
+        load_checkpoint(saved.path)
+
+
+def test_nothing_is_unpickled(tmp_path):
+    """A pickle under a safetensors name is refused as unreadable, never executed."""
+    import pickle
+    saved = save(tmp_path, 2)
+    (saved.path / MODEL_FILE).write_bytes(pickle.dumps({"x": np.zeros(2)}))
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_checkpoint(saved.path)
+
+
+def test_hugging_face_directory_is_recognised(tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert not is_hf_dir(hf)
+    _write_safetensors_atomic(hf / "model.safetensors", {"model.norm.weight": np.ones(2, np.float32)})
+    assert is_hf_dir(hf) and resolve_load_path(hf) == hf
+
+
+def test_rng_state_round_trips_through_json():
+    ms.manual_seed(11)
+    np.random.seed(11)
+    np.random.normal(size=3)
+    state = json.loads(json.dumps(capture_rng_state(11)))
+    expected = np.random.normal(size=5)
+    ms_expected = ms.get_rng_state().asnumpy()
+    ms.manual_seed(99)
+    np.random.seed(99)
+    restore_rng_state(state, "somewhere")
+    np.testing.assert_array_equal(np.random.normal(size=5), expected)
+    np.testing.assert_array_equal(ms.get_rng_state().asnumpy(), ms_expected)
+    with pytest.raises(CheckpointError, match="somewhere/common.json: field rng has no generator states"):
+        restore_rng_state({"seed": 1}, "somewhere")

@@ -4,6 +4,8 @@ Order of writes for step N, so a crash at any point leaves either a complete che
 resume refuses: every rank renames its safetensors files into ``iteration_N/``; a barrier; rank 0
 writes ``metadata.json`` and ``lineage.json``, then ``common.json`` (its presence marks the directory
 complete), then the tracker ``latest_checkpointed_iteration.txt``, then rotates old checkpoints.
+An async save moves the safetensors writes to a thread; the barrier and what follows it wait until
+every rank's thread is done (``CheckpointSaver``).
 Nothing is deserialized with pickle: tensors are safetensors, the rest JSON.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +29,13 @@ COMMON = "common.json"
 METADATA = "metadata.json"
 LINEAGE = "lineage.json"
 _ITERATION_RE = re.compile(r"^iteration_(\d{8})$")
+_OPT_FILE_RE = re.compile(r"(^|-)opt-\d+-\d+\.safetensors$")
 # MindSpore's dtype names, as MindFormers writes them into metadata.json
 _MS_DTYPE_NAMES = {"float32": "Float32", "float16": "Float16", "int64": "Int64", "int32": "Int32",
-                   "uint16": "UInt16", "bool": "Bool"}
+                   "uint16": "UInt16", "uint8": "UInt8", "bool": "Bool"}
+_NUMPY_DTYPES = {ms_name: np.dtype(np_name) for np_name, ms_name in _MS_DTYPE_NAMES.items()}
+# what a resume needs from common.json
+COMMON_REQUIRED = ("global_step", "consumed_samples", "global_batch_size")
 
 
 class CheckpointError(RuntimeError):
@@ -49,6 +56,21 @@ def _write_safetensors_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None
     write_atomic(path, lambda stream: stream.write(data))
 
 
+def balanced_assignment(sizes: dict[str, int], ranks: list[int]) -> dict[str, int]:
+    """Give each tensor to exactly one of ``ranks``, balancing bytes: largest tensors first (ties by name),
+    each to the rank with the fewest bytes so far (ties to the lower rank) — MindFormers' greedy rule for a
+    group of ranks that all hold every tensor. Pure, so every rank computes the same plan without talking."""
+    load = {r: 0 for r in ranks}
+    owner = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(ranks, key=lambda r: (load[r], r))
+        owner[name] = rank
+        load[rank] += sizes[name]
+    return owner
+
+
+# ---- saving ----------------------------------------------------------------------------------------
+
 @dataclass
 class SavedCheckpoint:
     step: int
@@ -56,13 +78,53 @@ class SavedCheckpoint:
     files: list[dict]  # {"name", "bytes", "sha256"} of every file in the iteration dir
 
 
-def _metadata(model: dict[str, np.ndarray], optim: dict[str, np.ndarray], prefix, world_size: int) -> dict:
-    """Global shape and shard grid of every tensor; with replicated data parallelism each tensor is one
-    unsharded chunk held, and written, by every rank."""
-    state, storage = {}, {}
-    ranks = list(range(world_size))
-    for kind, arrays in (("model", model), ("opt", optim)):
-        for name, array in arrays.items():
+@dataclass
+class SavePlan:
+    """Which ranks write each tensor, and into which file."""
+    writers: dict[str, list[int]]  # tensor -> the ranks writing a copy of it
+    files: dict[tuple[str, int], str]  # (kind, rank) -> file name, for every rank writing that kind
+    kind: dict[str, str]  # tensor -> "model" | "opt"
+
+    @classmethod
+    def build(cls, arrays: dict[str, dict[str, np.ndarray]], prefix: str | None, world_size: int,
+              remove_redundancy: bool) -> "SavePlan":
+        """``arrays``: {"model": {...}, "opt": {...}}. Replicated data parallelism: every rank holds every
+        tensor, so normally every rank writes all of them; ``remove_redundancy`` gives each to one rank."""
+        kind = {name: k for k, tensors in arrays.items() for name in tensors}
+        ranks = list(range(world_size))
+        if remove_redundancy:
+            sizes = {name: tensors[name].nbytes for tensors in arrays.values() for name in tensors}
+            writers = {name: [rank] for name, rank in balanced_assignment(sizes, ranks).items()}
+        else:
+            writers = {name: ranks for name in kind}
+        files = {}
+        for k in arrays:
+            writing = sorted({r for name, rs in writers.items() if kind[name] == k for r in rs})
+            for index, rank in enumerate(writing):
+                # a redundancy-free save numbers its files among the ranks writing one, as MindFormers does
+                files[(k, rank)] = (shard_file_name(prefix, k, index, len(writing)) if remove_redundancy
+                                    else shard_file_name(prefix, k, rank, world_size))
+        return cls(writers=writers, files=files, kind=kind)
+
+    def own_files(self, arrays: dict[str, dict[str, np.ndarray]], rank: int) -> dict[str, dict[str, np.ndarray]]:
+        """file name -> the tensors ``rank`` writes into it."""
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for name, ranks in self.writers.items():
+            if rank in ranks:
+                k = self.kind[name]
+                out.setdefault(self.files[(k, rank)], {})[name] = arrays[k][name]
+        return out
+
+    def metadata(self, arrays: dict[str, dict[str, np.ndarray]], world_size: int) -> dict:
+        """MindFormers' metadata.json: global shape and shard grid of every tensor (replicated data
+        parallelism: one unsharded chunk) and, in storage_data, each file holding a copy and its rank."""
+        state, storage = {}, {}
+        ranks = list(range(world_size))
+        for name, k in self.kind.items():
+            array = arrays[k][name]
+            if array.dtype.name not in _MS_DTYPE_NAMES:
+                raise CheckpointError(f"tensor {name}: dtype {array.dtype} cannot be saved "
+                                      f"(one of {sorted(_MS_DTYPE_NAMES)})")
             state[name] = {
                 "properties": {"dtype": _MS_DTYPE_NAMES[array.dtype.name], "replica_id": 0,
                                "allow_shape_mismatch": False, "allow_to_save": True},
@@ -72,29 +134,128 @@ def _metadata(model: dict[str, np.ndarray], optim: dict[str, np.ndarray], prefix
                 "chunk": [{"global_offset": [0], "local_shape": list(array.shape)}],
             }
             storage[str((name, (0,)))] = [
-                {"file_name": shard_file_name(prefix, kind, r, world_size), "storage_rank": r, "rank_group": ranks}
-                for r in ranks]
-    return {"state_dict_metadata": state, "storage_data": storage}
+                {"file_name": self.files[(k, r)], "storage_rank": r, "rank_group": ranks} for r in self.writers[name]]
+        return {"state_dict_metadata": state, "storage_data": storage}
 
 
-def save_checkpoint(*, save_path: Path, step: int, model: dict[str, np.ndarray], optim: dict[str, np.ndarray] | None,
-                    common: dict, lineage: dict, prefix: str | None, save_max: int, world, collectives
-                    ) -> SavedCheckpoint | None:
-    """Collective: every rank calls it. Returns the saved checkpoint on rank 0, None elsewhere."""
-    save_path = Path(save_path)
-    target = iteration_dir(save_path, step)
-    if world.is_main:
-        if target.exists():  # left over by a run that crashed mid-save, or saved again after a resume
-            shutil.rmtree(target)
-        target.mkdir(parents=True)
-    collectives.barrier()
-    _write_safetensors_atomic(target / shard_file_name(prefix, "model", world.rank, world.size), model)
-    if optim is not None:
-        _write_safetensors_atomic(target / shard_file_name(prefix, "opt", world.rank, world.size), optim)
-    collectives.barrier()
-    if not world.is_main:
-        return None
-    write_json_atomic(target / METADATA, _metadata(model, optim or {}, prefix, world.size))
+def _host_copies(files: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+    """Private copies: a tensor's ``asnumpy()`` may share memory with the parameter the next step updates."""
+    return {f: {n: np.array(a, copy=True, order="C") for n, a in tensors.items()} for f, tensors in files.items()}
+
+
+class _Writer(threading.Thread):
+    """Writes this rank's files of one async save; an error is kept for the main thread to raise."""
+
+    def __init__(self, target: Path, files: dict[str, dict[str, np.ndarray]]):
+        super().__init__(name=f"kiln-save-{target.name}")
+        self.target, self.files, self.error = target, files, None
+
+    def run(self) -> None:
+        try:
+            for name, tensors in self.files.items():
+                _write_safetensors_atomic(self.target / name, tensors)
+        except BaseException as exc:  # noqa: BLE001 -- raised by the main thread in settle()
+            self.error = exc
+        self.files = {}  # release the host copies
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    target: Path
+    metadata: dict
+    common: dict
+    lineage: dict
+    writer: _Writer
+
+
+class CheckpointSaver:
+    """The step checkpoints of one run. ``save`` is collective: every rank calls it at the same steps.
+
+    With ``async_save``, ``save`` copies this rank's tensors to host memory, starts a thread that writes
+    them, and returns. Completion is agreed from the main thread (collectives from a side thread are not
+    safe): the trainer adds ``status()`` to an all-reduce it makes every step anyway and hands the sums
+    to ``settle``; once every rank's writer is done, rank 0 writes metadata/lineage/common.json and the
+    tracker right then — so the tracker names a finished async save one step later, not one save later as
+    in MindFormers. ``wait`` does the same with a blocking all-reduce; it runs before the next save and at
+    the end of training, so the last save is always finalized.
+    """
+
+    def __init__(self, *, save_path: Path, prefix: str | None, save_max: int, world, collectives,
+                 remove_redundancy: bool = False, async_save: bool = False):
+        self.save_path = Path(save_path)
+        self.prefix, self.save_max = prefix, save_max
+        self.world, self.collectives = world, collectives
+        self.remove_redundancy = remove_redundancy
+        self.async_save = async_save
+        self.pending: _PendingSave | None = None
+        self.completed: list[SavedCheckpoint] = []
+
+    def save(self, *, step: int, model: dict[str, np.ndarray], optim: dict[str, np.ndarray] | None,
+             common: dict, lineage: dict) -> None:
+        self.wait()
+        arrays = {"model": model, "opt": optim or {}}
+        plan = SavePlan.build(arrays, self.prefix, self.world.size, self.remove_redundancy)
+        target = iteration_dir(self.save_path, step)
+        if self.world.is_main:
+            if target.exists():  # left over by a run that crashed mid-save, or saved again after a resume
+                shutil.rmtree(target)
+            target.mkdir(parents=True)
+        self.collectives.barrier()
+        metadata = plan.metadata(arrays, self.world.size) if self.world.is_main else {}
+        files = plan.own_files(arrays, self.world.rank)
+        if self.async_save:
+            writer = _Writer(target, _host_copies(files))
+            self.pending = _PendingSave(step, target, metadata, common, lineage, writer)
+            writer.start()
+            return
+        for name, tensors in files.items():
+            _write_safetensors_atomic(target / name, tensors)
+        self.collectives.barrier()
+        if self.world.is_main:
+            self.completed.append(_finalize(self.save_path, step, target, metadata, common, lineage, self.save_max))
+
+    def status(self) -> np.ndarray:
+        """[this rank's writer is done (or there is none), it failed]: to be summed over ranks."""
+        writer = self.pending.writer if self.pending else None
+        if writer is None:
+            return np.array([1.0, 0.0])
+        if writer.is_alive():
+            return np.array([0.0, 0.0])
+        return np.array([1.0, float(writer.error is not None)])
+
+    def settle(self, totals: np.ndarray) -> None:
+        """Finish the pending save if ``totals`` (``status()`` summed over ranks) says every writer is done."""
+        if self.pending is None or totals[0] < self.world.size:
+            return
+        pending, self.pending = self.pending, None
+        pending.writer.join()
+        if totals[1] > 0:
+            own = pending.writer.error
+            raise CheckpointError(f"{pending.target}: async save failed on {int(totals[1])} rank(s)"
+                                  + (f"; on this rank: {own!r}" if own else "")) from own
+        if self.world.is_main:
+            self.completed.append(_finalize(self.save_path, pending.step, pending.target, pending.metadata,
+                                            pending.common, pending.lineage, self.save_max))
+
+    def wait(self) -> None:
+        """Block until the pending save, if any, is complete and tracked (collective)."""
+        if self.pending is None:
+            return
+        self.pending.writer.join()
+        self.settle(self.collectives.all_reduce_array(self.status()))
+
+    def take_completed(self) -> list[SavedCheckpoint]:
+        """Checkpoints completed since the last call (on rank 0; empty elsewhere)."""
+        done, self.completed = self.completed, []
+        return done
+
+
+def _finalize(save_path: Path, step: int, target: Path, metadata: dict, common: dict, lineage: dict,
+              save_max: int) -> SavedCheckpoint:
+    """Rank 0, once every rank's files are in place: metadata, lineage, common.json (completes the
+    directory), the tracker, then rotation."""
+    write_json_atomic(target / METADATA, metadata)
     files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(target.iterdir()) if not p.name.startswith(".")]
     write_json_atomic(target / LINEAGE, {**lineage, "checkpoint": {"step": step, "files": files, "common": common}})
@@ -104,6 +265,17 @@ def save_checkpoint(*, save_path: Path, step: int, model: dict[str, np.ndarray],
     files += [{"name": name, "bytes": (target / name).stat().st_size, "sha256": sha256_file(target / name)}
               for name in (LINEAGE, COMMON)]
     return SavedCheckpoint(step=step, path=target, files=sorted(files, key=lambda f: f["name"]))
+
+
+def save_checkpoint(*, save_path: Path, step: int, model: dict[str, np.ndarray], optim: dict[str, np.ndarray] | None,
+                    common: dict, lineage: dict, prefix: str | None, save_max: int, world, collectives,
+                    remove_redundancy: bool = False) -> SavedCheckpoint | None:
+    """One synchronous save (collective). Returns the saved checkpoint on rank 0, None elsewhere."""
+    saver = CheckpointSaver(save_path=save_path, prefix=prefix, save_max=save_max, world=world,
+                            collectives=collectives, remove_redundancy=remove_redundancy)
+    saver.save(step=step, model=model, optim=optim, common=common, lineage=lineage)
+    done = saver.take_completed()
+    return done[0] if done else None
 
 
 def tracked_step(save_path: Path) -> int | None:
@@ -126,19 +298,65 @@ def _rotate(save_path: Path, save_max: int) -> None:
             shutil.rmtree(iteration_dir(save_path, step))
 
 
+# ---- random state ------------------------------------------------------------------------------------
+
+def capture_rng_state(seed: int) -> dict:
+    """The state of every generator a run draws from, as JSON: MindSpore's default generator (its raw
+    state bytes) and numpy's global MT19937. (Model init draws from its own seeded RandomState, and
+    sample order is a pure function of the dataset seed, so neither needs saving.)"""
+    import mindspore as ms
+
+    name, key, pos, has_gauss, cached = np.random.get_state()
+    return {"seed": seed,
+            "mindspore_default_generator": [int(b) for b in ms.get_rng_state().asnumpy().reshape(-1)],
+            "numpy_global": {"bit_generator": name, "key": [int(k) for k in key], "pos": int(pos),
+                             "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+
+
+def restore_rng_state(state: dict | None, path: Path) -> None:
+    """Set the generators back to ``capture_rng_state``'s record (from ``path``'s common.json)."""
+    import mindspore as ms
+
+    if not isinstance(state, dict) or "mindspore_default_generator" not in state:
+        raise CheckpointError(f"{Path(path) / COMMON}: field rng has no generator states (saved by an older Kiln?)")
+    try:
+        ms_state = np.array(state["mindspore_default_generator"], dtype=np.uint8)
+        numpy_state = state["numpy_global"]
+        np.random.set_state((numpy_state["bit_generator"], np.array(numpy_state["key"], dtype=np.uint32),
+                             numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{Path(path) / COMMON}: field rng is malformed ({exc!r})") from None
+    ms.set_rng_state(ms.Tensor(ms_state))
+
+
+# ---- resolving load_path -----------------------------------------------------------------------------
+
+def is_hf_dir(path: Path) -> bool:
+    """A Hugging Face model directory: config.json and safetensors weights, none of Kiln's step files."""
+    path = Path(path)
+    return ((path / "config.json").is_file() and any(path.glob("*.safetensors"))
+            and not (path / COMMON).exists() and not (path / TRACKER).exists())
+
+
 def resolve_load_path(load_path: str | Path) -> Path:
-    """``load_path`` is a save root (→ the tracker's step) or an ``iteration_*`` directory."""
+    """``load_path`` is a save root (→ the tracker's step), an ``iteration_*`` directory, or a Hugging Face
+    directory (weights only). Anything else, an empty directory included, is an error, never a fresh start."""
     path = Path(load_path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint.load_path {path}: no such directory")
+    if not any(path.iterdir()):
+        raise CheckpointError(f"checkpoint.load_path {path}: empty directory, nothing to load")
+    if is_hf_dir(path):
+        return path
     if (path / TRACKER).exists():
         step = tracked_step(path)
         path = iteration_dir(path, step)
         if not path.is_dir():
             raise CheckpointError(f"{path}: named by {TRACKER} but missing")
     elif not _ITERATION_RE.match(path.name):
-        raise CheckpointError(f"checkpoint.load_path {path}: neither a save root with {TRACKER} "
-                              f"nor an iteration_XXXXXXXX directory")
+        raise CheckpointError(f"checkpoint.load_path {path}: neither a save root with {TRACKER}, "
+                              f"an iteration_XXXXXXXX directory, nor a Hugging Face directory "
+                              f"(config.json + *.safetensors)")
     for name in (COMMON, METADATA):
         if not (path / name).exists():
             raise CheckpointError(f"{path}: incomplete checkpoint, {name} is missing")
@@ -152,11 +370,73 @@ def latest_complete_checkpoint(save_path: Path) -> Path | None:
     return resolve_load_path(save_path)
 
 
+# ---- loading -------------------------------------------------------------------------------------
+
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        payload = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(payload).__name__}")
+    return payload
+
+
+def read_common(path: Path) -> dict:
+    common = _read_json(Path(path) / COMMON)
+    for key in COMMON_REQUIRED:
+        if not isinstance(common.get(key), int):
+            raise CheckpointError(f"{Path(path) / COMMON}: field {key} must be an integer, "
+                                  f"found {common.get(key)!r}")
+    return common
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor as metadata.json describes it: where its copies are, and what it must look like."""
+    kind: str  # "model" | "opt"
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    copies: tuple[tuple[str, int], ...]  # (file name, storage rank)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def file_for(self, rank: int) -> str:
+        """This rank's own copy when it wrote one, else the first listed."""
+        return next((f for f, r in self.copies if r == rank), self.copies[0][0])
+
+
+def read_catalog(path: Path) -> dict[str, TensorEntry]:
+    """Every tensor of the checkpoint from metadata.json. Sharded tensors (a shard grid other than one
+    chunk) are refused by name: Kiln's layouts are replicated so far."""
+    meta_path = Path(path) / METADATA
+    metadata = _read_json(meta_path)
+    catalog = {}
+    try:
+        state, storage = metadata["state_dict_metadata"], metadata["storage_data"]
+        for key, entries in storage.items():
+            match = re.fullmatch(r"\('(.+)', \((\d+),\)\)", key)
+            if not match:
+                raise CheckpointError(f"{meta_path}: storage_data key {key!r} is not \"('<name>', (k,))\"")
+            name = match.group(1)
+            info = state[name]
+            if any(n != 1 for n in info["axis_fragmentations"]) or len(info["chunk"]) != 1:
+                raise CheckpointError(f"{meta_path}: tensor {name} is sharded (axis_fragmentations "
+                                      f"{info['axis_fragmentations']}); only unsharded tensors can be loaded")
+            dtype_name = info["properties"]["dtype"]
+            if dtype_name not in _NUMPY_DTYPES:
+                raise CheckpointError(f"{meta_path}: tensor {name} has dtype {dtype_name}, "
+                                      f"not one of {sorted(_NUMPY_DTYPES)}")
+            copies = tuple((e["file_name"], int(e["storage_rank"])) for e in entries)
+            if not copies:
+                raise CheckpointError(f"{meta_path}: tensor {name} is stored in no file")
+            kind = "opt" if _OPT_FILE_RE.search(copies[0][0]) else "model"
+            catalog[name] = TensorEntry(kind, tuple(info["global_shape"]), _NUMPY_DTYPES[dtype_name], copies)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{meta_path}: malformed ({exc!r})") from None
+    return catalog
 
 
 @dataclass
@@ -167,37 +447,66 @@ class LoadedCheckpoint:
     common: dict
 
 
-def load_checkpoint(path: Path, rank: int = 0, load_optim: bool = True) -> LoadedCheckpoint:
-    """Read every tensor named in ``metadata.json``, preferring this rank's own copy."""
+def read_tensors(path: Path, catalog: dict[str, TensorEntry], names, rank: int) -> dict[str, np.ndarray]:
+    """Read ``names`` from the files metadata.json lists, each checked against its shape and dtype."""
     path = Path(path)
-    common = _read_json(path / COMMON)
-    metadata = _read_json(path / METADATA)
-    tensors: dict[str, dict[str, np.ndarray]] = {"model": {}, "opt": {}}
-    try:
-        storage = metadata["storage_data"]
-        shapes = {name: entry["global_shape"] for name, entry in metadata["state_dict_metadata"].items()}
-    except (KeyError, TypeError) as exc:
-        raise CheckpointError(f"{path / METADATA}: malformed ({exc!r} missing)") from None
     by_file: dict[str, list[str]] = {}
-    for key, entries in storage.items():
-        name = key.split("'")[1]
-        entry = next((e for e in entries if e["storage_rank"] == rank), entries[0])
-        by_file.setdefault(entry["file_name"], []).append(name)
-    for file_name, names in sorted(by_file.items()):
-        kind = "opt" if re.search(r"(^|-)opt-\d+-\d+\.safetensors$", file_name) else "model"
-        if kind == "opt" and not load_optim:
-            continue
+    for name in names:
+        by_file.setdefault(catalog[name].file_for(rank), []).append(name)
+    tensors = {}
+    for file_name, file_names in sorted(by_file.items()):
         file_path = path / file_name
         if not file_path.exists():
-            raise CheckpointError(f"{file_path}: missing (listed in {METADATA})")
+            raise CheckpointError(f"{file_path}: missing (listed in {METADATA} for tensor {file_names[0]})")
         try:
             with safe_open(str(file_path), framework="numpy") as f:
-                for name in names:
-                    array = f.get_tensor(name)
-                    if list(array.shape) != shapes[name]:
-                        raise CheckpointError(f"{file_path}: tensor {name} has shape {list(array.shape)}, "
-                                              f"{METADATA} says {shapes[name]}")
-                    tensors[kind][name] = array
+                present = set(f.keys())
+                for name in file_names:
+                    if name not in present:
+                        raise CheckpointError(f"{file_path}: tensor {name} listed in {METADATA} is not in the file")
+                    try:
+                        array = f.get_tensor(name)
+                    except SafetensorError as exc:
+                        raise CheckpointError(f"{file_path}: tensor {name} unreadable ({exc})") from None
+                    entry = catalog[name]
+                    if array.shape != entry.shape or array.dtype != entry.dtype:
+                        raise CheckpointError(f"{file_path}: tensor {name} is {array.dtype}{list(array.shape)}, "
+                                              f"{METADATA} says {entry.dtype}{list(entry.shape)}")
+                    tensors[name] = array
         except SafetensorError as exc:
             raise CheckpointError(f"{file_path}: not a readable safetensors file ({exc})") from None
-    return LoadedCheckpoint(path=path, model=tensors["model"], optim=tensors["opt"], common=common)
+    return tensors
+
+
+def _split(path: Path, catalog: dict[str, TensorEntry], tensors: dict[str, np.ndarray], common: dict
+           ) -> LoadedCheckpoint:
+    return LoadedCheckpoint(path=Path(path), common=common,
+                            model={n: a for n, a in tensors.items() if catalog[n].kind == "model"},
+                            optim={n: a for n, a in tensors.items() if catalog[n].kind == "opt"})
+
+
+def _wanted(catalog: dict[str, TensorEntry], load_optim: bool) -> list[str]:
+    return sorted(n for n, e in catalog.items() if load_optim or e.kind == "model")
+
+
+def load_checkpoint(path: Path, rank: int = 0, load_optim: bool = True) -> LoadedCheckpoint:
+    """Read every tensor named in ``metadata.json`` (optimizer state only with ``load_optim``), from
+    whichever file holds it — this rank's own copy when there is one."""
+    common = read_common(path)
+    catalog = read_catalog(path)
+    return _split(path, catalog, read_tensors(path, catalog, _wanted(catalog, load_optim), rank), common)
+
+
+def load_checkpoint_balanced(path: Path, world, collectives, load_optim: bool = True, readers: int | None = None
+                             ) -> LoadedCheckpoint:
+    """Collective. The first ``readers`` ranks (all by default) each read a disjoint, byte-balanced subset
+    of the tensors from disk; every other tensor arrives by broadcast from the rank that read it. The
+    result is bit-identical to ``load_checkpoint`` on every rank."""
+    common = read_common(path)
+    catalog = read_catalog(path)
+    names = _wanted(catalog, load_optim)
+    reading_ranks = list(range(min(readers or world.size, world.size)))
+    owners = balanced_assignment({n: catalog[n].nbytes for n in names}, reading_ranks)
+    own = read_tensors(path, catalog, [n for n in names if owners[n] == world.rank], world.rank)
+    specs = {n: (catalog[n].shape, catalog[n].dtype) for n in names}
+    return _split(path, catalog, collectives.share_arrays(own, owners, specs), common)

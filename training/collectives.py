@@ -1,8 +1,9 @@
 """The few collectives the trainer needs, behind one small interface.
 
 Under msrun, ``mindspore.communication.init()`` picks the device's collective library. On CPU only
-AllReduce, AllGather and Broadcast (world group) work in MindSpore 2.10, so everything here is built
-from AllReduce; on Ascend the same calls go to HCCL. A single process (no msrun) gets a world of one
+AllReduce, AllGather and Broadcast (world group) work in MindSpore 2.10 — AllReduce for float32/float16
+only, Broadcast for float32/int32 — so sums go through AllReduce and bit-exact copies through an
+int32 Broadcast; on Ascend the same calls go to HCCL. A single process (no msrun) gets a world of one
 and every collective is the identity.
 """
 from __future__ import annotations
@@ -78,3 +79,32 @@ class Collectives:
     def barrier(self) -> None:
         """Every rank reaches this point before any continues (an AllReduce of one element)."""
         self.all_reduce_array(np.ones(1, dtype=np.float32))
+
+    def share_arrays(self, own: dict[str, np.ndarray], owners: dict[str, int],
+                     specs: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray]:
+        """Every rank ends with every array of ``specs`` (name -> shape, dtype); ``owners[name]`` is the one
+        rank that has it in ``own``. One Broadcast per owning rank, of its arrays' raw bytes as int32
+        (each padded to 4 bytes), so any dtype arrives bit for bit."""
+        if self.world.size == 1:
+            return dict(own)
+        from mindspore import Tensor, ops
+
+        shared = dict(own)
+        for root in sorted(set(owners.values())):
+            names = sorted(n for n, r in owners.items() if r == root)
+            sizes = [int(np.prod(specs[n][0], dtype=np.int64)) * np.dtype(specs[n][1]).itemsize for n in names]
+            padded = [-(-size // 4) * 4 for size in sizes]
+            buffer = np.zeros(sum(padded), dtype=np.uint8)
+            if self.world.rank == root:
+                offset = 0
+                for name, size, room in zip(names, sizes, padded):
+                    buffer[offset:offset + size] = np.ascontiguousarray(own[name]).reshape(-1).view(np.uint8)
+                    offset += room
+            received = ops.Broadcast(root)((Tensor(buffer.view(np.int32)),))[0].asnumpy().view(np.uint8)
+            if self.world.rank != root:
+                offset = 0
+                for name, size, room in zip(names, sizes, padded):
+                    shape, dtype = specs[name]
+                    shared[name] = received[offset:offset + size].copy().view(dtype).reshape(shape)
+                    offset += room
+        return shared

@@ -162,12 +162,8 @@ class CheckpointConfig(Section):
     reshard_worker_num: int = 1
 
     UNSUPPORTED = {
-        "async_save": "checkpoints are written synchronously",
-        "remove_redundancy": "every data-parallel rank writes its replica",
         "save_trainable_only": "LoRA is not implemented",
         "base_load_path": "LoRA base weights are not implemented",
-        "load_balanced": "each rank reads the whole checkpoint",
-        "load_worker_number": "each rank reads the whole checkpoint",
     }
 
     def check(self, path):
@@ -176,6 +172,8 @@ class CheckpointConfig(Section):
                  f"{path}.save_interleaved_steps must be >= 1, got {self.save_interleaved_steps}")
         require(not (self.enable_save and not self.save_path),
                  f"{path}.save_path must be set when {path}.enable_save is true")
+        # MindFormers declares it without a use; in Kiln it is how many ranks read from disk under load_balanced
+        require(self.load_worker_number >= 1, f"{path}.load_worker_number must be >= 1, got {self.load_worker_number}")
 
 
 @dataclass

@@ -16,12 +16,13 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from training.checkpoint import CheckpointError, load_checkpoint, resolve_load_path, save_checkpoint
+from training.checkpoint import (CheckpointError, CheckpointSaver, capture_rng_state, is_hf_dir, load_checkpoint,
+                                 load_checkpoint_balanced, resolve_load_path, restore_rng_state)
 from training.collectives import Collectives, World
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.model import build_model
-from training.monitor import EMBEDDING_PARAM, HealthMonitor, TrainStateMonitor, summary_line
+from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
 from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm, tensor_norms
 from training.profiling import build_profiler, profile_root
 from training.reporting import Reporter
@@ -84,6 +85,8 @@ class Trainer:
         self.monitor = TrainStateMonitor(config.monitor.train_state, [p.name for p in self.params], self.collectives)
         self.model.track_max_attention_logits(config.monitor.train_state.max_attention_logit)
         self.health = HealthMonitor(config.monitor.health_checkpoint)
+        self.loss_parts: list[str] = []  # lm_loss, mtp_k_loss, load_balancing_loss when the model has them
+        self.moe_monitor = MoeMonitor(config.monitor.moe_monitor, [name for name, _ in self.model.moe_layers()])
         self.embedding_index = next(i for i, p in enumerate(self.params) if p.name == EMBEDDING_PARAM)
         self.profiler = build_profiler(config, world.rank, self.output_dir)
         self.nan_policy = SkipStepOnNaN(config.training.use_skip_step_on_nan,
@@ -96,6 +99,10 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.resumed_from: str | None = None
+        ckpt = config.checkpoint
+        self.saver = CheckpointSaver(save_path=Path(ckpt.save_path), prefix=ckpt.prefix, save_max=ckpt.save_max,
+                                     world=world, collectives=self.collectives,
+                                     remove_redundancy=ckpt.remove_redundancy, async_save=ckpt.async_save)
         if config.checkpoint.load_path:
             self._resume(resolve_load_path(config.checkpoint.load_path))
 
@@ -103,33 +110,54 @@ class Trainer:
     def _model_arrays(self) -> dict[str, np.ndarray]:
         return {p.name: p.asnumpy() for p in self.model.get_parameters()}
 
-    def _resume(self, path: Path) -> None:
-        loaded = load_checkpoint(path, rank=self.world.rank, load_optim=not self.config.checkpoint.no_load_optim)
+    def _load_weights(self, path: Path, weights: dict[str, np.ndarray]) -> None:
         for param in self.model.get_parameters():
-            if param.name not in loaded.model:
+            if param.name not in weights:
                 raise CheckpointError(f"{path}: tensor {param.name} is missing")
-            array = loaded.model[param.name]
+            array = weights[param.name]
             if array.shape != param.shape:
                 raise CheckpointError(f"{path}: tensor {param.name} has shape {list(array.shape)}, "
                                       f"the model expects {list(param.shape)}")
             param.set_data(Tensor(array))
-        extra = sorted(set(loaded.model) - {p.name for p in self.model.get_parameters()})
+        extra = sorted(set(weights) - {p.name for p in self.model.get_parameters()})
         if extra:
             raise CheckpointError(f"{path}: tensors not in the model: {', '.join(extra[:5])}")
         self.resumed_from = str(path)
-        if self.config.checkpoint.no_load_optim:
+
+    def _resume(self, path: Path) -> None:
+        ckpt = self.config.checkpoint
+        if is_hf_dir(path):
+            from training.hf import hf_to_kiln_state  # the converter is only needed for this kind of load
+
+            self._load_weights(path, hf_to_kiln_state(path, self.config.model))
+            self.reporter.info(f"[kiln] loaded Hugging Face weights from {path} (weights only); starting at step 0")
+            return
+        if ckpt.load_balanced:
+            loaded = load_checkpoint_balanced(path, self.world, self.collectives, load_optim=not ckpt.no_load_optim,
+                                              readers=ckpt.load_worker_number)
+        else:
+            loaded = load_checkpoint(path, rank=self.world.rank, load_optim=not ckpt.no_load_optim)
+        self._load_weights(path, loaded.model)
+        if ckpt.no_load_optim:
             self.reporter.info(f"[kiln] loaded weights only from {path}; starting at step 0")
             return
+        if not loaded.optim:
+            raise CheckpointError(f"{path}: no optimizer state (saved with no_save_optim?); "
+                                  f"set checkpoint.no_load_optim to load the weights only")
         self.optimizer.load_state_arrays(loaded.optim)
         common = loaded.common
+        restore_rng_state(common.get("rng"), path)
         saved_gbs = common["global_batch_size"]
         self.consumed_samples = int(common["consumed_samples"])
         gbs = self.config.training.global_batch_size
         self.step = int(common["global_step"])
         if saved_gbs != gbs:
             self.step = self.consumed_samples // gbs
-            self.reporter.info(f"[kiln] global batch size changed {saved_gbs} -> {gbs}: keeping "
-                               f"{self.consumed_samples} consumed samples, resuming at step {self.step}")
+            self.reporter.info(f"[kiln] global batch size changed {saved_gbs} -> {gbs}: keeping the "
+                               f"{self.consumed_samples} consumed samples, so the data continues at sample "
+                               f"{self.consumed_samples}; step {common['global_step']} × {saved_gbs} samples "
+                               f"= step {self.step} × {gbs} (rounded down); the optimizer's own step, which "
+                               f"drives the LR schedule, is kept as saved")
         self.reporter.info(f"[kiln] resumed from {path} at step {self.step}, "
                            f"{self.consumed_samples} samples consumed")
 
@@ -145,11 +173,13 @@ class Trainer:
 
     def train_step(self) -> dict:
         started = time.perf_counter()
-        grads_sum, local_loss = None, 0.0
+        grads_sum, local_loss, components = None, 0.0, {}
         for micro in range(self.accumulation):
             loss, grads = self.grad_fn(*self._micro_batch(micro))
             micro_loss = float(loss.asnumpy())
             local_loss += micro_loss / self.accumulation
+            for name, value in self.model.loss_components().items():  # MTP depths, load balancing
+                components[name] = components.get(name, 0.0) + value / self.accumulation
             self.monitor.micro_batch(micro_loss, grads)
             grads_sum = grads if grads_sum is None else tuple(a + b for a, b in zip(grads_sum, grads))
         grads = tuple(g / self.accumulation for g in grads_sum) if self.accumulation > 1 else grads_sum
@@ -159,13 +189,22 @@ class Trainer:
         grads, grad_norm = clip_grad_norm(grads, self.config.training.max_norm)
         # Every rank decides alike: the loss is summed over ranks (a NaN anywhere is NaN everywhere) and
         # the norm is of the all-reduced gradients, which every rank holds identically.
-        loss = float(self.collectives.all_reduce_array(np.array([local_loss]))[0]) / self.world.size
+        # the same all-reduce tells every rank whether each rank's async checkpoint writer is done
+        totals = self.collectives.all_reduce_array(np.concatenate([[local_loss], self.saver.status()]))
+        loss = float(totals[0]) / self.world.size
+        self.saver.settle(totals[1:])
         skipped = self.nan_policy.should_skip(self.step + 1, loss, grad_norm)
         if skipped:  # the data is still consumed, as in MindFormers: the next step reads the next batch
             self.reporter.info(f"[kiln] WARNING: step {self.step + 1}: loss {loss}, grad_norm {grad_norm}: update "
                                f"skipped ({self.nan_policy.consecutive} in a row, {self.nan_policy.total} in total)")
         else:
             self.optimizer.step(grads)
+        # MoE: tokens per expert summed over ranks; expert biases move only when the update was applied
+        tokens_per_expert = self.model.after_step(self.collectives, applied=not skipped)
+        if components:
+            reduced = self.collectives.all_reduce_array(np.array(list(components.values()))) / self.world.size
+            components = {name: float(value) for name, value in zip(components, reduced)}
+        self.loss_parts = list(components)
         abnormal = self.health.observe(self.step + 1, float(grad_norm), embedding_norm)
         monitored = (self.monitor.record(unclipped, self.params, loss, self.model.pop_max_attention_logits())
                      if self.monitor.enabled else {})
@@ -181,6 +220,7 @@ class Trainer:
                 "samples_per_s": self.config.training.global_batch_size / elapsed,
                 "tflops_per_device": self.model.flops_per_token(self.seq_length) * tokens
                 / elapsed / 1e12 / self.world.size, "embedding_grad_norm": embedding_norm,
+                **components, **self.moe_monitor.record(self.step, tokens_per_expert),
                 **({"abnormal": abnormal} if abnormal else {}), **monitored}
 
     def _log_line(self, m: dict) -> str:
@@ -189,6 +229,7 @@ class Trainer:
                 f"global_batch_size: {self.config.training.global_batch_size}, loss: {m['loss']:>10.6f}, "
                 f"per_step_time: {m['step_time_s'] * 1000:>6.0f}ms, lr: {m['lr']:.6e}, "
                 f"grad_norm: {m['grad_norm']:>10.6f}, throughput: {m['tflops_per_device']:.3g}T, "
+                + "".join(f"{name}: {m[name]:.6f}, " for name in self.loss_parts) +
                 f"tokens_per_s: {m['tokens_per_s']:.0f}, samples_per_s: {m['samples_per_s']:.2f} }}")
         return line + "\n" + summary_line(m["step"], steps, m) if self.monitor.enabled else line
 
@@ -207,23 +248,26 @@ class Trainer:
             "loss": metrics["loss"], "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
             "config_sha256": config_sha256(self.resolved_yaml),
             "data_position": {"consumed_samples": self.consumed_samples, "seed": cfg.train_dataset.dataloader.seed},
-            "rng": {"seed": cfg.training.seed, "numpy_global": "seeded once at start; the training step draws no random numbers"},
+            "rng": capture_rng_state(cfg.training.seed),
             "world_size": self.world.size,
         }
         lineage = {**self.lineage_inputs, "run": self._run_record()}
-        saved = save_checkpoint(
-            save_path=Path(cfg.checkpoint.save_path), step=self.step, model=self._model_arrays(),
-            optim=None if cfg.checkpoint.no_save_optim else self.optimizer.state_arrays(),
-            common=common, lineage=lineage, prefix=cfg.checkpoint.prefix, save_max=cfg.checkpoint.save_max,
-            world=self.world, collectives=self.collectives)
-        if saved is not None:
+        self.saved_metrics[self.step] = {
+            "step": self.step, "loss": metrics["loss"], "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
+            "grad_norm": metrics["grad_norm"], "tokens_per_s": metrics["tokens_per_s"],
+            "samples_per_s": metrics["samples_per_s"], "ckpt_status": status, "consumed_samples": self.consumed_samples}
+        self.saver.save(step=self.step, model=self._model_arrays(),
+                        optim=None if cfg.checkpoint.no_save_optim else self.optimizer.state_arrays(),
+                        common=common, lineage=lineage)
+        self._report_saved()
+
+    def _report_saved(self) -> None:
+        """Report the checkpoints completed since the last call (an async one completes steps after its save)."""
+        for saved in self.saver.take_completed():
             self.last_checkpoint = str(saved.path)
             self.reporter.info(f"[kiln] saved checkpoint {saved.path}")
-            self.reporter.checkpoint({"step": self.step, "path": str(saved.path), "loss": metrics["loss"],
-                                      "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
-                                      "grad_norm": metrics["grad_norm"], "tokens_per_s": metrics["tokens_per_s"],
-                                      "samples_per_s": metrics["samples_per_s"], "ckpt_status": status,
-                                      "consumed_samples": self.consumed_samples, "files": saved.files})
+            self.reporter.checkpoint({**self.saved_metrics.pop(saved.step), "path": str(saved.path),
+                                      "files": saved.files})
 
     def _run_record(self) -> dict:
         return {"config_sha256": config_sha256(self.resolved_yaml), "config": self.config.to_dict(),
@@ -236,6 +280,7 @@ class Trainer:
         cfg = self.config
         self.started_at = datetime.now(timezone.utc).isoformat()
         self.last_checkpoint = None
+        self.saved_metrics: dict[int, dict] = {}
         if self.world.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             self.resolved_config_path.write_text(self.resolved_yaml)
@@ -266,6 +311,10 @@ class Trainer:
             if cfg.checkpoint.enable_save and ((self.step - start_step) % interval == 0
                                                or self.step == cfg.training.steps):
                 self.save(metrics)
+            else:
+                self._report_saved()
+        self.saver.wait()  # the last async save is finalized (and tracked) before training returns
+        self._report_saved()
         if self.profiler:  # training ended inside the window
             self.profiler.close()
         if last is None:
