@@ -1,0 +1,171 @@
+"""Resuming: a run killed with kill -9 under msrun resumes to the same losses; weight-only, changed batch
+size and Hugging Face loads; a checkpoint of one process resumes in two and vice versa."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import MICRO_CONFIG, PROJECT_ROOT, write_random_documents
+from resources.msrun import free_port
+from test_trainer import losses, make_trainer
+from training.checkpoint import TRACKER, load_checkpoint, tracked_step
+from training.launch import MsrunSettings, msrun_command, msrun_environment
+
+STEPS = 8
+
+
+def run_overrides(shard, save_path, *extra):
+    return [f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
+            "train_dataset.dataloader.config.pad=3", f"checkpoint.save_path={save_path}",
+            f"training.steps={STEPS}", "checkpoint.save_interleaved_steps=2", *extra]
+
+
+def start_msrun(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(),
+                             log_dir=str(run_dir / "msrun_log"), cluster_time_out=300)
+    args = ["-m", "training.run", "--config", str(PROJECT_ROOT / MICRO_CONFIG), "--output-dir", str(run_dir)]
+    for override in overrides:
+        args += ["--set", override]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(msrun_command(settings, args), env=msrun_environment(os.environ), cwd=PROJECT_ROOT,
+                            stdout=open(run_dir / "msrun.out", "wb"), stderr=subprocess.STDOUT)
+
+
+def run_msrun(run_dir: Path, overrides: list[str]) -> None:
+    proc = start_msrun(run_dir, overrides)
+    assert proc.wait(timeout=600) == 0, (run_dir / "msrun.out").read_text()[-3000:]
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            out += [int(child), *descendants(int(child))]
+    return out
+
+
+def worker_pids(msrun_pid: int) -> list[int]:
+    """The training workers msrun started (its scheduler process runs the script too, as MS_SCHED)."""
+    pids = []
+    for pid in descendants(msrun_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"MS_ROLE=MS_WORKER" in environ and b"training.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            pids.append(pid)
+    return pids
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-worker run of STEPS steps, and its data."""
+    root = tmp_path_factory.mktemp("reference")
+    shard = write_random_documents(root / "data/shards/random")
+    run_msrun(root / "run", run_overrides(shard, root / "run/checkpoints"))
+    return shard, losses(root / "run")
+
+
+@pytest.mark.msrun
+def test_kill_9_mid_run_then_resume_reproduces_every_later_loss(tmp_path, reference):
+    shard, uninterrupted = reference
+    save_path = tmp_path / "checkpoints"
+    # async, redundancy-free saves while running; the resume reads balanced across both ranks
+    killed = start_msrun(tmp_path / "killed", run_overrides(shard, save_path, "checkpoint.async_save=true",
+                                                           "checkpoint.remove_redundancy=true"))
+    deadline = time.monotonic() + 300
+    while logged_steps(tmp_path / "killed") < 5:
+        assert killed.poll() is None and time.monotonic() < deadline, (tmp_path / "killed/msrun.out").read_text()[-3000:]
+        time.sleep(0.05)
+    victim = worker_pids(killed.pid)[-1]
+    os.kill(victim, signal.SIGKILL)
+    assert killed.wait(timeout=300) != 0
+    resumed_from = tracked_step(save_path)
+    assert resumed_from is not None and resumed_from in (4, 6), resumed_from
+    assert logged_steps(tmp_path / "killed") < STEPS
+    loaded = load_checkpoint(save_path / f"iteration_{resumed_from:08d}")  # complete: every tensor readable
+    assert loaded.common["global_step"] == resumed_from and loaded.optim
+
+    run_msrun(tmp_path / "resumed", run_overrides(shard, save_path, f"checkpoint.load_path={save_path}",
+                                                  "checkpoint.load_balanced=true", "checkpoint.load_worker_number=2",
+                                                  "checkpoint.async_save=true"))
+    after = losses(tmp_path / "resumed")
+    assert sorted(after) == list(range(resumed_from + 1, STEPS + 1))
+    assert {s: uninterrupted[s] for s in after} == after  # bit for bit
+    assert tracked_step(save_path) == STEPS  # the final async save was finalized before exit
+    out = (tmp_path / "resumed/msrun.out").read_text()
+    assert f"resumed from {save_path / f'iteration_{resumed_from:08d}'} at step {resumed_from}" in out
+
+
+@pytest.mark.msrun
+def test_one_process_checkpoint_resumes_in_two_workers(tmp_path, reference):
+    shard, uninterrupted = reference
+    single = make_trainer(tmp_path, shard, "single", "training.steps=2")
+    single.train()
+    checkpoint = tmp_path / "single/checkpoints/iteration_00000002"
+    run_msrun(tmp_path / "two", run_overrides(shard, tmp_path / "two/checkpoints", f"checkpoint.load_path={checkpoint}"))
+    after = losses(tmp_path / "two")
+    assert sorted(after) == list(range(3, STEPS + 1))
+    # one process accumulates what two workers average: equal up to float32 summation order
+    assert [after[s] for s in after] == pytest.approx([uninterrupted[s] for s in after], rel=1e-5)
+
+
+def test_weight_only_init_starts_at_step_zero_with_a_fresh_optimizer(tmp_path, shard):
+    first = make_trainer(tmp_path, shard, "first", "training.steps=3")
+    first.train()
+    weights = {p.name: p.asnumpy() for p in first.model.get_parameters()}
+    init = make_trainer(tmp_path, shard, "init", "checkpoint.no_load_optim=true",
+                        f"checkpoint.load_path={tmp_path / 'first/checkpoints'}")
+    assert init.step == 0 and init.consumed_samples == 0 and init.optimizer.global_step == 0
+    assert all(np.array_equal(p.asnumpy(), weights[p.name]) for p in init.model.get_parameters())
+    assert all(not a.any() for n, a in init.optimizer.state_arrays().items() if n.startswith("adam_"))
+
+
+def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, shard, capsys):
+    make_trainer(tmp_path, shard, "gbs4", "training.steps=3").train()  # 3 steps x 4 samples
+    capsys.readouterr()
+    bigger = make_trainer(tmp_path, shard, "gbs8", "training.global_batch_size=8",
+                          f"checkpoint.load_path={tmp_path / 'gbs4/checkpoints'}")
+    assert bigger.consumed_samples == 12 and bigger.step == 1
+    assert "global batch size changed 4 -> 8" in capsys.readouterr().out
+    assert bigger.train_step()["consumed_samples"] == 20  # it read samples 12..19, none again, none skipped
+
+
+def test_hugging_face_dir_loads_weights_only_through_training_hf(tmp_path, shard, monkeypatch):
+    """The trainer's side of an HF load: recognised, converted by training/hf.py, weights only. The
+    converter itself is another module's; a stand-in returns known weights."""
+    donor = make_trainer(tmp_path, shard, "donor", "training.steps=1", "checkpoint.enable_save=false")
+    weights = {p.name: p.asnumpy() + 1.0 for p in donor.model.get_parameters()}
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (hf / "model.safetensors").write_bytes(b"")
+    calls = []
+    module = types.ModuleType("training.hf")
+    module.hf_to_kiln_state = lambda path, model_config: calls.append(path) or weights
+    monkeypatch.setitem(sys.modules, "training.hf", module)
+    loaded = make_trainer(tmp_path, shard, "from_hf", f"checkpoint.load_path={hf}")
+    assert calls == [hf] and loaded.step == 0 and loaded.optimizer.global_step == 0
+    assert all(np.array_equal(p.asnumpy(), weights[p.name]) for p in loaded.model.get_parameters())
+
+
+def test_missing_or_empty_load_path_is_an_error(tmp_path, shard):
+    from training.checkpoint import CheckpointError
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="empty directory"):
+        make_trainer(tmp_path, shard, "x", f"checkpoint.load_path={tmp_path / 'empty'}")
+    with pytest.raises(CheckpointError, match="no such directory"):
+        make_trainer(tmp_path, shard, "x", f"checkpoint.load_path={tmp_path / 'absent'}")
+    assert not (tmp_path / "empty" / TRACKER).exists()
