@@ -494,7 +494,12 @@ class MoeMonitorConfig(Section):
     save_tokens_per_expert_interval: Optional[int] = None
     target_layers: Optional[Union[int, list[int]]] = None
 
-    UNSUPPORTED = {"save_tokens_per_expert_interval": "MoE models are not implemented yet"}
+    def check(self, path):
+        require(self.save_tokens_per_expert_interval is None or self.save_tokens_per_expert_interval > 0,
+                f"{path}.save_tokens_per_expert_interval must be > 0, got {self.save_tokens_per_expert_interval}")
+        layers = self.target_layers
+        require(layers is None or (layers > 0 if isinstance(layers, int) else all(i >= 0 for i in layers)),
+                f"{path}.target_layers must be a positive count or a list of layer indices, got {layers}")
 
 
 @dataclass

@@ -15,6 +15,8 @@ A selector is ``true`` (every parameter), a name pattern or a list of them: a pa
 or ``[`` is matched with fnmatch against the whole name, anything else as a substring (as MindFormers).
 Nothing is computed for an option that is off.
 
+``monitor.moe_monitor``: tokens per expert per MoE layer (``MoeMonitor``).
+
 ``monitor.health_checkpoint`` (declared but unused by MindFormers' PyNative trainer; Kiln follows the
 graph-mode trainer's checkpoint marking, without its stop/skip actions): a step is abnormal when
   * the embedding table's step gradient norm is >= ``embedding_local_norm_threshold``, or
@@ -32,6 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
+from training.config import ConfigError
 from training.optim import tensor_norms
 
 EMBEDDING_PARAM = "embedding.word_embeddings.weight"
@@ -136,6 +139,28 @@ def summary_line(step: int, steps: int, record: dict) -> str:
         per_layer = ", ".join(f"{max(heads):.3f}" for heads in record["max_attention_logit"])
         parts.append(f"max_attention_logit per layer: [{per_layer}]")
     return f"{{ step:[{step:>5}/{steps:>5}], {', '.join(parts)} }}"
+
+
+class MoeMonitor:
+    """``monitor.moe_monitor``: every ``save_tokens_per_expert_interval`` steps, the step's tokens per expert
+    of each MoE layer (summed over micro-batches and data-parallel ranks) go into metrics.jsonl as
+    ``tokens_per_expert: {"decoder.layers.3": [counts…], "mtp.layers.0": […]}``. ``target_layers`` limits
+    the decoder layers: an int N keeps layers 0..N-1, a list keeps those indices (MTP layers always kept)."""
+
+    def __init__(self, config, moe_layer_names: Sequence[str], path: str = "monitor.moe_monitor"):
+        self.interval = config.save_tokens_per_expert_interval
+        if self.interval is not None and not moe_layer_names:
+            raise ConfigError(f"{path}.save_tokens_per_expert_interval: the model has no MoE layers to monitor")
+        target = config.target_layers
+        keep = ((lambda i: True) if target is None else (lambda i: i < target) if isinstance(target, int)
+                else (lambda i: i in target))
+        self.names = [n for n in moe_layer_names
+                      if not n.startswith("decoder.layers.") or keep(int(n.rsplit(".", 1)[1]))]
+
+    def record(self, step: int, tokens_per_expert: dict[str, list[int]]) -> dict:
+        if self.interval is None or step % self.interval:
+            return {}
+        return {"tokens_per_expert": {name: tokens_per_expert[name] for name in self.names}}
 
 
 class HealthMonitor:

@@ -3,10 +3,13 @@ as MindFormers does; every other key in the section configures that model."""
 from __future__ import annotations
 
 from training.config import ConfigError
-from training.model.qwen3 import GPTModel, Qwen3Config
+from training.model.deepseek_v3 import DeepseekV3Config
+from training.model.gpt import GPTModel
+from training.model.qwen3 import Qwen3Config
 
 # model_type -> (architecture, config class)
-SUPPORTED = {"qwen3": ("Qwen3ForCausalLM", Qwen3Config)}
+SUPPORTED = {"qwen3": ("Qwen3ForCausalLM", Qwen3Config),
+             "deepseek_v3": ("DeepseekV3ForCausalLM", DeepseekV3Config)}
 
 
 def _architecture(value) -> str:
@@ -33,4 +36,4 @@ def build_model(model_section: dict, seed: int | None = None) -> GPTModel:
     return GPTModel(config_class.from_dict(settings, "model"), seed=seed)
 
 
-__all__ = ["GPTModel", "Qwen3Config", "build_model"]
+__all__ = ["DeepseekV3Config", "GPTModel", "Qwen3Config", "build_model"]

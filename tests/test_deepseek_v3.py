@@ -1,0 +1,346 @@
+"""DeepSeek-V3 GPTModel: names and layer specs, numerics against an independent numpy DeepSeek-V3 (MLA with
+YaRN, group-limited sigmoid routing, shared experts, MTP, sequence aux loss), expert-bias balancing,
+config errors, and training under msrun with 2 workers."""
+import json
+import math
+import socket
+import subprocess
+import sys
+
+import mindspore as ms
+import numpy as np
+import pytest
+import yaml
+from mindspore import Tensor
+
+from conftest import PROJECT_ROOT
+from training.collectives import Collectives, World
+from training.config import ConfigError
+from training.launch import MsrunSettings, msrun_command, msrun_environment
+from training.model import DeepseekV3Config, build_model
+from training.model.gpt import GPTModel
+from training.model.mla import yarn_parameters
+
+ms.set_context(mode=ms.PYNATIVE_MODE)
+ms.set_device("CPU")
+
+TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=24, kv_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=3,
+            n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
+            mtp_loss_scaling_factor=0.3, moe_aux_loss_coeff=0.01, seq_length=16, max_position_embeddings=64,
+            rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=8, mscale=0.8,
+                              mscale_all_dim=0.6))
+SECTION = dict(model_type="deepseek_v3", architectures="DeepseekV3ForCausalLM", **TINY)
+
+
+def tiny_model(seed=0, **overrides) -> GPTModel:
+    return GPTModel(DeepseekV3Config.from_dict({**TINY, **overrides}), seed=seed)
+
+
+def random_ids(batch=2, seq=16, seed=0) -> np.ndarray:
+    return np.random.RandomState(seed).randint(0, TINY["vocab_size"], (batch, seq)).astype(np.int32)
+
+
+def test_parameter_names_and_shapes():
+    model = tiny_model()
+    shapes = {name: tuple(p.shape) for name, p in model.parameters_and_names()}
+    attention = {"input_layernorm.weight": (32,), "self_attention.linear_qkv.weight": (24 + 16 + 4, 32),
+                 "self_attention.q_layernorm.weight": (24,), "self_attention.linear_qb.weight": (2 * 12, 24),
+                 "self_attention.k_layernorm.weight": (16,), "self_attention.linear_kvb.weight": (2 * 16, 16),
+                 "self_attention.linear_proj.weight": (32, 16), "pre_mlp_layernorm.weight": (32,)}
+    moe = {"mlp.router.weight": (8, 32), "mlp.expert_bias": (8,), "mlp.tokens_per_expert": (8,),
+           "mlp.experts.weight1": (8, 32, 32), "mlp.experts.weight2": (8, 16, 32),
+           "mlp.shared_experts.linear_fc1.weight": (32, 32), "mlp.shared_experts.linear_fc2.weight": (32, 16)}
+    expected = {"embedding.word_embeddings.weight": (128, 32), "decoder.final_layernorm.weight": (32,),
+                "output_layer.weight": (128, 32), "mtp.layers.0.enorm.weight": (32,),
+                "mtp.layers.0.hnorm.weight": (32,), "mtp.layers.0.eh_proj.weight": (32, 64),
+                "mtp.layers.0.final_layernorm.weight": (32,),
+                "decoder.layers.0.mlp.linear_fc1.weight": (128, 32), "decoder.layers.0.mlp.linear_fc2.weight": (32, 64)}
+    for prefix in ("decoder.layers.0.", "decoder.layers.1.", "mtp.layers.0.transformer_layer."):
+        expected.update({prefix + k: v for k, v in attention.items()})
+    for prefix in ("decoder.layers.1.", "mtp.layers.0.transformer_layer."):
+        expected.update({prefix + k: v for k, v in moe.items()})
+    assert shapes == expected
+    assert {p.name for p in model.trainable_params()} == set(expected) - {
+        n for n in expected if n.endswith(("expert_bias", "tokens_per_expert"))}
+
+
+def test_no_q_lora_fuses_full_queries_into_linear_qkv():
+    model = tiny_model(q_lora_rank=None)
+    names = {name: tuple(p.shape) for name, p in model.parameters_and_names()}
+    assert names["decoder.layers.0.self_attention.linear_qkv.weight"] == (2 * 12 + 16 + 4, 32)
+    assert not any("linear_qb" in n or "q_layernorm" in n for n in names)
+
+
+@pytest.mark.parametrize("overrides, moe_layers", [
+    (dict(num_hidden_layers=4, first_k_dense_replace=1), [1, 2, 3]),
+    (dict(num_hidden_layers=4, first_k_dense_replace=0, moe_layer_freq=2), [0, 2]),
+    (dict(num_hidden_layers=4, first_k_dense_replace=0, moe_layer_freq=[0, 1, 1, 0]), [1, 2]),
+    (dict(num_hidden_layers=4, first_k_dense_replace=4), []),
+])
+def test_layer_specs_pick_dense_or_moe_per_layer(overrides, moe_layers):
+    model = tiny_model(num_nextn_predict_layers=0, **overrides)
+    assert [name for name, _ in model.moe_layers()] == [f"decoder.layers.{i}" for i in moe_layers]
+
+
+# ---- an independent numpy DeepSeek-V3 (HF modeling_deepseek_v3 semantics) -----------------------------
+
+def _rms(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _yarn_rope(x, dim, base, factor, original, beta_fast, beta_slow, mscale, mscale_all_dim):
+    """HF's YaRN written out per frequency: interpolate slow frequencies, keep fast ones."""
+    def corr(rot):
+        return dim * math.log(original / (rot * 2 * math.pi)) / (2 * math.log(base))
+    low, high = max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), dim - 1)
+    inv = []
+    for i in range(dim // 2):
+        extra = base ** (-2 * i / dim)
+        ramp = min(max((i - low) / max(high - low, 1e-3), 0.0), 1.0)
+        inv.append(extra / factor * ramp + extra * (1 - ramp))
+    get = lambda m: 0.1 * m * math.log(factor) + 1.0
+    attention_factor = get(mscale) / get(mscale_all_dim)
+    angles = np.outer(np.arange(x.shape[-2]), inv)
+    cos = np.cos(np.concatenate([angles, angles], -1)) * attention_factor
+    sin = np.sin(np.concatenate([angles, angles], -1)) * attention_factor
+    half = dim // 2
+    return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def _mla(w, x, c):
+    heads, nope, rope, vd = 2, 8, 4, 8
+    b, s, _ = x.shape
+    down = x @ w["self_attention.linear_qkv.weight"].T
+    q_lat, kv_lat, k_pe = down[..., :24], down[..., 24:40], down[..., 40:]
+    q = (_rms(q_lat, w["self_attention.q_layernorm.weight"]) @ w["self_attention.linear_qb.weight"].T)
+    q = q.reshape(b, s, heads, nope + rope).transpose(0, 2, 1, 3)
+    kv = (_rms(kv_lat, w["self_attention.k_layernorm.weight"]) @ w["self_attention.linear_kvb.weight"].T)
+    kv = kv.reshape(b, s, heads, nope + vd).transpose(0, 2, 1, 3)
+    rs = c["rope_scaling"]
+    args = (rope, 10000.0, rs["factor"], rs["original_max_position_embeddings"], 32.0, 1.0, rs["mscale"],
+            rs["mscale_all_dim"])
+    q_pe = _yarn_rope(q[..., nope:], *args)
+    k_pe = _yarn_rope(k_pe[:, None], *args)
+    query = np.concatenate([q[..., :nope], q_pe], -1)
+    key = np.concatenate([kv[..., :nope], np.repeat(k_pe, heads, axis=1)], -1)
+    m_all = 0.1 * rs["mscale_all_dim"] * math.log(rs["factor"]) + 1.0
+    scores = query @ key.transpose(0, 1, 3, 2) / math.sqrt(nope + rope) * m_all ** 2
+    scores = scores + np.triu(np.full((s, s), -np.inf), 1)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out = (probs @ kv[..., nope:]).transpose(0, 2, 1, 3).reshape(b, s, heads * vd)
+    return out @ w["self_attention.linear_proj.weight"].T
+
+
+def _moe(w, x, aux: list, bias):
+    """Token by token: sigmoid scores, groups of 2 scored by their top-2 sum, best 2 groups, top-3 experts."""
+    b, s, h = x.shape
+    out = np.zeros_like(x)
+    chosen_all = np.zeros((b, s, 3), int)
+    scores_all = np.zeros((b, s, 8))
+    for bi in range(b):
+        for t in range(s):
+            token = x[bi, t]
+            scores = 1 / (1 + np.exp(-(w["mlp.router.weight"] @ token)))
+            biased = scores + bias
+            groups = biased.reshape(4, 2)
+            best_groups = np.argsort(-np.sort(groups, -1)[:, ::-1][:, :2].sum(-1))[:2]
+            masked = np.full(8, -np.inf)
+            for g in best_groups:
+                masked[2 * g:2 * g + 2] = biased[2 * g:2 * g + 2]
+            chosen = np.argsort(-masked)[:3]
+            gates = scores[chosen] / scores[chosen].sum() * 2.5
+            for e, gate in zip(chosen, gates):
+                w1, w2 = w["mlp.experts.weight1"][e], w["mlp.experts.weight2"][e]
+                gate_up = token @ w1
+                out[bi, t] += gate * ((_silu(gate_up[:16]) * gate_up[16:]) @ w2)
+            chosen_all[bi, t], scores_all[bi, t] = chosen, scores
+    fc1 = w["mlp.shared_experts.linear_fc1.weight"].reshape(16, 2, -1)
+    out += (_silu(x @ fc1[:, 0].T) * (x @ fc1[:, 1].T)) @ w["mlp.shared_experts.linear_fc2.weight"].T
+    # sequence aux loss: per sequence sum_i f_i * P_i, f_i = E/(k*s) * count_i, P_i = mean normalised score
+    probs = scores_all / scores_all.sum(-1, keepdims=True)
+    per_seq = [(np.bincount(chosen_all[bi].ravel(), minlength=8) * 8 / (3 * s) * probs[bi].mean(0)).sum()
+               for bi in range(b)]
+    aux.append(0.01 * np.mean(per_seq))
+    return out
+
+
+def _dense(w, x):
+    fc1 = w["mlp.linear_fc1.weight"].reshape(64, 2, -1)
+    return (_silu(x @ fc1[:, 0].T) * (x @ fc1[:, 1].T)) @ w["mlp.linear_fc2.weight"].T
+
+
+def _layer(w, x, moe: bool, aux):
+    x = x + _mla(w, _rms(x, w["input_layernorm.weight"]), TINY)
+    h = _rms(x, w["pre_mlp_layernorm.weight"])
+    return x + (_moe(w, h, aux, w["mlp.expert_bias"]) if moe else _dense(w, h))
+
+
+def _ce(logits, labels, mask):
+    logits = logits - logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    token = -np.take_along_axis(logp, labels[..., None], -1)[..., 0]
+    return (token * mask).sum() / mask.sum()
+
+
+def numpy_deepseek_loss(weights, ids, labels, mask):
+    """(lm loss, mtp depth-1 loss, aux loss)."""
+    sub = lambda prefix: {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    aux = []
+    x = weights["embedding.word_embeddings.weight"][ids]
+    x = _layer(sub("decoder.layers.0."), x, False, aux)
+    x = _layer(sub("decoder.layers.1."), x, True, aux)
+    hidden = _rms(x, weights["decoder.final_layernorm.weight"])
+    lm = _ce(hidden @ weights["output_layer.weight"].T, labels, mask)
+    shift = lambda a: np.concatenate([a[:, 1:], np.zeros_like(a[:, :1])], 1)
+    ids1, labels1, mask1 = shift(ids), shift(labels), shift(mask)
+    mtp = sub("mtp.layers.0.")
+    h = np.concatenate([_rms(weights["embedding.word_embeddings.weight"][ids1], mtp["enorm.weight"]),
+                        _rms(hidden, mtp["hnorm.weight"])], -1) @ mtp["eh_proj.weight"].T
+    h = _rms(_layer(sub("mtp.layers.0.transformer_layer."), h, True, aux), mtp["final_layernorm.weight"])
+    return lm, _ce(h @ weights["output_layer.weight"].T, labels1, mask1), sum(aux)
+
+
+def test_loss_matches_numpy_deepseek_v3():
+    model = tiny_model(seed=3)
+    rng = np.random.RandomState(7)
+    for _, p in model.parameters_and_names():  # non-trivial norms and expert biases
+        if p.name.endswith("layernorm.weight") or p.name.endswith("norm.weight"):
+            p.set_data(Tensor(rng.uniform(0.5, 1.5, p.shape).astype(np.float32)))
+        if p.name.endswith("expert_bias"):
+            p.set_data(Tensor(rng.uniform(-0.05, 0.05, p.shape).astype(np.float32)))
+    weights = {name: p.asnumpy().astype(np.float64) for name, p in model.parameters_and_names()}
+    ids, labels = random_ids(seed=1), random_ids(seed=2)
+    mask = (np.random.RandomState(3).rand(*ids.shape) > 0.2).astype(np.float32)
+    loss = float(model(Tensor(ids), Tensor(labels), Tensor(mask)).asnumpy())
+    parts = model.loss_components()
+    lm, mtp, aux = numpy_deepseek_loss(weights, ids, labels, mask)
+    assert parts["lm_loss"] == pytest.approx(lm, rel=1e-4)
+    assert parts["mtp_1_loss"] == pytest.approx(mtp, rel=1e-4)
+    assert parts["load_balancing_loss"] == pytest.approx(aux, rel=1e-4)
+    assert loss == pytest.approx(lm + 0.3 * mtp + aux, rel=1e-5)
+
+
+def test_every_trainable_parameter_gets_a_gradient():
+    model = tiny_model()
+    ids = random_ids()
+    _, grads = ms.value_and_grad(model, None, model.trainable_params())(
+        Tensor(ids), Tensor(ids), Tensor(np.ones(ids.shape, np.float32)))
+    assert [p.name for p, g in zip(model.trainable_params(), grads) if not np.any(g.asnumpy())] == []
+
+
+def test_expert_bias_steers_the_choice_but_not_the_gate():
+    model = tiny_model(n_group=1, topk_group=1, num_experts_per_tok=1, norm_topk_prob=False)
+    router, moe = model.decoder.layers[1].mlp.router, model.decoder.layers[1].mlp
+    tokens = Tensor(np.random.RandomState(0).randn(10, 32).astype(np.float32))
+    bias = np.zeros(8, np.float32)
+    bias[5] = 10.0
+    scores, chosen, gates = router(tokens, Tensor(bias))
+    assert (chosen.asnumpy() == 5).all()
+    np.testing.assert_allclose(gates.asnumpy()[:, 0], scores.asnumpy()[:, 5] * 2.5, rtol=1e-6)
+
+
+def test_after_step_moves_biases_toward_balance_and_resets_counts():
+    model = tiny_model(moe_router_bias_update_rate=0.01)
+    ids = random_ids()
+    model(Tensor(ids), Tensor(ids), Tensor(np.ones(ids.shape, np.float32)))
+    moe = dict(model.moe_layers())["decoder.layers.1"]
+    counts = moe._counts.copy()
+    assert counts.sum() == ids.size * 3
+    reported = model.after_step(Collectives(World(rank=0, size=1)))
+    assert reported["decoder.layers.1"] == counts.tolist()
+    np.testing.assert_allclose(moe.expert_bias.asnumpy(), 0.01 * np.sign(counts.mean() - counts), atol=1e-7)
+    np.testing.assert_array_equal(moe.tokens_per_expert.asnumpy(), counts)
+    assert moe._counts.sum() == 0
+    model.after_step(Collectives(World(rank=0, size=1)), applied=False)  # a skipped step leaves biases alone
+    np.testing.assert_allclose(moe.expert_bias.asnumpy(), 0.01 * np.sign(counts.mean() - counts), atol=1e-7)
+
+
+def test_yarn_keeps_fast_frequencies_and_stretches_slow_ones():
+    inv_freq, magnitude = yarn_parameters(64, 10000.0, 40.0, 4096, 32.0, 1.0, 1.0, 1.0)
+    plain = 1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64)
+    np.testing.assert_allclose(inv_freq[:5], plain[:5])
+    np.testing.assert_allclose(inv_freq[-5:], plain[-5:] / 40.0)
+    assert magnitude == 1.0  # mscale == mscale_all_dim: the tables keep their size, the softmax scale grows
+    assert DeepseekV3Config.from_dict({**TINY, "rope_scaling": dict(type="yarn", factor=40.0, mscale_all_dim=1.0)}
+                                      ).softmax_scale() == pytest.approx((0.1 * math.log(40) + 1) ** 2 / math.sqrt(12))
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (dict(n_routed_expert=8), ["model.n_routed_expert", "n_routed_experts"]),
+    (dict(n_group=3), ["model.n_routed_experts", "model.n_group"]),
+    (dict(topk_group=5), ["model.topk_group"]),
+    (dict(num_experts_per_tok=5), ["model.num_experts_per_tok"]),
+    (dict(moe_layer_freq=[1, 0, 1]), ["model.moe_layer_freq"]),
+    (dict(moe_router_score_function="relu"), ["model.moe_router_score_function"]),
+    (dict(moe_router_load_balancing_type="sub_seq_aux_loss"), ["model.moe_router_load_balancing_type"]),
+    (dict(rope_scaling=dict(type="linear", factor=2.0)), ["model.rope_scaling.rope_type", "yarn"]),
+    (dict(rope_scaling=dict(type="yarn", factr=2.0)), ["model.rope_scaling.factr", "factor"]),
+    (dict(qk_rope_head_dim=5), ["model.qk_rope_head_dim"]),
+    (dict(architectures="Qwen3ForCausalLM"), ["model.architectures", "DeepseekV3ForCausalLM"]),
+])
+def test_config_errors_name_the_field(overrides, fragments):
+    with pytest.raises(ConfigError) as info:
+        build_model({**SECTION, **overrides}, seed=0)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+# ---- training under msrun ------------------------------------------------------------------------------
+
+def write_learnable_documents(prefix, used=64, documents=120):
+    """Documents counting up through ``used`` of the 512 ids by a per-document stride: predictable next
+    tokens from a small alphabet, so the loss falls within a few steps."""
+    from training.data.indexed import IndexedDatasetWriter
+
+    rng = np.random.default_rng(0)
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for _ in range(documents):
+            start, stride, length = rng.integers(0, used), rng.integers(1, 4), rng.integers(20, 60)
+            body = 4 + (start + stride * np.arange(length)) % used
+            writer.add_document(np.append(body, 2).astype(np.uint16))
+    return prefix
+
+
+@pytest.mark.msrun
+def test_trains_under_msrun_with_two_workers(tmp_path):
+    shard = write_learnable_documents(tmp_path / "shard")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_dir = tmp_path / "run"
+    overrides = [f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
+                 "train_dataset.dataloader.config.eod=2", "train_dataset.dataloader.config.pad=3",
+                 f"checkpoint.save_path={run_dir / 'checkpoints'}", "training.steps=6",
+                 "lr_scheduler.learning_rate=1.0e-2", "checkpoint.save_interleaved_steps=6"]
+    script = ["-m", "training.run", "--config", str(PROJECT_ROOT / "tests/configs/deepseek_v3_micro.yaml"),
+              "--output-dir", str(run_dir), *[a for o in overrides for a in ("--set", o)]]
+    settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=port, log_dir=str(tmp_path / "logs"))
+    done = subprocess.run(msrun_command(settings, script), env=msrun_environment(dict(__import__("os").environ)),
+                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert metrics[-1]["lm_loss"] < metrics[0]["lm_loss"] - 0.5
+    assert metrics[-1]["mtp_1_loss"] < metrics[0]["mtp_1_loss"]
+    for m in metrics:
+        assert m["loss"] == pytest.approx(m["lm_loss"] + 0.3 * m["mtp_1_loss"] + m["load_balancing_loss"], rel=1e-4)
+    # monitor.moe_monitor every 2 steps: each step's tokens summed over both ranks (2 micro-batches of 2 x 32)
+    tokens = [m["tokens_per_expert"] for m in metrics if "tokens_per_expert" in m]
+    assert [m["step"] for m in metrics if "tokens_per_expert" in m] == [2, 4, 6]
+    for record in tokens:
+        assert set(record) == {"decoder.layers.1", "mtp.layers.0"}
+        assert all(sum(counts) == 4 * 32 * 2 for counts in record.values())
+    # both ranks applied the same bias updates: the checkpoint's biases moved, identically in every file
+    from safetensors.numpy import load_file
+    files = sorted((run_dir / "checkpoints" / "iteration_00000006").glob("*-model-*.safetensors"))
+    biases = [load_file(f)["decoder.layers.1.mlp.expert_bias"] for f in files]
+    assert np.abs(biases[0]).max() > 0
+    for other in biases[1:]:
+        np.testing.assert_array_equal(other, biases[0])

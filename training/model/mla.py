@@ -1,0 +1,90 @@
+"""Multi-head latent attention (DeepSeek-V3) and YaRN rotary scaling.
+
+Weights (MindFormers' pynative MLA): ``linear_qkv`` is one fused down-projection with rows
+[q latent (q_lora_rank) ; kv latent (kv_lora_rank) ; shared k rope part (qk_rope_head_dim)] — without
+q_lora_rank its first rows are the full per-head queries (heads·(nope+rope)) and there is no
+``q_layernorm``/``linear_qb``. ``linear_qb`` rows: per head [nope ; rope]; ``linear_kvb`` rows: per head
+[k nope ; v]. RoPE (rotate-half) acts on the rope sub-dimension only; HF's DeepSeek-V3 checkpoints
+store those rope rows interleaved (HF de-interleaves them at run time), so a converter permutes them.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, _bmm, _bmm_transpose_b, apply_rotary,
+                                   cast)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_parameters(dim: int, base: float, factor: float, original_max_positions: int, beta_fast: float,
+                    beta_slow: float, mscale: float, mscale_all_dim: float) -> tuple[np.ndarray, float]:
+    """(inverse frequencies [dim/2], cos/sin magnitude) of YaRN: frequencies that turn fewer than
+    ``beta_slow`` times over the original context are interpolated (÷ factor), those turning more than
+    ``beta_fast`` times are kept, a linear ramp in between (HF's ``_compute_yarn_parameters``)."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
+    extrapolation = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    keep = 1 - ramp
+    inv_freq = extrapolation / factor * (1 - keep) + extrapolation * keep
+    if mscale and mscale_all_dim:
+        magnitude = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    else:
+        magnitude = yarn_mscale(factor)
+    return inv_freq, magnitude
+
+
+class MLASelfAttention(nn.Cell):
+    """Queries and keys/values go through low-rank latents (each RMS-normed); keys share one rope part
+    across heads. Activations [batch, heads, seq, dim]; the mask is [seq, seq] (``mask_repeats`` 1)."""
+
+    def __init__(self, init: Init, config):
+        super().__init__()
+        self.num_heads = heads = config.num_attention_heads
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.q_lora, self.kv_lora = config.q_lora_rank, config.kv_lora_rank
+        q_rows = self.q_lora or heads * (self.nope + self.rope)
+        self.split_sizes = [q_rows, self.kv_lora, self.rope]
+        norm_dtype = config.dtype("layernorm_compute_dtype")
+        self.linear_qkv = Linear(init, config.hidden_size, sum(self.split_sizes))
+        if self.q_lora:
+            self.q_layernorm = RMSNorm(self.q_lora, config.rms_norm_eps, norm_dtype)
+            self.linear_qb = Linear(init, self.q_lora, heads * (self.nope + self.rope))
+        else:
+            self.q_layernorm = self.linear_qb = None
+        self.k_layernorm = RMSNorm(self.kv_lora, config.rms_norm_eps, norm_dtype)
+        self.linear_kvb = Linear(init, self.kv_lora, heads * (self.nope + self.v_dim))
+        self.linear_proj = Linear(init, heads * self.v_dim, config.hidden_size)
+        self.scale = config.softmax_scale()
+        self.softmax_dtype = config.dtype("softmax_compute_dtype")
+        self.logit_tracker = MaxLogitTracker()
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        heads = self.num_heads
+        q, kv_latent, k_rope = ops.split(self.linear_qkv(x), self.split_sizes, axis=-1)
+        if self.q_lora:
+            q = self.linear_qb(self.q_layernorm(q))
+        q = q.reshape(batch, seq, heads, self.nope + self.rope).transpose(0, 2, 1, 3)
+        q_nope, q_rope = ops.split(q, [self.nope, self.rope], axis=-1)
+        kv = self.linear_kvb(self.k_layernorm(kv_latent)).reshape(batch, seq, heads, self.nope + self.v_dim)
+        k_nope, v = ops.split(kv.transpose(0, 2, 1, 3), [self.nope, self.v_dim], axis=-1)
+        k_rope = apply_rotary(k_rope.reshape(batch, 1, seq, self.rope), cos, sin)
+        q = ops.cat((q_nope, apply_rotary(q_rope, cos, sin)), axis=-1) * self.scale
+        k = ops.cat((k_nope, ops.broadcast_to(k_rope, (batch, heads, seq, self.rope))), axis=-1)
+
+        scores = cast(_bmm_transpose_b(q, k), self.softmax_dtype) + cast(mask, self.softmax_dtype)
+        if self.logit_tracker.enabled:
+            self.logit_tracker.update(scores.reshape(batch, heads, 1, seq * seq))
+        probs = cast(ops.softmax(scores, axis=-1), v.dtype)
+        out = _bmm(probs, v).transpose(0, 2, 1, 3).reshape(batch, seq, heads * self.v_dim)
+        return self.linear_proj(out)
