@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export DAGSTER_HOME := $(abspath .dagster_home)
 
-.PHONY: install demo test ui bench clean
+.PHONY: install demo test ui bench clean chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,10 +24,15 @@ $(DAGSTER_HOME)/dagster.yaml:
 demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m pipelines.demo
 
-test: $(STAMP)
+# Debian's Chromium for the browser test (tests/test_browser_ui.py); idempotent
+chromium:
+	bash tests/setup/chromium.sh
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest -q tests
 
 ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/python -m pipelines.pools
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 bench: $(STAMP)

@@ -45,16 +45,26 @@ def _result(problems: list[str], metadata: dict) -> dg.AssetCheckResult:
     return dg.AssetCheckResult(passed=not problems, metadata=metadata)
 
 
+def run_sources(context: dg.AssetCheckExecutionContext) -> list[str]:
+    """The sources the run materialized: its partition, its partition range, or (a check run alone) all."""
+    tags, keys = context.run.tags, source_partitions.get_partition_keys()
+    if "dagster/partition" in tags:
+        return [tags["dagster/partition"]]
+    if "dagster/asset_partition_range_start" in tags:
+        start = keys.index(tags["dagster/asset_partition_range_start"])
+        return keys[start:keys.index(tags["dagster/asset_partition_range_end"]) + 1]
+    return keys
+
+
 @dg.asset_check(asset=token_shards, blocking=True,
                 description="Every shard's .idx parses and its .bin holds exactly sum(lengths) x dtype bytes.")
-def shards_are_well_formed(storage: KilnStorage) -> dg.AssetCheckResult:
-    # checks the shards of every source materialized so far: the partitions of one run are a subset
-    problems, checked = [], 0
-    for source in source_partitions.get_partition_keys():
+def shards_are_well_formed(context: dg.AssetCheckExecutionContext, storage: KilnStorage) -> dg.AssetCheckResult:
+    problems, checked, sources = [], 0, run_sources(context)
+    for source in sources:
         source_problems, rows = shard_problems(storage, source)
         problems += [f"{source}: {p}" for p in source_problems]
         checked += len(rows)
-    return _result(problems, {"shards_checked": checked})
+    return _result(problems, {"sources": ", ".join(sources), "shards_checked": checked})
 
 
 @dg.asset_check(asset=blend_manifest, blocking=True,

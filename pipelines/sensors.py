@@ -5,9 +5,12 @@ moved) and requests ``raw_corpus[<source>]`` when a hash changed; ``token_shards
 ``blend_manifest`` carry ``AutomationCondition.eager()``, evaluated by ``kiln_automation``, declared
 here because Dagster's default automation sensor ships stopped. Training is only started
 automatically when ``KILN_AUTO_TRAIN=1`` gives ``training_run`` its eager condition.
+Both sensors ship running; ``KILN_AUTOMATION=off`` ships them stopped (the UI tests click every
+materialization themselves and must not race automation).
 """
 import hashlib
 import json
+import os
 from dataclasses import asdict
 
 import dagster as dg
@@ -17,6 +20,9 @@ from assets.sources import SourcesConfigError, SourceSpec, load_sources
 from assets.training import training_run
 from resources.storage import KilnStorage
 from training.data.hashing import sha256_file
+
+AUTOMATION_STATUS = (dg.DefaultSensorStatus.STOPPED if os.environ.get("KILN_AUTOMATION") == "off"
+                     else dg.DefaultSensorStatus.RUNNING)
 
 
 def source_fingerprint(spec: SourceSpec, known: dict) -> dict:
@@ -37,7 +43,7 @@ def content_of(fingerprint: dict) -> tuple:
 
 
 @dg.sensor(target=dg.AssetSelection.assets(raw_corpus), minimum_interval_seconds=30,
-           default_status=dg.DefaultSensorStatus.RUNNING,
+           default_status=AUTOMATION_STATUS,
            description="Re-materializes raw_corpus[<source>] when a file of the source changes (by sha256).")
 def raw_files_sensor(context: dg.SensorEvaluationContext, storage: KilnStorage) -> dg.SensorResult:
     cursor = json.loads(context.cursor) if context.cursor else {}
@@ -64,6 +70,6 @@ def raw_files_sensor(context: dg.SensorEvaluationContext, storage: KilnStorage) 
 
 kiln_automation = dg.AutomationConditionSensorDefinition(
     "kiln_automation", target=dg.AssetSelection.assets(token_shards, blend_manifest, training_run),
-    default_status=dg.DefaultSensorStatus.RUNNING, minimum_interval_seconds=30,
+    default_status=AUTOMATION_STATUS, minimum_interval_seconds=30,
     description="Evaluates the eager conditions of token_shards and blend_manifest (and of training_run "
                 "with KILN_AUTO_TRAIN=1).")

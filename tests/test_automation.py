@@ -1,0 +1,100 @@
+"""Changed raw files re-ingest their source; eager automation re-shards it and re-blends; training waits."""
+import json
+import os
+
+import dagster as dg
+
+from assets.versions import code_version_of
+from pipelines.definitions import build_definitions, resources
+from pipelines.pools import configure_pools, training_slots
+from pipelines.sensors import raw_files_sensor
+from resources.msrun import MsrunResource
+from resources.storage import KilnStorage
+from resources.tokenizer import TokenizerSettings
+
+
+def _sources(tmp_path):
+    corpus = tmp_path / "user" / "code.jsonl"
+    corpus.parent.mkdir()
+    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(200)))
+    sources = tmp_path / "sources.yaml"
+    sources.write_text("sources:\n"
+                       f"  stdlib_code: {{files: ['{corpus}'], weight: 0.5}}\n"
+                       "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 40000, weight: 0.5}\n")
+    return corpus, sources
+
+
+def _sensor_tick(instance, storage, cursor):
+    context = dg.build_sensor_context(instance=instance, cursor=cursor, resources={"storage": storage})
+    result = raw_files_sensor(context)
+    return [r.partition_key for r in result.run_requests], result.cursor
+
+
+def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_path):
+    corpus, sources = _sources(tmp_path)
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                          sources_config=str(sources))
+    res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=5_000))
+    defs = build_definitions(res)
+    with dg.instance_for_test() as instance:
+        job = defs.get_implicit_global_asset_job_def()
+        for key, partition in [("raw_corpus", "stdlib_code"), ("raw_corpus", "stdlib_docs"), ("tokenizer", None),
+                               ("token_shards", "stdlib_code"), ("token_shards", "stdlib_docs"),
+                               ("blend_manifest", None)]:
+            assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey(key)],
+                                          partition_key=partition).success
+
+        # first sight records the files; nothing changed since
+        requested, cursor = _sensor_tick(instance, storage, None)
+        assert requested == []
+        baseline = dg.evaluate_automation_conditions(defs=defs, instance=instance)
+        assert baseline.total_requested == 0
+        # a new mtime with the same bytes is no change
+        os.utime(corpus, ns=(1, 1))
+        requested, cursor = _sensor_tick(instance, storage, cursor)
+        assert requested == []
+
+        with corpus.open("a") as f:
+            f.write(json.dumps({"text": "def added():\n    pass\n"}) + "\n")
+        requested, cursor = _sensor_tick(instance, storage, cursor)
+        assert requested == ["stdlib_code"]
+        assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("raw_corpus")],
+                                      partition_key="stdlib_code").success
+
+        after_raw = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=baseline.cursor)
+        assert after_raw.get_requested_partitions(dg.AssetKey("token_shards")) == {"stdlib_code"}
+        assert after_raw.get_num_requested(dg.AssetKey("blend_manifest")) == 0  # waits for the shards
+        assert after_raw.get_num_requested(dg.AssetKey("training_run")) == 0
+        assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("token_shards")],
+                                      partition_key="stdlib_code").success
+
+        after_shards = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=after_raw.cursor)
+        assert after_shards.get_num_requested(dg.AssetKey("blend_manifest")) == 1
+        assert after_shards.get_num_requested(dg.AssetKey("token_shards")) == 0
+        assert after_shards.get_num_requested(dg.AssetKey("training_run")) == 0  # not unless KILN_AUTO_TRAIN=1
+
+
+def test_sensors_run_by_default_and_the_pool_follows_the_devices():
+    defs = build_definitions(resources())
+    assert {s.name: s.default_status for s in defs.sensors} == {
+        "raw_files_sensor": dg.DefaultSensorStatus.RUNNING, "kiln_automation": dg.DefaultSensorStatus.RUNNING}
+    assert training_slots(MsrunResource(local_worker_num=2)) == 1  # CPU: one run's workers fill the machine
+    assert training_slots(MsrunResource(worker_num=2, local_worker_num=2, visible_devices="0,1,2,3,4,5,6,7")) == 4
+    assert training_slots(MsrunResource(worker_num=8, local_worker_num=8, visible_devices="0,1,2,3,4,5,6,7")) == 1
+    with dg.instance_for_test() as instance:
+        assert configure_pools(instance, MsrunResource(local_worker_num=2, visible_devices="0,1,2,3")) == 2
+        assert instance.event_log_storage.get_concurrency_info("npu").slot_count == 2
+
+
+def test_code_version_follows_the_source(tmp_path):
+    config = tmp_path / "sources.yaml"
+    config.write_text("a: 1\n")
+    before = code_version_of(code_version_of, config)
+    assert code_version_of(code_version_of, config) == before
+    config.write_text("a: 2\n")
+    assert code_version_of(code_version_of, config) != before
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("x = 1\n")
+    package = code_version_of(tmp_path / "pkg")
+    (tmp_path / "pkg" / "m.py").write_text("x = 2\n")
+    assert code_version_of(tmp_path / "pkg") != package

@@ -1,0 +1,94 @@
+"""Blocking checks: a corrupt shard stops the blend; a changed shard fails the manifest check; audits."""
+import dagster as dg
+import pytest
+
+import assets.data
+from assets.training import audit_evaluation, checkpoint_dir
+from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, build_definitions, resources
+from resources.storage import KilnStorage
+from resources.tokenizer import TokenizerSettings
+
+SOURCES = ["stdlib_code", "stdlib_docs"]
+
+
+@pytest.fixture
+def data_chain(tmp_path, micro_sources):
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                          sources_config=str(micro_sources))
+    res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=5_000))
+    defs = build_definitions(res)
+    with dg.instance_for_test() as instance:
+        job = defs.get_implicit_global_asset_job_def()
+
+        def run(key, partition=None, check=None):
+            if check:  # the check alone, as "Execute check" in the UI
+                return dg.materialize([*ALL_ASSETS, *ALL_CHECKS], selection=dg.AssetSelection.checks(check),
+                                      instance=instance, resources=res, raise_on_error=False)
+            return job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey(k) for k in key.split()],
+                                          partition_key=partition, raise_on_error=False)
+
+        for key, partition in [("raw_corpus", s) for s in SOURCES] + [("tokenizer", None)]:
+            assert run(key, partition).success
+        yield run, storage
+
+
+def _check(result, name):
+    (evaluation,) = [e for e in result.get_asset_check_evaluations() if e.check_name == name]
+    return evaluation
+
+
+def test_truncated_bin_fails_the_blocking_check_and_stops_the_blend(data_chain, monkeypatch):
+    run, storage = data_chain
+    assert run("token_shards", "stdlib_docs").success
+    real = assets.data.tokenize_to_indexed
+
+    def truncating(*args, **kwargs):
+        stats = real(*args, **kwargs)
+        bin_path = f"{stats['outputs'][0]['prefix']}.bin"
+        with open(bin_path, "r+b") as f:
+            f.truncate(f.seek(0, 2) - 2)
+        return stats
+
+    monkeypatch.setattr(assets.data, "tokenize_to_indexed", truncating)
+    result = run("token_shards blend_manifest", "stdlib_code")
+    assert not result.success
+    evaluation = _check(result, "shards_are_well_formed")
+    assert not evaluation.passed
+    problems = evaluation.metadata["problems"].value
+    assert "stdlib_code" in problems and "stdlib_code_text_document.bin" in problems
+    assert "stdlib_docs" not in problems  # only the run's partition is checked
+    assert not [m for m in result.get_asset_materialization_events()
+                if m.event_specific_data.materialization.asset_key == dg.AssetKey("blend_manifest")]
+    assert not storage.manifest_path().exists()
+
+
+def test_changed_or_missing_shard_fails_the_manifest_check(data_chain):
+    run, storage = data_chain
+    for source in SOURCES:
+        assert run("token_shards", source).success
+    result = run("blend_manifest")
+    assert result.success and _check(result, "manifest_shards_match").passed
+
+    shard = storage.shard_prefix("stdlib_docs")
+    bin_path = shard.with_name(shard.name + ".bin")
+    data = bytearray(bin_path.read_bytes())
+    data[0] ^= 1
+    bin_path.write_bytes(bytes(data))
+    shard.with_name(shard.name + ".idx").unlink()
+    only_check = run("", check=dg.AssetCheckKey(dg.AssetKey("blend_manifest"), "manifest_shards_match"))
+    evaluation = _check(only_check, "manifest_shards_match")
+    assert not evaluation.passed
+    problems = evaluation.metadata["problems"].value
+    assert f"{bin_path} changed since the manifest was written" in problems
+    assert f"{shard}.idx is missing" in problems
+
+
+def test_checkpoint_audit_names_the_partition_and_fails_without_lineage(tmp_path):
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"))
+    directory = checkpoint_dir(storage, "tiny/iteration_00000003")
+    assert directory == tmp_path / "runs/tiny/checkpoints/iteration_00000003"
+    directory.mkdir(parents=True)
+    evaluation = audit_evaluation(directory, "tiny/iteration_00000003")
+    assert (evaluation.check_name, evaluation.partition, evaluation.passed) == ("audit", "tiny/iteration_00000003",
+                                                                                False)
+    assert "lineage.json" in evaluation.metadata["error"].value
