@@ -401,6 +401,10 @@ def _check_config_matches(hf_config: dict, c, where: Path) -> None:
         if name in ("model_type", "architectures", "initializer_range"):
             continue
         mine = getattr(c, name, None)
+        if name == "num_nextn_predict_layers":  # Kiln may train fewer MTP depths than the checkpoint has
+            if mine > value:
+                raise HFConversionError(f"{where}: {name} = {value}, fewer than model.{name} = {mine}")
+            continue
         if name == "rope_scaling":
             value = None if value is None else {k: v for k, v in value.items() if k != "type"}
             mine = None if mine is None else {k: getattr(mine, k) for k in value or {}}
@@ -419,8 +423,12 @@ def hf_to_kiln_state(hf_dir: Path, model_config: dict) -> dict[str, np.ndarray]:
     config_path = hf_dir / "config.json"
     if not config_path.exists():
         raise HFConversionError(f"{hf_dir}: no config.json")
-    _check_config_matches(_read_json(config_path), c, config_path)
+    hf_config = _read_json(config_path)
+    _check_config_matches(hf_config, c, config_path)
     weights = HFWeights(hf_dir)
+    n = c.num_hidden_layers
+    unused_depths = range(n + c.num_mtp_layers, n + hf_config.get("num_nextn_predict_layers", 0))
+    unused = re.compile(rf"model\.layers\.({'|'.join(map(str, unused_depths))})\.") if unused_depths else None
     groups = layout(model_type, c)
     used = set()
     state: dict[str, np.ndarray] = {}
@@ -438,7 +446,8 @@ def hf_to_kiln_state(hf_dir: Path, model_config: dict) -> dict[str, np.ndarray]:
         used.update(group.hf)
         arrays = group.to_kiln([weights.get(n) for n in needed])
         state.update(zip(group.kiln, arrays))
-    extra = sorted(n for n in weights.entries if n not in used and not _IGNORED_HF.match(n))
+    extra = sorted(name for name in weights.entries if name not in used and not _IGNORED_HF.match(name)
+                   and not (unused and unused.match(name)))
     if extra:
         raise HFConversionError(f"{weights.file_of(extra[0])}: tensor {extra[0]} has no place in the model"
                                 + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
