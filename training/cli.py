@@ -84,6 +84,47 @@ def _mindrecord(args) -> int:
     return 0
 
 
+def _model_section(config_path: str | None) -> dict | None:
+    """The ``model:`` section of a training YAML, if one was given."""
+    if config_path is None:
+        return None
+    import yaml
+
+    with open(config_path) as f:
+        section = (yaml.safe_load(f) or {}).get("model")
+    if not isinstance(section, dict):
+        raise ValueError(f"{config_path}: no model: section")
+    return section
+
+
+def _export_hf(args) -> int:
+    from training.hf import export_hf
+
+    try:
+        hf_config = export_hf(Path(args.checkpoint), Path(args.out_dir), _model_section(args.config))
+    except (ValueError, OSError, RuntimeError) as exc:  # HFConversionError, CheckpointError name the tensor/file
+        print(f"kiln export-hf: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out_dir}: config.json ({hf_config['architectures'][0]}) + model.safetensors")
+    return 0
+
+
+def _import_hf(args) -> int:
+    import yaml
+
+    from training.hf import import_hf
+
+    try:
+        path, section = import_hf(Path(args.hf_dir), Path(args.save_path), _model_section(args.config))
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"kiln import-hf: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} (weights only): train from it with checkpoint.load_path={args.save_path} and "
+          f"checkpoint.no_load_optim=true, and this model section:")
+    print(yaml.safe_dump({"model": section}, sort_keys=False), end="")
+    return 0
+
+
 def main(argv=None) -> int:
     started = time.perf_counter()
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln pretraining pipeline tools")
@@ -142,6 +183,24 @@ def main(argv=None) -> int:
     mindrecord.add_argument("--shards", type=int, default=1, help="MindRecord files to spread the samples over")
     mindrecord.add_argument("--overwrite", action="store_true")
     mindrecord.set_defaults(handler=_mindrecord)
+
+    export = commands.add_parser(
+        "export-hf", help="write a Hugging Face model directory (config.json + model.safetensors) from a checkpoint",
+        description="Qwen3 -> Qwen3ForCausalLM, DeepSeek-V3 -> DeepseekV3ForCausalLM (MTP depths as "
+                    "model.layers.{num_hidden_layers + k}.*). Exit 2 on bad input, naming the tensor and file.")
+    export.add_argument("checkpoint", help="an iteration_XXXXXXXX directory or a save root (its tracked step)")
+    export.add_argument("out_dir", help="a new or empty directory")
+    export.add_argument("--config", help="training YAML whose model: section to use (default: the checkpoint's lineage)")
+    export.set_defaults(handler=_export_hf)
+
+    importer = commands.add_parser(
+        "import-hf", help="convert a Hugging Face model directory into a weights-only Kiln checkpoint",
+        description="Writes <save_path>/iteration_00000000 for checkpoint.load_path with no_load_optim "
+                    "(a load_path naming the HF directory itself does the same conversion at load time).")
+    importer.add_argument("hf_dir", help="config.json + *.safetensors (bf16, fp16 or fp32)")
+    importer.add_argument("save_path", help="a new or empty directory")
+    importer.add_argument("--config", help="training YAML whose model: section to build (default: from config.json)")
+    importer.set_defaults(handler=_import_hf)
     args = parser.parse_args(argv)
     return args.handler(args)
 

@@ -209,6 +209,9 @@ def hf_to_kiln_model_section(hf_config: dict, where: str = "config.json") -> dic
     if model_type not in SUPPORTED:
         raise HFConversionError(f"{where}: model_type {model_type!r} is not supported ({', '.join(SUPPORTED)})")
     section = {"model_type": model_type, "architectures": SUPPORTED[model_type][0]}
+    max_positions = hf_config.get("max_position_embeddings")
+    if isinstance(max_positions, int):  # HF has no training sequence length: Kiln's default, capped to fit
+        section["seq_length"] = min(SUPPORTED[model_type][1].seq_length, max_positions)
     for name in _COMMON_FIELDS + _FAMILY_FIELDS[model_type]:
         if name in hf_config and (hf_config[name] is not None or name == "q_lora_rank"):  # null q_lora: no q latent
             section[name] = hf_config[name]
@@ -398,7 +401,7 @@ def _check_config_matches(hf_config: dict, c, where: Path) -> None:
     """config.json must describe the model the training YAML builds: name the first field that differs."""
     hf_section = hf_to_kiln_model_section(hf_config, str(where))
     for name, value in hf_section.items():
-        if name in ("model_type", "architectures", "initializer_range"):
+        if name in ("model_type", "architectures", "initializer_range", "seq_length"):
             continue
         mine = getattr(c, name, None)
         if name == "num_nextn_predict_layers":  # Kiln may train fewer MTP depths than the checkpoint has
@@ -482,13 +485,14 @@ def kiln_to_hf_state(state: dict[str, np.ndarray], model_section: dict, where: s
 # ---- directories ------------------------------------------------------------------------------------
 
 def checkpoint_model_section(checkpoint_dir: Path) -> dict:
-    """The ``model:`` section a Kiln checkpoint was trained with (from its lineage.json)."""
+    """The ``model:`` section a Kiln checkpoint was built with (lineage.json: run.config.model for a trained
+    one, model for one ``import_hf`` wrote)."""
     lineage = _read_json(Path(checkpoint_dir) / "lineage.json")
-    try:
-        return lineage["run"]["config"]["model"]
-    except (KeyError, TypeError):
+    section = lineage.get("model") or (lineage.get("run") or {}).get("config", {}).get("model")
+    if not isinstance(section, dict):
         raise HFConversionError(f"{checkpoint_dir}/lineage.json: no run.config.model; pass the model section "
-                                "(--config)") from None
+                                "(--config)")
+    return section
 
 
 def write_hf_dir(out_dir: Path, hf_state: dict[str, np.ndarray], hf_config: dict) -> None:
@@ -522,3 +526,24 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, model_section: dict | None = 
     weights = load_checkpoint(path, load_optim=False).model
     write_hf_dir(out_dir, kiln_to_hf_state(weights, section, where=str(path)), hf_config)
     return hf_config
+
+
+def import_hf(hf_dir: Path, save_path: Path, model_section: dict | None = None) -> tuple[Path, dict]:
+    """An HF model directory → a Kiln step checkpoint ``save_path/iteration_00000000`` (weights only, for
+    ``checkpoint.load_path`` with ``no_load_optim``). The model section defaults to the one config.json
+    describes. Returns (the iteration directory, the model section)."""
+    from training.checkpoint import save_checkpoint
+    from training.collectives import Collectives, World
+
+    hf_dir, save_path = Path(hf_dir), Path(save_path)
+    if save_path.exists() and any(save_path.iterdir()):
+        raise HFConversionError(f"{save_path}: exists and is not empty")
+    section = model_section or hf_to_kiln_model_section(_read_json(hf_dir / "config.json"), str(hf_dir / "config.json"))
+    state = hf_to_kiln_state(hf_dir, section)
+    world = World(rank=0, size=1)
+    common = {"epoch_num": 0, "step_num": 0, "global_step": 0, "consumed_samples": 0, "global_batch_size": 0,
+              "loss_scale": 1.0, "ckpt_status": 0}
+    lineage = {"model": section, "hugging_face": {"path": str(hf_dir.resolve())}}
+    saved = save_checkpoint(save_path=save_path, step=0, model=state, optim=None, common=common,
+                            lineage=lineage, prefix=None, save_max=1, world=world, collectives=Collectives(world))
+    return saved.path, section
