@@ -12,7 +12,7 @@ export DAGSTER_HOME := $(abspath .dagster_home)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,interop]'
 	touch $(STAMP)
 
 install: $(STAMP)
