@@ -6,6 +6,7 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   or numpy buffers; 1.0 means start-up, reading, parsing and writing cost nothing), on English
   prose with a BPE 8k model (target >= 0.9) and on source code with Kiln's default tokenizer;
 - training: the trainer's tokens/s and FLOP/s vs. this machine's fp32 matmul peak in MindSpore;
+- model FLOPs: tokens/s and FLOP/s of configs/qwen3_tiny.yaml and configs/deepseek_v3_tiny.yaml vs. that peak;
 - data index: GPTDataset index build for 1M documents, the 10M-sample blend vs a scalar loop, and
   sample fetching vs. the training consumption rate just measured;
 - monitoring: the training step with every `monitor.train_state` option on vs. off.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import data_index, monitoring, pipes_streaming
+from benchmarks import data_index, model_flops, monitoring, pipes_streaming
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -203,6 +204,8 @@ def main(argv=None) -> int:
                                  TokenizerSettings(sample_lines=50_000))
         if not args.tokenizing_only:
             tokens_per_s = bench_training(shard, args.steps)
+            # each tiny model config (Qwen3 dense, DeepSeek-V3 MoE+MLA+MTP) against the same-run matmul peak
+            model_flops.run(report, shard, args.steps)
             # sample fetching against what training consumes at the same number of tokens per sample
             data_index.run(report, consume_samples_per_s=tokens_per_s / data_index.SEQ_LENGTH)
             monitoring.run(report)
