@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         if not args.tokenizing_only:
             tokens_per_s = bench_training(shard, args.steps)
             # each tiny model config (Qwen3 dense, DeepSeek-V3 MoE+MLA+MTP) against the same-run matmul peak
-            model_flops.run(report, shard, args.steps)
+            model_flops.run(report, shard, args.steps, runtime_ready=True)
             # sample fetching against what training consumes at the same number of tokens per sample
             data_index.run(report, consume_samples_per_s=tokens_per_s / data_index.SEQ_LENGTH)
             monitoring.run(report)

@@ -45,12 +45,14 @@ def measure(config, shard_prefix: Path, steps: int) -> dict:
             "first_loss": first.get("lm_loss", first["loss"]), "last_loss": last.get("lm_loss", last["loss"])}
 
 
-def run(report, shard_prefix: Path, steps: int) -> None:
+def run(report, shard_prefix: Path, steps: int, runtime_ready: bool = False) -> None:
+    """``runtime_ready``: this process already set MindSpore's mode and device (they can be set only once)."""
     from benchmarks.__main__ import matmul_peak_flops
     from training.trainer import configure_runtime
 
     configs = {Path(path).stem: load(path, shard_prefix, steps) for path in CONFIGS}
-    configure_runtime(next(iter(configs.values())))  # once per process, before any kernel runs
+    if not runtime_ready:
+        configure_runtime(next(iter(configs.values())))  # once per process, before any kernel runs
     for name, config in configs.items():
         peak = matmul_peak_flops()
         result = measure(config, shard_prefix, steps)
