@@ -189,15 +189,16 @@ def kiln_to_hf_config(model_section: dict) -> dict:
     config.update(scoring_func="sigmoid", topk_method="noaux_tc", rope_interleave=True)
     if c.rope_scaling is not None:
         s = c.rope_scaling
-        original = s.original_max_position_embeddings
-        if original and abs(c.max_position_embeddings / original - s.factor) > 1e-9:
-            # transformers then takes the YaRN factor from this ratio, not from rope_scaling.factor
+        original = s.original_max_position_embeddings or c.max_position_embeddings  # Kiln's default, made explicit
+        if abs(c.max_position_embeddings / original - s.factor) > 1e-9:
+            # transformers 4.x takes the YaRN factor from this ratio whenever the original length is given
+            # (5.x only when factor is missing): only a consistent pair means the same model everywhere
             raise HFConversionError(
                 f"model.rope_scaling.factor ({s.factor}) must equal model.max_position_embeddings / "
                 f"model.rope_scaling.original_max_position_embeddings ({c.max_position_embeddings}/{original}) "
                 "for Hugging Face's YaRN to match")
-        config["rope_scaling"] = {"type": "yarn", "rope_type": "yarn",
-                                  **{k: getattr(s, k) for k in _ROPE_SCALING_FIELDS if getattr(s, k) is not None}}
+        config["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", **{k: getattr(s, k) for k in _ROPE_SCALING_FIELDS},
+                                  "original_max_position_embeddings": original}
     return config
 
 

@@ -8,14 +8,18 @@ import numpy as np
 import pytest
 import yaml
 
-torch = pytest.importorskip("torch", reason="the interop extra (torch==2.13.0) is not installed: pip install -e '.[interop]'")
-transformers = pytest.importorskip("transformers", reason="the interop extra (transformers) is not installed")
+from mindspore import Tensor
 
-from mindspore import Tensor  # noqa: E402
-
-from training.model import build_model  # noqa: E402
+from training.model import build_model
 
 TOLERANCE = 1e-4
+SKIP_REASON = "the interop extra is not installed (pip install -e '.[interop]': torch==2.13.0, transformers)"
+
+
+def import_transformers():
+    """transformers, or skip the calling test module with the reason (torch and transformers both needed)."""
+    pytest.importorskip("torch", reason=SKIP_REASON)
+    return pytest.importorskip("transformers", reason=SKIP_REASON)
 
 
 def model_section(config_yaml: str, **overrides) -> dict:
@@ -53,12 +57,16 @@ def kiln_logits(model, ids: np.ndarray) -> np.ndarray:
 
 
 def hf_logits(hf_model, ids: np.ndarray) -> np.ndarray:
+    import torch
+
     with torch.no_grad():
         return hf_model(input_ids=torch.from_numpy(ids.astype(np.int64))).logits.numpy()
 
 
 def load_hf(model_class, hf_dir):
-    """from_pretrained, insisting every weight in the directory was used and none was left at its init."""
+    """from_pretrained, insisting no weight of the model was left at its initialization."""
+    import torch
+
     model, info = model_class.from_pretrained(hf_dir, output_loading_info=True, torch_dtype=torch.float32)
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     return model.eval(), info
@@ -66,6 +74,8 @@ def load_hf(model_class, hf_dir):
 
 def randomize_hf(hf_model, seed: int) -> None:
     """Redraw every parameter and buffer that is a weight (norms around 1, expert biases non-zero)."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in list(hf_model.named_parameters()) + list(hf_model.named_buffers()):

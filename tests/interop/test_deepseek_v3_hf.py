@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from interop.hf_helpers import (TOLERANCE, hf_logits, kiln_logits, kiln_model, load_hf, model_section, random_ids,
-                                randomize_hf, transformers)
+from interop.hf_helpers import (TOLERANCE, hf_logits, import_transformers, kiln_logits, kiln_model, load_hf,
+                                model_section, random_ids, randomize_hf)
 from training.hf import (HFConversionError, hf_to_kiln_model_section, hf_to_kiln_state, kiln_to_hf_config,
                          kiln_to_hf_state, write_hf_dir)
 
+transformers = import_transformers()
 CONFIG = "tests/configs/deepseek_v3_micro.yaml"
 MTP = "model.layers.2."  # the micro model has 2 decoder layers, so its MTP depth is HF layer 2
 

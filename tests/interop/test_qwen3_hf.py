@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from interop.hf_helpers import (TOLERANCE, hf_logits, kiln_logits, kiln_model, load_hf, model_section, random_ids,
-                                randomize_hf, transformers)
+from interop.hf_helpers import (TOLERANCE, hf_logits, import_transformers, kiln_logits, kiln_model, load_hf,
+                                model_section, random_ids, randomize_hf)
 from training.hf import HFConversionError, hf_to_kiln_state, kiln_to_hf_config, kiln_to_hf_state, write_hf_dir
 
+transformers = import_transformers()
 CONFIG = "tests/configs/qwen3_micro.yaml"
 
 
@@ -99,7 +100,7 @@ def test_config_mismatch_names_the_field(hf_dir):
 
 def test_bfloat16_weights_are_read(hf_dir):
     """Published checkpoints are bf16, which numpy cannot hold: they are widened to fp32 exactly."""
-    torch = pytest.importorskip("torch")
+    import torch
     from safetensors.torch import load_file as load_torch, save_file as save_torch
 
     path, section = hf_dir
