@@ -1,7 +1,7 @@
 """DeepSeek-V3 (MLA with q/kv latents, group-limited MoE with expert bias and a shared expert, YaRN, one MTP
 depth) ↔ Hugging Face transformers' DeepseekV3ForCausalLM: logits match Kiln's within 1e-4 both ways.
-transformers' forward has no MTP, so the MTP depth is checked as a tensor round trip and through the
-exported directory's layout (model.layers.{num_hidden_layers}.*, DeepSeek's)."""
+transformers' forward has no MTP, so the exported MTP depth (model.layers.{num_hidden_layers}.*, DeepSeek's
+layout) is run through transformers' modules the way DeepSeek's weights are used, against Kiln's MTP loss."""
 from __future__ import annotations
 
 import numpy as np
@@ -103,3 +103,58 @@ def test_fewer_mtp_depths_than_the_checkpoint(section, tmp_path):
     assert set(state) == {n for n in weights if not n.startswith("mtp.")}
     with pytest.raises(HFConversionError, match="num_nextn_predict_layers = 1, fewer than model"):
         hf_to_kiln_state(tmp_path / "hf", {**section, "num_nextn_predict_layers": 2})
+
+
+def test_mtp_depth_matches_deepseeks_formulation_on_transformers_modules(section, tmp_path):
+    """transformers runs no MTP, so the exported MTP tensors are run here through transformers' own modules
+    the way DeepSeek's released weights are used (vLLM, SGLang, Megatron): h' = eh_proj([enorm(emb(t_{i+1}));
+    hnorm(h_i)]) with h the main model's final-normed hidden state, then model.layers.{N} (a full decoder
+    layer), shared_head.norm and shared_head.head. Its loss must equal Kiln's mtp_1_loss."""
+    import torch
+    from mindspore import Tensor
+
+    model, weights = kiln_model(section, seed=9)
+    exported = kiln_to_hf_state(weights, section)
+    n = section["num_hidden_layers"]
+    # read as a model one layer deeper, the directory's layer N is the MTP depth's decoder layer
+    write_hf_dir(tmp_path / "hf", exported, {**kiln_to_hf_config(section), "num_hidden_layers": n + 1})
+    hf_model, info = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        tmp_path / "hf", output_loading_info=True, attn_implementation="eager")
+    assert not info["missing_keys"]
+    hf_model.eval()
+    hf_state = {name: torch.from_numpy(a) for name, a in exported.items()}
+
+    ids = random_ids(section["vocab_size"], seed=10)
+    labels = random_ids(section["vocab_size"], seed=11)
+    mask = np.ones(ids.shape, np.float32)
+    mask[0, 5] = 0
+    model(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)), Tensor(mask))
+    kiln_mtp_loss = model.loss_components()["mtp_1_loss"]
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + section.get("rms_norm_eps", 1e-6)) * weight
+
+    def shifted(a):  # one position left, the freed last position 0 (and out of the loss)
+        return np.concatenate([a[:, 1:], np.zeros_like(a[:, :1])], axis=1)
+
+    core, seq = hf_model.model, ids.shape[1]
+    causal = torch.triu(torch.full((seq, seq), torch.finfo(torch.float32).min), 1)[None, None]
+    positions = torch.arange(seq)[None]
+    with torch.no_grad():
+        x = core.embed_tokens(torch.from_numpy(ids))
+        rope = core.rotary_emb(x, positions)
+        for layer in core.layers[:n]:
+            x = layer(x, attention_mask=causal, position_ids=positions, position_embeddings=rope)
+        h = core.norm(x)
+        p = f"model.layers.{n}."
+        e = core.embed_tokens(torch.from_numpy(shifted(ids)))
+        x = torch.cat([rms(e, hf_state[p + "enorm.weight"]), rms(h, hf_state[p + "hnorm.weight"])], -1)
+        x = core.layers[n](x @ hf_state[p + "eh_proj.weight"].T, attention_mask=causal, position_ids=positions,
+                           position_embeddings=rope)
+        logits = rms(x, hf_state[p + "shared_head.norm.weight"]) @ hf_state[p + "shared_head.head.weight"].T
+        token_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                       torch.from_numpy(shifted(labels)).reshape(-1), reduction="none")
+        weight = torch.from_numpy(shifted(mask)).reshape(-1)
+        reference = float((token_loss * weight).sum() / weight.sum())
+    assert kiln_mtp_loss == pytest.approx(reference, rel=1e-5)
+    assert abs(kiln_mtp_loss - model.loss_components()["lm_loss"]) > 1e-3  # a different prediction, not a copy
