@@ -292,6 +292,22 @@ def test_config_errors_name_the_field(overrides, fragments):
         assert fragment in str(info.value)
 
 
+def test_moe_monitor_reports_every_interval_for_the_target_layers():
+    from training.config import MoeMonitorConfig
+    from training.monitor import MoeMonitor
+
+    names = ["decoder.layers.1", "decoder.layers.2", "decoder.layers.3", "mtp.layers.0"]
+    counts = {name: [i, i + 1] for i, name in enumerate(names)}
+    monitor = MoeMonitor(MoeMonitorConfig(save_tokens_per_expert_interval=3, target_layers=[2]), names)
+    assert monitor.record(2, counts) == {}
+    assert monitor.record(6, counts) == {"tokens_per_expert": {"decoder.layers.2": [1, 2], "mtp.layers.0": [3, 4]}}
+    first_two = MoeMonitor(MoeMonitorConfig(save_tokens_per_expert_interval=1, target_layers=2), names)
+    assert list(first_two.record(1, counts)["tokens_per_expert"]) == ["decoder.layers.1", "mtp.layers.0"]
+    assert MoeMonitor(MoeMonitorConfig(), names).record(10, counts) == {}  # off by default
+    with pytest.raises(ConfigError, match="monitor.moe_monitor.save_tokens_per_expert_interval.*no MoE layers"):
+        MoeMonitor(MoeMonitorConfig(save_tokens_per_expert_interval=1), [])
+
+
 # ---- training under msrun ------------------------------------------------------------------------------
 
 def write_learnable_documents(prefix, used=64, documents=120):
