@@ -3,14 +3,13 @@ YaRN, group-limited sigmoid routing, shared experts, MTP, sequence aux loss), ex
 config errors, and training under msrun with 2 workers."""
 import json
 import math
+import os
 import socket
 import subprocess
-import sys
 
 import mindspore as ms
 import numpy as np
 import pytest
-import yaml
 from mindspore import Tensor
 
 from conftest import PROJECT_ROOT
@@ -338,7 +337,7 @@ def test_trains_under_msrun_with_two_workers(tmp_path):
     script = ["-m", "training.run", "--config", str(PROJECT_ROOT / "tests/configs/deepseek_v3_micro.yaml"),
               "--output-dir", str(run_dir), *[a for o in overrides for a in ("--set", o)]]
     settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=port, log_dir=str(tmp_path / "logs"))
-    done = subprocess.run(msrun_command(settings, script), env=msrun_environment(dict(__import__("os").environ)),
+    done = subprocess.run(msrun_command(settings, script), env=msrun_environment(dict(os.environ)),
                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
