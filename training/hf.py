@@ -197,7 +197,8 @@ def kiln_to_hf_config(model_section: dict) -> dict:
                 f"model.rope_scaling.factor ({s.factor}) must equal model.max_position_embeddings / "
                 f"model.rope_scaling.original_max_position_embeddings ({c.max_position_embeddings}/{original}) "
                 "for Hugging Face's YaRN to match")
-        config["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", **{k: getattr(s, k) for k in _ROPE_SCALING_FIELDS},
+        config["rope_scaling"] = {"type": "yarn", "rope_type": "yarn",
+                                  **{k: getattr(s, k) for k in _ROPE_SCALING_FIELDS},
                                   "original_max_position_embeddings": original}
     return config
 
@@ -430,8 +431,8 @@ def hf_to_kiln_state(hf_dir: Path, model_config: dict) -> dict[str, np.ndarray]:
     hf_config = _read_json(config_path)
     _check_config_matches(hf_config, c, config_path)
     weights = HFWeights(hf_dir)
-    n = c.num_hidden_layers
-    unused_depths = range(n + c.num_mtp_layers, n + hf_config.get("num_nextn_predict_layers", 0))
+    layers = c.num_hidden_layers  # MTP depths beyond the model's are checkpoint layers it does not use
+    unused_depths = range(layers + c.num_mtp_layers, layers + hf_config.get("num_nextn_predict_layers", 0))
     unused = re.compile(rf"model\.layers\.({'|'.join(map(str, unused_depths))})\.") if unused_depths else None
     groups = layout(model_type, c)
     used = set()
@@ -446,9 +447,9 @@ def hf_to_kiln_state(hf_dir: Path, model_config: dict) -> dict[str, np.ndarray]:
             if weights.shape(name) != shape:
                 raise HFConversionError(f"{weights.file_of(name)}: tensor {name} has shape {list(weights.shape(name))}, "
                                         f"expected {list(shape)} from the model config")
-        needed = [n for n in group.hf if n not in group.hf_optional]
-        used.update(group.hf)
-        arrays = group.to_kiln([weights.get(n) for n in needed])
+        needed = [name for name in group.hf if name not in group.hf_optional]
+        used.update(group.hf, group.hf_optional)
+        arrays = group.to_kiln([weights.get(name) for name in needed])
         state.update(zip(group.kiln, arrays))
     extra = sorted(name for name in weights.entries if name not in used and not _IGNORED_HF.match(name)
                    and not (unused and unused.match(name)))

@@ -26,7 +26,10 @@ def section():
     return section
 
 
-def test_export_matches_transformers(section, tmp_path):
+@pytest.mark.parametrize("q_latent", [True, False], ids=["q_lora", "no_q_lora"])
+def test_export_matches_transformers(section, tmp_path, q_latent):
+    """Without q_lora_rank, queries come straight from the fused down-projection (HF's q_proj)."""
+    section = section if q_latent else {**section, "q_lora_rank": None}
     model, weights = kiln_model(section, seed=1)
     write_hf_dir(tmp_path / "hf", kiln_to_hf_state(weights, section), kiln_to_hf_config(section))
     hf_model, info = load_hf(transformers.DeepseekV3ForCausalLM, tmp_path / "hf")
