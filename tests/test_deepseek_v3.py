@@ -83,6 +83,14 @@ def test_layer_specs_pick_dense_or_moe_per_layer(overrides, moe_layers):
     assert [name for name, _ in model.moe_layers()] == [f"decoder.layers.{i}" for i in moe_layers]
 
 
+@pytest.mark.parametrize("overrides, width", [
+    (dict(n_shared_experts=2), 32), (dict(n_shared_experts=2, moe_shared_expert_intermediate_size=24), 24),
+    (dict(n_shared_experts=0), None)])
+def test_shared_experts_width(overrides, width):
+    moe = tiny_model(num_nextn_predict_layers=0, **overrides).decoder.layers[1].mlp
+    assert (moe.shared_experts.linear_fc2.weight.shape == (32, width)) if width else moe.shared_experts is None
+
+
 # ---- an independent numpy DeepSeek-V3 (HF modeling_deepseek_v3 semantics) -----------------------------
 
 def _rms(x, w, eps=1e-6):

@@ -61,6 +61,8 @@ class DeepseekV3Config(GPTConfig):
     moe_intermediate_size: int = 2048
     n_routed_experts: int = 256
     n_shared_experts: int = 1
+    # Megatron's name; unset = moe_intermediate_size · n_shared_experts (HF's DeepSeek-V3)
+    moe_shared_expert_intermediate_size: Optional[int] = None
     num_experts_per_tok: int = 8
     n_group: int = 8
     topk_group: int = 4
@@ -101,6 +103,8 @@ class DeepseekV3Config(GPTConfig):
                 f"{path}.q_lora_rank must be > 0 or null (no query compression), got {self.q_lora_rank}")
         require(self.qk_rope_head_dim % 2 == 0, f"{path}.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         require(self.n_shared_experts >= 0, f"{path}.n_shared_experts must be >= 0")
+        require(self.moe_shared_expert_intermediate_size is None or self.moe_shared_expert_intermediate_size > 0,
+                f"{path}.moe_shared_expert_intermediate_size must be > 0 or unset")
         require(self.n_routed_experts % self.n_group == 0,
                 f"{path}.n_routed_experts ({self.n_routed_experts}) must be a multiple of {path}.n_group ({self.n_group})")
         per_group = self.n_routed_experts // self.n_group
@@ -130,6 +134,13 @@ class DeepseekV3Config(GPTConfig):
         require(self.num_nextn_predict_layers >= 0, f"{path}.num_nextn_predict_layers must be >= 0")
 
     # ---- structure ----
+    @property
+    def shared_expert_size(self) -> int:
+        """The shared experts' MLP width (0: no shared experts)."""
+        if not self.n_shared_experts:
+            return 0
+        return self.moe_shared_expert_intermediate_size or self.moe_intermediate_size * self.n_shared_experts
+
     def is_moe_layer(self, index: int) -> bool:
         """Dense for the first ``first_k_dense_replace`` layers; then MoE where ``moe_layer_freq`` says
         (every N-th layer counting from 0, or a 0/1 list per layer)."""

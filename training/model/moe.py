@@ -88,8 +88,7 @@ class MoELayer(nn.Cell):
         self.top_k = config.num_experts_per_tok
         self.router = TopKRouter(init, config)
         self.experts = GroupedExperts(init, config)
-        self.shared_experts = (MLP(init, config, ffn_size=config.moe_intermediate_size * config.n_shared_experts)
-                               if config.n_shared_experts else None)
+        self.shared_experts = MLP(init, config, ffn_size=config.shared_expert_size) if config.shared_expert_size else None
         self.expert_bias = Parameter(Tensor(np.zeros(self.num_experts, np.float32)), requires_grad=False)
         self.tokens_per_expert = Parameter(Tensor(np.zeros(self.num_experts, np.float32)), requires_grad=False)
         self.enable_expert_bias = config.moe_router_enable_expert_bias
