@@ -11,6 +11,8 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   sample fetching vs. the training consumption rate just measured;
 - monitoring: the training step with every `monitor.train_state` option on vs. off.
 - Pipes: the trainer-side cost of one step report streamed to Dagster vs. the same report without Pipes.
+- checkpoints: the training-thread stall of an async save vs. a sync save (target <= 0.10), and its write
+  throughput vs. dd to the same directory (target >= 0.5).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import data_index, model_flops, monitoring, pipes_streaming
+from benchmarks import checkpoint_io, data_index, model_flops, monitoring, pipes_streaming
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -210,6 +212,7 @@ def main(argv=None) -> int:
             data_index.run(report, consume_samples_per_s=tokens_per_s / data_index.SEQ_LENGTH)
             monitoring.run(report)
             pipes_streaming.run(report)
+            checkpoint_io.run(report)
     return 0
 
 

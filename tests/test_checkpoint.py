@@ -83,12 +83,14 @@ def test_async_save_writes_host_copies_and_tracks_only_when_finished(tmp_path):
                             collectives=Collectives(WORLD), async_save=True)
     model, optim = arrays(4)
     saver.save(step=4, model=model, optim=optim, common=common(4), lineage={"run": {}})
-    for array in (model | optim).values():  # the next optimizer step overwrites the parameters in place
+    saver.before_update()  # what the trainer calls before the optimizer overwrites the parameters in place
+    for array in (model | optim).values():
         array[...] = 0
     assert saver.pending is not None and tracked_step(tmp_path) is None
     saver.pending.writer.join()
     assert saver.status().tolist() == [1.0, 0.0]
     saver.settle(saver.status())  # what the trainer does after its per-step all-reduce
+    saver.finalizer.join()  # rank 0 finalizes in a thread: metadata, hashes for lineage, common.json, tracker
     assert tracked_step(tmp_path) == 4 and saver.pending is None
     [saved] = saver.take_completed()
     assert saved.step == 4

@@ -14,12 +14,12 @@ import json
 import re
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save
 
 from training.atomic import write_atomic, write_json_atomic, write_text_atomic
 from training.data.hashing import sha256_file
@@ -51,9 +51,32 @@ def shard_file_name(prefix: str | None, kind: str, rank: int, world_size: int) -
     return f"{prefix}-{stem}" if prefix else stem
 
 
+# safetensors' dtype codes
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32", "uint16": "U16",
+                       "uint8": "U8", "bool": "BOOL"}
+
+
 def _write_safetensors_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    data = save({k: np.ascontiguousarray(v) for k, v in arrays.items()})
-    write_atomic(path, lambda stream: stream.write(data))
+    """The safetensors format streamed from the arrays' own memory: ``safetensors.numpy.save`` would first
+    build the whole file as one bytes object (two extra copies of a checkpoint, a cost an async save pays
+    on the cores training uses). Read back, and so checked, by the safetensors library."""
+    header, offset = {}, 0
+    for name, array in arrays.items():
+        if array.dtype.name not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"tensor {name}: dtype {array.dtype} cannot be saved "
+                                  f"(one of {sorted(_SAFETENSORS_DTYPES)})")
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[array.dtype.name], "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
+        offset += array.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the library writes it
+
+    def write(stream) -> None:
+        stream.write(len(encoded).to_bytes(8, "little"))
+        stream.write(encoded)
+        for array in arrays.values():
+            stream.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+    write_atomic(path, write)
 
 
 def balanced_assignment(sizes: dict[str, int], ranks: list[int]) -> dict[str, int]:
@@ -139,24 +162,48 @@ class SavePlan:
 
 
 def _host_copies(files: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
-    """Private copies: a tensor's ``asnumpy()`` may share memory with the parameter the next step updates."""
+    """Private copies: a parameter's ``asnumpy()`` shares its memory, which the next optimizer step overwrites."""
     return {f: {n: np.array(a, copy=True, order="C") for n, a in tensors.items()} for f, tensors in files.items()}
 
 
-class _Writer(threading.Thread):
-    """Writes this rank's files of one async save; an error is kept for the main thread to raise."""
+class _AsyncWrite:
+    """One rank's part of an async save, in a thread: copy the tensors (while the training step computes
+    its gradients), signal ``copied``, write the files."""
 
     def __init__(self, target: Path, files: dict[str, dict[str, np.ndarray]]):
-        super().__init__(name=f"kiln-save-{target.name}")
-        self.target, self.files, self.error = target, files, None
+        self.copied = threading.Event()
+
+        def work() -> None:
+            try:
+                copies = _host_copies(files)
+            finally:
+                self.copied.set()  # on failure too: the error surfaces through settle()
+            files.clear()  # drop the references to the live parameters
+            _write_files(target, copies)
+
+        self.job = _Job(f"kiln-save-{target.name}", work)
+
+
+class _Job(threading.Thread):
+    """Runs ``work()`` once; its error and result are kept for the main thread, its duration for benchmarks."""
+
+    def __init__(self, name: str, work):
+        super().__init__(name=name)
+        self.work, self.error, self.result, self.seconds = work, None, None, None
 
     def run(self) -> None:
+        started = time.perf_counter()
         try:
-            for name, tensors in self.files.items():
-                _write_safetensors_atomic(self.target / name, tensors)
-        except BaseException as exc:  # noqa: BLE001 -- raised by the main thread in settle()
+            self.result = self.work()
+        except BaseException as exc:  # noqa: BLE001 -- raised by the main thread
             self.error = exc
-        self.files = {}  # release the host copies
+        self.work = None  # release the host copies
+        self.seconds = time.perf_counter() - started
+
+
+def _write_files(target: Path, files: dict[str, dict[str, np.ndarray]]) -> None:
+    for name, tensors in files.items():
+        _write_safetensors_atomic(target / name, tensors)
 
 
 @dataclass
@@ -166,7 +213,11 @@ class _PendingSave:
     metadata: dict
     common: dict
     lineage: dict
-    writer: _Writer
+    write: _AsyncWrite
+
+    @property
+    def writer(self) -> "_Job":
+        return self.write.job
 
 
 class CheckpointSaver:
@@ -175,9 +226,10 @@ class CheckpointSaver:
     With ``async_save``, ``save`` copies this rank's tensors to host memory, starts a thread that writes
     them, and returns. Completion is agreed from the main thread (collectives from a side thread are not
     safe): the trainer adds ``status()`` to an all-reduce it makes every step anyway and hands the sums
-    to ``settle``; once every rank's writer is done, rank 0 writes metadata/lineage/common.json and the
-    tracker right then — so the tracker names a finished async save one step later, not one save later as
-    in MindFormers. ``wait`` does the same with a blocking all-reduce; it runs before the next save and at
+    to ``settle``; once every rank's writer is done, rank 0 starts a thread that writes metadata, lineage
+    (hashing every file), common.json and the tracker — no collective, so safe off the main thread — so
+    the tracker names a finished async save a step later, not one save later as in MindFormers. ``wait``
+    does the same with a blocking all-reduce and joins that thread; it runs before the next save and at
     the end of training, so the last save is always finalized.
     """
 
@@ -189,6 +241,8 @@ class CheckpointSaver:
         self.remove_redundancy = remove_redundancy
         self.async_save = async_save
         self.pending: _PendingSave | None = None
+        self.finalizer: _Job | None = None  # rank 0's finalization of the last settled async save
+        self.blocked_seconds = 0.0  # time before_update waited for host copies (benchmarks report it)
         self.completed: list[SavedCheckpoint] = []
 
     def save(self, *, step: int, model: dict[str, np.ndarray], optim: dict[str, np.ndarray] | None,
@@ -205,15 +259,22 @@ class CheckpointSaver:
         metadata = plan.metadata(arrays, self.world.size) if self.world.is_main else {}
         files = plan.own_files(arrays, self.world.rank)
         if self.async_save:
-            writer = _Writer(target, _host_copies(files))
-            self.pending = _PendingSave(step, target, metadata, common, lineage, writer)
-            writer.start()
+            write = _AsyncWrite(target, files)
+            self.pending = _PendingSave(step, target, metadata, common, lineage, write)
+            write.job.start()
             return
-        for name, tensors in files.items():
-            _write_safetensors_atomic(target / name, tensors)
+        _write_files(target, files)
         self.collectives.barrier()
         if self.world.is_main:
             self.completed.append(_finalize(self.save_path, step, target, metadata, common, lineage, self.save_max))
+
+    def before_update(self) -> None:
+        """Call before the optimizer changes parameters in place: waits until a pending async save has
+        copied them (it copies while the step computes its gradients)."""
+        if self.pending is not None:
+            started = time.perf_counter()
+            self.pending.write.copied.wait()
+            self.blocked_seconds += time.perf_counter() - started
 
     def status(self) -> np.ndarray:
         """[this rank's writer is done (or there is none), it failed]: to be summed over ranks."""
@@ -235,18 +296,33 @@ class CheckpointSaver:
             raise CheckpointError(f"{pending.target}: async save failed on {int(totals[1])} rank(s)"
                                   + (f"; on this rank: {own!r}" if own else "")) from own
         if self.world.is_main:
-            self.completed.append(_finalize(self.save_path, pending.step, pending.target, pending.metadata,
-                                            pending.common, pending.lineage, self.save_max))
+            self.finalizer = _Job(f"kiln-finalize-{pending.target.name}", lambda: _finalize(
+                self.save_path, pending.step, pending.target, pending.metadata, pending.common, pending.lineage,
+                self.save_max))
+            self.finalizer.start()
 
     def wait(self) -> None:
         """Block until the pending save, if any, is complete and tracked (collective)."""
-        if self.pending is None:
+        if self.pending is not None:
+            self.pending.writer.join()
+            self.settle(self.collectives.all_reduce_array(self.status()))
+        if self.finalizer is not None:
+            self.finalizer.join()
+            self._collect_finalized()
+
+    def _collect_finalized(self) -> None:
+        finalizer = self.finalizer
+        if finalizer is None or finalizer.is_alive():
             return
-        self.pending.writer.join()
-        self.settle(self.collectives.all_reduce_array(self.status()))
+        self.finalizer = None
+        if finalizer.error is not None:
+            raise CheckpointError(f"{finalizer.name}: finalizing the checkpoint failed: "
+                                  f"{finalizer.error!r}") from finalizer.error
+        self.completed.append(finalizer.result)
 
     def take_completed(self) -> list[SavedCheckpoint]:
         """Checkpoints completed since the last call (on rank 0; empty elsewhere)."""
+        self._collect_finalized()
         done, self.completed = self.completed, []
         return done
 

@@ -198,6 +198,7 @@ class Trainer:
             self.reporter.info(f"[kiln] WARNING: step {self.step + 1}: loss {loss}, grad_norm {grad_norm}: update "
                                f"skipped ({self.nan_policy.consecutive} in a row, {self.nan_policy.total} in total)")
         else:
+            self.saver.before_update()  # an async save still copying the parameters must finish first
             self.optimizer.step(grads)
         # MoE: tokens per expert summed over ranks; expert biases move only when the update was applied
         tokens_per_expert = self.model.after_step(self.collectives, applied=not skipped)
