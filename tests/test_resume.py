@@ -169,3 +169,53 @@ def test_missing_or_empty_load_path_is_an_error(tmp_path, shard):
     with pytest.raises(CheckpointError, match="no such directory"):
         make_trainer(tmp_path, shard, "x", f"checkpoint.load_path={tmp_path / 'absent'}")
     assert not (tmp_path / "empty" / TRACKER).exists()
+
+
+BALANCED_LOAD_SCRIPT = '''
+import json, sys
+from pathlib import Path
+import mindspore as ms
+import training.checkpoint as checkpoint
+from training.collectives import Collectives, init_world
+
+if __name__ == "__main__":
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    world = init_world()
+    path, out = Path(sys.argv[1]), Path(sys.argv[2])
+    plain = checkpoint.load_checkpoint(path, rank=world.rank)
+    read, real_read = [], checkpoint.read_tensors
+    checkpoint.read_tensors = lambda p, c, names, rank: read.extend(names) or real_read(p, c, names, rank)
+    balanced = checkpoint.load_checkpoint_balanced(path, world, Collectives(world), readers=2)
+    same = all(plain_part[n].dtype == got_part[n].dtype and plain_part[n].shape == got_part[n].shape
+               and plain_part[n].tobytes() == got_part[n].tobytes()
+               for plain_part, got_part in ((plain.model, balanced.model), (plain.optim, balanced.optim))
+               for n in plain_part) and sorted(plain.model) == sorted(balanced.model)
+    (out / f"rank{world.rank}.json").write_text(json.dumps({"read": read, "identical": same}))
+'''
+
+
+@pytest.mark.msrun
+def test_balanced_load_reads_disjoint_subsets_and_equals_a_plain_load(tmp_path):
+    from training.checkpoint import save_checkpoint
+    from training.collectives import Collectives, World
+
+    rng = np.random.default_rng(0)
+    model = {"a.f32": rng.normal(size=(33, 7)).astype(np.float32), "b.f16": rng.normal(size=(5, 3)).astype(np.float16),
+             "c.odd": rng.normal(size=3).astype(np.float16), "d.neg_zero": np.array([-0.0, np.nan], np.float32)}
+    optim = {"adam_m.a.f32": rng.normal(size=(33, 7)).astype(np.float32), "global_step": np.array([7], np.int64)}
+    world = World(rank=0, size=1)
+    saved = save_checkpoint(save_path=tmp_path / "ckpt", step=1, model=model, optim=optim,
+                            common={"global_step": 1, "consumed_samples": 4, "global_batch_size": 4}, lineage={},
+                            prefix="checkpoint", save_max=1, world=world, collectives=Collectives(world))
+    script = tmp_path / "balanced_load.py"
+    script.write_text(BALANCED_LOAD_SCRIPT)
+    settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(),
+                             log_dir=str(tmp_path / "msrun_log"), cluster_time_out=300)
+    done = subprocess.run(msrun_command(settings, [str(script), str(saved.path), str(tmp_path)]),
+                          env=msrun_environment(os.environ), cwd=PROJECT_ROOT, capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stdout.decode()[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["identical"] for r in ranks)
+    read = [set(r["read"]) for r in ranks]
+    assert read[0] and read[1] and not read[0] & read[1] and read[0] | read[1] == set(model) | set(optim)

@@ -253,10 +253,12 @@ class Trainer:
             "world_size": self.world.size,
         }
         lineage = {**self.lineage_inputs, "run": self._run_record()}
-        self.saved_metrics[self.step] = {
-            "step": self.step, "loss": metrics["loss"], "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
-            "grad_norm": metrics["grad_norm"], "tokens_per_s": metrics["tokens_per_s"],
-            "samples_per_s": metrics["samples_per_s"], "ckpt_status": status, "consumed_samples": self.consumed_samples}
+        if self.world.is_main:  # what rank 0 reports once the checkpoint is complete
+            self.saved_metrics[self.step] = {
+                "step": self.step, "loss": metrics["loss"], "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
+                "grad_norm": metrics["grad_norm"], "tokens_per_s": metrics["tokens_per_s"],
+                "samples_per_s": metrics["samples_per_s"], "ckpt_status": status,
+                "consumed_samples": self.consumed_samples}
         self.saver.save(step=self.step, model=self._model_arrays(),
                         optim=None if cfg.checkpoint.no_save_optim else self.optimizer.state_arrays(),
                         common=common, lineage=lineage)
