@@ -8,9 +8,14 @@ import numpy as np
 import pytest
 import yaml
 
+import mindspore as ms
 from mindspore import Tensor
 
 from training.model import build_model
+
+# as the other model tests do: the device must be set before the first kernel runs, and setting the same
+# one again later (a Trainer's configure_runtime) is then allowed
+ms.set_device("CPU")
 
 TOLERANCE = 1e-4
 SKIP_REASON = "the interop extra is not installed (pip install -e '.[interop]': torch==2.13.0, transformers)"
