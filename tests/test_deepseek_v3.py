@@ -315,6 +315,37 @@ def test_moe_monitor_reports_every_interval_for_the_target_layers():
         MoeMonitor(MoeMonitorConfig(save_tokens_per_expert_interval=1), [])
 
 
+def test_resume_restores_expert_biases_and_reproduces_the_losses(tmp_path, shard):
+    """Expert biases are saved and loaded with the weights, so a resumed run routes as the uninterrupted one."""
+    from training.config import load_config
+    from training.reporting import Reporter
+    from training.trainer import Trainer, configure_runtime
+
+    def trainer(name, *overrides):
+        config = load_config(PROJECT_ROOT / "tests/configs/deepseek_v3_micro.yaml", [
+            f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
+            "train_dataset.dataloader.config.pad=3", "training.steps=3", "training.global_batch_size=2",
+            "checkpoint.save_interleaved_steps=1",
+            f"checkpoint.save_path={tmp_path / name / 'checkpoints'}", *overrides])
+        configure_runtime(config)
+        return Trainer(config, World(rank=0, size=1), tmp_path / name,
+                       Reporter(tmp_path / name / "metrics.jsonl", enabled=True))
+
+    def losses(name):
+        return {m["step"]: m["loss"] for m in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())}
+
+    full = trainer("full")
+    full.train()
+    resumed = trainer("resumed", f"checkpoint.load_path={tmp_path / 'full/checkpoints/iteration_00000001'}")
+    from safetensors.numpy import load_file
+    saved = load_file(next((tmp_path / "full/checkpoints/iteration_00000001").glob("*-model-*.safetensors")))
+    bias = dict(resumed.model.moe_layers())["decoder.layers.1"].expert_bias.asnumpy()
+    assert np.abs(bias).max() > 0
+    np.testing.assert_array_equal(bias, saved["decoder.layers.1.mlp.expert_bias"])
+    resumed.train()
+    assert losses("resumed") == {step: loss for step, loss in losses("full").items() if step > 1}
+
+
 # ---- training under msrun ------------------------------------------------------------------------------
 
 def write_learnable_documents(prefix, used=64, documents=120):
