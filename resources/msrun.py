@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -21,13 +20,7 @@ import dagster as dg
 from pydantic import Field
 
 from resources.storage import PROJECT_ROOT
-from training.launch import MsrunSettings, SettingError, msrun_command, msrun_environment
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from training.launch import MsrunSettings, SettingError, free_port, msrun_command, msrun_environment
 
 
 def tail(path: Path, lines: int) -> str:

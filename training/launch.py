@@ -28,6 +28,7 @@ import argparse
 import os
 import shlex
 import shutil
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,13 @@ class MsrunSettings:
         if not -1 <= self.tail_worker_log < self.local_worker_num:
             raise SettingError("tail_worker_log", f"must be -1 (all) or a local worker index below "
                                                   f"{self.local_worker_num}, got {self.tail_worker_log}")
+
+
+def free_port() -> int:
+    """A port nobody listens on right now, for a master_port (every msrun needs its own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def msrun_executable() -> str:
