@@ -35,8 +35,9 @@ checkpoint = dg.AssetSpec(
                 "`training_run` as soon as the step's files are complete. Audit one with `kiln audit <dir>`.")
 
 class TrainingRunConfig(dg.Config):
-    config_path: str = Field(default="configs/qwen3_tiny.yaml",
-                             description="training YAML (MindFormers layout), relative to the project root")
+    config_path: str = Field(default=os.environ.get("KILN_TRAIN_CONFIG", "configs/qwen3_tiny.yaml"),
+                             description="training YAML (MindFormers layout), relative to the project root; "
+                                         "the default comes from KILN_TRAIN_CONFIG when set")
     run_name: str = Field(default="qwen3_tiny", description="run directory name under the runs root")
     overrides: list[str] = Field(default_factory=list, description="KEY.PATH=VALUE, e.g. training.steps=300")
     resume: bool = Field(default=True, description="continue from the run's newest complete checkpoint")

@@ -1,0 +1,100 @@
+"""The Dagster UI in headless Chromium: materialize the chain with clicks, then look at the checkpoints.
+
+Chromium is Debian's (tests/setup/chromium.sh, run by `make test`); Playwright only drives it. The
+test skips, saying why, only where Chromium or Playwright is missing. Screenshots land in the test's
+output directory (printed).
+"""
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MICRO_CONFIG, PROJECT_ROOT
+from dagster_dev import dagster_dev
+
+pytestmark = pytest.mark.ui
+CHROMIUM = Path("/usr/bin/chromium")
+RUN_NAME = "qwen3_tiny"  # TrainingRunConfig's default run_name: the UI launches with the defaults
+
+
+def _playwright():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+    if not CHROMIUM.exists():
+        pytest.skip(f"{CHROMIUM} is missing and tests/setup/chromium.sh could not install it")
+    return sync_playwright
+
+
+def _workspace(tmp_path: Path) -> Path:
+    workspace = tmp_path / "workspace.yaml"
+    workspace.write_text("load_from:\n  - python_file:\n"
+                         f"      relative_path: {PROJECT_ROOT / 'tests/ui_definitions.py'}\n"
+                         f"      working_directory: {PROJECT_ROOT}\n      location_name: kiln\n")
+    return workspace
+
+
+def _dismiss_welcome(page):
+    """A first visit shows a "Join the Dagster community" dialog that swallows clicks."""
+    skip = page.get_by_role("button", name="Skip")
+    try:
+        skip.wait_for(timeout=15_000)
+        skip.click()
+    except Exception:
+        pass
+
+
+RUNS_QUERY = "{ runsOrError { ... on Runs { results { runId status } } } }"
+
+
+def _wait_for_the_run(client, timeout: float = 420) -> str:
+    """The backfill's run: wait until every run ended; it must have succeeded."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        runs = client._execute(RUNS_QUERY)["runsOrError"]["results"]
+        if runs and all(r["status"] in ("SUCCESS", "FAILURE", "CANCELED") for r in runs):
+            assert [r["status"] for r in runs] == ["SUCCESS"], runs
+            return runs[0]["runId"]
+        time.sleep(2)
+    pytest.fail(f"the chain's run did not finish in {timeout} s")
+
+
+def test_materialize_the_chain_in_the_browser(tmp_path, micro_sources):
+    sync_playwright = _playwright()
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    print(f"\nscreenshots: {shots}")
+    env = {"KILN_SOURCES": str(micro_sources), "KILN_AUTOMATION": "off", "KILN_TRAIN_CONFIG": MICRO_CONFIG}
+    with dagster_dev(tmp_path, env, _workspace(tmp_path)) as (client, url), sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.set_default_timeout(60_000)
+
+        # the chain: the preprocess_then_train job's asset graph
+        page.goto(f"{url}/locations/kiln/jobs/preprocess_then_train")
+        _dismiss_welcome(page)
+        page.screenshot(path=shots / "01_chain.png")
+        page.get_by_role("button", name=re.compile(r"Materialize all")).click()
+        page.get_by_text("Launch runs to materialize 5 assets").wait_for()
+        page.get_by_role("button", name="All", exact=True).click()
+        page.screenshot(path=shots / "02_all_partitions.png")
+        page.get_by_role("button", name=re.compile(r"Launch backfill")).click()
+        page.get_by_text(re.compile(r"Created backfill")).first.wait_for()
+        _wait_for_the_run(client)
+
+        # the checkpoint asset: a partition per saved step, and its metadata plotted over them
+        page.goto(f"{url}/assets/checkpoint?view=partitions")
+        for step in (3, 6):
+            page.get_by_text(f"{RUN_NAME}/iteration_{step:08d}").first.wait_for()
+        page.screenshot(path=shots / "03_checkpoint_partitions.png")
+        page.goto(f"{url}/assets/checkpoint?view=overview")
+        page.get_by_role("button", name=re.compile(r"Plots$")).click()
+        loss = page.get_by_text("loss", exact=True).first
+        loss.wait_for()
+        loss.scroll_into_view_if_needed()
+        page.screenshot(path=shots / "04_checkpoint_plots.png")
+        browser.close()
+    assert (tmp_path / f"runs/{RUN_NAME}/checkpoints/iteration_00000006/common.json").exists()
