@@ -154,6 +154,18 @@ def hf_compatible_settings(model_section: dict):
     if c.attention_bias:
         raise HFConversionError("model.attention_bias: Kiln biases linear_qkv only; Hugging Face's Qwen3 would "
                                 "also bias o_proj, so the two models would differ")
+    if model_type == "qwen3":
+        return model_type, c
+    if c.moe_layer_freq != 1:
+        raise HFConversionError(f"model.moe_layer_freq = {c.moe_layer_freq!r}: Hugging Face's DeepSeek-V3 makes "
+                                "every layer from first_k_dense_replace on an MoE layer (moe_layer_freq 1)")
+    if c.shared_expert_size != c.moe_intermediate_size * c.n_shared_experts:
+        raise HFConversionError(f"model.moe_shared_expert_intermediate_size = {c.moe_shared_expert_intermediate_size}: "
+                                "Hugging Face's DeepSeek-V3 sizes the shared experts moe_intermediate_size x "
+                                f"n_shared_experts ({c.moe_intermediate_size * c.n_shared_experts})")
+    if c.moe_router_score_function != "sigmoid":
+        raise HFConversionError("model.moe_router_score_function: Hugging Face's DeepSeek-V3 router uses sigmoid, "
+                                f"not {c.moe_router_score_function!r}")
     return model_type, c
 
 
@@ -180,12 +192,6 @@ def kiln_to_hf_config(model_section: dict) -> dict:
     if model_type == "qwen3":
         config["use_sliding_window"] = False
         return config
-    if c.moe_layer_freq != 1:
-        raise HFConversionError(f"model.moe_layer_freq = {c.moe_layer_freq!r}: Hugging Face's DeepSeek-V3 makes "
-                                "every layer from first_k_dense_replace on an MoE layer (moe_layer_freq 1)")
-    if c.moe_router_score_function != "sigmoid":
-        raise HFConversionError("model.moe_router_score_function: Hugging Face's DeepSeek-V3 router uses sigmoid, "
-                                f"not {c.moe_router_score_function!r}")
     config.update(scoring_func="sigmoid", topk_method="noaux_tc", rope_interleave=True)
     if c.rope_scaling is not None:
         s = c.rope_scaling
@@ -287,8 +293,8 @@ def _moe(c, k: str, h: str) -> list[Group]:
            kiln_only(f"{k}.tokens_per_expert", (experts,)),
            experts_fc1(f"{k}.experts.weight1", f"{h}.experts", experts, hidden, ffn),
            experts_fc2(f"{k}.experts.weight2", f"{h}.experts", experts, hidden, ffn)]
-    if c.n_shared_experts:
-        out += _mlp(c, f"{k}.shared_experts", f"{h}.shared_experts", ffn * c.n_shared_experts)
+    if c.shared_expert_size:
+        out += _mlp(c, f"{k}.shared_experts", f"{h}.shared_experts", c.shared_expert_size)
     return out
 
 

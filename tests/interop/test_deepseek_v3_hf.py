@@ -86,6 +86,8 @@ def test_config_json_round_trips(section):
 def test_export_refuses_what_transformers_cannot_express(section):
     with pytest.raises(HFConversionError, match="model.moe_layer_freq"):
         kiln_to_hf_config({**section, "num_hidden_layers": 3, "moe_layer_freq": 2})
+    with pytest.raises(HFConversionError, match="model.moe_shared_expert_intermediate_size = 48"):
+        kiln_to_hf_config({**section, "moe_shared_expert_intermediate_size": 48})
     with pytest.raises(HFConversionError, match="model.rope_scaling.factor"):
         kiln_to_hf_config({**section, "rope_scaling": {**section["rope_scaling"], "factor": 4.0}})
 
