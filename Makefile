@@ -7,19 +7,20 @@ STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export DAGSTER_HOME := $(abspath .dagster_home)
 
-.PHONY: install demo test ui bench clean chromium
+.PHONY: install demo test ui bench clean chromium postgres
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test,interop]'
+	$(BIN)/python -m pip install --quiet -e '.[test,interop,postgres]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
-$(DAGSTER_HOME)/dagster.yaml:
+# the default SQLite instance; deploy/dagster-postgres.yaml is the scale-out one
+$(DAGSTER_HOME)/dagster.yaml: deploy/dagster.yaml
 	mkdir -p $(DAGSTER_HOME)
-	printf 'telemetry:\n  enabled: false\n' > $@
+	cp deploy/dagster.yaml $@
 
 demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m pipelines.demo
@@ -28,7 +29,11 @@ demo: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 chromium:
 	bash tests/setup/chromium.sh
 
-test: $(STAMP) chromium
+# Debian's PostgreSQL server for tests/test_postgres.py; idempotent
+postgres:
+	bash tests/setup/postgres.sh
+
+test: $(STAMP) chromium postgres
 	$(BIN)/python -m pytest -q tests
 
 ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
