@@ -101,11 +101,13 @@ def _export_hf(args) -> int:
     from training.hf import export_hf
 
     try:
-        hf_config = export_hf(Path(args.checkpoint), Path(args.out_dir), _model_section(args.config))
+        hf_config = export_hf(Path(args.checkpoint), Path(args.out_dir), _model_section(args.config),
+                              max_shard_bytes=args.max_shard_bytes)
     except (ValueError, OSError, RuntimeError) as exc:  # HFConversionError, CheckpointError name the tensor/file
         print(f"kiln export-hf: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out_dir}: config.json ({hf_config['architectures'][0]}) + model.safetensors")
+    files = sorted(p.name for p in Path(args.out_dir).iterdir() if p.name != "config.json")
+    print(f"wrote {args.out_dir}: config.json ({hf_config['architectures'][0]}) + {', '.join(files)}")
     return 0
 
 
@@ -191,6 +193,8 @@ def main(argv=None) -> int:
     export.add_argument("checkpoint", help="an iteration_XXXXXXXX directory or a save root (its tracked step)")
     export.add_argument("out_dir", help="a new or empty directory")
     export.add_argument("--config", help="training YAML whose model: section to use (default: the checkpoint's lineage)")
+    export.add_argument("--max-shard-bytes", type=int, default=5 * 10**9,
+                        help="split the weights into indexed files of at most this size (default 5 GB, as HF)")
     export.set_defaults(handler=_export_hf)
 
     importer = commands.add_parser(

@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from training.atomic import write_atomic, write_json_atomic
+from training.atomic import write_json_atomic
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -503,10 +503,28 @@ def checkpoint_model_section(checkpoint_dir: Path) -> dict:
     return section
 
 
-def write_hf_dir(out_dir: Path, hf_state: dict[str, np.ndarray], hf_config: dict) -> None:
-    """Write config.json + model.safetensors into ``out_dir`` (new or empty), all or nothing: files go to
-    a temporary sibling directory renamed into place at the end."""
-    from safetensors.numpy import save
+def shard_names(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, list[str]]:
+    """File name → tensor names, in order, each file at most ``max_shard_bytes`` (a larger tensor alone);
+    one ``model.safetensors`` when everything fits, else HF's ``model-0000i-of-0000n.safetensors``."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    if len(shards) == 1:
+        return {HF_WEIGHTS: shards[0]}
+    return {f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors": names for i, names in enumerate(shards)}
+
+
+def write_hf_dir(out_dir: Path, hf_state: dict[str, np.ndarray], hf_config: dict,
+                 max_shard_bytes: int = 5 * 10**9) -> None:
+    """Write config.json and the weights (sharded with an index past ``max_shard_bytes``, HF's default
+    5 GB) into ``out_dir`` (new or empty), all or nothing: everything goes to a temporary sibling directory
+    renamed into place at the end."""
+    from safetensors.numpy import save_file
 
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -514,7 +532,13 @@ def write_hf_dir(out_dir: Path, hf_state: dict[str, np.ndarray], hf_config: dict
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        write_atomic(staging / HF_WEIGHTS, lambda f: f.write(save(hf_state, metadata={"format": "pt"})))
+        files = shard_names({name: a.nbytes for name, a in hf_state.items()}, max_shard_bytes)
+        for file_name, names in files.items():
+            save_file({name: hf_state[name] for name in names}, staging / file_name, metadata={"format": "pt"})
+        if len(files) > 1:
+            write_json_atomic(staging / HF_INDEX, {
+                "metadata": {"total_size": sum(a.nbytes for a in hf_state.values())},
+                "weight_map": {name: file_name for file_name, names in files.items() for name in names}})
         write_json_atomic(staging / "config.json", hf_config)
         if out_dir.exists():
             out_dir.rmdir()
@@ -524,7 +548,8 @@ def write_hf_dir(out_dir: Path, hf_state: dict[str, np.ndarray], hf_config: dict
         raise
 
 
-def export_hf(checkpoint_dir: Path, out_dir: Path, model_section: dict | None = None) -> dict:
+def export_hf(checkpoint_dir: Path, out_dir: Path, model_section: dict | None = None,
+              max_shard_bytes: int = 5 * 10**9) -> dict:
     """A Kiln step checkpoint (iteration dir or save root) → an HF model directory. Returns config.json."""
     from training.checkpoint import load_checkpoint, resolve_load_path
 
@@ -532,7 +557,7 @@ def export_hf(checkpoint_dir: Path, out_dir: Path, model_section: dict | None = 
     section = model_section or checkpoint_model_section(path)
     hf_config = kiln_to_hf_config(section)
     weights = load_checkpoint(path, load_optim=False).model
-    write_hf_dir(out_dir, kiln_to_hf_state(weights, section, where=str(path)), hf_config)
+    write_hf_dir(out_dir, kiln_to_hf_state(weights, section, where=str(path)), hf_config, max_shard_bytes)
     return hf_config
 
 

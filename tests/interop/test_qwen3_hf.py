@@ -41,6 +41,20 @@ def test_import_from_transformers_matches(section, tmp_path):
     np.testing.assert_allclose(kiln_logits(model, ids), hf_logits(hf_model, ids), rtol=0, atol=TOLERANCE)
 
 
+def test_sharded_export_loads_in_transformers(tmp_path):
+    section = model_section(CONFIG)
+    model, weights = kiln_model(section, seed=6)
+    write_hf_dir(tmp_path / "hf", kiln_to_hf_state(weights, section), kiln_to_hf_config(section),
+                 max_shard_bytes=200_000)
+    files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    hf_model, _ = load_hf(transformers.Qwen3ForCausalLM, tmp_path / "hf")
+    ids = random_ids(section["vocab_size"], seed=7)
+    np.testing.assert_allclose(hf_logits(hf_model, ids), kiln_logits(model, ids), rtol=0, atol=TOLERANCE)
+    state = hf_to_kiln_state(tmp_path / "hf", section)
+    assert all(np.array_equal(state[n], weights[n]) for n in weights)
+
+
 def test_attention_bias_is_refused():
     """HF's Qwen3 attention_bias also biases o_proj, Kiln's only linear_qkv: no faithful export exists."""
     with pytest.raises(HFConversionError, match="model.attention_bias"):
