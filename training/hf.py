@@ -334,16 +334,31 @@ def layout(model_type: str, c) -> list[Group]:
 
 # ---- reading HF safetensors (bf16 included, which numpy cannot hold) ---------------------------------------
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I64": np.int64,
-              "I32": np.int32}
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F8_E4M3": np.uint8,
+              "I64": np.int64, "I32": np.int32}
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek's FP8 checkpoints: <name>.weight_scale_inv, one fp32 scale per block
+
+
+def _e4m3_values() -> np.ndarray:
+    """float32 value of every float8 e4m3fn byte (bias 7, no infinities, S.1111.111 is NaN)."""
+    byte = np.arange(256)
+    exponent, mantissa = (byte >> 3) & 0xF, (byte & 7).astype(np.float64)
+    magnitude = np.where(exponent == 0, mantissa / 8 * 2.0**-6, (1 + mantissa / 8) * 2.0 ** (exponent - 7))
+    magnitude[(exponent == 15) & (mantissa == 7)] = np.nan
+    return np.where(byte >> 7, -magnitude, magnitude).astype(np.float32)
+
+
+_E4M3 = _e4m3_values()
 
 
 class HFWeights:
     """The tensors of an HF model directory: ``model.safetensors.index.json`` when present, else every
-    ``*.safetensors`` file. Tensors are memory-mapped; bfloat16 is widened to float32."""
+    ``*.safetensors`` file. Tensors are memory-mapped; bfloat16 is widened to float32, and FP8 (e4m3)
+    weights are dequantized with their ``weight_scale_inv`` blocks (``block`` rows × columns each)."""
 
-    def __init__(self, hf_dir: Path):
+    def __init__(self, hf_dir: Path, block: tuple[int, int] = (128, 128)):
         self.dir = Path(hf_dir)
+        self.block = block
         index = self.dir / HF_INDEX
         if index.exists():
             weight_map = _read_json(index).get("weight_map")
@@ -371,17 +386,40 @@ class HFWeights:
     def shape(self, name: str) -> Shape:
         return tuple(self.entries[name][1]["shape"])
 
-    def get(self, name: str) -> np.ndarray:
+    def is_scale(self, name: str) -> bool:
+        """A dequantization scale of another tensor in the directory (read with it, not on its own)."""
+        return name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in self.entries
+
+    def _raw(self, name: str) -> np.ndarray:
         path, entry, start = self.entries[name]
         dtype = entry["dtype"]
         if dtype not in _ST_DTYPES:
             raise HFConversionError(f"{path}: tensor {name} has dtype {dtype}; supported: {', '.join(_ST_DTYPES)}")
         begin, end = entry["data_offsets"]
-        array = np.memmap(path, dtype=_ST_DTYPES[dtype], mode="r", offset=start + begin,
-                          shape=tuple(entry["shape"])) if end > begin else np.zeros(entry["shape"], _ST_DTYPES[dtype])
+        if end == begin:
+            return np.zeros(entry["shape"], _ST_DTYPES[dtype])
+        return np.memmap(path, dtype=_ST_DTYPES[dtype], mode="r", offset=start + begin, shape=tuple(entry["shape"]))
+
+    def get(self, name: str) -> np.ndarray:
+        array, dtype = self._raw(name), self.entries[name][1]["dtype"]
         if dtype == "BF16":
             return (array.astype(np.uint32) << 16).view(np.float32)
+        if dtype == "F8_E4M3":
+            return self._dequantize(name, _E4M3[array])
         return np.array(array)
+
+    def _dequantize(self, name: str, values: np.ndarray) -> np.ndarray:
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in self.entries:
+            raise HFConversionError(f"{self.file_of(name)}: FP8 tensor {name} has no {scale_name}")
+        rows, cols = self.block
+        blocks = (-(-values.shape[0] // rows), -(-values.shape[1] // cols))
+        scale = self.get(scale_name)
+        if values.ndim != 2 or scale.shape != blocks:
+            raise HFConversionError(f"{self.file_of(scale_name)}: tensor {scale_name} has shape {list(scale.shape)}, "
+                                    f"expected {list(blocks)} for {name} {list(values.shape)} in {rows}x{cols} blocks")
+        expanded = np.repeat(np.repeat(scale, rows, axis=0), cols, axis=1)
+        return values * expanded[:values.shape[0], :values.shape[1]]
 
 
 def _read_json(path: Path) -> dict:
@@ -436,7 +474,8 @@ def hf_to_kiln_state(hf_dir: Path, model_config: dict) -> dict[str, np.ndarray]:
         raise HFConversionError(f"{hf_dir}: no config.json")
     hf_config = _read_json(config_path)
     _check_config_matches(hf_config, c, config_path)
-    weights = HFWeights(hf_dir)
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+    weights = HFWeights(hf_dir, tuple(block))
     layers = c.num_hidden_layers  # MTP depths beyond the model's are checkpoint layers it does not use
     unused_depths = range(layers + c.num_mtp_layers, layers + hf_config.get("num_nextn_predict_layers", 0))
     unused = re.compile(rf"model\.layers\.({'|'.join(map(str, unused_depths))})\.") if unused_depths else None
@@ -458,7 +497,7 @@ def hf_to_kiln_state(hf_dir: Path, model_config: dict) -> dict[str, np.ndarray]:
         arrays = group.to_kiln([weights.get(name) for name in needed])
         state.update(zip(group.kiln, arrays))
     extra = sorted(name for name in weights.entries if name not in used and not _IGNORED_HF.match(name)
-                   and not (unused and unused.match(name)))
+                   and not weights.is_scale(name) and not (unused and unused.match(name)))
     if extra:
         raise HFConversionError(f"{weights.file_of(extra[0])}: tensor {extra[0]} has no place in the model"
                                 + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))

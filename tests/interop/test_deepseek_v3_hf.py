@@ -163,3 +163,42 @@ def test_mtp_depth_matches_deepseeks_formulation_on_transformers_modules(section
         reference = float((token_loss * weight).sum() / weight.sum())
     assert kiln_mtp_loss == pytest.approx(reference, rel=1e-5)
     assert abs(kiln_mtp_loss - model.loss_components()["lm_loss"]) > 1e-3  # a different prediction, not a copy
+
+
+def test_fp8_checkpoint_is_dequantized_with_its_block_scales(section, tmp_path):
+    """DeepSeek publishes its weights as float8 e4m3 with one fp32 scale per 128x128 block
+    (<name>_scale_inv); here 16x16 blocks so the tiny matrices have several."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file as save_torch
+
+    _, weights = kiln_model(section, seed=13)
+    write_hf_dir(tmp_path / "hf", kiln_to_hf_state(weights, section), kiln_to_hf_config(section))
+    tensors = {n: torch.from_numpy(a) for n, a in load_file(tmp_path / "hf" / "model.safetensors").items()}
+    block, expected = 16, {}
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        w = tensors[name]
+        blocks = w.reshape(w.shape[0] // block, block, w.shape[1] // block, block)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448
+        expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)
+        tensors[name] = (w / expanded).to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = scale
+        expected[name] = (tensors[name].float() * expanded).numpy()
+    save_torch(tensors, tmp_path / "hf" / "model.safetensors")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+
+    state = hf_to_kiln_state(tmp_path / "hf", section)
+    kiln_w = state["decoder.layers.0.self_attention.linear_kvb.weight"]
+    np.testing.assert_array_equal(kiln_w, expected["model.layers.0.self_attn.kv_b_proj.weight"])
+    assert not np.array_equal(kiln_w, weights["decoder.layers.0.self_attention.linear_kvb.weight"])  # fp8 is lossy
+    np.testing.assert_allclose(kiln_w, weights["decoder.layers.0.self_attention.linear_kvb.weight"], atol=0.05)
+    expert = state["decoder.layers.1.mlp.experts.weight2"][3]
+    np.testing.assert_array_equal(expert, expected["model.layers.1.mlp.experts.3.down_proj.weight"].T)
+
+    tensors.pop("model.layers.1.self_attn.o_proj.weight_scale_inv")
+    save_torch(tensors, tmp_path / "hf" / "model.safetensors")
+    with pytest.raises(HFConversionError, match=r"FP8 tensor model\.layers\.1\.self_attn\.o_proj\.weight has no "):
+        hf_to_kiln_state(tmp_path / "hf", section)
