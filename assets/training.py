@@ -34,13 +34,18 @@ checkpoint = dg.AssetSpec(
     description="One partition per saved training step, keyed `<run>/iteration_XXXXXXXX`, materialized by "
                 "`training_run` as soon as the step's files are complete. Audit one with `kiln audit <dir>`.")
 
+START_MODES = ("resume", "weights_only", "fresh")
+
 class TrainingRunConfig(dg.Config):
     config_path: str = Field(default=os.environ.get("KILN_TRAIN_CONFIG", "configs/qwen3_tiny.yaml"),
                              description="training YAML (MindFormers layout), relative to the project root; "
                                          "the default comes from KILN_TRAIN_CONFIG when set")
     run_name: str = Field(default="qwen3_tiny", description="run directory name under the runs root")
     overrides: list[str] = Field(default_factory=list, description="KEY.PATH=VALUE, e.g. training.steps=300")
-    resume: bool = Field(default=True, description="continue from the run's newest complete checkpoint")
+    start: str = Field(default="resume", description=(
+        "resume: from the run's newest complete checkpoint (weights, optimizer, step) when it has one; "
+        "weights_only: its weights with a new optimizer state; fresh: from scratch, into a save path "
+        "without checkpoints (a new run_name)"))
 
 def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_target: str) -> tuple[dict, Path]:
     """The user's YAML with Kiln's wiring: data from the manifest, save/resume paths from the run dir."""
@@ -52,14 +57,20 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
     run_dir = storage.run_dir(cfg.run_name)
     save_path = run_dir / "checkpoints"
     special = manifest["tokenizer"]["special_ids"]
-    resume_from = latest_complete_checkpoint(save_path) if cfg.resume and save_path.exists() else None
+    if cfg.start not in START_MODES:
+        raise dg.Failure(f"training_run config start: {cfg.start!r} is not one of {list(START_MODES)}")
+    newest = latest_complete_checkpoint(save_path) if save_path.exists() else None
+    if cfg.start == "fresh" and newest:
+        raise dg.Failure(f"training_run config start: fresh, but run {cfg.run_name!r} already has checkpoints "
+                         f"in {save_path}; a fresh start needs a new save path: choose another run_name")
     wiring = {
         "train_dataset.dataloader.config.data_path": training_data_path(manifest, storage.root),
         "train_dataset.dataloader.config.eod": special["eod"],
         "train_dataset.dataloader.config.pad": special["pad"],
         "train_dataset.dataloader.config.path_to_cache": str(run_dir / "index_cache"),
         "checkpoint.save_path": str(save_path),
-        "checkpoint.load_path": str(save_path) if resume_from else "",
+        "checkpoint.load_path": str(save_path) if newest else "",
+        "checkpoint.no_load_optim": cfg.start == "weights_only",
         "context.device_target": device_target,
     }
     for key, value in wiring.items():
@@ -124,7 +135,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     """Train on the blend manifest with msrun (data parallel over its workers), saving step checkpoints.
 
     Re-materializing with more steps (`overrides: [training.steps=N]`) resumes from the newest complete
-    checkpoint of the same `run_name`.
+    checkpoint of the same `run_name`; `start: weights_only` takes only its weights, `start: fresh` trains
+    from scratch into a new `run_name`. Only one training step runs per device set at a time (pool `npu`).
     """
     rendered, run_dir = render_training_config(config, storage, msrun.device_target)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -138,7 +150,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     lineage_file = run_dir / "lineage_inputs.json"
     lineage_file.write_text(json.dumps(lineage_inputs(storage.manifest_path(), storage.root), indent=2))
     if train_config.checkpoint.load_path:
-        context.log.info(f"resuming from the newest complete checkpoint in {train_config.checkpoint.load_path}")
+        what = "starting from the weights of" if train_config.checkpoint.no_load_optim else "resuming from"
+        context.log.info(f"{what} the newest complete checkpoint in {train_config.checkpoint.load_path}")
 
     saved: list[dict] = []
 

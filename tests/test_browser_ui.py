@@ -14,7 +14,7 @@ import pytest
 from conftest import MICRO_CONFIG, PROJECT_ROOT
 from dagster_dev import dagster_dev
 
-pytestmark = pytest.mark.ui
+pytestmark = [pytest.mark.ui, pytest.mark.browser]
 CHROMIUM = Path("/usr/bin/chromium")
 RUN_NAME = "qwen3_tiny"  # TrainingRunConfig's default run_name: the UI launches with the defaults
 

@@ -18,7 +18,7 @@ def data_chain(tmp_path, micro_sources):
     res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=5_000))
     defs = build_definitions(res)
     with dg.instance_for_test() as instance:
-        job = defs.get_implicit_global_asset_job_def()
+        job = defs.resolve_implicit_global_asset_job_def()
 
         def run(key, partition=None, check=None):
             if check:  # the check alone, as "Execute check" in the UI

@@ -4,6 +4,7 @@ import datetime
 import dagster as dg
 import pytest
 
+from assets.training import TrainingRunConfig, render_training_config
 from conftest import MICRO_CONFIG
 from pipelines.definitions import build_definitions, resources
 from resources.msrun import MsrunResource
@@ -16,18 +17,19 @@ RUN_CONFIG = {"ops": {"training_run": {"config": {"config_path": MICRO_CONFIG, "
 
 
 def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micro_sources):
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                          sources_config=str(micro_sources))
     defs = build_definitions(resources(
-        storage=KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
-                            sources_config=str(micro_sources)),
+        storage=storage,
         tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=20_000),
         msrun=MsrunResource(worker_num=2, local_worker_num=2)), schedule_run_config=RUN_CONFIG)
-    schedule = defs.get_schedule_def("nightly_preprocess_then_train")
+    schedule = defs.resolve_schedule_def("nightly_preprocess_then_train")
     assert schedule.default_status == dg.DefaultScheduleStatus.STOPPED
     with dg.instance_for_test() as instance:
         tick = datetime.datetime(2026, 1, 2, 2, 0, tzinfo=datetime.timezone.utc)
         (request,) = schedule.evaluate_tick(
             dg.build_schedule_context(instance=instance, scheduled_execution_time=tick)).run_requests
-        result = defs.get_job_def(schedule.job_name).execute_in_process(
+        result = defs.resolve_job_def(schedule.job_name).execute_in_process(
             run_config=request.run_config, tags=request.tags, instance=instance)
         assert result.success
         done = {(m.asset_key.to_user_string(), m.partition) for m in result.get_asset_materialization_events()
@@ -47,3 +49,18 @@ def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micr
             asset_key=dg.AssetKey("raw_corpus"), asset_partitions=["stdlib_docs"]), limit=1).records[0]
         metadata = raw.asset_materialization.metadata
         assert metadata["docs/stdlib_docs"].value > 0 and metadata["docs/stdlib_code"].value > 0
+
+    # how the next materialization of the run would start
+    def start(mode, run_name="nightly"):
+        rendered, _ = render_training_config(TrainingRunConfig(config_path=MICRO_CONFIG, run_name=run_name,
+                                                               start=mode), storage, "CPU")
+        return rendered["checkpoint"]["load_path"], rendered["checkpoint"]["no_load_optim"]
+
+    save_path = str(tmp_path / "runs/nightly/checkpoints")
+    assert start("resume") == (save_path, False)
+    assert start("weights_only") == (save_path, True)
+    with pytest.raises(dg.Failure, match="choose another run_name"):
+        start("fresh")
+    assert start("fresh", run_name="nightly-2") == ("", False)
+    with pytest.raises(dg.Failure, match="'again' is not one of"):
+        start("again")
