@@ -490,8 +490,8 @@ def hf_to_kiln_state(hf_dir: Path, model_config: dict) -> dict[str, np.ndarray]:
                 raise HFConversionError(f"{hf_dir}: tensor {name} is missing (needed for Kiln's "
                                         f"{', '.join(group.kiln)})")
             if weights.shape(name) != shape:
-                raise HFConversionError(f"{weights.file_of(name)}: tensor {name} has shape {list(weights.shape(name))}, "
-                                        f"expected {list(shape)} from the model config")
+                raise HFConversionError(f"{weights.file_of(name)}: tensor {name} has shape "
+                                        f"{list(weights.shape(name))}, expected {list(shape)} from the model config")
         needed = [name for name in group.hf if name not in group.hf_optional]
         used.update(group.hf, group.hf_optional)
         arrays = group.to_kiln([weights.get(name) for name in needed])

@@ -42,7 +42,8 @@ def test_tied_checkpoint_storing_lm_head_is_accepted(tmp_path):
     save_file({**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}, path / "model.safetensors")
     state = hf_to_kiln_state(path, section)
     assert "output_layer.weight" not in state
-    np.testing.assert_array_equal(state["embedding.word_embeddings.weight"], weights["embedding.word_embeddings.weight"])
+    embedding = "embedding.word_embeddings.weight"
+    np.testing.assert_array_equal(state[embedding], weights[embedding])
 
 
 def test_unreadable_file_is_named(tmp_path):
