@@ -4,9 +4,7 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -143,21 +141,17 @@ def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, shard, capsy
     assert bigger.train_step()["consumed_samples"] == 20  # it read samples 12..19, none again, none skipped
 
 
-def test_hugging_face_dir_loads_weights_only_through_training_hf(tmp_path, shard, monkeypatch):
-    """The trainer's side of an HF load: recognised, converted by training/hf.py, weights only. The
-    converter itself is another module's; a stand-in returns known weights."""
-    donor = make_trainer(tmp_path, shard, "donor", "training.steps=1", "checkpoint.enable_save=false")
-    weights = {p.name: p.asnumpy() + 1.0 for p in donor.model.get_parameters()}
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
-    (hf / "model.safetensors").write_bytes(b"")
-    calls = []
-    module = types.ModuleType("training.hf")
-    module.hf_to_kiln_state = lambda path, model_config: calls.append(path) or weights
-    monkeypatch.setitem(sys.modules, "training.hf", module)
-    loaded = make_trainer(tmp_path, shard, "from_hf", f"checkpoint.load_path={hf}")
-    assert calls == [hf] and loaded.step == 0 and loaded.optimizer.global_step == 0
+def test_hugging_face_dir_loads_weights_only_through_training_hf(tmp_path, shard):
+    """A checkpoint exported to a Hugging Face directory (training/hf.py) loads back as the same weights,
+    at step 0 with a fresh optimizer."""
+    from training.hf import export_hf
+
+    make_trainer(tmp_path, shard, "donor", "training.steps=2").train()
+    checkpoint = tmp_path / "donor/checkpoints/iteration_00000002"
+    export_hf(checkpoint, tmp_path / "hf")
+    weights = load_checkpoint(checkpoint, load_optim=False).model
+    loaded = make_trainer(tmp_path, shard, "from_hf", f"checkpoint.load_path={tmp_path / 'hf'}")
+    assert loaded.step == 0 and loaded.optimizer.global_step == 0 and loaded.resumed_from == str(tmp_path / "hf")
     assert all(np.array_equal(p.asnumpy(), weights[p.name]) for p in loaded.model.get_parameters())
 
 
