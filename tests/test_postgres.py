@@ -3,6 +3,7 @@
 The server is Debian's (tests/setup/postgres.sh installs it), started as the unprivileged ``postgres``
 user on a temporary directory and a free port, and stopped at the end.
 """
+import json
 import os
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 from conftest import PROJECT_ROOT
 from pipelines.chain import materialize_chain
 from test_chain import chain_resources, training_config
+from training.cli import main as kiln
 from training.launch import free_port
 
 pytestmark = pytest.mark.msrun
@@ -50,7 +52,7 @@ def postgres(tmp_path_factory):
         as_postgres(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
 
 
-def test_chain_materializes_against_postgres(tmp_path, micro_sources, postgres, monkeypatch):
+def test_chain_materializes_against_postgres_and_audits(tmp_path, micro_sources, postgres, monkeypatch, capsys):
     for name, value in postgres.items():
         monkeypatch.setenv(name, value)
     home = tmp_path / "dagster_home"
@@ -69,3 +71,27 @@ def test_chain_materializes_against_postgres(tmp_path, micro_sources, postgres, 
             assert reader.fetch_materializations(dg.AssetKey(key), limit=1).records, key
         runs = reader.get_run_records()
         assert runs and all(r.dagster_run.status == dg.DagsterRunStatus.SUCCESS for r in runs)
+        training_run_id = reader.fetch_materializations(dg.AssetKey("training_run"), limit=1).records[0].run_id
+
+    # kiln audit cross-checks every link of the checkpoint's lineage with the records in the database
+    checkpoint = tmp_path / "runs/micro/checkpoints/iteration_00000006"
+    capsys.readouterr()
+    assert kiln(["audit", str(checkpoint), "--dagster-home", str(home), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    links = {link["asset"]: link for link in report["dagster_cross_check"]["links"]}
+    assert report["dagster_cross_check"]["ran"] and set(links) == {
+        "raw_corpus[stdlib_code]", "raw_corpus[stdlib_docs]", "tokenizer", "token_shards[stdlib_code]",
+        "token_shards[stdlib_docs]", "blend_manifest", "checkpoint[micro/iteration_00000006]"}
+    assert {k: (v["status"], bool(v["code_version"])) for k, v in links.items()} == {
+        k: ("recorded", True) for k in links}
+    assert links["checkpoint[micro/iteration_00000006]"]["run_id"] == training_run_id
+
+    # reverse lineage: both checkpoints consumed the code source, with its blend weight as their token share
+    assert kiln(["lineage", "--consumers", "stdlib_code", "--runs-root", str(tmp_path / "runs"), "--json"]) == 0
+    consumers = json.loads(capsys.readouterr().out)["consumers"]
+    assert [(c["run"], c["step"]) for c in consumers] == [("micro", 3), ("micro", 6)]
+    assert all(c["token_share"] == pytest.approx(0.6) for c in consumers)
+    assert kiln(["lineage", "--consumers", "data/raw/stdlib_docs/part-00000.jsonl",
+                 "--runs-root", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "run micro step 6: raw/stdlib_docs/part-00000.jsonl, 40.0% of the run's tokens" in out

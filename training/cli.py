@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 
 def _audit(args) -> int:
+    import json
+
     from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
 
     try:
@@ -15,9 +18,54 @@ def _audit(args) -> int:
     except (ValueError, KeyError) as exc:
         print(f"kiln audit: {exc}", file=sys.stderr)
         return 2
-    render = audit_json if args.json else audit_report
-    print(render(Path(args.checkpoint), lineage, checks))
-    return audit_exit_code(checks)
+    checkpoint = Path(args.checkpoint)
+    cross_check, note = _dagster_cross_check(args.dagster_home, checkpoint, lineage)
+    # the exit code judges the files; the cross-check reports (an instance may simply be another one)
+    code = audit_exit_code(checks)
+    if args.json:
+        report = json.loads(audit_json(checkpoint, lineage, checks))
+        from_dagster = {"ran": cross_check is not None, "note": note}
+        if cross_check is not None:
+            from pipelines.audit import cross_check_json
+
+            from_dagster["links"] = cross_check_json(cross_check)
+        print(json.dumps({**report, "exit_code": code, "dagster_cross_check": from_dagster}, indent=2))
+    else:
+        print(audit_report(checkpoint, lineage, checks))
+        if cross_check is None:
+            print(f"Dagster cross-check: not run ({note})")
+        else:
+            from pipelines.audit import cross_check_report
+
+            print(cross_check_report(cross_check, note))
+    return code
+
+
+def _dagster_cross_check(dagster_home: str | None, checkpoint: Path, lineage: dict):
+    """The instance's records for each link, or None and why not: training/ runs without Dagster."""
+    if not dagster_home:
+        return None, "no Dagster instance given (--dagster-home or $DAGSTER_HOME)"
+    if not Path(dagster_home).is_dir():
+        return None, f"{dagster_home} is not a Dagster home directory"
+    try:
+        import dagster as dg
+        from pipelines.audit import cross_check
+    except ImportError as exc:
+        return None, f"dagster is not importable here ({exc})"
+    with dg.DagsterInstance.from_config(dagster_home) as instance:
+        return cross_check(instance, checkpoint, lineage), f"the instance in {dagster_home}"
+
+
+def _lineage(args) -> int:
+    from training.lineage import consumers_json, consumers_report, find_consumers
+
+    try:
+        consumers = find_consumers(args.runs_root, args.consumers)
+    except ValueError as exc:
+        print(f"kiln lineage: {exc}", file=sys.stderr)
+        return 2
+    print((consumers_json if args.json else consumers_report)(args.consumers, consumers))
+    return 0
 
 
 def _preprocess(args) -> int:
@@ -137,7 +185,20 @@ def main(argv=None) -> int:
     audit.add_argument("checkpoint", help="an iteration_XXXXXXXX checkpoint directory")
     audit.add_argument("--data-root", help="where the data root is now (default: as recorded)")
     audit.add_argument("--json", action="store_true", help="machine-readable output")
+    audit.add_argument("--dagster-home", default=os.environ.get("DAGSTER_HOME"),
+                       help="also cross-check with this Dagster instance's materializations (default: "
+                            "$DAGSTER_HOME; without one, only the files are verified)")
     audit.set_defaults(handler=_audit)
+
+    lineage = commands.add_parser("lineage", help="reverse lineage: the checkpoints that consumed a file",
+                                  description="Reads every runs/<run>/checkpoints/iteration_*/lineage.json.")
+    lineage.add_argument("--consumers", required=True, metavar="FILE_SHARD_OR_SOURCE",
+                         help="a raw file or shard path (relative to the data root, or ending in it), a shard "
+                              "prefix, or a source name")
+    lineage.add_argument("--runs-root", default=os.environ.get("KILN_RUNS_ROOT", "runs"),
+                         help="where the runs are (default: $KILN_RUNS_ROOT, else runs)")
+    lineage.add_argument("--json", action="store_true", help="machine-readable output")
+    lineage.set_defaults(handler=_lineage)
 
     preprocess = commands.add_parser(
         "preprocess", help="tokenize JSONL / JSON-array / Parquet files into Megatron .bin/.idx datasets",

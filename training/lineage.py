@@ -23,12 +23,20 @@ def lineage_inputs(manifest_path: str | Path, data_root: str | Path) -> dict:
     manifest_path = Path(manifest_path).resolve()
     manifest = load_manifest(manifest_path, root)
     shards, raw_files = [], []
+    total_weight = sum(source["weight"] for source in manifest["sources"])
     for source in manifest["sources"]:
+        # the fraction of training samples drawn from this source (Megatron normalizes the blend weights),
+        # split over its shards by tokens and over its raw files by bytes
+        share = source["weight"] / total_weight
+        source_tokens = sum(shard["tokens"] for shard in source["shards"]) or 1
         for shard in source["shards"]:
             for ext in ("bin", "idx"):
                 shards.append({"source": source["name"], "path": f"{shard['prefix']}.{ext}",
-                               "sha256": shard[f"{ext}_sha256"]})
-        raw_files += [{"source": source["name"], **raw} for raw in source["raw_files"]]
+                               "sha256": shard[f"{ext}_sha256"],
+                               "token_share": share * shard["tokens"] / source_tokens})
+        source_bytes = sum(raw.get("bytes", 0) for raw in source["raw_files"]) or 1
+        raw_files += [{"source": source["name"], **raw, "token_share": share * raw.get("bytes", 0) / source_bytes}
+                      for raw in source["raw_files"]]
     return {
         "kiln_lineage_version": LINEAGE_VERSION,
         "data_root": str(root),
@@ -121,3 +129,60 @@ def audit_exit_code(checks: list[Check]) -> int:
 def audit_json(checkpoint_dir: Path, lineage: dict, checks: list[Check]) -> str:
     return json.dumps({"checkpoint": str(checkpoint_dir), "step": lineage["checkpoint"]["step"],
                        "exit_code": audit_exit_code(checks), "checks": [asdict(c) for c in checks]}, indent=2)
+
+
+@dataclass
+class Consumer:
+    run: str
+    step: int
+    checkpoint: str
+    matched: str               # the lineage record that names the file, shard or source
+    token_share: float | None  # its share of the run's training tokens; None in lineages older than shares
+
+
+def _matches(record: dict, target: str) -> bool:
+    path = record["path"]
+    return target in (path, record.get("source")) or path.rsplit(".", 1)[0] == target or \
+        target.endswith("/" + path)
+
+
+def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
+    """Every checkpoint under ``runs_root`` whose lineage names ``target``: a raw file or shard path (as
+    recorded, relative to the data root, or ending in it), a shard prefix, or a source name."""
+    consumers = []
+    for lineage_path in sorted(Path(runs_root).glob("*/checkpoints/iteration_*/lineage.json")):
+        try:
+            lineage = json.loads(lineage_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{lineage_path}: unreadable lineage ({exc})") from None
+        records = [r for key in ("raw_files", "shards") for r in lineage.get(key) or [] if _matches(r, target)]
+        if not records:
+            continue
+        by_source = {r["source"] == target for r in records}
+        if by_source == {True}:  # a whole source: the sum over its shards (.bin and .idx name the same tokens)
+            shares = [r.get("token_share") for r in lineage.get("shards") or [] if r["source"] == target
+                      and r["path"].endswith(".bin")]
+            matched = f"source {target}"
+        else:
+            first = records[0]
+            shares = [first.get("token_share")]
+            matched = first["path"]
+        share = None if None in shares else sum(shares)
+        checkpoint_dir = lineage_path.parent
+        consumers.append(Consumer(run=checkpoint_dir.parent.parent.name, step=lineage["checkpoint"]["step"],
+                                  checkpoint=str(checkpoint_dir), matched=matched, token_share=share))
+    return consumers
+
+
+def consumers_report(target: str, consumers: list[Consumer]) -> str:
+    if not consumers:
+        return f"no checkpoint consumed {target}"
+    lines = [f"{len(consumers)} checkpoint(s) consumed {target}:"]
+    for c in consumers:
+        share = "share unknown" if c.token_share is None else f"{c.token_share:.1%} of the run's tokens"
+        lines.append(f"  run {c.run} step {c.step}: {c.matched}, {share}  ({c.checkpoint})")
+    return "\n".join(lines)
+
+
+def consumers_json(target: str, consumers: list[Consumer]) -> str:
+    return json.dumps({"target": target, "consumers": [asdict(c) for c in consumers]}, indent=2)

@@ -1,0 +1,101 @@
+"""The Dagster side of ``kiln audit``: a checkpoint's lineage.json checked against the instance's records.
+
+For every link of the chain, the data version the lineage implies (the same hashes the assets report) is
+looked up among that asset's recorded materializations: which run produced it, with which code version,
+and whether the asset has been re-materialized with other data since. ``training/`` never imports this;
+the CLI does, when dagster is importable and an instance is given.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import dagster as dg
+
+from assets.data import combined_hash
+from training.data.hashing import sha256_file
+
+DATA_VERSION = "dagster/data_version"
+CODE_VERSION = "dagster/code_version"
+SEARCHED_MATERIALIZATIONS = 200  # per asset (partition), newest first
+
+
+@dataclass
+class Recorded:
+    asset: str                 # e.g. token_shards[stdlib_code]
+    data_version: str          # implied by lineage.json
+    status: str                # recorded | superseded | NOT RECORDED
+    run_id: str | None = None
+    code_version: str | None = None
+    latest_data_version: str | None = None
+
+    def line(self) -> str:
+        if self.status == "NOT RECORDED":
+            return f"  NOT RECORDED  {self.asset}: no materialization with data version {self.data_version[:16]}"
+        text = (f"  {self.status:<12}  {self.asset}: run {self.run_id}, code version {self.code_version}, "
+                f"data version {self.data_version[:16]}")
+        if self.status == "superseded":
+            text += f" (re-materialized since: now {(self.latest_data_version or '')[:16]})"
+        return text
+
+
+def expected_versions(checkpoint_dir: Path, lineage: dict) -> list[tuple[str, str | None, str]]:
+    """(asset key, partition, data version) for each link, computed as the assets compute their versions."""
+    links: list[tuple[str, str | None, str]] = []
+    by_source: dict[str, dict[str, list[str]]] = {}
+    for key in ("raw_files", "shards"):
+        for record in lineage.get(key) or []:
+            by_source.setdefault(record["source"], {}).setdefault(key, []).append(record["sha256"])
+    for source, hashes in sorted(by_source.items()):
+        links.append(("raw_corpus", source, combined_hash(hashes.get("raw_files", []))))
+    if lineage.get("tokenizer"):
+        links.append(("tokenizer", None, lineage["tokenizer"]["sha256"]))
+    for source, hashes in sorted(by_source.items()):
+        links.append(("token_shards", source, combined_hash(hashes.get("shards", []))))
+    if lineage.get("manifest"):
+        links.append(("blend_manifest", None, lineage["manifest"]["sha256"]))
+    partition = f"{checkpoint_dir.resolve().parent.parent.name}/{checkpoint_dir.resolve().name}"
+    links.append(("checkpoint", partition, checkpoint_version(checkpoint_dir, lineage)))
+    return links
+
+
+def checkpoint_version(checkpoint_dir: Path, lineage: dict) -> str:
+    """As the training asset computes it: over every file of the directory, lineage.json and common.json
+    included (written after the list in lineage.json), sorted by name."""
+    hashes = {f["name"]: f["sha256"] for f in lineage["checkpoint"]["files"]}
+    for name in ("lineage.json", "common.json"):
+        path = checkpoint_dir / name
+        hashes[name] = sha256_file(path) if path.is_file() else f"({name} missing)"
+    return combined_hash([hashes[name] for name in sorted(hashes)])
+
+
+def cross_check(instance: dg.DagsterInstance, checkpoint_dir: Path, lineage: dict) -> list[Recorded]:
+    results = []
+    for key, partition, version in expected_versions(checkpoint_dir, lineage):
+        records = instance.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None),
+            limit=SEARCHED_MATERIALIZATIONS).records
+        name = f"{key}[{partition}]" if partition else key
+        tags = [(r, r.asset_materialization.tags or {}) for r in records]
+        match = next(((r, t) for r, t in tags if t.get(DATA_VERSION) == version), None)
+        if match is None:
+            results.append(Recorded(name, version, "NOT RECORDED"))
+            continue
+        record, found = match
+        latest = tags[0][1].get(DATA_VERSION)
+        results.append(Recorded(name, version, "recorded" if latest == version else "superseded",
+                                run_id=record.run_id, code_version=found.get(CODE_VERSION),
+                                latest_data_version=latest))
+    return results
+
+
+def cross_check_report(results: list[Recorded], instance_description: str) -> str:
+    lines = [f"Dagster cross-check against {instance_description}:"] + [r.line() for r in results]
+    missing = [r.asset for r in results if r.status == "NOT RECORDED"]
+    lines.append(f"NOT RECORDED in the instance: {', '.join(missing)}" if missing
+                 else f"OK: all {len(results)} links recorded")
+    return "\n".join(lines)
+
+
+def cross_check_json(results: list[Recorded]) -> list[dict]:
+    return [asdict(r) for r in results]

@@ -1,0 +1,96 @@
+"""Lineage token shares, reverse lineage (`kiln lineage --consumers`) and the audit's Dagster note, on
+hand-built lineages (tests/test_postgres.py audits a real chain against a Dagster instance)."""
+import json
+
+import pytest
+
+from training.cli import main as kiln
+from training.data.hashing import sha256_file
+from training.data.manifest import build_manifest
+from training.lineage import lineage_inputs
+
+
+def write_manifest(root, weights):
+    """Source a: one shard of 100 tokens, two raw files (300 and 100 bytes); source b: shards of 50 and 150."""
+    def shard(name, tokens):
+        return {"prefix": str(root / "shards" / name), "tokens": tokens, "bin_sha256": name[0] * 64,
+                "idx_sha256": name[0].upper() * 64}
+
+    sources = [{"name": "a", "weight": weights[0], "shards": [shard("a0", 100)],
+                "raw_files": [{"path": "raw/a/part-00000.jsonl", "sha256": "1" * 64, "bytes": 300},
+                              {"path": "raw/a/part-00001.jsonl", "sha256": "2" * 64, "bytes": 100}]},
+               {"name": "b", "weight": weights[1], "shards": [shard("b0", 50), shard("b1", 150)],
+                "raw_files": [{"path": "raw/b/part-00000.jsonl", "sha256": "3" * 64, "bytes": 10}]}]
+    manifest = build_manifest(sources=sources, tokenizer={"path": str(root / "tokenizer/kiln.model"),
+                                                          "sha256": "t" * 64},
+                              seq_length=32, split="98,2,0", seed=1, data_root=root)
+    path = root / "blend/manifest.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(manifest))
+    return path
+
+
+def write_checkpoint(runs, run, step, inputs, config):
+    directory = runs / run / "checkpoints" / f"iteration_{step:08d}"
+    directory.mkdir(parents=True)
+    (directory / "common.json").write_text(json.dumps({"global_step": step}))
+    lineage = {**inputs, "checkpoint": {"step": step, "files": [], "common": {"global_step": step}},
+               "run": {"config_path": str(config), "config_sha256": sha256_file(config), "world_size": 1,
+                       "started_at": "2026-12-03T00:00:00Z", "resumed_from": None}}
+    (directory / "lineage.json").write_text(json.dumps(lineage))
+    return directory
+
+
+def test_lineage_records_each_files_share_of_the_blend(tmp_path):
+    inputs = lineage_inputs(write_manifest(tmp_path, (3, 1)), tmp_path)
+    shares = {r["path"]: r["token_share"] for r in inputs["shards"]}
+    assert shares == pytest.approx({"shards/a0.bin": 0.75, "shards/a0.idx": 0.75, "shards/b0.bin": 0.0625,
+                                    "shards/b0.idx": 0.0625, "shards/b1.bin": 0.1875, "shards/b1.idx": 0.1875})
+    raw = {r["path"]: r["token_share"] for r in inputs["raw_files"]}
+    assert raw == pytest.approx({"raw/a/part-00000.jsonl": 0.5625, "raw/a/part-00001.jsonl": 0.1875,
+                                 "raw/b/part-00000.jsonl": 0.25})
+
+
+def test_consumers_lists_every_checkpoint_with_its_share(tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {}\n")
+    runs = tmp_path / "runs"
+    blend_a = lineage_inputs(write_manifest(tmp_path / "data1", (3, 1)), tmp_path / "data1")
+    blend_b = lineage_inputs(write_manifest(tmp_path / "data2", (1, 1)), tmp_path / "data2")
+    for step in (2, 4):
+        write_checkpoint(runs, "first", step, blend_a, config)
+    write_checkpoint(runs, "second", 10, blend_b, config)
+
+    def consumers(target):
+        assert kiln(["lineage", "--consumers", target, "--runs-root", str(runs), "--json"]) == 0
+        return [(c["run"], c["step"], round(c["token_share"], 4))
+                for c in json.loads(capsys.readouterr().out)["consumers"]]
+
+    assert consumers("b") == [("first", 2, 0.25), ("first", 4, 0.25), ("second", 10, 0.5)]
+    assert consumers("shards/b1") == [("first", 2, 0.1875), ("first", 4, 0.1875), ("second", 10, 0.375)]
+    assert consumers("/anywhere/data/raw/a/part-00001.jsonl") == [
+        ("first", 2, 0.1875), ("first", 4, 0.1875), ("second", 10, 0.125)]
+    assert consumers("raw/c/part-00000.jsonl") == []
+    assert kiln(["lineage", "--consumers", "shards/a0.bin", "--runs-root", str(runs)]) == 0
+    assert "run second step 10: shards/a0.bin, 50.0% of the run's tokens" in capsys.readouterr().out
+
+    (runs / "first/checkpoints/iteration_00000002/lineage.json").write_text("{")
+    assert kiln(["lineage", "--consumers", "b", "--runs-root", str(runs)]) == 2
+    assert "first/checkpoints/iteration_00000002/lineage.json: unreadable lineage" in capsys.readouterr().err
+
+
+def test_audit_says_whether_the_dagster_cross_check_ran(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {}\n")
+    checkpoint = write_checkpoint(tmp_path / "runs", "run", 1, {}, config)
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    assert kiln(["audit", str(checkpoint)]) == 0
+    assert "Dagster cross-check: not run (no Dagster instance given" in capsys.readouterr().out
+    assert kiln(["audit", str(checkpoint), "--json", "--dagster-home", str(tmp_path / "nowhere")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dagster_cross_check"] == {"ran": False,
+                                             "note": f"{tmp_path / 'nowhere'} is not a Dagster home directory"}
+
+    config.write_text("training: {steps: 2}\n")
+    assert kiln(["audit", str(checkpoint)]) == 1
+    assert f"run config  {config} changed since training" in capsys.readouterr().out
