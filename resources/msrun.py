@@ -29,11 +29,20 @@ def tail(path: Path, lines: int) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+class MsrunNode(dg.Config):
+    """One machine of a multi-node job."""
+
+    address: str = Field(description="host name or IP the other nodes reach it at; the first node is the master")
+    devices: int = Field(description="workers (NPUs) this node runs")
+    visible_devices: Optional[str] = Field(default=None, description="its ASCEND_RT_VISIBLE_DEVICES, e.g. '0,1,2,3'")
+
+
 class MsrunResource(dg.ConfigurableResource):
     """msrun settings for one node; a multi-node run starts one materialization per node_rank.
 
     The command comes from ``training.launch.msrun_command``, like the command-line launcher's; msrun
-    always joins here, since the Pipes session lives as long as msrun does.
+    always joins here, since the Pipes session lives as long as msrun does. A cluster is described by
+    ``nodes``; ``for_node`` derives this node's settings from it (``settings`` refuses any that disagree).
     """
 
     worker_num: int = Field(default=2, description="workers in the whole job")
@@ -47,8 +56,38 @@ class MsrunResource(dg.ConfigurableResource):
     visible_devices: Optional[str] = Field(default=None, description="ASCEND_RT_VISIBLE_DEVICES, e.g. '0,1,2,3'")
     termination_timeout_s: float = 20.0
     failure_tail_lines: int = 40
+    nodes: list[MsrunNode] = Field(default=[], description="the cluster, master first; empty: this machine only")
+
+    @classmethod
+    def for_node(cls, nodes: list[MsrunNode], node_rank: int, master_port: int, **settings) -> "MsrunResource":
+        """The resource of node ``node_rank`` of the cluster ``nodes``: every node gets the same nodes and port."""
+        if not 0 <= node_rank < len(nodes):
+            raise dg.Failure(f"MsrunResource.node_rank: must index nodes (0..{len(nodes) - 1}), got {node_rank}")
+        node = nodes[node_rank]
+        return cls(nodes=nodes, node_rank=node_rank, master_port=master_port, master_addr=nodes[0].address,
+                   worker_num=sum(n.devices for n in nodes), local_worker_num=node.devices,
+                   visible_devices=node.visible_devices, **settings)
+
+    def check_nodes(self) -> None:
+        """With ``nodes``, the flat fields must be this node's view of them (as ``for_node`` sets them)."""
+        if not self.nodes:
+            return
+        if not 0 <= self.node_rank < len(self.nodes):
+            raise dg.Failure(f"MsrunResource.node_rank: must index nodes (0..{len(self.nodes) - 1}), "
+                             f"got {self.node_rank}")
+        node = self.nodes[self.node_rank]
+        expected = {"worker_num": sum(n.devices for n in self.nodes), "local_worker_num": node.devices,
+                    "master_addr": self.nodes[0].address, "visible_devices": node.visible_devices}
+        for field, value in expected.items():
+            if getattr(self, field) != value:
+                raise dg.Failure(f"MsrunResource.{field}: is {getattr(self, field)!r} but nodes give {value!r} "
+                                 f"for node_rank {self.node_rank}; build it with MsrunResource.for_node")
+        if self.master_port == 0:
+            raise dg.Failure("MsrunResource.master_port: a multi-node job needs one fixed port that every node "
+                             "knows; 0 (a free port per launch) only works on one machine")
 
     def settings(self, log_dir: Path, master_port: int) -> MsrunSettings:
+        self.check_nodes()
         try:
             return MsrunSettings(worker_num=self.worker_num, local_worker_num=self.local_worker_num,
                                  master_addr=self.master_addr, master_port=master_port, node_rank=self.node_rank,

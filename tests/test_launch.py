@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from resources.msrun import MsrunResource
+from resources.msrun import MsrunNode, MsrunResource
 from training import launch
 from training.launch import MsrunSettings, SettingError, msrun_command, msrun_environment
 from training.run import main as train_main
@@ -159,6 +159,25 @@ def test_resource_environment_and_errors_name_its_fields(tmp_path):
         MsrunResource(visible_devices="all").environment({})
     with pytest.raises(dg.Failure, match=r"MsrunResource.local_worker_num: must be between 1 and worker_num \(2\)"):
         MsrunResource(worker_num=2, local_worker_num=3).command(TRAIN_ARGS, tmp_path, 9000)
+
+
+def test_cluster_nodes_give_each_node_its_command(tmp_path):
+    nodes = [MsrunNode(address="10.0.0.5", devices=8, visible_devices="0,1,2,3,4,5,6,7"),
+             MsrunNode(address="10.0.0.6", devices=4, visible_devices="4,5,6,7")]
+    second = MsrunResource.for_node(nodes, 1, master_port=9000, device_target="Ascend")
+    assert (second.worker_num, second.local_worker_num, second.master_addr) == (12, 4, "10.0.0.5")
+    command = second.command(TRAIN_ARGS, tmp_path, 9000)
+    assert {"--worker_num=12", "--local_worker_num=4", "--master_addr=10.0.0.5", "--master_port=9000",
+            "--node_rank=1"} <= set(command)
+    assert second.environment({})["ASCEND_RT_VISIBLE_DEVICES"] == "4,5,6,7"
+
+    with pytest.raises(dg.Failure, match=r"MsrunResource.local_worker_num: is 8 but nodes give 4 for node_rank 1"):
+        MsrunResource(nodes=nodes, node_rank=1, worker_num=12, local_worker_num=8, master_addr="10.0.0.5",
+                      master_port=9000).command(TRAIN_ARGS, tmp_path, 9000)
+    with pytest.raises(dg.Failure, match="MsrunResource.master_port: a multi-node job needs one fixed port"):
+        MsrunResource.for_node(nodes, 0, master_port=0).command(TRAIN_ARGS, tmp_path, 9000)
+    with pytest.raises(dg.Failure, match=r"MsrunResource.node_rank: must index nodes \(0..1\), got 2"):
+        MsrunResource.for_node(nodes, 2, master_port=9000)
 
 
 def test_graph_mode_is_a_clear_error(capsys, tmp_path):
