@@ -1,9 +1,11 @@
 """Changed raw files re-ingest their source; eager automation re-shards it and re-blends; training waits."""
 import json
 import os
+import threading
 
 import dagster as dg
 
+from assets.training import training_run
 from assets.versions import code_version_of
 from pipelines.definitions import build_definitions, resources
 from pipelines.pools import configure_pools, training_slots
@@ -98,3 +100,26 @@ def test_code_version_follows_the_source(tmp_path):
     package = code_version_of(tmp_path / "pkg")
     (tmp_path / "pkg" / "m.py").write_text("x = 2\n")
     assert code_version_of(tmp_path / "pkg") != package
+
+
+def test_a_second_training_step_waits_for_the_npu_slot(tmp_path):
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"))
+    with dg.instance_for_test() as instance:
+        configure_pools(instance, MsrunResource(local_worker_num=2))  # 1 slot
+        assert instance.event_log_storage.claim_concurrency_slot("npu", "other-run", "training_run").is_claimed
+        outcome = {}
+
+        def train():  # no manifest here: the step fails at once, but only once it holds the slot
+            outcome["result"] = dg.materialize(
+                [training_run], instance=instance, resources=resources(storage=storage), raise_on_error=False)
+
+        worker = threading.Thread(target=train)
+        worker.start()
+        worker.join(timeout=8)
+        assert worker.is_alive(), "the training step ran while another run held the only npu slot"
+        assert instance.event_log_storage.get_concurrency_info("npu").pending_step_count == 1
+        instance.event_log_storage.free_concurrency_slots_for_run("other-run")
+        worker.join(timeout=60)
+        assert not worker.is_alive()
+        failure = outcome["result"].get_step_failure_events()[0].step_failure_data.error
+        assert failure.cause.cls_name == "ManifestError"  # it got as far as reading the manifest
