@@ -3,6 +3,7 @@ hand-built lineages (tests/test_postgres.py audits a real chain against a Dagste
 import json
 
 import pytest
+import yaml
 
 from training.cli import main as kiln
 from training.data.hashing import sha256_file
@@ -94,3 +95,22 @@ def test_audit_says_whether_the_dagster_cross_check_ran(tmp_path, capsys, monkey
     config.write_text("training: {steps: 2}\n")
     assert kiln(["audit", str(checkpoint)]) == 1
     assert f"run config  {config} changed since training" in capsys.readouterr().out
+
+
+def test_copied_checkpoint_verifies_the_config_its_lineage_carries(tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"training": {"steps": 2, "lr": 3.0e-3}}, sort_keys=False))
+    checkpoint = write_checkpoint(tmp_path / "runs", "run", 1, {}, config)
+    lineage_path = checkpoint / "lineage.json"
+    lineage = json.loads(lineage_path.read_text())
+    lineage["run"]["config"] = {"training": {"steps": 2, "lr": 3.0e-3}}
+    lineage_path.write_text(json.dumps(lineage))
+    config.unlink()  # the checkpoint directory alone, as on another machine
+    assert kiln(["audit", str(checkpoint)]) == 0
+    assert "ok        run config  lineage.json run.config (config file not found)" in capsys.readouterr().out
+
+    lineage["run"]["config"]["training"]["steps"] = 3
+    lineage_path.write_text(json.dumps(lineage))
+    assert kiln(["audit", str(checkpoint)]) == 1
+    assert "MISMATCH  run config  lineage.json run.config (config file not found) changed since training" in \
+        capsys.readouterr().out

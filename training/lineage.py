@@ -11,6 +11,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
+
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest
 
@@ -71,6 +73,15 @@ def _check(link: str, path: Path, shown: str, expected: str) -> Check:
     return Check(link, shown, expected, actual, "ok" if actual == expected else "MISMATCH")
 
 
+def _embedded_config_check(run: dict) -> Check:
+    """The resolved config lineage.json carries, re-serialized as the trainer wrote it and re-hashed."""
+    from training.config import config_sha256
+
+    actual = config_sha256(yaml.safe_dump(run["config"], sort_keys=False))
+    return Check("run config", "lineage.json run.config (config file not found)", run["config_sha256"], actual,
+                 "ok" if actual == run["config_sha256"] else "MISMATCH")
+
+
 def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = None) -> tuple[dict, list[Check]]:
     """Re-hash every file the checkpoint's lineage names, in chain order from the checkpoint back to raw."""
     checkpoint_dir = Path(checkpoint_dir)
@@ -90,7 +101,10 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
     else:
         checks.append(Check("checkpoint", "common.json", "as recorded", None, "missing"))
     run = lineage["run"]
-    checks.append(_check("run config", Path(run["config_path"]), run["config_path"], run["config_sha256"]))
+    config_check = _check("run config", Path(run["config_path"]), run["config_path"], run["config_sha256"])
+    if config_check.status == "missing" and "config" in run:
+        config_check = _embedded_config_check(run)  # e.g. the checkpoint was copied to another machine
+    checks.append(config_check)
     # a run trained outside Dagster on hand-picked shards has no upstream links to check
     for link, key in (("manifest", "manifest"), ("shard", "shards"), ("tokenizer", "tokenizer"),
                       ("raw file", "raw_files")):
