@@ -4,7 +4,6 @@ config errors, and training under msrun with 2 workers."""
 import json
 import math
 import os
-import socket
 import subprocess
 
 import mindspore as ms
@@ -15,7 +14,7 @@ from mindspore import Tensor
 from conftest import PROJECT_ROOT
 from training.collectives import Collectives, World
 from training.config import ConfigError
-from training.launch import MsrunSettings, msrun_command, msrun_environment
+from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
 from training.model import DeepseekV3Config, build_model
 from training.model.gpt import GPTModel
 from training.model.mla import yarn_parameters
@@ -365,9 +364,6 @@ def write_learnable_documents(prefix, used=64, documents=120):
 @pytest.mark.msrun
 def test_trains_under_msrun_with_two_workers(tmp_path):
     shard = write_learnable_documents(tmp_path / "shard")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     run_dir = tmp_path / "run"
     overrides = [f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
                  "train_dataset.dataloader.config.eod=2", "train_dataset.dataloader.config.pad=3",
@@ -375,7 +371,7 @@ def test_trains_under_msrun_with_two_workers(tmp_path):
                  "lr_scheduler.learning_rate=1.0e-2", "checkpoint.save_interleaved_steps=6"]
     script = ["-m", "training.run", "--config", str(PROJECT_ROOT / "tests/configs/deepseek_v3_micro.yaml"),
               "--output-dir", str(run_dir), *[a for o in overrides for a in ("--set", o)]]
-    settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=port, log_dir=str(tmp_path / "logs"))
+    settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(), log_dir=str(tmp_path / "logs"))
     done = subprocess.run(msrun_command(settings, script), env=msrun_environment(dict(os.environ)),
                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
