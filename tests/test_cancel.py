@@ -92,6 +92,51 @@ def test_terminating_the_run_ends_msrun_and_every_worker(tmp_path):
 
     with dg.DagsterInstance.from_config(str(home)) as instance:
         assert instance.get_run_by_id(record.dagster_run.run_id).status == dg.DagsterRunStatus.CANCELED
+    assert_last_checkpoint_loads(checkpoints)
+
+
+def assert_last_checkpoint_loads(checkpoints: Path) -> None:
     step = tracked_step(checkpoints)
     loaded = load_checkpoint(checkpoints / f"iteration_{step:08d}")
     assert loaded.common["global_step"] == step and loaded.model
+
+
+def processes_mentioning(text: str) -> dict[int, str]:
+    found = {}
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in line and alive(int(cmdline.parent.name)):
+            found[int(cmdline.parent.name)] = line
+    return found
+
+
+@pytest.mark.ui
+def test_terminate_from_the_ui_ends_msrun_and_every_worker(tmp_path):
+    """The UI's Terminate button is the terminateRun GraphQL mutation, here against a real `dagster dev`."""
+    from dagster_dev import dagster_dev
+
+    shard = write_random_documents(tmp_path / "shards/random")
+    run_dir = tmp_path / "run"
+    workspace = tmp_path / "workspace.yaml"
+    workspace.write_text(f"load_from:\n  - python_file:\n      relative_path: {PROJECT_ROOT / 'tests/cancel_definitions.py'}"
+                         f"\n      working_directory: {PROJECT_ROOT}\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(PROJECT_ROOT), str(PROJECT_ROOT / "tests")])}
+    with dagster_dev(tmp_path, env, workspace) as (client, _):
+        run_id = client.submit_job_execution(
+            "train_job", run_config={"ops": {"long_training": {"config": {"shard": str(shard),
+                                                                          "run_dir": str(run_dir)}}}})
+        checkpoints = run_dir / "checkpoints"
+        ended = (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED)
+        wait_for(lambda: (tracked_step(checkpoints) or 0) >= 2 or client.get_run_status(run_id) in ended, 240,
+                 "the first complete checkpoint")
+        assert client.get_run_status(run_id) == dg.DagsterRunStatus.STARTED
+        training = processes_mentioning(str(run_dir))  # msrun, its scheduler, workers and log tails
+        assert sum("training.run" in line for line in training.values()) >= 3, training
+
+        client.terminate_run(run_id)
+        wait_for(lambda: not any(alive(pid) for pid in training), 20, "msrun and its workers to end")
+        wait_for(lambda: client.get_run_status(run_id) == dg.DagsterRunStatus.CANCELED, 30, "the run to be CANCELED")
+    assert_last_checkpoint_loads(checkpoints)
