@@ -80,6 +80,7 @@ def test_materialize_the_chain_in_the_browser(tmp_path, micro_sources):
         page.get_by_role("button", name=re.compile(r"Materialize all")).click()
         page.get_by_text("Launch runs to materialize 5 assets").wait_for()
         page.get_by_role("button", name="All", exact=True).click()
+        page.get_by_text("2 partitions", exact=True).wait_for()  # one per source
         page.screenshot(path=shots / "02_all_partitions.png")
         page.get_by_role("button", name=re.compile(r"Launch backfill")).click()
         page.get_by_text(re.compile(r"Created backfill")).first.wait_for()
