@@ -244,6 +244,13 @@ def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.
     """
     return per_source(context, lambda source: _tokenize_source(storage, source, context.log))
 
+def _blend_summary(manifest: dict, total: int) -> str:
+    lines = [f"**{len(manifest['sources'])} sources, {total:,} tokens**, sequences of {manifest['seq_length']} "
+             f"tokens, split {manifest['split']}", ""]
+    lines += [f"- `{s['name']}`: weight {s['weight']:.1%}, {s['tokens']:,} tokens ({s['tokens'] / total:.1%}) "
+              f"in {len(s['shards'])} shard(s)" for s in manifest["sources"]]
+    return "\n".join(lines)
+
 class BlendConfig(dg.Config):
     seq_length: int = 128
     split: str = "98,2,0"
@@ -290,6 +297,7 @@ def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
     return dg.MaterializeResult(
         metadata={
             "manifest_path": dg.MetadataValue.path(str(path)), "sha256": dg.MetadataValue.text(digest),
+            "summary": dg.MetadataValue.md(_blend_summary(manifest, total)),
             "sources": dg.MetadataValue.table([dg.TableRecord(r) for r in rows], schema=schema),
             "total_tokens": total, "seq_length": config.seq_length, "split": config.split,
             # Dagster's input event pointer is wrong for partitioned parents: record what we read

@@ -73,3 +73,5 @@ def test_token_shards_records_every_shard_and_the_skipped_records(tmp_path):
         "shards/stdlib_docs/stdlib_docs_text_document"]
     assert abs(sum(manifest["data_path"][0::2]) - 1.0) < 1e-9
     assert blend["total_tokens"] == sum(s["tokens"] for s in manifest["sources"])
+    assert (f"- `stdlib_code`: weight 50.0%, {code['tokens']:,} tokens "
+            f"({code['tokens'] / blend['total_tokens']:.1%}) in {len(rows)} shard(s)") in blend["summary"]
