@@ -16,7 +16,7 @@ import dagster as dg
 from assets import builtin_corpus
 from assets.builtin_corpus import write_builtin_source
 from assets.sources import load_sources
-from assets.versions import code_version_of
+from assets.versions import versioned_asset
 from resources.storage import PROJECT_ROOT, KilnStorage
 from resources import tokenizer as resources_tokenizer
 from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
@@ -126,10 +126,9 @@ def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult
     metadata.update({f"{k}/{source}": v for source, numbers in figures.items() for k, v in numbers.items()})
     return dg.MaterializeResult(metadata=metadata)
 
-@dg.asset(partitions_def=source_partitions, group_name="data", code_version=code_version_of(
-              _ingest_source, per_source, _part_files, _replace_dir, builtin_corpus, corpus, SOURCES_CONFIG),
-          kinds={"json"}, owners=["team:kiln"],
-          backfill_policy=dg.BackfillPolicy.single_run())
+@versioned_asset(_ingest_source, per_source, _part_files, _replace_dir, builtin_corpus, corpus, SOURCES_CONFIG,
+                 partitions_def=source_partitions, group_name="data", kinds={"json"}, owners=["team:kiln"],
+                 backfill_policy=dg.BackfillPolicy.single_run())
 def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
     """A validated copy of one source's documents under `data/raw/<source>/`.
 
@@ -141,8 +140,8 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
     """
     return per_source(context, lambda source: _ingest_source(storage, source))
 
-@dg.asset(deps=[raw_corpus], group_name="data", code_version=code_version_of(raw_files, resources_tokenizer),
-          kinds={"sentencepiece"}, owners=["team:kiln"])
+@versioned_asset(raw_files, resources_tokenizer, deps=[raw_corpus], group_name="data", kinds={"sentencepiece"},
+                 owners=["team:kiln"])
 def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
               tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
     """A sentencepiece model trained on a seeded, bounded sample of every source's raw documents."""
@@ -230,10 +229,10 @@ def _tokenize_source(storage: KilnStorage, source: str, log) -> dg.MaterializeRe
         metadata["quarantine"] = dg.MetadataValue.path(str(target / Path(stats["quarantine"]).name))
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(shards_hash(shards)))
 
-@dg.asset(partitions_def=source_partitions, deps=[raw_corpus, tokenizer], group_name="data",
-          code_version=code_version_of(_tokenize_source, per_source, _replace_dir, preprocess, indexed),
-          kinds={"numpy"}, owners=["team:kiln"], backfill_policy=dg.BackfillPolicy.single_run(),
-          automation_condition=dg.AutomationCondition.eager())
+@versioned_asset(_tokenize_source, per_source, _replace_dir, preprocess, indexed,
+                 partitions_def=source_partitions, deps=[raw_corpus, tokenizer], group_name="data", kinds={"numpy"},
+                 owners=["team:kiln"], backfill_policy=dg.BackfillPolicy.single_run(),
+                 automation_condition=dg.AutomationCondition.eager())
 def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
     """One source tokenized into Megatron `.bin/.idx` datasets (EOD after every document).
 
@@ -262,9 +261,9 @@ def read_shard_sidecar(storage: KilnStorage, source: str) -> dict:
         raise dg.Failure(f"no shards for source {source!r} ({path} missing); materialize token_shards[{source}]")
     return json.loads(path.read_text())
 
-@dg.asset(deps=[token_shards, tokenizer], group_name="data", kinds={"json"}, owners=["team:kiln"],
-          code_version=code_version_of(read_shard_sidecar, manifest_module, SOURCES_CONFIG),
-          automation_condition=dg.AutomationCondition.eager())
+@versioned_asset(read_shard_sidecar, _blend_summary, manifest_module, SOURCES_CONFIG,
+                 deps=[token_shards, tokenizer], group_name="data", kinds={"json"}, owners=["team:kiln"],
+                 automation_condition=dg.AutomationCondition.eager())
 def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
                    storage: KilnStorage) -> dg.MaterializeResult:
     """`manifest.json`: every source's shards with normalized weights, ready for `train_dataset`.

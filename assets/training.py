@@ -16,7 +16,7 @@ import yaml
 from pydantic import Field
 
 from assets.data import blend_manifest, combined_hash, files_table
-from assets.versions import code_version_of
+from assets.versions import versioned_asset
 from resources.msrun import MsrunResource
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.checkpoint import latest_complete_checkpoint
@@ -119,17 +119,15 @@ def _checkpoint_event(message: dict, run_name: str, code_version: str) -> tuple[
         tags={"dagster/data_version": data_version, "dagster/code_version": code_version},
     )
 
-# the engine and the default training YAML decide what a run produces
-TRAIN_CODE_VERSION = code_version_of(render_training_config, PROJECT_ROOT / "training",
-                                     PROJECT_ROOT / TrainingRunConfig().config_path)
 
 # training starts on its own after a new blend only when asked to: a run can take the devices for days
 AUTO_TRAIN = os.environ.get("KILN_AUTO_TRAIN") == "1"
 TRAINING_POOL = "npu"
 
-@dg.asset(deps=[blend_manifest], group_name="training", code_version=TRAIN_CODE_VERSION, kinds={"mindspore"},
-          owners=["team:kiln"], pool=TRAINING_POOL,
-          automation_condition=dg.AutomationCondition.eager() if AUTO_TRAIN else None)
+# the engine and the default training YAML decide what a run produces
+@versioned_asset(render_training_config, PROJECT_ROOT / "training", PROJECT_ROOT / TrainingRunConfig().config_path,
+                 deps=[blend_manifest], group_name="training", kinds={"mindspore"}, owners=["team:kiln"],
+                 pool=TRAINING_POOL, automation_condition=dg.AutomationCondition.eager() if AUTO_TRAIN else None)
 def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage,
                  msrun: MsrunResource) -> dg.MaterializeResult:
     """Train on the blend manifest with msrun (data parallel over its workers), saving step checkpoints.
@@ -154,11 +152,12 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         context.log.info(f"{what} the newest complete checkpoint in {train_config.checkpoint.load_path}")
 
     saved: list[dict] = []
+    code_version = context.assets_def.code_versions_by_key[context.asset_key]
 
     def on_message(message: dict) -> None:
         if message.get("event") != CHECKPOINT_MESSAGE:
             return
-        key, event = _checkpoint_event(message, config.run_name, TRAIN_CODE_VERSION)
+        key, event = _checkpoint_event(message, config.run_name, code_version)
         context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
         context.log_event(event)
         context.log_event(audit_evaluation(Path(message["path"]), key))

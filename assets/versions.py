@@ -11,6 +11,8 @@ import inspect
 from pathlib import Path
 from types import FunctionType, ModuleType
 
+import dagster as dg
+
 
 def _source_bytes(part) -> bytes:
     if isinstance(part, (FunctionType, ModuleType)):
@@ -31,3 +33,10 @@ def code_version_of(*parts) -> str:
         digest.update(_source_bytes(part))
         digest.update(b"\0")
     return digest.hexdigest()[:16]
+
+
+def versioned_asset(*parts, **asset_kwargs):
+    """``@dg.asset(**asset_kwargs)`` whose code version hashes the function (decorator included) and ``parts``."""
+    def decorate(fn):
+        return dg.asset(code_version=code_version_of(fn, *parts), **asset_kwargs)(fn)
+    return decorate
