@@ -2,6 +2,7 @@
 import json
 import os
 import threading
+import time
 
 import dagster as dg
 
@@ -115,7 +116,11 @@ def test_a_second_training_step_waits_for_the_npu_slot(tmp_path):
 
         worker = threading.Thread(target=train)
         worker.start()
-        worker.join(timeout=8)
+        deadline = time.monotonic() + 120  # the run's start-up is slow on a busy machine; wait for its step
+        while (instance.event_log_storage.get_concurrency_info("npu").pending_step_count == 0
+               and worker.is_alive() and time.monotonic() < deadline):
+            time.sleep(0.2)
+        worker.join(timeout=3)  # queued: it must stay there while the other run holds the slot
         assert worker.is_alive(), "the training step ran while another run held the only npu slot"
         assert instance.event_log_storage.get_concurrency_info("npu").pending_step_count == 1
         instance.event_log_storage.free_concurrency_slots_for_run("other-run")

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import dagster as dg
@@ -34,12 +35,12 @@ def as_postgres(*command: str) -> None:
 
 
 @pytest.fixture
-def postgres(tmp_path_factory):
+def postgres():
     bin_dir = postgres_bin()
-    data = tmp_path_factory.mktemp("pgdata")
+    # not under pytest's temp root: that is private to root (0700), and the server runs as postgres
+    data = Path(tempfile.mkdtemp(prefix="kiln-pgdata-"))
     if os.geteuid() == 0:
         shutil.chown(data, "postgres")
-        os.chmod(data.parent, 0o755)
     port = free_port()
     as_postgres(str(bin_dir / "initdb"), "-D", str(data), "-U", "kiln", "--auth=trust")
     as_postgres(str(bin_dir / "pg_ctl"), "-D", str(data), "-w", "-l", str(data / "server.log"), "start",
@@ -50,6 +51,7 @@ def postgres(tmp_path_factory):
                "KILN_PG_PASSWORD": "", "KILN_PG_DB": "dagster"}
     finally:
         as_postgres(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def test_chain_materializes_against_postgres_and_audits(tmp_path, micro_sources, postgres, monkeypatch, capsys):
