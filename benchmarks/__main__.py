@@ -53,42 +53,44 @@ def _corpus(work: Path, kind: str, corpus_bytes: int) -> list[Path]:
     return files
 
 
-def _bare_processes(files: list[Path], model: str, out_type, workers: int, repeats: int) -> float:
-    """tokens/s of `workers` warm processes each encoding its share; the wall time of a round is
-    that of the slowest share (process start-up and text loading not counted)."""
-    import multiprocessing
+class _BareProcesses:
+    """`workers` warm processes, each holding its share of the texts and the model (loaded untimed).
+    One round's tokens/s: every share encoded at once; the wall time is that of the slowest share."""
 
-    from benchmarks import bare_encode
+    def __init__(self, files: list[Path], model: str, workers: int) -> None:
+        import multiprocessing
 
-    context = multiprocessing.get_context("spawn")
-    pools = [context.Pool(1, initializer=bare_encode.load_share, initargs=(files, model, i, workers))
-             for i in range(workers)]
-    try:
-        best = 0.0
-        for _ in range(repeats):
-            results = [pool.apply_async(bare_encode.encode_share, (out_type,)) for pool in pools]
-            shares = [r.get() for r in results]
-            best = max(best, sum(t for t, _ in shares) / max(s for _, s in shares))
-        return best
-    finally:
-        for pool in pools:
+        from benchmarks import bare_encode
+
+        self._encode_share = bare_encode.encode_share
+        context = multiprocessing.get_context("spawn")
+        self._pools = [context.Pool(1, initializer=bare_encode.load_share, initargs=(files, model, i, workers))
+                       for i in range(workers)]
+
+    def __call__(self, out_type) -> float:
+        results = [pool.apply_async(self._encode_share, (out_type,)) for pool in self._pools]
+        shares = [r.get() for r in results]
+        return sum(t for t, _ in shares) / max(s for _, s in shares)
+
+    def close(self) -> None:
+        for pool in self._pools:
             pool.terminate()
 
 
-def _best_rate(run, repeats: int) -> float:
-    """The best tokens/s of `repeats` runs of `run() -> tokens`: other load on the machine only slows runs."""
-    best = 0.0
-    for _ in range(repeats):
-        started = time.perf_counter()
-        tokens = run()
-        best = max(best, tokens / (time.perf_counter() - started))
-    return best
+def _rate(run) -> float:
+    """tokens/s of one `run() -> tokens`."""
+    started = time.perf_counter()
+    tokens = run()
+    return tokens / (time.perf_counter() - started)
 
 
-def bench_tokenizing(work: Path, kind: str, corpus_bytes: int, settings, repeats: int = 3,
-                    target: float | None = None) -> Path:
+def bench_tokenizing(work: Path, kind: str, corpus_bytes: int, settings, rounds: int = 5,
+                     target: float | None = None) -> Path:
     """The whole `kiln preprocess` command (interpreter start-up included) against the best bare
-    sentencepiece encoding of the same texts on the same cores; returns the shard prefix."""
+    sentencepiece encoding of the same texts on the same cores; returns the shard prefix.
+
+    The machine's speed drifts by ±15% over tens of seconds (shared cores), so every variant runs
+    once per round, side by side, and each keeps its best round: drift only slows runs down."""
     import sentencepiece
 
     from training.data.corpus import iter_texts
@@ -106,29 +108,38 @@ def bench_tokenizing(work: Path, kind: str, corpus_bytes: int, settings, repeats
     model = str(work / "tokenizer.model")
     processor = sentencepiece.SentencePieceProcessor(model_file=model)
     workers = os.cpu_count() or 1
-    bare = {}
-    for out_type in (int, "numpy"):
-        name = "int lists" if out_type is int else "numpy buffers"
-        bare[f"1 thread, {name}"] = _best_rate(
-            lambda: sum(len(ids) + 1 for ids in processor.encode(texts, out_type=out_type, num_threads=1)), repeats)
-        bare[f"{workers} threads, {name}"] = _best_rate(
-            lambda: sum(len(ids) + 1 for ids in processor.encode(texts, out_type=out_type, num_threads=workers)),
-            repeats)
-        bare[f"{workers} processes, {name}"] = _bare_processes(files, model, out_type, workers, repeats)
-    for name, rate in bare.items():
-        report(f"bare sentencepiece, {name}", rate, "tokens/s")
-    best_name = max(bare, key=bare.get)
-
     command = [sys.executable, "-m", "training.cli", "preprocess", *(f"--input={p}" for p in files),
                f"--tokenizer-model={model}", f"--output-prefix={work / 'shard'}", f"--workers={workers}",
                "--append-eod"]
-    rate = _best_rate(lambda: _run_command(command, work / "shard_text_document"), repeats)
+    bare_processes = _BareProcesses(files, model, workers)
+    variants = {}
+    for out_type in (int, "numpy"):
+        name = "int lists" if out_type is int else "numpy buffers"
+        for threads in (1, workers):
+            variants[f"bare, {threads} thread{'s' * (threads > 1)}, {name}"] = (
+                lambda out_type=out_type, threads=threads: _rate(
+                    lambda: sum(len(ids) + 1 for ids in processor.encode(texts, out_type=out_type, num_threads=threads))))
+        variants[f"bare, {workers} processes, {name}"] = lambda out_type=out_type: bare_processes(out_type)
+    kiln = {
+        "kiln preprocess (whole command)": lambda: _rate(lambda: _run_command(command, work / "shard_text_document")),
+        # the same function in this process: the command's figure less interpreter start-up and imports
+        "  tokenize_to_indexed in process": lambda: _rate(
+            lambda: tokenize_to_indexed(files, model, work / "in_process", workers=workers)["tokens"]),
+    }
+    best = dict.fromkeys([*variants, *kiln], 0.0)
+    try:
+        for _ in range(rounds):
+            for name, measure in [*variants.items(), *kiln.items()]:
+                best[name] = max(best[name], measure())
+    finally:
+        bare_processes.close()
+    for name in variants:
+        report(name.replace("bare, ", "bare sentencepiece, "), best[name], "tokens/s")
+    reference = max(variants, key=best.get)
     goal = f"; target >= {target}" if target else ""
-    report("kiln preprocess (whole command)", rate, "tokens/s", rate / bare[best_name], f"bare {best_name}{goal}")
-    # the same function in this process: the command's figure less interpreter start-up and imports
-    rate = _best_rate(lambda: tokenize_to_indexed(files, model, work / "in_process", workers=workers)["tokens"],
-                      repeats)
-    report("  tokenize_to_indexed in process", rate, "tokens/s", rate / bare[best_name], f"bare {best_name}")
+    for name in kiln:
+        report(name, best[name], "tokens/s", best[name] / best[reference],
+               reference.replace("bare, ", "bare ") + (goal if name.startswith("kiln") else ""))
     return work / "shard_text_document"
 
 
