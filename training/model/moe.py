@@ -2,8 +2,8 @@
 expert bias, routed experts as stacked weights, optional shared experts, optional load-balancing loss.
 
 Dispatch on CPU without AlltoAll (expert parallel = 1): the router's choices go to the host, the
-(token, choice) pairs are sorted by expert, tokens are gathered into one contiguous buffer, each expert
-runs its slice, and the weighted outputs are scatter-added back per token (``unsorted_segment_sum``,
+(token, choice) pairs are sorted by expert, tokens are gathered into one buffer padded to the busiest
+expert's count, all experts run as one batched matmul, and the weighted outputs are scatter-added back per token (``unsorted_segment_sum``,
 whose gradient is a gather). Layouts (MindFormers' grouped GEMM): ``experts.weight1`` [E, hidden, 2·ffn]
 with the gate in the first half of the last axis and up in the second, ``experts.weight2`` [E, ffn, hidden]
 (input-major: the transpose of an HF Linear weight).
@@ -14,7 +14,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from training.model.layers import Init, _matmul, _matmul_transpose_b, cast
+from training.model.layers import Init, _matmul_transpose_b, cast
 from training.model.transformer import MLP
 
 LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss")
@@ -65,16 +65,25 @@ class GroupedExperts(nn.Cell):
         self.weight2 = init.normal(experts, ffn, hidden)
 
     def construct(self, x_sorted: Tensor, counts: np.ndarray) -> Tensor:
-        """x_sorted: [assignments, hidden], grouped by expert in expert order with ``counts[e]`` rows each."""
-        used = [e for e in range(len(counts)) if counts[e] > 0]
-        pieces = ops.split(x_sorted, [int(counts[e]) for e in used], axis=0)
-        # one unstack per weight: indexing a Tensor (weight1[e]) costs ~2 ms per call in PyNative
-        weight1, weight2 = ops.unstack(self.weight1, 0), ops.unstack(self.weight2, 0)
-        outputs = []
-        for e, x in zip(used, pieces):
-            gate, up = ops.chunk(_matmul(x, cast(weight1[e], x.dtype)), 2, axis=-1)
-            outputs.append(_matmul(ops.silu(gate) * up, cast(weight2[e], x.dtype)))
-        return ops.cat(outputs, axis=0)
+        """x_sorted: [assignments, hidden], grouped by expert in expert order with ``counts[e]`` rows each.
+
+        All experts run as one batched matmul over [E, capacity, hidden], capacity = the busiest expert's
+        count, padding rows zero: in PyNative every op costs ~1 ms of dispatch, and a per-expert loop
+        (split, unstack, 5 ops per expert, cat) took 3.8x longer forward+backward than the padded
+        compute at E=8."""
+        assignments, hidden = x_sorted.shape
+        experts = len(counts)
+        capacity = max(int(counts.max()), 1)
+        starts = np.cumsum(counts) - counts
+        rank = np.arange(assignments) - np.repeat(starts, counts)        # position within its expert
+        slot = (np.repeat(np.arange(experts), counts) * capacity + rank).astype(np.int32)
+        rows = np.full(experts * capacity, assignments, np.int32)        # padding reads the zero row
+        rows[slot] = np.arange(assignments, dtype=np.int32)
+        padded = ops.gather(ops.cat([x_sorted, ops.zeros((1, hidden), x_sorted.dtype)], 0), Tensor(rows), 0)
+        gate, up = ops.chunk(ops.bmm(padded.reshape(experts, capacity, hidden),
+                                     cast(self.weight1, x_sorted.dtype)), 2, axis=-1)
+        out = ops.bmm(ops.silu(gate) * up, cast(self.weight2, x_sorted.dtype))
+        return ops.gather(out.reshape(experts * capacity, hidden), Tensor(slot), 0)
 
 
 class MoELayer(nn.Cell):
