@@ -33,6 +33,9 @@ SOURCES = load_sources(SOURCES_CONFIG)
 source_partitions = dg.StaticPartitionsDefinition(sorted(SOURCES))
 SHARD_SIDECAR = ".kiln.json"  # `shards/<source>/<source>.kiln.json`: the source's shards and what they came from
 SHARD_STATS = ("key", "docs", "tokens", "bin_sha256", "idx_sha256", "bin_bytes", "idx_bytes")  # copied per shard
+# automation re-builds an asset only once every blocking check of its inputs passed: a corrupt shard found by
+# `shards_are_well_formed` must stop the automatic re-blend as it stops the blend in the same run
+EAGER_AFTER_CHECKS = dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
 
 def combined_hash(hashes: list[str]) -> str:
     return hashlib.sha256("".join(hashes).encode()).hexdigest()
@@ -102,11 +105,14 @@ def _ingest_source(storage: KilnStorage, source: str) -> dg.MaterializeResult:
         data_version=dg.DataVersion(combined_hash([r["sha256"] for r in rows])),
     )
 
+PER_SOURCE_DATA_VERSION = "data_version"  # metadata `data_version/<source>` of a step over several sources
+
 def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult:
     """Build every partition of the step; a run over several sources (the scheduled job) reports them all.
 
     One step materializes a partition range with one result, so each source of a range gets the same
-    metadata: a table row per source and `<figure>/<source>` numbers, and no data version (Dagster
+    metadata: a table row per source, `<figure>/<source>` numbers and `data_version/<source>` (the content
+    hash a one-source step would report, which `kiln audit` looks up), and no data version (Dagster
     derives one from the inputs and the code version) since a shared one would be wrong for each.
     """
     keys = context.partition_keys
@@ -124,11 +130,13 @@ def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult
         [dg.TableRecord(r) for r in rows],
         schema=dg.TableSchema(columns=[dg.TableColumn("source")] + [dg.TableColumn(k, "int") for k in names]))}
     metadata.update({f"{k}/{source}": v for source, numbers in figures.items() for k, v in numbers.items()})
+    metadata.update({f"{PER_SOURCE_DATA_VERSION}/{source}": dg.MetadataValue.text(r.data_version.value)
+                     for source, r in results.items()})
     return dg.MaterializeResult(metadata=metadata)
 
 @versioned_asset(_ingest_source, per_source, _part_files, _replace_dir, builtin_corpus, corpus, SOURCES_CONFIG,
                  partitions_def=source_partitions, group_name="data", kinds={"json"}, owners=["team:kiln"],
-                 backfill_policy=dg.BackfillPolicy.single_run())
+                 tags={"stage": "ingest"}, backfill_policy=dg.BackfillPolicy.single_run())
 def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
     """A validated copy of one source's documents under `data/raw/<source>/`.
 
@@ -141,7 +149,7 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
     return per_source(context, lambda source: _ingest_source(storage, source))
 
 @versioned_asset(raw_files, resources_tokenizer, deps=[raw_corpus], group_name="data", kinds={"sentencepiece"},
-                 owners=["team:kiln"])
+                 owners=["team:kiln"], tags={"stage": "tokenizer"})
 def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
               tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
     """A sentencepiece model trained on a seeded, bounded sample of every source's raw documents."""
@@ -229,10 +237,10 @@ def _tokenize_source(storage: KilnStorage, source: str, log) -> dg.MaterializeRe
         metadata["quarantine"] = dg.MetadataValue.path(str(target / Path(stats["quarantine"]).name))
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(shards_hash(shards)))
 
-@versioned_asset(_tokenize_source, per_source, _replace_dir, preprocess, indexed,
+@versioned_asset(_tokenize_source, per_source, _replace_dir, preprocess, indexed, SOURCES_CONFIG,
                  partitions_def=source_partitions, deps=[raw_corpus, tokenizer], group_name="data", kinds={"numpy"},
-                 owners=["team:kiln"], backfill_policy=dg.BackfillPolicy.single_run(),
-                 automation_condition=dg.AutomationCondition.eager())
+                 owners=["team:kiln"], tags={"stage": "tokenize", "format": "megatron-indexed"},
+                 backfill_policy=dg.BackfillPolicy.single_run(), automation_condition=EAGER_AFTER_CHECKS)
 def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
     """One source tokenized into Megatron `.bin/.idx` datasets (EOD after every document).
 
@@ -263,7 +271,7 @@ def read_shard_sidecar(storage: KilnStorage, source: str) -> dict:
 
 @versioned_asset(read_shard_sidecar, _blend_summary, manifest_module, SOURCES_CONFIG,
                  deps=[token_shards, tokenizer], group_name="data", kinds={"json"}, owners=["team:kiln"],
-                 automation_condition=dg.AutomationCondition.eager())
+                 tags={"stage": "blend"}, automation_condition=EAGER_AFTER_CHECKS)
 def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
                    storage: KilnStorage) -> dg.MaterializeResult:
     """`manifest.json`: every source's shards with normalized weights, ready for `train_dataset`.

@@ -15,7 +15,7 @@ import dagster as dg
 import yaml
 from pydantic import Field
 
-from assets.data import blend_manifest, combined_hash, files_table
+from assets.data import EAGER_AFTER_CHECKS, blend_manifest, combined_hash, files_table
 from assets.versions import versioned_asset
 from resources.msrun import MsrunResource
 from resources.storage import PROJECT_ROOT, KilnStorage
@@ -30,7 +30,7 @@ from training.reporting import CHECKPOINT_MESSAGE
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 checkpoint = dg.AssetSpec(
     "checkpoint", partitions_def=checkpoint_partitions, deps=["training_run"], group_name="training",
-    kinds={"safetensors"}, owners=["team:kiln"],
+    kinds={"safetensors"}, owners=["team:kiln"], tags={"stage": "checkpoint"},
     description="One partition per saved training step, keyed `<run>/iteration_XXXXXXXX`, materialized by "
                 "`training_run` as soon as the step's files are complete. Audit one with `kiln audit <dir>`.")
 
@@ -127,7 +127,8 @@ TRAINING_POOL = "npu"
 # the engine and the default training YAML decide what a run produces
 @versioned_asset(render_training_config, PROJECT_ROOT / "training", PROJECT_ROOT / TrainingRunConfig().config_path,
                  deps=[blend_manifest], group_name="training", kinds={"mindspore"}, owners=["team:kiln"],
-                 pool=TRAINING_POOL, automation_condition=dg.AutomationCondition.eager() if AUTO_TRAIN else None)
+                 tags={"stage": "train"}, pool=TRAINING_POOL,
+                 automation_condition=EAGER_AFTER_CHECKS if AUTO_TRAIN else None)
 def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage,
                  msrun: MsrunResource) -> dg.MaterializeResult:
     """Train on the blend manifest with msrun (data parallel over its workers), saving step checkpoints.

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.data import combined_hash
+from assets.data import PER_SOURCE_DATA_VERSION, combined_hash
 from training.data.hashing import sha256_file
 
 DATA_VERSION = "dagster/data_version"
@@ -69,6 +69,13 @@ def checkpoint_version(checkpoint_dir: Path, lineage: dict) -> str:
     return combined_hash([hashes[name] for name in sorted(hashes)])
 
 
+def content_version(materialization: dg.AssetMaterialization, partition: str | None) -> str | None:
+    """The content hash a materialization recorded for ``partition``: its data version, or, for a step
+    that built several sources at once (``per_source``), the ``data_version/<source>`` entry."""
+    entry = materialization.metadata.get(f"{PER_SOURCE_DATA_VERSION}/{partition}") if partition else None
+    return entry.value if entry is not None else (materialization.tags or {}).get(DATA_VERSION)
+
+
 def cross_check(instance: dg.DagsterInstance, checkpoint_dir: Path, lineage: dict) -> list[Recorded]:
     results = []
     for key, partition, version in expected_versions(checkpoint_dir, lineage):
@@ -76,13 +83,13 @@ def cross_check(instance: dg.DagsterInstance, checkpoint_dir: Path, lineage: dic
             dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None),
             limit=SEARCHED_MATERIALIZATIONS).records
         name = f"{key}[{partition}]" if partition else key
-        tags = [(r, r.asset_materialization.tags or {}) for r in records]
-        match = next(((r, t) for r, t in tags if t.get(DATA_VERSION) == version), None)
+        versions = [(r, content_version(r.asset_materialization, partition)) for r in records]
+        match = next((r for r, v in versions if v == version), None)
         if match is None:
             results.append(Recorded(name, version, "NOT RECORDED"))
             continue
-        record, found = match
-        latest = tags[0][1].get(DATA_VERSION)
+        record, latest = match, versions[0][1]
+        found = record.asset_materialization.tags or {}
         results.append(Recorded(name, version, "recorded" if latest == version else "superseded",
                                 run_id=record.run_id, code_version=found.get(CODE_VERSION),
                                 latest_data_version=latest))

@@ -124,6 +124,7 @@ class MsrunResource(dg.ConfigurableResource):
                 while proc.poll() is None:
                     time.sleep(0.5)
                     handled = self._drain(session, handled, on_custom_message)
+                context.log.info(f"[msrun] exited with code {proc.returncode}")
             except BaseException:  # UI cancel arrives as DagsterExecutionInterruptedError
                 context.log.warning(f"[msrun] interrupted: SIGINT -> msrun pid {proc.pid}")
                 self._stop(proc)

@@ -29,6 +29,15 @@ def data_chain(tmp_path, micro_sources):
 
         for key, partition in [("raw_corpus", s) for s in SOURCES] + [("tokenizer", None)]:
             assert run(key, partition).success
+        cursor = []
+
+        def automation():  # one tick of the automation sensor, continuing from the previous one
+            result = dg.evaluate_automation_conditions(defs=defs, instance=instance,
+                                                       cursor=cursor[-1] if cursor else None)
+            cursor.append(result.cursor)
+            return result
+
+        run.automation = automation
         yield run, storage
 
 
@@ -40,6 +49,7 @@ def _check(result, name):
 def test_truncated_bin_fails_the_blocking_check_and_stops_the_blend(data_chain, monkeypatch):
     run, storage = data_chain
     assert run("token_shards", "stdlib_docs").success
+    run.automation()
     real = assets.data.tokenize_to_indexed
 
     def truncating(*args, **kwargs):
@@ -60,6 +70,12 @@ def test_truncated_bin_fails_the_blocking_check_and_stops_the_blend(data_chain, 
     assert not [m for m in result.get_asset_materialization_events()
                 if m.event_specific_data.materialization.asset_key == dg.AssetKey("blend_manifest")]
     assert not storage.manifest_path().exists()
+    # nor does automation after a run of the shards alone (as automation starts it) whose check failed
+    assert not _check(run("token_shards", "stdlib_code"), "shards_are_well_formed").passed
+    assert run.automation().get_num_requested(dg.AssetKey("blend_manifest")) == 0
+    monkeypatch.setattr(assets.data, "tokenize_to_indexed", real)
+    assert run("token_shards", "stdlib_code").success
+    assert run.automation().get_num_requested(dg.AssetKey("blend_manifest")) == 1
 
 
 def test_changed_or_missing_shard_fails_the_manifest_check(data_chain):

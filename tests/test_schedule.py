@@ -6,10 +6,12 @@ import pytest
 
 from assets.training import TrainingRunConfig, render_training_config
 from conftest import MICRO_CONFIG
+from pipelines.audit import cross_check
 from pipelines.definitions import build_definitions, resources
 from resources.msrun import MsrunResource
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
+from training.lineage import audit_checkpoint
 
 pytestmark = pytest.mark.msrun
 RUN_CONFIG = {"ops": {"training_run": {"config": {"config_path": MICRO_CONFIG, "run_name": "nightly"}},
@@ -49,6 +51,25 @@ def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micr
             asset_key=dg.AssetKey("raw_corpus"), asset_partitions=["stdlib_docs"]), limit=1).records[0]
         metadata = raw.asset_materialization.metadata
         assert metadata["docs/stdlib_docs"].value > 0 and metadata["docs/stdlib_code"].value > 0
+
+        # and the audit finds every link of the checkpoint's lineage among this run's records, the
+        # per-source links included (one step built both sources, so their hashes are per-source metadata)
+        final = tmp_path / "runs/nightly/checkpoints/iteration_00000006"
+        links = cross_check(instance, final, audit_checkpoint(final)[0])
+        assert {r.asset: (r.status, r.run_id) for r in links} == {
+            name: ("recorded", result.run_id) for name in [
+                "raw_corpus[stdlib_code]", "raw_corpus[stdlib_docs]", "tokenizer", "token_shards[stdlib_code]",
+                "token_shards[stdlib_docs]", "blend_manifest", "checkpoint[nightly/iteration_00000006]"]}
+
+        # progress is live: step lines reach the run's log through Pipes, and the first checkpoint is
+        # materialized while msrun still trains (before the step logs msrun's exit)
+        logs = instance.all_logs(result.run_id)
+        step_lines = [e for e in logs if "step:[" in (e.user_message or "")]
+        assert len(step_lines) >= 6
+        first_checkpoint = next(e.timestamp for e in logs if e.is_dagster_event and e.dagster_event.is_step_materialization
+                                and e.dagster_event.partition == "nightly/iteration_00000003")
+        msrun_exit = next(e.timestamp for e in logs if (e.user_message or "").startswith("[msrun] exited with code 0"))
+        assert step_lines[0].timestamp < first_checkpoint < msrun_exit
 
     # how the next materialization of the run would start
     def start(mode, run_name="nightly"):
