@@ -2,7 +2,10 @@
 
 Dagster keeps pool limits in the instance, not in code, so `make ui` / `make demo` (and the UI tests)
 set it from the msrun resource before starting: devices // workers per node, at least 1. On CPU there
-is no device list; each run's workers fill the cores, so one training run at a time.
+is no device list; each run's workers fill the cores, so one training run at a time. Which devices a
+step gets is decided by its lease (resources/devices.py), so steps holding slots never share one.
+A cluster (``nodes``) runs one training step per node and job, all at once: the pool holds every
+node's slots, and each machine's leases keep two jobs' steps apart there.
 """
 import sys
 
@@ -12,9 +15,15 @@ from assets.training import TRAINING_POOL
 from resources.msrun import MsrunResource
 
 
+def _slots(visible_devices: str | None, workers: int) -> int:
+    devices = len(visible_devices.split(",")) if visible_devices else workers
+    return max(1, devices // workers)
+
+
 def training_slots(msrun: MsrunResource) -> int:
-    devices = len(msrun.visible_devices.split(",")) if msrun.visible_devices else msrun.local_worker_num
-    return max(1, devices // msrun.local_worker_num)
+    if msrun.nodes:
+        return sum(_slots(node.visible_devices, node.devices) for node in msrun.nodes)
+    return _slots(msrun.visible_devices, msrun.local_worker_num)
 
 
 def configure_pools(instance: dg.DagsterInstance, msrun: MsrunResource) -> int:

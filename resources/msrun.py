@@ -12,15 +12,19 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import dagster as dg
 from pydantic import Field
 
+from resources.devices import DevicesBusy, lease_devices
 from resources.storage import PROJECT_ROOT
-from training.launch import MsrunSettings, SettingError, free_port, msrun_command, msrun_environment
+from training.launch import (MsrunSettings, SettingError, check_visible_devices, free_port, msrun_command,
+                             msrun_environment)
 
 
 def tail(path: Path, lines: int) -> str:
@@ -53,7 +57,12 @@ class MsrunResource(dg.ConfigurableResource):
     cluster_time_out: int = Field(default=600, description="seconds msrun waits for the cluster to form")
     tail_worker_log: int = Field(default=0, description="worker whose log msrun echoes to stdout; -1 all")
     device_target: str = Field(default="CPU", description="CPU, Ascend or GPU; written into context.device_target")
-    visible_devices: Optional[str] = Field(default=None, description="ASCEND_RT_VISIBLE_DEVICES, e.g. '0,1,2,3'")
+    visible_devices: Optional[str] = Field(default=None, description=(
+        "this machine's devices for training, e.g. '0,1,2,3,4,5,6,7'; each launch leases local_worker_num of "
+        "them and gets those as ASCEND_RT_VISIBLE_DEVICES"))
+    device_lease_dir: Optional[str] = Field(default=None, description=(
+        "where this machine's device leases are kept; default: $DAGSTER_HOME/device_leases, else the temp dir"))
+    device_wait_s: float = Field(default=3600.0, description="seconds a launch waits for its devices to be free")
     termination_timeout_s: float = 20.0
     failure_tail_lines: int = 40
     nodes: list[MsrunNode] = Field(default=[], description="the cluster, master first; empty: this machine only")
@@ -102,11 +111,34 @@ class MsrunResource(dg.ConfigurableResource):
         setpriv = shutil.which("setpriv")
         return [setpriv, "--pdeathsig=INT", "--", *msrun] if setpriv else msrun
 
-    def environment(self, extra: dict[str, str]) -> dict[str, str]:
+    def environment(self, extra: dict[str, str], visible_devices: Optional[str] = None) -> dict[str, str]:
         try:
-            return msrun_environment({**os.environ, **extra}, self.visible_devices)
+            return msrun_environment({**os.environ, **extra}, visible_devices or self.visible_devices)
         except SettingError as exc:
             raise dg.Failure(f"MsrunResource: {exc}") from None
+
+    def lease_dir(self) -> Path:
+        if self.device_lease_dir:
+            return Path(self.device_lease_dir)
+        home = os.environ.get("DAGSTER_HOME")
+        return Path(home) / "device_leases" if home else Path(tempfile.gettempdir()) / "kiln-device-leases"
+
+    @contextmanager
+    def devices(self, context: dg.AssetExecutionContext) -> Iterator[Optional[str]]:
+        """This launch's ASCEND_RT_VISIBLE_DEVICES, leased for the block (None on CPU: no device list)."""
+        if not self.visible_devices:
+            yield None
+            return
+        try:
+            check_visible_devices(self.visible_devices)
+            lease = lease_devices(self.visible_devices.split(","), self.local_worker_num, self.lease_dir(),
+                                  {"run_id": context.run_id}, wait_s=self.device_wait_s,
+                                  on_wait=lambda why: context.log.info(f"[msrun] waiting for devices: {why}"))
+            with lease as leased:
+                context.log.info(f"[msrun] devices {','.join(leased)} leased for this run")
+                yield ",".join(leased)
+        except (DevicesBusy, SettingError) as exc:
+            raise dg.Failure(f"MsrunResource.visible_devices: {exc}") from None
 
     def run(self, context: dg.AssetExecutionContext, script_args: list[str], log_dir: Path,
             on_custom_message: Callable[[dict], None]) -> list[str]:
@@ -115,9 +147,10 @@ class MsrunResource(dg.ConfigurableResource):
         port = self.master_port or free_port()
         cmd = self.command(script_args, log_dir, port)
         context.log.info(f"[msrun] {' '.join(cmd)}")
-        with dg.open_pipes_session(context=context, context_injector=dg.PipesTempFileContextInjector(),
-                                   message_reader=dg.PipesTempFileMessageReader()) as session:
-            proc = subprocess.Popen(cmd, env=self.environment(session.get_bootstrap_env_vars()),
+        with self.devices(context) as visible_devices, dg.open_pipes_session(
+                context=context, context_injector=dg.PipesTempFileContextInjector(),
+                message_reader=dg.PipesTempFileMessageReader()) as session:
+            proc = subprocess.Popen(cmd, env=self.environment(session.get_bootstrap_env_vars(), visible_devices),
                                     cwd=PROJECT_ROOT, start_new_session=True)
             handled = 0
             try:

@@ -11,7 +11,7 @@ from assets.versions import code_version_of
 from pipelines.definitions import build_definitions, resources
 from pipelines.pools import configure_pools, training_slots
 from pipelines.sensors import raw_files_sensor
-from resources.msrun import MsrunResource
+from resources.msrun import MsrunNode, MsrunResource
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 
@@ -84,6 +84,10 @@ def test_sensors_run_by_default_and_the_pool_follows_the_devices():
     assert training_slots(MsrunResource(local_worker_num=2)) == 1  # CPU: one run's workers fill the machine
     assert training_slots(MsrunResource(worker_num=2, local_worker_num=2, visible_devices="0,1,2,3,4,5,6,7")) == 4
     assert training_slots(MsrunResource(worker_num=8, local_worker_num=8, visible_devices="0,1,2,3,4,5,6,7")) == 1
+    # a cluster: every node's step of a job holds a slot at the same time
+    nodes = [MsrunNode(address="10.0.0.5", devices=4, visible_devices="0,1,2,3,4,5,6,7"),
+             MsrunNode(address="10.0.0.6", devices=4, visible_devices="0,1,2,3,4,5,6,7")]
+    assert training_slots(MsrunResource.for_node(nodes, node_rank=1, master_port=8118)) == 4
     with dg.instance_for_test() as instance:
         assert configure_pools(instance, MsrunResource(local_worker_num=2, visible_devices="0,1,2,3")) == 2
         assert instance.event_log_storage.get_concurrency_info("npu").slot_count == 2
