@@ -144,36 +144,48 @@ def _mla(w, x, c):
     return out @ w["self_attention.linear_proj.weight"].T
 
 
-def _moe(w, x, aux: list, bias):
-    """Token by token: sigmoid scores, groups of 2 scored by their top-2 sum, best 2 groups, top-3 experts."""
+def _moe(w, x, aux: list, bias, c):
+    """Token by token: sigmoid (or softmax) scores; the best `topk_group` of `n_group` groups, each scored
+    by the sum of its top-2 biased scores; the top-k experts among them; gates from the unbiased scores."""
     b, s, h = x.shape
+    experts, groups, k = c["n_routed_experts"], c["n_group"], c["num_experts_per_tok"]
+    size = experts // groups
     out = np.zeros_like(x)
-    chosen_all = np.zeros((b, s, 3), int)
-    scores_all = np.zeros((b, s, 8))
+    chosen_all = np.zeros((b, s, k), int)
+    scores_all = np.zeros((b, s, experts))
     for bi in range(b):
         for t in range(s):
             token = x[bi, t]
-            scores = 1 / (1 + np.exp(-(w["mlp.router.weight"] @ token)))
+            logits = w["mlp.router.weight"] @ token
+            if c.get("moe_router_score_function", "sigmoid") == "sigmoid":
+                scores = 1 / (1 + np.exp(-logits))
+            else:
+                scores = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
             biased = scores + bias
-            groups = biased.reshape(4, 2)
-            best_groups = np.argsort(-np.sort(groups, -1)[:, ::-1][:, :2].sum(-1))[:2]
-            masked = np.full(8, -np.inf)
+            group_scores = [sorted(biased[g * size:(g + 1) * size])[-2:] for g in range(groups)]
+            best_groups = np.argsort([-sum(top2) for top2 in group_scores], kind="stable")[:c["topk_group"]]
+            masked = np.full(experts, -np.inf)
             for g in best_groups:
-                masked[2 * g:2 * g + 2] = biased[2 * g:2 * g + 2]
-            chosen = np.argsort(-masked)[:3]
-            gates = scores[chosen] / scores[chosen].sum() * 2.5
-            for e, gate in zip(chosen, gates):
+                masked[g * size:(g + 1) * size] = biased[g * size:(g + 1) * size]
+            chosen = np.argsort(-masked, kind="stable")[:k]
+            gates = scores[chosen] / (scores[chosen].sum() if c.get("norm_topk_prob", True) else 1.0)
+            for e, gate in zip(chosen, gates * c["routed_scaling_factor"]):
                 w1, w2 = w["mlp.experts.weight1"][e], w["mlp.experts.weight2"][e]
                 gate_up = token @ w1
                 out[bi, t] += gate * ((_silu(gate_up[:16]) * gate_up[16:]) @ w2)
             chosen_all[bi, t], scores_all[bi, t] = chosen, scores
     fc1 = w["mlp.shared_experts.linear_fc1.weight"].reshape(16, 2, -1)
     out += (_silu(x @ fc1[:, 0].T) * (x @ fc1[:, 1].T)) @ w["mlp.shared_experts.linear_fc2.weight"].T
-    # sequence aux loss: per sequence sum_i f_i * P_i, f_i = E/(k*s) * count_i, P_i = mean normalised score
+    # balancing: sum_i f_i * P_i with f_i = E/(k*T) * count_i and P_i the mean normalised score, per
+    # sequence then averaged (seq_aux_loss), or over the micro-batch's tokens at once (aux_loss)
     probs = scores_all / scores_all.sum(-1, keepdims=True)
-    per_seq = [(np.bincount(chosen_all[bi].ravel(), minlength=8) * 8 / (3 * s) * probs[bi].mean(0)).sum()
-               for bi in range(b)]
-    aux.append(0.01 * np.mean(per_seq))
+    balancing = c.get("moe_router_load_balancing_type", "seq_aux_loss")
+    rows = ([(chosen_all[bi], probs[bi]) for bi in range(b)] if balancing == "seq_aux_loss"
+            else [(chosen_all, probs.reshape(-1, experts))] if balancing == "aux_loss" else [])
+    if rows:
+        aux.append(c["moe_aux_loss_coeff"] * np.mean([
+            (np.bincount(chosen.ravel(), minlength=experts) * experts / chosen.size * p.mean(0)).sum()
+            for chosen, p in rows]))
     return out
 
 
@@ -182,10 +194,10 @@ def _dense(w, x):
     return (_silu(x @ fc1[:, 0].T) * (x @ fc1[:, 1].T)) @ w["mlp.linear_fc2.weight"].T
 
 
-def _layer(w, x, moe: bool, aux):
-    x = x + _mla(w, _rms(x, w["input_layernorm.weight"]), TINY)
+def _layer(w, x, moe: bool, aux, c):
+    x = x + _mla(w, _rms(x, w["input_layernorm.weight"]), c)
     h = _rms(x, w["pre_mlp_layernorm.weight"])
-    return x + (_moe(w, h, aux, w["mlp.expert_bias"]) if moe else _dense(w, h))
+    return x + (_moe(w, h, aux, w["mlp.expert_bias"], c) if moe else _dense(w, h))
 
 
 def _ce(logits, labels, mask):
@@ -195,26 +207,42 @@ def _ce(logits, labels, mask):
     return (token * mask).sum() / mask.sum()
 
 
-def numpy_deepseek_loss(weights, ids, labels, mask):
-    """(lm loss, mtp depth-1 loss, aux loss)."""
+def numpy_deepseek_loss(weights, ids, labels, mask, c):
+    """(lm loss, [loss of each MTP depth], balancing loss). Depth k reads the embedding of the tokens k
+    ahead and depth k-1's normed output (the decoder's for k = 1)."""
     sub = lambda prefix: {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
     aux = []
     x = weights["embedding.word_embeddings.weight"][ids]
-    x = _layer(sub("decoder.layers.0."), x, False, aux)
-    x = _layer(sub("decoder.layers.1."), x, True, aux)
+    x = _layer(sub("decoder.layers.0."), x, False, aux, c)
+    x = _layer(sub("decoder.layers.1."), x, True, aux, c)
     hidden = _rms(x, weights["decoder.final_layernorm.weight"])
     lm = _ce(hidden @ weights["output_layer.weight"].T, labels, mask)
     shift = lambda a: np.concatenate([a[:, 1:], np.zeros_like(a[:, :1])], 1)
-    ids1, labels1, mask1 = shift(ids), shift(labels), shift(mask)
-    mtp = sub("mtp.layers.0.")
-    h = np.concatenate([_rms(weights["embedding.word_embeddings.weight"][ids1], mtp["enorm.weight"]),
-                        _rms(hidden, mtp["hnorm.weight"])], -1) @ mtp["eh_proj.weight"].T
-    h = _rms(_layer(sub("mtp.layers.0.transformer_layer."), h, True, aux), mtp["final_layernorm.weight"])
-    return lm, _ce(h @ weights["output_layer.weight"].T, labels1, mask1), sum(aux)
+    depth_losses = []
+    for depth in range(c["num_nextn_predict_layers"]):
+        ids, labels, mask = shift(ids), shift(labels), shift(mask)
+        mtp = sub(f"mtp.layers.{depth}.")
+        h = np.concatenate([_rms(weights["embedding.word_embeddings.weight"][ids], mtp["enorm.weight"]),
+                            _rms(hidden, mtp["hnorm.weight"])], -1) @ mtp["eh_proj.weight"].T
+        hidden = _rms(_layer(sub(f"mtp.layers.{depth}.transformer_layer."), h, True, aux, c),
+                      mtp["final_layernorm.weight"])
+        depth_losses.append(_ce(hidden @ weights["output_layer.weight"].T, labels, mask))
+    return lm, depth_losses, sum(aux)
 
 
-def test_loss_matches_numpy_deepseek_v3():
-    model = tiny_model(seed=3)
+@pytest.mark.parametrize("overrides", [
+    {},  # 4 groups of 2, the best 2 kept, top-3; sequence aux loss; one MTP depth
+    # 2 groups of 4, one kept: a group's top-2 sum differs from its total and the top-2 pick inside it matters;
+    # the micro-batch aux loss; two MTP depths (the second reads the first's output)
+    dict(n_group=2, topk_group=1, num_experts_per_tok=2, moe_router_load_balancing_type="aux_loss",
+         num_nextn_predict_layers=2),
+    # softmax scores, no group limit, raw gates; no balancing loss
+    dict(n_group=1, topk_group=1, moe_router_score_function="softmax", norm_topk_prob=False,
+         moe_router_load_balancing_type="none"),
+], ids=["groups_of_2", "groups_of_4_aux_loss_mtp2", "softmax_no_balancing_loss"])
+def test_loss_matches_numpy_deepseek_v3(overrides):
+    config = {**TINY, **overrides}
+    model = tiny_model(seed=3, **overrides)
     rng = np.random.RandomState(7)
     for _, p in model.parameters_and_names():  # non-trivial norms and expert biases
         if p.name.endswith("layernorm.weight") or p.name.endswith("norm.weight"):
@@ -226,11 +254,15 @@ def test_loss_matches_numpy_deepseek_v3():
     mask = (np.random.RandomState(3).rand(*ids.shape) > 0.2).astype(np.float32)
     loss = float(model(Tensor(ids), Tensor(labels), Tensor(mask)).asnumpy())
     parts = model.loss_components()
-    lm, mtp, aux = numpy_deepseek_loss(weights, ids, labels, mask)
+    lm, depths, aux = numpy_deepseek_loss(weights, ids, labels, mask, config)
     assert parts["lm_loss"] == pytest.approx(lm, rel=1e-4)
-    assert parts["mtp_1_loss"] == pytest.approx(mtp, rel=1e-4)
-    assert parts["load_balancing_loss"] == pytest.approx(aux, rel=1e-4)
-    assert loss == pytest.approx(lm + 0.3 * mtp + aux, rel=1e-5)
+    assert {k: v for k, v in parts.items() if k.startswith("mtp_")} == {
+        f"mtp_{k + 1}_loss": pytest.approx(depth, rel=1e-4) for k, depth in enumerate(depths)}
+    if aux:
+        assert parts["load_balancing_loss"] == pytest.approx(aux, rel=1e-4)
+    else:
+        assert "load_balancing_loss" not in parts
+    assert loss == pytest.approx(lm + 0.3 * np.mean(depths) + aux, rel=1e-5)
 
 
 def test_every_trainable_parameter_gets_a_gradient():
@@ -394,3 +426,15 @@ def test_trains_under_msrun_with_two_workers(tmp_path):
     assert np.abs(biases[0]).max() > 0
     for other in biases[1:]:
         np.testing.assert_array_equal(other, biases[0])
+
+
+def test_flops_per_token_count_only_the_experts_a_token_visits():
+    """6 x the weights a token passes through, counted by hand for TINY, + the attention score matmuls."""
+    attention = 32 * (24 + 16 + 4) + 24 * 2 * 12 + 16 * 2 * 16 + 16 * 32 + (32 + 24 + 16 + 32)  # + its norms
+    dense = 32 * 2 * 64 + 64 * 32
+    moe = 8 * 32 + 3 * (32 * 2 * 16 + 16 * 32) + (32 * 2 * 16 + 16 * 32)  # router, top-3 of 8, shared expert
+    output = 128 * 32  # the untied output layer; the input embedding is a lookup
+    mtp = 32 + 32 + 2 * 32 * 32 + 32 + attention + moe + output  # enorm, hnorm, eh_proj, norm, layer, head again
+    visited = attention + dense + attention + moe + 32 + output + mtp
+    scores = 6 * 3 * 2 * (12 + 8) * 16  # 3 attention layers x 2 heads x (qk 12 + v 8) x seq 16
+    assert tiny_model().flops_per_token(16) == 6 * visited + scores

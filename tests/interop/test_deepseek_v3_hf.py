@@ -20,7 +20,10 @@ MTP = "model.layers.2."  # the micro model has 2 decoder layers, so its MTP dept
 
 @pytest.fixture
 def section():
-    section = model_section(CONFIG)
+    # 8 experts in 2 groups of 4, one group kept: a group's score (its top-2 sum) is not its total, and
+    # the top-2 pick inside the kept group matters
+    section = model_section(CONFIG, n_routed_experts=8)
+    assert (section["n_group"], section["topk_group"], section["num_experts_per_tok"]) == (2, 1, 2)
     assert section["rope_scaling"]["factor"] > 1 and section["num_nextn_predict_layers"] == 1
     assert section["q_lora_rank"] and section["n_routed_experts"] > section["num_experts_per_tok"]
     return section
