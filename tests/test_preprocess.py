@@ -1,5 +1,6 @@
 import io
 import json
+import os
 import random
 
 import numpy as np
@@ -103,6 +104,18 @@ def test_workers_write_identical_bytes(tmp_path, tokenizer_model, small_tasks):
     for ext in ("bin", "idx"):
         assert (tmp_path / f"one_text_document.{ext}").read_bytes() == (tmp_path / f"two_text_document.{ext}").read_bytes()
     assert one["outputs"][0]["bin_sha256"] == two["outputs"][0]["bin_sha256"] and one["docs"] == two["docs"] == 1500
+
+
+def _die(work):
+    os._exit(1)  # as a worker killed by the OOM killer: no exception, the process is gone
+
+
+def test_a_dead_worker_fails_the_run_and_writes_nothing(tmp_path, tokenizer_model, small_tasks, monkeypatch):
+    path = _write_jsonl(tmp_path / "a.jsonl", _documents(3, 1500))
+    monkeypatch.setattr(preprocess, "_encode_in_worker", _die)  # the forked workers inherit it
+    with pytest.raises(ChildProcessError, match=r"a tokenizing worker process died while .*a.jsonl was being encoded"):
+        tokenize_to_indexed([path], tokenizer_model, tmp_path / "out" / "p", workers=2)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
 
 
 def test_eod_and_bos_are_optional(tmp_path, tokenizer_model, processor):

@@ -1,7 +1,7 @@
-"""The tokenizing half of preprocessing: what each worker thread runs.
+"""The tokenizing half of preprocessing: what each worker process runs.
 
 A task is either a byte range of a JSONL file, which the worker reads and parses itself (so the
-reading thread never parses it), or the values of records already read (JSON arrays, Parquet). The result is, per json key, the lengths of the documents kept and their
+reading process never parses it), or the values of records already read (JSON arrays, Parquet). The result is, per json key, the lengths of the documents kept and their
 tokens as one little-endian array, ready to append to a `.bin`.
 """
 
@@ -48,7 +48,7 @@ class Encoded:
 class Encoder:
     def __init__(self, spec: EncoderSpec, processor: sentencepiece.SentencePieceProcessor) -> None:
         self.spec = spec
-        self.processor = processor  # shared by all worker threads: its encode is thread-safe
+        self.processor = processor
         self.dtype = np.dtype(spec.dtype).newbyteorder("<")  # Megatron's files are little-endian
         self.extra = (spec.bos_id is not None) + (spec.eod_id is not None)
 
@@ -76,5 +76,8 @@ class Encoder:
                                           add_eos=self.spec.eod_id is not None)
         lengths = np.fromiter(map(len, documents), dtype=np.int32, count=len(documents))
         kept = lengths > self.extra
-        tokens = np.concatenate([doc for doc, keep in zip(documents, kept) if keep] or [np.zeros(0, np.int32)])
-        return lengths[kept], tokens.astype(self.dtype), int(len(documents) - kept.sum())
+        if not kept.all():
+            documents = [doc for doc, keep in zip(documents, kept) if keep]
+        # one pass from sentencepiece's int32 buffers into the file's dtype (ids fit it: see dtype_for_vocab)
+        tokens = np.concatenate(documents, dtype=self.dtype, casting="unsafe") if documents else np.zeros(0, self.dtype)
+        return lengths[kept], tokens, int(len(kept) - kept.sum())
