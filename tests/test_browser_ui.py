@@ -62,6 +62,15 @@ def _wait_for_the_run(client, timeout: float = 420) -> str:
     pytest.fail(f"the chain's run did not finish in {timeout} s")
 
 
+# counts a canvas's non-transparent pixels
+PAINTED_PIXELS = """canvas => {
+    const data = canvas.getContext("2d").getImageData(0, 0, canvas.width, canvas.height).data;
+    let painted = 0;
+    for (let i = 3; i < data.length; i += 4) painted += data[i] > 0;
+    return painted;
+}"""
+
+
 def test_materialize_the_chain_in_the_browser(tmp_path, micro_sources):
     sync_playwright = _playwright()
     shots = tmp_path / "screenshots"
@@ -96,6 +105,12 @@ def test_materialize_the_chain_in_the_browser(tmp_path, micro_sources):
         loss = page.get_by_text("loss", exact=True).first
         loss.wait_for()
         loss.scroll_into_view_if_needed()
+        # the plot under the "loss" title is drawn: its canvas has painted pixels (a line over the partitions)
+        canvas = loss.locator("xpath=ancestor::*[.//canvas][1]").locator("canvas").first
+        canvas.wait_for()
+        page.wait_for_timeout(1500)  # the chart animates its first draw
+        painted = canvas.evaluate(PAINTED_PIXELS)
         page.screenshot(path=shots / "04_checkpoint_plots.png")
+        assert painted > 200, f"the loss plot's canvas has {painted} painted pixels"
         browser.close()
     assert (tmp_path / f"runs/{RUN_NAME}/checkpoints/iteration_00000006/common.json").exists()

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import MICRO_CONFIG
 from pipelines.chain import config_for, materialize_chain
-from pipelines.definitions import ALL_ASSETS, resources
+from pipelines.definitions import ALL_ASSETS, build_definitions, resources
 from resources.msrun import MsrunResource
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
@@ -45,6 +45,25 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         assert [m.metadata["step"].value for m in chain.materializations["checkpoint"]] == [3, 6]
         shards = chain.metadata("token_shards", "stdlib_code")
         assert shards["tokens"] > 10_000 and shards["dtype"] == "uint16"
+        # what the UI shows: paths as paths, hashes as text, per-file tables, a markdown summary, plottable numbers
+        kinds = {(key, name): type(value).__name__ for key, events in chain.materializations.items()
+                 for name, value in events[-1].metadata.items()}
+        assert {kinds[k] for k in [("raw_corpus", "dir"), ("token_shards", "dir"), ("tokenizer", "model_path"),
+                                   ("blend_manifest", "manifest_path"), ("training_run", "run_dir"),
+                                   ("checkpoint", "path")]} == {"PathMetadataValue"}
+        assert {kinds[k] for k in [("tokenizer", "sha256"), ("token_shards", "tokenizer_sha256"),
+                                   ("blend_manifest", "sha256")]} == {"TextMetadataValue"}
+        assert {kinds[k] for k in [("raw_corpus", "files"), ("token_shards", "shards"), ("token_shards", "raw_files"),
+                                   ("blend_manifest", "sources"), ("checkpoint", "files")]} == {"TableMetadataValue"}
+        assert {kinds[k] for k in [("blend_manifest", "summary"), ("training_run", "loss_curve")]} == {
+            "MarkdownMetadataValue"}
+        assert {kinds[k] for k in [("checkpoint", "loss"), ("checkpoint", "tokens_per_s"), ("training_run", "final_loss"),
+                                   ("blend_manifest", "tokens/stdlib_code")]} <= {"FloatMetadataValue", "IntMetadataValue"}
+        specs = {spec.key.to_user_string(): spec for spec in build_definitions(res).resolve_all_asset_specs()}
+        assert {key: (spec.group_name, bool(spec.owners), bool(spec.kinds), "stage" in spec.tags, bool(spec.description))
+                for key, spec in specs.items()} == {
+            key: ("training" if key in ("training_run", "checkpoint") else "data", True, True, True, True)
+            for key in specs}
 
         # data parallel is exact: one process with gradient accumulation sees the same global batches
         run_dir = tmp_path / "runs/micro"
