@@ -148,7 +148,7 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
     """
     return per_source(context, lambda source: _ingest_source(storage, source))
 
-@versioned_asset(raw_files, resources_tokenizer, deps=[raw_corpus], group_name="data", kinds={"sentencepiece"},
+@versioned_asset(raw_files, resources_tokenizer, SOURCES_CONFIG, deps=[raw_corpus], group_name="data", kinds={"sentencepiece"},
                  owners=["team:kiln"], tags={"stage": "tokenizer"})
 def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
               tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:

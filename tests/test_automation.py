@@ -1,12 +1,15 @@
 """Changed raw files re-ingest their source; eager automation re-shards it and re-blends; training waits."""
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 
 import dagster as dg
 
 from assets.training import training_run
+from conftest import PROJECT_ROOT
 from assets.versions import code_version_of
 from pipelines.definitions import build_definitions, resources
 from pipelines.pools import configure_pools, training_slots
@@ -105,6 +108,27 @@ def test_code_version_follows_the_source(tmp_path):
     package = code_version_of(tmp_path / "pkg")
     (tmp_path / "pkg" / "m.py").write_text("x = 2\n")
     assert code_version_of(tmp_path / "pkg") != package
+
+
+CODE_VERSIONS = ("from pipelines.definitions import defs; import json; graph = defs.resolve_asset_graph(); "
+                 "print(json.dumps({k.to_user_string(): graph.get(k).code_version for k in graph.get_all_asset_keys()}))")
+
+
+def test_assets_code_versions_follow_the_sources_config(tmp_path):
+    """What the UI flags as stale after an edit: the code locations as they load, before and after."""
+    def versions(sources_text):
+        config = tmp_path / "sources.yaml"
+        config.write_text(sources_text)
+        out = subprocess.run([sys.executable, "-c", CODE_VERSIONS], cwd=PROJECT_ROOT, check=True, capture_output=True,
+                             text=True, env={**os.environ, "KILN_SOURCES": str(config)}).stdout
+        return json.loads(out.splitlines()[-1])
+
+    base = "sources:\n  docs: {builtin: python_stdlib_docstrings, max_bytes: 40000, weight: 1.0}\n"
+    before, same, after = versions(base), versions(base), versions(base.replace("40000", "50000"))
+    assert before == same
+    changed = {key for key in before if before[key] != after[key]}
+    # every asset that reads sources.yaml; training reads the manifest, not the sources
+    assert changed == {"raw_corpus", "tokenizer", "token_shards", "blend_manifest"}
 
 
 def test_a_second_training_step_waits_for_the_npu_slot(tmp_path):
