@@ -17,6 +17,10 @@ from training.config import ConfigError
 from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
 from training.model import DeepseekV3Config, build_model
 from training.model.gpt import GPTModel
+from training.model.layers import Init
+from training.model.moe import GroupedExperts, MoELayer, TopKRouter
+from training.model.spec import ModuleSpec, build_module
+from training.model.transformer import MLP
 from training.model.mla import yarn_parameters
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -80,6 +84,25 @@ def test_no_q_lora_fuses_full_queries_into_linear_qkv():
 def test_layer_specs_pick_dense_or_moe_per_layer(overrides, moe_layers):
     model = tiny_model(num_nextn_predict_layers=0, **overrides)
     assert [name for name, _ in model.moe_layers()] == [f"decoder.layers.{i}" for i in moe_layers]
+
+
+def test_moe_layer_is_assembled_from_its_spec():
+    config = DeepseekV3Config.from_dict({**TINY, "num_nextn_predict_layers": 0})
+    spec = config.decoder_layer_specs()[1].submodules["mlp"]
+    assert (spec.module, {name: sub.module for name, sub in spec.submodules.items()}) == (
+        MoELayer, {"router": TopKRouter, "experts": GroupedExperts, "shared_experts": MLP})
+    assert spec.submodules["shared_experts"].params == {"ffn_size": 16}
+
+    class BiasFreeRouter(TopKRouter):  # a spec swaps one part and keeps the rest
+        def construct(self, tokens, expert_bias):
+            return super().construct(tokens, expert_bias * 0)
+
+    swapped = ModuleSpec(MoELayer, {**spec.submodules, "router": ModuleSpec(BiasFreeRouter)})
+    moe = build_module(swapped, Init(0, config.initializer_range), config)
+    assert isinstance(moe.router, BiasFreeRouter) and isinstance(moe.experts, GroupedExperts)
+    moe.expert_bias.set_data(Tensor(np.array([0, 0, 0, 0, 0, 10, 0, 0], np.float32)))
+    moe(Tensor(np.random.RandomState(0).randn(1, 10, 32).astype(np.float32)))
+    assert moe.take_counts()[5] < 10  # the bias no longer forces expert 5 on every token
 
 
 @pytest.mark.parametrize("overrides, width", [

@@ -12,7 +12,7 @@ from training.config import Section, require
 from training.model.gpt import GPTConfig
 from training.model.layers import RotaryEmbedding
 from training.model.mla import MLASelfAttention, yarn_mscale, yarn_parameters
-from training.model.moe import LOAD_BALANCING_TYPES, MoELayer
+from training.model.moe import LOAD_BALANCING_TYPES, GroupedExperts, MoELayer, TopKRouter
 from training.model.spec import ModuleSpec
 from training.model.transformer import MLP, TransformerLayer
 
@@ -150,10 +150,17 @@ class DeepseekV3Config(GPTConfig):
             return self.moe_layer_freq[index] == 1
         return index % self.moe_layer_freq == 0
 
+    def moe_spec(self) -> ModuleSpec:
+        """Router, routed experts and (when n_shared_experts) shared experts of ``shared_expert_size``."""
+        experts = {"router": ModuleSpec(TopKRouter), "experts": ModuleSpec(GroupedExperts)}
+        if self.shared_expert_size:
+            experts["shared_experts"] = ModuleSpec(MLP, params={"ffn_size": self.shared_expert_size})
+        return ModuleSpec(MoELayer, experts)
+
     def decoder_layer_specs(self) -> list[ModuleSpec]:
         attention = ModuleSpec(MLASelfAttention)
         dense = ModuleSpec(TransformerLayer, {"self_attention": attention, "mlp": ModuleSpec(MLP)})
-        moe = ModuleSpec(TransformerLayer, {"self_attention": attention, "mlp": ModuleSpec(MoELayer)})
+        moe = ModuleSpec(TransformerLayer, {"self_attention": attention, "mlp": self.moe_spec()})
         return [moe if self.is_moe_layer(i) else dense for i in range(self.num_hidden_layers)]
 
     @property

@@ -15,7 +15,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from training.model.layers import Init, _matmul_transpose_b, cast
-from training.model.transformer import MLP
+from training.model.spec import ModuleSpec, build_module
 
 LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss")
 
@@ -87,17 +87,19 @@ class GroupedExperts(nn.Cell):
 
 
 class MoELayer(nn.Cell):
-    """Routed experts (+ shared experts) in place of the dense MLP. Keeps, per step, how many tokens
-    each expert received (``tokens_per_expert``), and the load-balancing loss of the last forward
-    (``aux_loss``, None when moe_aux_loss_coeff is 0 or the type is 'none')."""
+    """Routed experts (+ shared experts) in place of the dense MLP; the router, the routed experts and
+    the shared experts (None: none) come from the spec. Keeps, per step, how many tokens each expert
+    received (``tokens_per_expert``), and the load-balancing loss of the last forward (``aux_loss``,
+    None when moe_aux_loss_coeff is 0 or the type is 'none')."""
 
-    def __init__(self, init: Init, config):
+    def __init__(self, init: Init, config, router: ModuleSpec, experts: ModuleSpec,
+                 shared_experts: ModuleSpec | None = None):
         super().__init__()
         self.num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
-        self.router = TopKRouter(init, config)
-        self.experts = GroupedExperts(init, config)
-        self.shared_experts = MLP(init, config, ffn_size=config.shared_expert_size) if config.shared_expert_size else None
+        self.router = build_module(router, init, config)
+        self.experts = build_module(experts, init, config)
+        self.shared_experts = build_module(shared_experts, init, config) if shared_experts else None
         self.expert_bias = Parameter(Tensor(np.zeros(self.num_experts, np.float32)), requires_grad=False)
         self.tokens_per_expert = Parameter(Tensor(np.zeros(self.num_experts, np.float32)), requires_grad=False)
         self.enable_expert_bias = config.moe_router_enable_expert_bias
