@@ -1,9 +1,10 @@
 """The Dagster side of ``kiln audit``: a checkpoint's lineage.json checked against the instance's records.
 
 For every link of the chain, the data version the lineage implies (the same hashes the assets report) is
-looked up among that asset's recorded materializations: which run produced it, with which code version,
-and whether the asset has been re-materialized with other data since. ``training/`` never imports this;
-the CLI does, when dagster is importable and an instance is given.
+looked up among that asset's recorded materializations: which run produced it, with which code version
+(and whether the code here now has another), and whether the asset has been re-materialized with other
+data since. ``training/`` never imports this; the CLI does, when dagster is importable and an instance is
+given.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class Recorded:
     run_id: str | None = None
     code_version: str | None = None
     latest_data_version: str | None = None
+    code_version_now: str | None = None  # of the asset as this code defines it
 
     def line(self) -> str:
         if self.status == "NOT RECORDED":
@@ -36,7 +38,18 @@ class Recorded:
                 f"data version {self.data_version[:16]}")
         if self.status == "superseded":
             text += f" (re-materialized since: now {(self.latest_data_version or '')[:16]})"
+        if self.code_version and self.code_version_now and self.code_version != self.code_version_now:
+            text += f" (its code changed since: code version now {self.code_version_now})"
         return text
+
+
+def current_code_versions() -> dict[str, str]:
+    """Each asset's code version as the code here defines it; a checkpoint carries training_run's."""
+    from pipelines.definitions import ALL_ASSETS
+
+    versions = {key.to_user_string(): version for asset in ALL_ASSETS if isinstance(asset, dg.AssetsDefinition)
+                for key, version in asset.code_versions_by_key.items() if version}
+    return {**versions, "checkpoint": versions["training_run"]}
 
 
 def expected_versions(checkpoint_dir: Path, lineage: dict) -> list[tuple[str, str | None, str]]:
@@ -78,6 +91,7 @@ def content_version(materialization: dg.AssetMaterialization, partition: str | N
 
 def cross_check(instance: dg.DagsterInstance, checkpoint_dir: Path, lineage: dict) -> list[Recorded]:
     results = []
+    code_now = current_code_versions()
     for key, partition, version in expected_versions(checkpoint_dir, lineage):
         records = instance.fetch_materializations(
             dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None),
@@ -92,7 +106,7 @@ def cross_check(instance: dg.DagsterInstance, checkpoint_dir: Path, lineage: dic
         found = record.asset_materialization.tags or {}
         results.append(Recorded(name, version, "recorded" if latest == version else "superseded",
                                 run_id=record.run_id, code_version=found.get(CODE_VERSION),
-                                latest_data_version=latest))
+                                latest_data_version=latest, code_version_now=code_now.get(key)))
     return results
 
 

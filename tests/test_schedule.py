@@ -1,4 +1,5 @@
 """The nightly schedule's tick runs raw → tokenizer → shards → manifest → training as one real run."""
+import dataclasses
 import datetime
 
 import dagster as dg
@@ -60,6 +61,10 @@ def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micr
             name: ("recorded", result.run_id) for name in [
                 "raw_corpus[stdlib_code]", "raw_corpus[stdlib_docs]", "tokenizer", "token_shards[stdlib_code]",
                 "token_shards[stdlib_docs]", "blend_manifest", "checkpoint[nightly/iteration_00000006]"]}
+        # every link was made by the code here; a link whose asset code has changed since says so
+        assert all(r.code_version and r.code_version == r.code_version_now for r in links)
+        assert "its code changed since: code version now 0123" in dataclasses.replace(
+            links[0], code_version_now="0123").line()
 
         # progress is live: step lines reach the run's log through Pipes, and the first checkpoint is
         # materialized while msrun still trains (before the step logs msrun's exit)
