@@ -125,9 +125,7 @@ def bench_tokenizing(work: Path, kind: str, corpus_bytes: int, settings, rounds:
         variants[f"bare, {workers} processes, {name}"] = lambda out_type=out_type: bare_processes(out_type)
     kiln = {
         "kiln preprocess (whole command)": lambda: _rate(lambda: _run_command(command, work / "shard_text_document")),
-        # the same function in this process, without interpreter start-up and imports; its forked workers
-        # inherit this process's heap (100 MB of texts, the pools), which cost them ~10% CPU in a
-        # side-by-side run (children's CPU time for the same corpus, this process vs a fresh one)
+        # the same function in this process (which holds 100 MB of texts): without interpreter start-up
         "  tokenize_to_indexed in process": lambda: _rate(
             lambda: tokenize_to_indexed(files, model, work / "in_process", workers=workers)["tokens"]),
     }

@@ -18,6 +18,7 @@ ids in the file's dtype, 2 bytes per token for most vocabularies.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import time
@@ -161,6 +162,10 @@ _worker_encoder: Encoder | None = None  # in a worker process: its own Encoder, 
 
 def _start_worker(spec: EncoderSpec, model_file: str) -> None:
     global _worker_encoder
+    # A forked worker shares its parent's pages until it writes them, and every garbage collection writes
+    # to the header of each object it visits; frozen, the inherited objects are never visited (in a parent
+    # holding 100 MB of texts and Dagster, the workers' CPU time fell ~8%: 8 paired rounds, 6 lower)
+    gc.freeze()
     _worker_encoder = Encoder(spec, sentencepiece.SentencePieceProcessor(model_file=model_file))
 
 
