@@ -38,7 +38,7 @@ postgres:
 	bash tests/setup/postgres.sh
 
 test: $(STAMP) chromium postgres
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -rs tests  # -rs: every skipped test prints its reason
 
 ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m pipelines.pools
