@@ -189,6 +189,7 @@ def _encoded_in_order(tasks: Iterable[_Task], spec: EncoderSpec, model_file: str
         return
     pool = ProcessPoolExecutor(workers, mp_context=_worker_context(), initializer=_start_worker,
                                initargs=(spec, model_file))
+
     def result(task: _Task, future) -> tuple[_Task, Encoded]:
         try:
             return task, future.result()
