@@ -148,8 +148,8 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
     """
     return per_source(context, lambda source: _ingest_source(storage, source))
 
-@versioned_asset(raw_files, resources_tokenizer, SOURCES_CONFIG, deps=[raw_corpus], group_name="data", kinds={"sentencepiece"},
-                 owners=["team:kiln"], tags={"stage": "tokenizer"})
+@versioned_asset(raw_files, resources_tokenizer, SOURCES_CONFIG, deps=[raw_corpus], group_name="data",
+                 kinds={"sentencepiece"}, owners=["team:kiln"], tags={"stage": "tokenizer"})
 def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
               tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
     """A sentencepiece model trained on a seeded, bounded sample of every source's raw documents."""

@@ -71,7 +71,8 @@ def lease_devices(devices: list[str], count: int, lease_dir: Path, holder: dict,
             break
         for _, handle in held:
             handle.close()
-        busy = {d: _holder(lease_dir / f"device-{d}.lock") for d in devices if d not in dict(held)}
+        got = {device for device, _ in held}
+        busy = {d: _holder(lease_dir / f"device-{d}.lock") for d in devices if d not in got}
         message = (f"{count} of devices {','.join(devices)} wanted, {len(held)} free; leased in {lease_dir}: "
                    + "; ".join(f"device {d} by {who}" for d, who in busy.items()))
         if time.monotonic() >= deadline:

@@ -111,7 +111,8 @@ def test_code_version_follows_the_source(tmp_path):
 
 
 CODE_VERSIONS = ("from pipelines.definitions import defs; import json; graph = defs.resolve_asset_graph(); "
-                 "print(json.dumps({k.to_user_string(): graph.get(k).code_version for k in graph.get_all_asset_keys()}))")
+                 "print(json.dumps({k.to_user_string(): graph.get(k).code_version "
+                 "for k in graph.get_all_asset_keys()}))")
 
 
 def test_assets_code_versions_follow_the_sources_config(tmp_path):

@@ -57,11 +57,12 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
                                    ("blend_manifest", "sources"), ("checkpoint", "files")]} == {"TableMetadataValue"}
         assert {kinds[k] for k in [("blend_manifest", "summary"), ("training_run", "loss_curve")]} == {
             "MarkdownMetadataValue"}
-        assert {kinds[k] for k in [("checkpoint", "loss"), ("checkpoint", "tokens_per_s"), ("training_run", "final_loss"),
-                                   ("blend_manifest", "tokens/stdlib_code")]} <= {"FloatMetadataValue", "IntMetadataValue"}
+        assert {kinds[k] for k in [("checkpoint", "loss"), ("checkpoint", "tokens_per_s"),
+                                   ("training_run", "final_loss"), ("blend_manifest", "tokens/stdlib_code")]} <= {
+            "FloatMetadataValue", "IntMetadataValue"}
         specs = {spec.key.to_user_string(): spec for spec in build_definitions(res).resolve_all_asset_specs()}
-        assert {key: (spec.group_name, bool(spec.owners), bool(spec.kinds), "stage" in spec.tags, bool(spec.description))
-                for key, spec in specs.items()} == {
+        assert {key: (spec.group_name, bool(spec.owners), bool(spec.kinds), "stage" in spec.tags,
+                      bool(spec.description)) for key, spec in specs.items()} == {
             key: ("training" if key in ("training_run", "checkpoint") else "data", True, True, True, True)
             for key in specs}
 

@@ -71,7 +71,8 @@ def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micr
         logs = instance.all_logs(result.run_id)
         step_lines = [e for e in logs if "step:[" in (e.user_message or "")]
         assert len(step_lines) >= 6
-        first_checkpoint = next(e.timestamp for e in logs if e.is_dagster_event and e.dagster_event.is_step_materialization
+        first_checkpoint = next(e.timestamp for e in logs
+                                if e.is_dagster_event and e.dagster_event.is_step_materialization
                                 and e.dagster_event.partition == "nightly/iteration_00000003")
         msrun_exit = next(e.timestamp for e in logs if (e.user_message or "").startswith("[msrun] exited with code 0"))
         assert step_lines[0].timestamp < first_checkpoint < msrun_exit

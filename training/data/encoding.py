@@ -1,8 +1,9 @@
 """The tokenizing half of preprocessing: what each worker process runs.
 
 A task is either a byte range of a JSONL file, which the worker reads and parses itself (so the
-reading process never parses it), or the values of records already read (JSON arrays, Parquet). The result is, per json key, the lengths of the documents kept and their
-tokens as one little-endian array, ready to append to a `.bin`.
+reading process never parses it), or the values of records already read (JSON arrays, Parquet). The
+result is, per json key, the lengths of the documents kept and their tokens as one little-endian
+array, ready to append to a `.bin`.
 """
 
 from __future__ import annotations
