@@ -307,6 +307,7 @@ def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
             "summary": dg.MetadataValue.md(_blend_summary(manifest, total)),
             "sources": dg.MetadataValue.table([dg.TableRecord(r) for r in rows], schema=schema),
             "total_tokens": total, "seq_length": config.seq_length, "split": config.split,
+            "seed": config.seed,
             # Dagster's input event pointer is wrong for partitioned parents: record what we read
             "shard_data_versions": dg.MetadataValue.json({n: shards_hash(s["shards"]) for n, s in sidecars.items()}),
             **{f"tokens/{s['name']}": s["tokens"] for s in manifest["sources"]},

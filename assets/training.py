@@ -48,12 +48,28 @@ class TrainingRunConfig(dg.Config):
         "without checkpoints (a new run_name)"))
 
 def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_target: str) -> tuple[dict, Path]:
-    """The user's YAML with Kiln's wiring: data from the manifest, save/resume paths from the run dir."""
+    """The user's YAML with Kiln's wiring: data, seq_length, split and seed from the manifest, save/resume
+    paths from the run dir."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", cfg.run_name):
         raise dg.Failure(f"run_name {cfg.run_name!r}: use letters, digits, '_', '.', '-' only")
     source = (PROJECT_ROOT / cfg.config_path).resolve()
     data = yaml.safe_load(source.read_text())
     manifest = load_manifest(storage.manifest_path(), storage.root)
+    # the blend manifest is the one place these are set (BlendConfig): the YAML may repeat a value, not change it
+    from_manifest = {"train_dataset.dataloader.config.seq_length": "seq_length",
+                     "train_dataset.dataloader.config.split": "split",
+                     "train_dataset.dataloader.config.seed": "seed", "model.seq_length": "seq_length"}
+    unset = object()
+    for where, settings in [(str(source), data), ("training_run config overrides", apply_overrides({}, cfg.overrides))]:
+        for key, name in from_manifest.items():
+            value = settings
+            for part in key.split("."):
+                value = value.get(part, unset) if isinstance(value, dict) else unset
+            if value is not unset and value != manifest[name]:
+                raise dg.Failure(
+                    f"{where}: {key} is {value!r}, but the blend manifest {storage.manifest_path()} was built with "
+                    f"{name} {manifest[name]!r}, and training takes {name} from the manifest: drop {key} from "
+                    f"{where}, or re-materialize blend_manifest with config {name}: {value!r}")
     run_dir = storage.run_dir(cfg.run_name)
     save_path = run_dir / "checkpoints"
     special = manifest["tokenizer"]["special_ids"]
@@ -67,6 +83,7 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
         "train_dataset.dataloader.config.data_path": training_data_path(manifest, storage.root),
         "train_dataset.dataloader.config.eod": special["eod"],
         "train_dataset.dataloader.config.pad": special["pad"],
+        **{key: manifest[name] for key, name in from_manifest.items()},
         "train_dataset.dataloader.config.path_to_cache": str(run_dir / "index_cache"),
         "checkpoint.save_path": str(save_path),
         "checkpoint.load_path": str(save_path) if newest else "",
@@ -177,6 +194,9 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         "run_dir": dg.MetadataValue.path(str(run_dir)), "config_sha256": dg.MetadataValue.text(sha256_file(config_file)),
         "msrun_command": dg.MetadataValue.text(" ".join(command)), "workers": msrun.worker_num,
         "checkpoints_saved": len(saved), "final_checkpoint": dg.MetadataValue.path(str(final) if final else ""),
+        # the blend manifest's, as training used them (train_dataset.dataloader.config)
+        **{name: getattr(train_config.train_dataset.dataloader.config, name)
+           for name in ("seq_length", "split", "seed")},
     }
     if train_config.profiler.enable_profiling:
         metadata["profile"] = dg.MetadataValue.path(str(profile_root(train_config, run_dir)))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import checkpoint_io, data_index, model_flops, monitoring, pipes_streaming
+from benchmarks import blend_settings, checkpoint_io, data_index, model_flops, monitoring, pipes_streaming
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -184,7 +184,7 @@ def bench_training(shard_prefix: Path, steps: int) -> float:
     config = load_config(PROJECT_ROOT / "configs/qwen3_tiny.yaml", [
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard_prefix}']",
         f"train_dataset.dataloader.config.eod={SPECIAL_IDS['eos']}",
-        f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}",
+        f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(),
         f"training.steps={steps}", "checkpoint.enable_save=false"])
     configure_runtime(config)
     peak = matmul_peak_flops()

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import blend_settings
 from benchmarks.monitoring import _random_shard
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,8 @@ def _trainer(shard: Path, work: Path):
     config = load_config(PROJECT_ROOT / "configs/qwen3_tiny.yaml", [
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
         "train_dataset.dataloader.config.pad=3", f"train_dataset.dataloader.config.path_to_cache={work / 'cache'}",
-        "training.steps=1000", f"checkpoint.save_path={work / 'checkpoints'}", "checkpoint.save_max=1", *WIDER])
+        "training.steps=1000", f"checkpoint.save_path={work / 'checkpoints'}", "checkpoint.save_max=1",
+        *blend_settings(), *WIDER])
     configure_runtime(config)
     return Trainer(config, World(rank=0, size=1), work / "run", Reporter(None, enabled=False))
 

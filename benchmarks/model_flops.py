@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import blend_settings
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("configs/qwen3_tiny.yaml", "configs/deepseek_v3_tiny.yaml")
 
@@ -23,7 +25,7 @@ def load(config_path: str, shard_prefix: Path, steps: int):
     return load_config(PROJECT_ROOT / config_path, [
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard_prefix}']",
         f"train_dataset.dataloader.config.eod={SPECIAL_IDS['eos']}",
-        f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}",
+        f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(),
         f"training.steps={steps}", "checkpoint.enable_save=false"])
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import blend_settings
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = {"local_norm": "true", "device_norm": "true", "param_norm": "true", "local_loss": "true",
            "device_loss": "true", "max_attention_logit": "true"}
@@ -41,7 +43,7 @@ def _trainer(shard: Path, work: Path, name: str, options: dict[str, str], steps:
     config = load_config(PROJECT_ROOT / "configs/qwen3_tiny.yaml", [
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
         "train_dataset.dataloader.config.pad=3", f"train_dataset.dataloader.config.path_to_cache={work / 'cache'}",
-        f"training.steps={steps}", "checkpoint.enable_save=false",
+        *blend_settings(), f"training.steps={steps}", "checkpoint.enable_save=false",
         *(f"monitor.train_state.{key}={value}" for key, value in options.items())])
     configure_runtime(config)
     return Trainer(config, World(rank=0, size=1), work / name, Reporter(None, enabled=False))
