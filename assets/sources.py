@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +56,10 @@ def load_sources(path: str | Path) -> dict[str, SourceSpec]:
         if unknown:
             raise SourcesConfigError(f"{where}: unknown key(s) {sorted(unknown)}; valid: {sorted(_KEYS)}")
         weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-            raise SourcesConfigError(f"{where}.weight must be a number >= 0, got {weight!r}")
+        # a weight-0 source would be read by no training run; the blend's data_path refuses weight 0
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            raise SourcesConfigError(f"{where}.weight must be a number > 0, got {weight!r} "
+                                     f"(to leave a source out, remove it from {path.name})")
         builtin, files = entry.get("builtin"), entry.get("files")
         if (builtin is None) == (files is None):
             raise SourcesConfigError(f"{where}: set exactly one of `builtin` or `files`")

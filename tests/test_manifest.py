@@ -47,6 +47,15 @@ def test_path_escaping_the_root_is_rejected(tmp_path):
                        data_root=tmp_path)
 
 
-def test_bad_weights(tmp_path):
-    with pytest.raises(ManifestError, match="weights must be >= 0 with a positive sum"):
-        make(tmp_path, weights=(0, 0))
+@pytest.mark.parametrize("weight", [0, 0.0, -1, float("nan"), float("inf"), True, "1"])
+def test_a_weight_that_is_not_a_positive_number_is_refused_naming_the_source(tmp_path, weight):
+    """Weight 0 beside a positive one would reach training's data_path as a weight 0 it refuses."""
+    with pytest.raises(ManifestError, match=rf"^source 's0': weight must be a number > 0, got {weight!r}"):
+        make(tmp_path, weights=(weight, 1))
+
+
+def test_a_shard_without_tokens_is_refused_naming_it(tmp_path):
+    """Its share of the source's weight, in proportion to its tokens, would be a weight 0 in data_path."""
+    with pytest.raises(ManifestError, match=r"^source 's1': shard shards/s1_0/s1_0_text_document has no tokens"):
+        make(tmp_path, tokens=((100,), (0, 150)))
+    assert all(w > 0 for w in make(tmp_path, tokens=((100,), (1, 150)))["data_path"][::2])

@@ -6,6 +6,7 @@ storage at another mount point); a path that escapes the root is rejected.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 MANIFEST_VERSION = 1
@@ -29,14 +30,18 @@ def build_manifest(*, sources: list[dict], tokenizer: dict, seq_length: int, spl
     """``sources``: ``{"name", "weight", "shards": [{"prefix", "tokens", ...}], "raw_files": [...]}``.
 
     Weights are normalized over sources; inside a source, its weight is split over its shards in
-    proportion to their tokens, so a source split into many shards keeps its share.
+    proportion to their tokens, so a source split into many shards keeps its share. Every weight in
+    ``data_path`` must be > 0 (GPTDataset's blend refuses 0): a source of weight 0 or a shard of no tokens is
+    refused here, naming it, rather than in training as a ``data_path[k]`` the user never wrote.
     """
     if not sources:
         raise ManifestError("a blend needs at least one source")
+    for source in sources:
+        weight = source["weight"]
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+            raise ManifestError(f"source {source['name']!r}: weight must be a number > 0, got {weight!r} "
+                                f"(to leave a source out of the blend, leave it out of the sources)")
     total_weight = sum(float(s["weight"]) for s in sources)
-    if total_weight <= 0 or any(float(s["weight"]) < 0 for s in sources):
-        raise ManifestError(f"source weights must be >= 0 with a positive sum, got "
-                            f"{[(s['name'], s['weight']) for s in sources]}")
     out_sources, data_path = [], []
     for source in sorted(sources, key=lambda s: s["name"]):
         weight = float(source["weight"]) / total_weight
@@ -44,6 +49,10 @@ def build_manifest(*, sources: list[dict], tokenizer: dict, seq_length: int, spl
         tokens = sum(int(shard["tokens"]) for shard in shards)
         if tokens == 0:
             raise ManifestError(f"source {source['name']!r} has no tokens")
+        empty = [shard["prefix"] for shard in shards if int(shard["tokens"]) <= 0]
+        if empty:
+            raise ManifestError(f"source {source['name']!r}: shard {empty[0]} has no tokens, so no share of the "
+                                f"blend (a weight 0 in data_path)")
         for shard in shards:
             data_path += [round(weight * int(shard["tokens"]) / tokens, 12), shard["prefix"]]
         out_sources.append({"name": source["name"], "weight": weight, "tokens": tokens, "shards": shards,
