@@ -20,7 +20,7 @@ from assets.versions import versioned_asset
 from resources.storage import PROJECT_ROOT, KilnStorage
 from resources import tokenizer as resources_tokenizer
 from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
-from training.atomic import write_json_atomic
+from training.atomic import replace_dir, write_json_atomic
 from training.data import corpus, indexed, preprocess
 from training.data.corpus import SUFFIXES, iter_texts, scan_corpus
 from training.data.hashing import sha256_file
@@ -52,18 +52,6 @@ def _source_spec(storage: KilnStorage, source: str):
         raise dg.Failure(f"source {source!r} is not in {storage.sources_config} (has {sorted(sources)})")
     return sources[source]
 
-def _replace_dir(staging: Path, target: Path) -> None:
-    """Swap a fully written staging directory into place."""
-    if target.exists():
-        old = target.with_name(f".{target.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        os.replace(staging, target)
-        shutil.rmtree(old)
-    else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging, target)
-
 def _part_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("part-*") if p.suffix.lower() in SUFFIXES)
 
@@ -92,7 +80,7 @@ def _ingest_source(storage: KilnStorage, source: str) -> dg.MaterializeResult:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _replace_dir(staging, target)
+    replace_dir(staging, target)
     rows = [{**row, "path": str((target / row["path"]).relative_to(storage.root))} for row in rows]
     return dg.MaterializeResult(
         metadata={
@@ -134,7 +122,7 @@ def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult
                      for source, r in results.items()})
     return dg.MaterializeResult(metadata=metadata)
 
-@versioned_asset(_ingest_source, per_source, _part_files, _replace_dir, builtin_corpus, corpus, SOURCES_CONFIG,
+@versioned_asset(_ingest_source, per_source, _part_files, replace_dir, builtin_corpus, corpus, SOURCES_CONFIG,
                  partitions_def=source_partitions, group_name="data", kinds={"json"}, owners=["team:kiln"],
                  tags={"stage": "ingest"}, backfill_policy=dg.BackfillPolicy.single_run())
 def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
@@ -148,7 +136,7 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
     """
     return per_source(context, lambda source: _ingest_source(storage, source))
 
-@versioned_asset(raw_files, resources_tokenizer, SOURCES_CONFIG, deps=[raw_corpus], group_name="data",
+@versioned_asset(raw_files, replace_dir, resources_tokenizer, SOURCES_CONFIG, deps=[raw_corpus], group_name="data",
                  kinds={"sentencepiece"}, owners=["team:kiln"], tags={"stage": "tokenizer"})
 def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
               tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
@@ -161,10 +149,15 @@ def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
             yield from iter_texts(path, sources[name].json_keys, sources[name].on_bad_line)
 
     final = storage.tokenizer_prefix()
-    staging = final.with_name(f".{final.name}-staging")
-    stats = tokenizer_settings.train(documents(), staging)
-    for ext in (".model", ".vocab"):
-        os.replace(f"{staging}{ext}", f"{final}{ext}")
+    # .model and .vocab are a pair: both are written into a staging directory that replaces the tokenizer's
+    staging = final.parent.with_name(f".{final.parent.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        stats = tokenizer_settings.train(documents(), staging / final.name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replace_dir(staging, final.parent)
     model_path = final.with_suffix(".model")
     digest = sha256_file(model_path)
     special = {**SPECIAL_IDS, "eod": SPECIAL_IDS["eos"]}
@@ -218,7 +211,7 @@ def _tokenize_source(storage: KilnStorage, source: str, log) -> dg.MaterializeRe
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _replace_dir(staging, target)
+    replace_dir(staging, target)
     log.info(f"token_shards[{source}]: {stats['docs']} docs, {stats['tokens']} tokens in {len(shards)} "
              f"shard(s), {stats['tokens_per_s']:.0f} tokens/s, {stats['skipped']} bad record(s) skipped")
     metadata = {
@@ -237,7 +230,7 @@ def _tokenize_source(storage: KilnStorage, source: str, log) -> dg.MaterializeRe
         metadata["quarantine"] = dg.MetadataValue.path(str(target / Path(stats["quarantine"]).name))
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(shards_hash(shards)))
 
-@versioned_asset(_tokenize_source, per_source, _replace_dir, preprocess, indexed, SOURCES_CONFIG,
+@versioned_asset(_tokenize_source, per_source, replace_dir, preprocess, indexed, SOURCES_CONFIG,
                  partitions_def=source_partitions, deps=[raw_corpus, tokenizer], group_name="data", kinds={"numpy"},
                  owners=["team:kiln"], tags={"stage": "tokenize", "format": "megatron-indexed"},
                  backfill_policy=dg.BackfillPolicy.single_run(), automation_condition=EAGER_AFTER_CHECKS)

@@ -19,13 +19,14 @@ from assets.data import EAGER_AFTER_CHECKS, blend_manifest, combined_hash, files
 from assets.versions import versioned_asset
 from resources.msrun import MsrunResource
 from resources.storage import PROJECT_ROOT, KilnStorage
+from training.atomic import write_json_atomic, write_text_atomic
 from training.checkpoint import latest_complete_checkpoint
 from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest, training_data_path
-from training.lineage import audit_checkpoint, audit_report, lineage_inputs
+from training.lineage import FileHashes, audit_checkpoint, audit_report, lineage_inputs
 from training.profiling import profile_root
-from training.reporting import CHECKPOINT_MESSAGE
+from training.reporting import CHECKPOINT_MESSAGE, drop_partial_line, read_records
 
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 checkpoint = dg.AssetSpec(
@@ -44,8 +45,11 @@ class TrainingRunConfig(dg.Config):
     overrides: list[str] = Field(default_factory=list, description="KEY.PATH=VALUE, e.g. training.steps=300")
     start: str = Field(default="resume", description=(
         "resume: from the run's newest complete checkpoint (weights, optimizer, step) when it has one; "
-        "weights_only: its weights with a new optimizer state; fresh: from scratch, into a save path "
-        "without checkpoints (a new run_name)"))
+        "weights_only: from step 0 with the weights of run init_from's newest checkpoint and a new optimizer "
+        "state; fresh: from scratch. weights_only and fresh write a new history: run_name must have no "
+        "checkpoints yet"))
+    init_from: str = Field(default="", description="start: weights_only: the run whose newest complete "
+                                                   "checkpoint gives the initial weights")
 
 def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_target: str) -> tuple[dict, Path]:
     """The user's YAML with Kiln's wiring: data, seq_length, split and seed from the manifest, save/resume
@@ -76,9 +80,16 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
     if cfg.start not in START_MODES:
         raise dg.Failure(f"training_run config start: {cfg.start!r} is not one of {list(START_MODES)}")
     newest = latest_complete_checkpoint(save_path) if save_path.exists() else None
-    if cfg.start == "fresh" and newest:
-        raise dg.Failure(f"training_run config start: fresh, but run {cfg.run_name!r} already has checkpoints "
-                         f"in {save_path}; a fresh start needs a new save path: choose another run_name")
+    if cfg.start != "resume" and newest:  # from step 0 again, its saves would collide with the run's own
+        raise dg.Failure(f"training_run config start: {cfg.start}, but run {cfg.run_name!r} already has "
+                         f"checkpoints in {save_path}; a {cfg.start} start begins a new history at step 0, which "
+                         f"needs a new save path: choose another run_name (start: resume continues this one)")
+    load_path = str(save_path) if newest else ""
+    if cfg.start == "weights_only":
+        load_path = str(_init_checkpoint(cfg, storage))
+    elif cfg.init_from:
+        raise dg.Failure(f"training_run config init_from: {cfg.init_from!r} applies to start: weights_only only, "
+                         f"this run has start: {cfg.start}")
     wiring = {
         "train_dataset.dataloader.config.data_path": training_data_path(manifest, storage.root),
         "train_dataset.dataloader.config.eod": special["eod"],
@@ -86,7 +97,7 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
         **{key: manifest[name] for key, name in from_manifest.items()},
         "train_dataset.dataloader.config.path_to_cache": str(run_dir / "index_cache"),
         "checkpoint.save_path": str(save_path),
-        "checkpoint.load_path": str(save_path) if newest else "",
+        "checkpoint.load_path": load_path,
         "checkpoint.no_load_optim": cfg.start == "weights_only",
         "context.device_target": device_target,
     }
@@ -95,24 +106,45 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
     return apply_overrides(data, cfg.overrides), run_dir
 
 
+def _init_checkpoint(cfg: TrainingRunConfig, storage: KilnStorage) -> Path:
+    """The checkpoint a weights_only start takes its weights from: run ``init_from``'s newest complete one."""
+    if not cfg.init_from:
+        raise dg.Failure("training_run config start: weights_only needs init_from, the run whose newest complete "
+                         "checkpoint gives the weights")
+    if cfg.init_from == cfg.run_name:
+        raise dg.Failure(f"training_run config init_from: {cfg.init_from!r} is this run; a weights_only start "
+                         f"writes a new run: give it another run_name")
+    source = storage.run_dir(cfg.init_from) / "checkpoints"
+    found = latest_complete_checkpoint(source) if source.exists() else None
+    if found is None:
+        raise dg.Failure(f"training_run config init_from: run {cfg.init_from!r} has no complete checkpoint "
+                         f"in {source}")
+    return found
+
+
 def checkpoint_dir(storage: KilnStorage, partition: str) -> Path:
     """The directory of checkpoint partition `<run>/iteration_N`."""
     run_name, _, iteration = partition.partition("/")
     return storage.run_dir(run_name) / "checkpoints" / iteration
 
 
-def audit_evaluation(checkpoint_dir: Path, partition: str) -> dg.AssetCheckEvaluation:
-    """`kiln audit` of one checkpoint as the `audit` check of its partition."""
+def audit_evaluation(checkpoint_dir: Path, partition: str, hashes: FileHashes | None = None
+                     ) -> dg.AssetCheckEvaluation:
+    """`kiln audit` of one checkpoint as the `audit` check of its partition. An audit that cannot run (an
+    unreadable lineage.json, a malformed record, a file that cannot be read) is a failed check saying why,
+    never an exception: this runs while training does."""
     try:
-        lineage, checks = audit_checkpoint(checkpoint_dir)
-    except ValueError as exc:  # no readable lineage.json: the checkpoint is incomplete
+        lineage, checks = audit_checkpoint(checkpoint_dir, hashes=hashes)
+        report = audit_report(checkpoint_dir, lineage, checks)
+    except Exception as exc:  # noqa: BLE001 -- reported as the check's result
         return dg.AssetCheckEvaluation(asset_key=checkpoint.key, check_name="audit", partition=partition,
-                                       passed=False, metadata={"error": dg.MetadataValue.text(str(exc))})
+                                       passed=False, metadata={"error": dg.MetadataValue.text(
+                                           f"the audit could not run: {type(exc).__name__}: {exc}")})
     bad = [c for c in checks if c.status != "ok"]
     return dg.AssetCheckEvaluation(
         asset_key=checkpoint.key, check_name="audit", partition=partition, passed=not bad,
         metadata={"verified": len(checks) - len(bad), "failed": len(bad),
-                  "report": dg.MetadataValue.md(f"```\n{audit_report(checkpoint_dir, lineage, checks)}\n```")})
+                  "report": dg.MetadataValue.md(f"```\n{report}\n```")})
 
 
 def _checkpoint_event(message: dict, run_name: str, code_version: str) -> tuple[str, dg.AssetMaterialization]:
@@ -157,20 +189,22 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     rendered, run_dir = render_training_config(config, storage, msrun.device_target)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
-    config_file.write_text(yaml.safe_dump(rendered, sort_keys=False))
+    write_text_atomic(config_file, yaml.safe_dump(rendered, sort_keys=False))
     try:
         train_config = load_config(config_file)
         train_config.accumulation_steps(msrun.worker_num)
     except ConfigError as exc:
         raise dg.Failure(f"training config {config.config_path}: {exc}") from None
     lineage_file = run_dir / "lineage_inputs.json"
-    lineage_file.write_text(json.dumps(lineage_inputs(storage.manifest_path(), storage.root), indent=2))
+    write_json_atomic(lineage_file, lineage_inputs(storage.manifest_path(), storage.root))
     if train_config.checkpoint.load_path:
-        what = "starting from the weights of" if train_config.checkpoint.no_load_optim else "resuming from"
-        context.log.info(f"{what} the newest complete checkpoint in {train_config.checkpoint.load_path}")
+        what = ("starting from the weights of" if train_config.checkpoint.no_load_optim
+                else "resuming from the newest complete checkpoint in")
+        context.log.info(f"{what} {train_config.checkpoint.load_path}")
 
     saved: list[dict] = []
     code_version = context.assets_def.code_versions_by_key[context.asset_key]
+    hashes = FileHashes()  # the corpus is hashed once for every checkpoint's audit, not once per checkpoint
 
     def on_message(message: dict) -> None:
         if message.get("event") != CHECKPOINT_MESSAGE:
@@ -178,16 +212,16 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         key, event = _checkpoint_event(message, config.run_name, code_version)
         context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
         context.log_event(event)
-        context.log_event(audit_evaluation(Path(message["path"]), key))
         saved.append(message)
+        context.log_event(audit_evaluation(Path(message["path"]), key, hashes))
 
     metrics_path = run_dir / "metrics.jsonl"
-    first_line = sum(1 for _ in open(metrics_path)) if metrics_path.exists() else 0
+    drop_partial_line(metrics_path)  # the workers' reporter does the same: this run's records start here
+    first_record = metrics_path.stat().st_size if metrics_path.exists() else 0
     command = msrun.run(context, ["-m", "training.run", "--config", str(config_file), "--output-dir", str(run_dir),
                                   "--lineage", str(lineage_file)],
                         log_dir=run_dir / "msrun_logs", on_custom_message=on_message)
-    lines = metrics_path.read_text().splitlines()[first_line:] if metrics_path.exists() else []
-    steps = [json.loads(line) for line in lines]
+    steps = read_records(metrics_path, first_record)
     final = latest_complete_checkpoint(Path(train_config.checkpoint.save_path))
     final_files = json.loads((final / "lineage.json").read_text())["checkpoint"]["files"] if final else []
     metadata = {

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -31,6 +32,45 @@ def tail(path: Path, lines: int) -> str:
     if not path.exists():
         return f"({path} does not exist)"
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class _MessageHandler:
+    """Hands rank 0's custom messages to the callback. A callback error is logged and the message kept for
+    one retry after msrun exits: recording a checkpoint (instance storage busy, a bug) must not stop a
+    healthy training run, which an exception in the polling loop would. One still failing then fails the
+    step, after training has finished and with every checkpoint on disk."""
+
+    def __init__(self, context: dg.AssetExecutionContext, callback: Callable[[dict], None]):
+        self.context, self.callback = context, callback
+        self.handled = 0
+        self.failed: list[dict] = []
+
+    def drain(self, session) -> None:
+        messages = session.get_custom_messages()
+        for message in messages[self.handled:]:
+            self.handled += 1
+            try:
+                self.callback(message)
+            except Exception:  # noqa: BLE001 -- logged; retried after msrun exits
+                self.context.log.error(f"[msrun] handling rank 0's message {_describe(message)} failed; training "
+                                       f"goes on, the message is retried when msrun exits:\n{traceback.format_exc()}")
+                self.failed.append(message)
+
+    def retry_failed(self) -> None:
+        still_failing = []
+        for message in self.failed:
+            try:
+                self.callback(message)
+            except Exception as exc:  # noqa: BLE001 -- collected into the step's failure
+                still_failing.append(f"{_describe(message)}: {type(exc).__name__}: {exc}")
+        self.failed = []
+        if still_failing:
+            raise dg.Failure("training finished, but handling these messages from rank 0 failed twice (their "
+                             "files are on disk; see the errors logged during the run):\n" + "\n".join(still_failing))
+
+
+def _describe(message: dict) -> str:
+    return f"{message.get('event', '?')} {message.get('path', '')}".strip()
 
 
 class MsrunNode(dg.Config):
@@ -147,16 +187,16 @@ class MsrunResource(dg.ConfigurableResource):
         port = self.master_port or free_port()
         cmd = self.command(script_args, log_dir, port)
         context.log.info(f"[msrun] {' '.join(cmd)}")
+        messages = _MessageHandler(context, on_custom_message)
         with self.devices(context) as visible_devices, dg.open_pipes_session(
                 context=context, context_injector=dg.PipesTempFileContextInjector(),
                 message_reader=dg.PipesTempFileMessageReader()) as session:
             proc = subprocess.Popen(cmd, env=self.environment(session.get_bootstrap_env_vars(), visible_devices),
                                     cwd=PROJECT_ROOT, start_new_session=True)
-            handled = 0
             try:
                 while proc.poll() is None:
                     time.sleep(0.5)
-                    handled = self._drain(session, handled, on_custom_message)
+                    messages.drain(session)
                 context.log.info(f"[msrun] exited with code {proc.returncode}")
             except BaseException:  # UI cancel arrives as DagsterExecutionInterruptedError
                 context.log.warning(f"[msrun] interrupted: SIGINT -> msrun pid {proc.pid}")
@@ -165,17 +205,11 @@ class MsrunResource(dg.ConfigurableResource):
             finally:
                 self._kill_group(proc)  # reaps msrun's `tail -f` helpers
             # the message reader may still hold the last messages until the session closes
-        self._drain(session, handled, on_custom_message)
+        messages.drain(session)
         if proc.returncode != 0:
             raise dg.Failure(**self._failure(proc.returncode, log_dir))
+        messages.retry_failed()
         return cmd
-
-    @staticmethod
-    def _drain(session, handled: int, callback: Callable[[dict], None]) -> int:
-        messages = session.get_custom_messages()
-        for message in messages[handled:]:
-            callback(message)
-        return len(messages)
 
     def _stop(self, proc: subprocess.Popen) -> None:
         proc.send_signal(signal.SIGINT)

@@ -33,7 +33,7 @@ def training_config(**extra):
                     "blend_manifest": {"config": {"seq_length": 32}}}}
 
 
-def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, capsys):
+def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, capsys, monkeypatch):
     res = chain_resources(tmp_path, micro_sources)
     with dg.instance_for_test() as instance:
         chain = materialize_chain(instance, res, training_config())
@@ -79,14 +79,34 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
                            "--set", f"checkpoint.load_path={run_dir / 'checkpoints/iteration_00000003'}"]) == 0
         assert metric_losses(resumed) == pytest.approx(metric_losses(run_dir)[3:], rel=1e-5)
 
-        # more steps: resumes from iteration 6 instead of starting over
+        # more steps: resumes from iteration 6 instead of starting over. Bookkeeping that fails while training
+        # runs does not stop it: the instance refuses the first checkpoint's partition once (retried when msrun
+        # exits) and the audit cannot run at all (a failed check per checkpoint, saying why)
+        refusals = []
+        add_partitions = type(instance).add_dynamic_partitions
+
+        def flaky_add(self, name, keys):
+            if not refusals:
+                refusals.append(keys)
+                raise RuntimeError("database is locked")
+            return add_partitions(self, name, keys)
+        monkeypatch.setattr(type(instance), "add_dynamic_partitions", flaky_add)
+        monkeypatch.setattr("assets.training.audit_checkpoint", lambda *a, **k: 1 / 0)
         again = dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, resources=res,
-                               run_config=config_for("training_run", training_config(overrides=["training.steps=9"])))
+                               run_config=config_for("training_run", training_config(overrides=["training.steps=12"])))
+        monkeypatch.undo()
         (event,) = [m for m in again.asset_materializations_for_node("training_run")
                     if m.asset_key == dg.AssetKey("training_run")]
         resumed = {k: v.value for k, v in event.metadata.items()}
-        assert resumed["first_step"] == 7 and resumed["final_step"] == 9
-        checkpoint_dir = tmp_path / "runs/micro/checkpoints/iteration_00000009"
+        assert resumed["first_step"] == 7 and resumed["final_step"] == 12
+        assert refusals == [["micro/iteration_00000009"]]
+        assert {"micro/iteration_00000009", "micro/iteration_00000012"} <= set(
+            instance.get_dynamic_partitions("checkpoints"))
+        audits = [e for e in again.get_asset_check_evaluations() if e.check_name == "audit"]
+        assert sorted((e.partition, e.passed) for e in audits) == [
+            ("micro/iteration_00000009", False), ("micro/iteration_00000012", False)]
+        assert all("the audit could not run: ZeroDivisionError" in e.metadata["error"].value for e in audits)
+        checkpoint_dir = tmp_path / "runs/micro/checkpoints/iteration_00000012"
         lineage = json.loads((checkpoint_dir / "lineage.json").read_text())
         assert lineage["run"]["resumed_from"].endswith("iteration_00000006")
 

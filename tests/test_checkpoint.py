@@ -119,6 +119,47 @@ def test_failed_async_write_is_raised_and_never_tracked(tmp_path, monkeypatch):
     assert tracked_step(tmp_path) is None and not (iteration_dir(tmp_path, 1) / "common.json").exists()
 
 
+def files_of(directory):
+    return {p.name: p.read_bytes() for p in directory.iterdir()}
+
+
+def test_saving_a_step_again_is_refused_and_the_complete_checkpoint_is_kept(tmp_path):
+    first = save(tmp_path, 3)
+    before = files_of(first.path)
+    with pytest.raises(CheckpointError, match="iteration_00000003: a complete checkpoint of step 3 is already there"):
+        save(tmp_path, 3)
+    assert files_of(first.path) == before and tracked_step(tmp_path) == 3
+    assert_loaded(load_checkpoint(resolve_load_path(tmp_path)), 3)
+
+
+@pytest.mark.parametrize("fail_at", ["safetensors", "common.json"])
+def test_a_save_that_dies_midway_leaves_no_directory_under_the_final_name(tmp_path, monkeypatch, fail_at):
+    """Files are written into a staging directory renamed only once complete: a crash at any point leaves
+    the tracked checkpoint as it was, and no iteration directory that a resume or an audit would take."""
+    import training.checkpoint as checkpoint
+
+    save(tmp_path, 2)
+    crash = OSError(5, "Input/output error")
+    if fail_at == "safetensors":
+        monkeypatch.setattr(checkpoint, "_write_safetensors_atomic", lambda path, arrays: (_ for _ in ()).throw(crash))
+    else:
+        real = checkpoint.write_json_atomic
+
+        def dies_on_common(path, payload):
+            if path.name == "common.json":
+                raise crash
+            real(path, payload)
+        monkeypatch.setattr(checkpoint, "write_json_atomic", dies_on_common)
+    with pytest.raises(OSError, match="Input/output error"):
+        save(tmp_path, 4)
+    assert not iteration_dir(tmp_path, 4).exists() and tracked_step(tmp_path) == 2
+    assert_loaded(load_checkpoint(resolve_load_path(tmp_path)), 2)
+    monkeypatch.undo()
+    save(tmp_path, 4)  # the same step saves cleanly over what the crash left, which rotation then clears
+    assert tracked_step(tmp_path) == 4 and sorted(p.name for p in tmp_path.iterdir()) == [
+        "iteration_00000002", "iteration_00000004", TRACKER]
+
+
 def test_balanced_assignment_gives_each_tensor_to_one_rank_by_bytes():
     sizes = {"a": 100, "b": 60, "c": 50, "d": 10, "e": 0}
     owner = balanced_assignment(sizes, [0, 1])

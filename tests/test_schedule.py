@@ -78,16 +78,25 @@ def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micr
         assert step_lines[0].timestamp < first_checkpoint < msrun_exit
 
     # how the next materialization of the run would start
-    def start(mode, run_name="nightly"):
+    def start(mode, run_name="nightly", init_from=""):
         rendered, _ = render_training_config(TrainingRunConfig(config_path=MICRO_CONFIG, run_name=run_name,
-                                                               start=mode), storage, "CPU")
+                                                               start=mode, init_from=init_from), storage, "CPU")
         return rendered["checkpoint"]["load_path"], rendered["checkpoint"]["no_load_optim"]
 
-    save_path = str(tmp_path / "runs/nightly/checkpoints")
-    assert start("resume") == (save_path, False)
-    assert start("weights_only") == (save_path, True)
-    with pytest.raises(dg.Failure, match="choose another run_name"):
-        start("fresh")
+    save_path = tmp_path / "runs/nightly/checkpoints"
+    assert start("resume") == (str(save_path), False)
+    # starts at step 0 write a new history, never into a save path whose checkpoints they would replace
+    for mode in ("fresh", "weights_only"):
+        with pytest.raises(dg.Failure, match="choose another run_name"):
+            start(mode, init_from="nightly" if mode == "weights_only" else "")
     assert start("fresh", run_name="nightly-2") == ("", False)
+    assert start("weights_only", run_name="nightly-w", init_from="nightly") == (
+        str(save_path / "iteration_00000006"), True)
+    with pytest.raises(dg.Failure, match="needs init_from"):
+        start("weights_only", run_name="nightly-w")
+    with pytest.raises(dg.Failure, match="no complete checkpoint"):
+        start("weights_only", run_name="nightly-w", init_from="nightly-2")
+    with pytest.raises(dg.Failure, match="applies to start: weights_only only"):
+        start("resume", init_from="nightly")
     with pytest.raises(dg.Failure, match="'again' is not one of"):
         start("again")

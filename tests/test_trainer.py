@@ -9,7 +9,8 @@ from conftest import MICRO_CONFIG, PROJECT_ROOT
 from training.collectives import World
 from training.config import load_config
 from training.lineage import audit_checkpoint, audit_exit_code
-from training.reporting import Reporter
+from training.checkpoint import CheckpointError
+from training.reporting import Reporter, read_records
 from training.trainer import Trainer, configure_runtime, micro_batch_indices
 
 WORLD = World(rank=0, size=1)
@@ -55,6 +56,41 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, shard):
     after_resume = losses(tmp_path / "resumed")
     assert sorted(after_resume) == [4, 5, 6]
     assert all(after_resume[s] == uninterrupted[s] for s in after_resume), (after_resume, uninterrupted)
+
+
+def saved_steps(run_dir):
+    return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("iteration_*"))
+
+
+def test_a_resumed_run_saves_on_the_same_global_steps_as_an_uninterrupted_one(tmp_path, shard):
+    make_trainer(tmp_path, shard, "full", "training.steps=5", "checkpoint.save_interleaved_steps=1").train()
+    resumed = make_trainer(tmp_path, shard, "resumed", "training.steps=7", "checkpoint.save_interleaved_steps=2",
+                           f"checkpoint.load_path={tmp_path / 'full/checkpoints/iteration_00000003'}")
+    resumed.train()
+    assert saved_steps(tmp_path / "resumed") == [4, 6, 7]  # step % 2, and the last; not 5 (3 + 2)
+
+
+@pytest.mark.parametrize("start", ["weights_only", "older_checkpoint"])
+def test_a_start_behind_the_save_paths_checkpoints_is_refused_before_anything_is_written(tmp_path, shard, start):
+    full = make_trainer(tmp_path, shard, "run", "checkpoint.save_interleaved_steps=2")
+    full.train()
+    save_path = tmp_path / "run/checkpoints"
+    before = {p: p.read_bytes() for p in save_path.rglob("*") if p.is_file()}
+    load = ["checkpoint.no_load_optim=true", f"checkpoint.load_path={save_path}"] if start == "weights_only" else [
+        f"checkpoint.load_path={save_path / 'iteration_00000002'}"]
+    with pytest.raises(CheckpointError, match=r"holds checkpoints of steps after this run's start \(step "
+                                              r"[02]\): (iteration_00000002, )?iteration_00000004, iteration_00000006"):
+        make_trainer(tmp_path, shard, "run", *load)
+    assert {p: p.read_bytes() for p in save_path.rglob("*") if p.is_file()} == before
+
+
+def test_a_partial_metrics_line_from_a_killed_run_does_not_swallow_the_next_record(tmp_path, shard):
+    metrics = tmp_path / "killed/metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text('{"step": 1, "loss": 6.2}\n{"step": 2, "lo')  # killed while writing step 2
+    make_trainer(tmp_path, shard, "killed", "training.steps=2").train()
+    assert [m["step"] for m in read_records(metrics)] == [1, 1, 2]
+    assert read_records(metrics, offset=len('{"step": 1, "loss": 6.2}\n'))[0]["step"] == 1
 
 
 def test_audit_names_the_file_changed_since_training(tmp_path, shard):

@@ -1,10 +1,13 @@
-"""Whole-file writes that never leave a half-written file under the final name: the content goes to a
+"""Writes that never leave a half-written file or directory under the final name: the content goes to a
 temporary name in the same directory (same filesystem, so the rename is atomic), is flushed to disk,
 and only then renamed over the target."""
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -32,3 +35,44 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 def write_json_atomic(path: str | os.PathLike, payload: dict) -> None:
     write_text_atomic(path, json.dumps(payload, indent=4) + "\n")
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h: swap two existing paths in one step
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically with Linux's renameat2(RENAME_EXCHANGE); False where the C library
+    or the filesystem cannot (the caller falls back to two renames)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd = -100
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
+
+
+def replace_dir(staging: str | os.PathLike, target: str | os.PathLike) -> None:
+    """Put the fully written directory ``staging`` at ``target``, removing what was there. Readers see the
+    old directory or the new one, never neither: an existing target is swapped with the staging directory
+    in one step (Linux), then the old one, now under the staging name, is removed. Where the swap is not
+    available, the old directory is renamed aside first, leaving a moment with no target."""
+    staging, target = Path(staging), Path(target)
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging, target)
+        return
+    if _exchange(staging, target):
+        shutil.rmtree(staging)
+        return
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old)

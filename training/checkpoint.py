@@ -1,9 +1,11 @@
 """Step checkpoints in MindFormers' layout (DESIGN.md 4.5), written atomically.
 
-Order of writes for step N, so a crash at any point leaves either a complete checkpoint or one that
-resume refuses: every rank renames its safetensors files into ``iteration_N/``; a barrier; rank 0
-writes ``metadata.json`` and ``lineage.json``, then ``common.json`` (its presence marks the directory
-complete), then the tracker ``latest_checkpointed_iteration.txt``, then rotates old checkpoints.
+Order of writes for step N, so a crash at any point leaves every complete checkpoint as it was: every
+rank writes its safetensors files into the staging directory ``.iteration_N.partial/``; a barrier; rank 0
+writes ``metadata.json``, ``lineage.json`` and ``common.json`` there, renames the directory to
+``iteration_N/`` (so a directory under that name is always complete), then writes the tracker
+``latest_checkpointed_iteration.txt``, then rotates old checkpoints. No save replaces a complete
+checkpoint: saving a step that already has one is an error, found before any file is written.
 An async save moves the safetensors writes to a thread; the barrier and what follows it wait until
 every rank's thread is done (``CheckpointSaver``).
 Nothing is deserialized with pickle: tensors are safetensors, the rest JSON.
@@ -11,6 +13,7 @@ Nothing is deserialized with pickle: tensors are safetensors, the rest JSON.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import threading
@@ -44,6 +47,16 @@ class CheckpointError(RuntimeError):
 
 def iteration_dir(save_path: Path, step: int) -> Path:
     return Path(save_path) / f"iteration_{step:08d}"
+
+
+def staging_dir(target: Path) -> Path:
+    """Where the files of checkpoint directory ``target`` are written until it is complete."""
+    return target.with_name(f".{target.name}.partial")
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint directory every file of which is in place (common.json is written last)."""
+    return (Path(path) / COMMON).is_file()
 
 
 def shard_file_name(prefix: str | None, kind: str, rank: int, world_size: int) -> str:
@@ -251,19 +264,23 @@ class CheckpointSaver:
         arrays = {"model": model, "opt": optim or {}}
         plan = SavePlan.build(arrays, self.prefix, self.world.size, self.remove_redundancy)
         target = iteration_dir(self.save_path, step)
+        if is_complete(target):  # every rank sees the same directory, so every rank stops here alike
+            raise CheckpointError(f"{target}: a complete checkpoint of step {step} is already there; Kiln never "
+                                  f"replaces one (save into a new checkpoint.save_path)")
+        staging = staging_dir(target)
         if self.world.is_main:
-            if target.exists():  # left over by a run that crashed mid-save, or saved again after a resume
-                shutil.rmtree(target)
-            target.mkdir(parents=True)
+            for leftover in (staging, target):  # a crashed save's files; an incomplete dir of an older Kiln
+                shutil.rmtree(leftover, ignore_errors=True)
+            staging.mkdir(parents=True)
         self.collectives.barrier()
         metadata = plan.metadata(arrays, self.world.size) if self.world.is_main else {}
         files = plan.own_files(arrays, self.world.rank)
         if self.async_save:
-            write = _AsyncWrite(target, files)
+            write = _AsyncWrite(staging, files)
             self.pending = _PendingSave(step, target, metadata, common, lineage, write)
             write.job.start()
             return
-        _write_files(target, files)
+        _write_files(staging, files)
         self.collectives.barrier()
         if self.world.is_main:
             self.completed.append(_finalize(self.save_path, step, target, metadata, common, lineage, self.save_max))
@@ -329,17 +346,19 @@ class CheckpointSaver:
 
 def _finalize(save_path: Path, step: int, target: Path, metadata: dict, common: dict, lineage: dict,
               save_max: int) -> SavedCheckpoint:
-    """Rank 0, once every rank's files are in place: metadata, lineage, common.json (completes the
-    directory), the tracker, then rotation."""
-    write_json_atomic(target / METADATA, metadata)
+    """Rank 0, once every rank's files are in the staging directory: metadata, lineage, common.json, the
+    rename that completes the checkpoint, the tracker, then rotation."""
+    staging = staging_dir(target)
+    write_json_atomic(staging / METADATA, metadata)
     files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(target.iterdir()) if not p.name.startswith(".")]
-    write_json_atomic(target / LINEAGE, {**lineage, "checkpoint": {"step": step, "files": files, "common": common}})
-    write_json_atomic(target / COMMON, common)
+             for p in sorted(staging.iterdir()) if not p.name.startswith(".")]
+    write_json_atomic(staging / LINEAGE, {**lineage, "checkpoint": {"step": step, "files": files, "common": common}})
+    write_json_atomic(staging / COMMON, common)
+    files += [{"name": name, "bytes": (staging / name).stat().st_size, "sha256": sha256_file(staging / name)}
+              for name in (LINEAGE, COMMON)]
+    os.replace(staging, target)  # no directory by that name: save() refused a complete one, removed any other
     write_text_atomic(save_path / TRACKER, f"{step}\n")
     _rotate(save_path, save_max)
-    files += [{"name": name, "bytes": (target / name).stat().st_size, "sha256": sha256_file(target / name)}
-              for name in (LINEAGE, COMMON)]
     return SavedCheckpoint(step=step, path=target, files=sorted(files, key=lambda f: f["name"]))
 
 
@@ -364,14 +383,24 @@ def tracked_step(save_path: Path) -> int | None:
     return int(text)
 
 
+def complete_steps(save_path: Path) -> list[int]:
+    """The steps of the complete checkpoints under ``save_path``, ascending."""
+    save_path = Path(save_path)
+    if not save_path.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in save_path.iterdir() if (m := _ITERATION_RE.match(p.name)) and is_complete(p))
+
+
 def _rotate(save_path: Path, save_max: int) -> None:
-    """Keep the newest ``save_max`` complete checkpoints (earlier runs' included); never the tracked one."""
+    """Keep the newest ``save_max`` complete checkpoints (earlier runs' included); never the tracked one.
+    Staging directories left by crashed saves go too: no save is under way while rank 0 rotates."""
     keep_step = tracked_step(save_path)
-    complete = sorted(int(m.group(1)) for p in save_path.iterdir()
-                      if (m := _ITERATION_RE.match(p.name)) and (p / COMMON).exists())
+    complete = complete_steps(save_path)
     for step in complete[:-save_max] if len(complete) > save_max else []:
         if step != keep_step:
             shutil.rmtree(iteration_dir(save_path, step))
+    for leftover in save_path.glob(".iteration_*.partial"):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 # ---- random state ------------------------------------------------------------------------------------

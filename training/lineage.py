@@ -66,10 +66,26 @@ class Check:
                 f"(sha256 {self.expected[:16]}… → {self.actual[:16]}…)")
 
 
-def _check(link: str, path: Path, shown: str, expected: str) -> Check:
+class FileHashes:
+    """sha256 of files, each computed once while the file stays as it was (same inode, size and mtime): a
+    training step audits every checkpoint it saves against the same corpus, which need not be re-read."""
+
+    def __init__(self):
+        self._known: dict[Path, tuple[tuple[int, int, int], str]] = {}
+
+    def sha256(self, path: Path) -> str:
+        stat = path.stat()
+        identity = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        known = self._known.get(path)
+        if known is None or known[0] != identity:
+            known = self._known[path] = (identity, sha256_file(path))
+        return known[1]
+
+
+def _check(link: str, path: Path, shown: str, expected: str, hashes: FileHashes | None) -> Check:
     if not path.is_file():
         return Check(link, shown, expected, None, "missing")
-    actual = sha256_file(path)
+    actual = hashes.sha256(path) if hashes else sha256_file(path)
     return Check(link, shown, expected, actual, "ok" if actual == expected else "MISMATCH")
 
 
@@ -82,8 +98,10 @@ def _embedded_config_check(run: dict) -> Check:
                  "ok" if actual == run["config_sha256"] else "MISMATCH")
 
 
-def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = None) -> tuple[dict, list[Check]]:
-    """Re-hash every file the checkpoint's lineage names, in chain order from the checkpoint back to raw."""
+def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = None,
+                     hashes: FileHashes | None = None) -> tuple[dict, list[Check]]:
+    """Re-hash every file the checkpoint's lineage names, in chain order from the checkpoint back to raw
+    (through ``hashes``, when given, so unchanged files already hashed there are not read again)."""
     checkpoint_dir = Path(checkpoint_dir)
     lineage_path = checkpoint_dir / "lineage.json"
     try:
@@ -91,7 +109,7 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{lineage_path}: unreadable lineage ({exc})") from None
     root = Path(data_root or lineage.get("data_root", "."))
-    checks = [_check("checkpoint", checkpoint_dir / f["name"], f["name"], f["sha256"])
+    checks = [_check("checkpoint", checkpoint_dir / f["name"], f["name"], f["sha256"], hashes)
               for f in lineage["checkpoint"]["files"]]
     common_path = checkpoint_dir / "common.json"
     if common_path.is_file():
@@ -101,7 +119,7 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
     else:
         checks.append(Check("checkpoint", "common.json", "as recorded", None, "missing"))
     run = lineage["run"]
-    config_check = _check("run config", Path(run["config_path"]), run["config_path"], run["config_sha256"])
+    config_check = _check("run config", Path(run["config_path"]), run["config_path"], run["config_sha256"], hashes)
     if config_check.status == "missing" and "config" in run:
         config_check = _embedded_config_check(run)  # e.g. the checkpoint was copied to another machine
     checks.append(config_check)
@@ -110,7 +128,7 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
                       ("raw file", "raw_files")):
         records = lineage.get(key) or []
         for record in [records] if isinstance(records, dict) else records:
-            checks.append(_check(link, root / record["path"], record["path"], record["sha256"]))
+            checks.append(_check(link, root / record["path"], record["path"], record["sha256"], hashes))
     return lineage, checks
 
 

@@ -14,6 +14,38 @@ from pathlib import Path
 CHECKPOINT_MESSAGE = "checkpoint"
 
 
+def drop_partial_line(path: Path) -> None:
+    """Cut a last line with no newline (a record a killed run was writing), so the next record starts a line
+    of its own instead of merging into it."""
+    if not path.exists():
+        return
+    with open(path, "rb+") as stream:
+        size = stream.seek(0, os.SEEK_END)
+        tail = 0
+        while tail < size:  # scan back for the last newline, a block at a time
+            block = min(1 << 16, size - tail)
+            stream.seek(size - tail - block)
+            data = stream.read(block)
+            if tail == 0 and data.endswith(b"\n"):
+                return
+            newline = data.rfind(b"\n")
+            if newline >= 0:
+                stream.truncate(size - tail - block + newline + 1)
+                return
+            tail += block
+        stream.truncate(0)
+
+
+def read_records(path: Path, offset: int = 0) -> list[dict]:
+    """The JSON records of ``metrics.jsonl`` from byte ``offset`` on; a partial last line is not one."""
+    if not path.exists():
+        return []
+    with open(path, "rb") as stream:
+        stream.seek(offset)
+        lines = stream.read().split(b"\n")[:-1]  # what follows the last newline is incomplete
+    return [json.loads(line) for line in lines]
+
+
 class Reporter:
     def __init__(self, metrics_path: Path | None, enabled: bool):
         self.enabled = enabled
@@ -24,6 +56,7 @@ class Reporter:
             return
         if metrics_path is not None:
             metrics_path.parent.mkdir(parents=True, exist_ok=True)
+            drop_partial_line(metrics_path)
             self._metrics = self._stack.enter_context(open(metrics_path, "a", buffering=1))
         if "DAGSTER_PIPES_CONTEXT" in os.environ:
             from dagster_pipes import open_dagster_pipes

@@ -16,8 +16,10 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from training.checkpoint import (CheckpointError, CheckpointSaver, capture_rng_state, is_hf_dir, load_checkpoint,
-                                 load_checkpoint_balanced, resolve_load_path, restore_rng_state)
+from training.atomic import write_text_atomic
+from training.checkpoint import (CheckpointError, CheckpointSaver, capture_rng_state, complete_steps, is_hf_dir,
+                                 iteration_dir, load_checkpoint, load_checkpoint_balanced, resolve_load_path,
+                                 restore_rng_state)
 from training.collectives import Collectives, World
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
@@ -105,6 +107,8 @@ class Trainer:
                                      remove_redundancy=ckpt.remove_redundancy, async_save=ckpt.async_save)
         if config.checkpoint.load_path:
             self._resume(resolve_load_path(config.checkpoint.load_path))
+        if ckpt.enable_save:
+            self._refuse_second_history()
 
     # ---- state -------------------------------------------------------------------------------
     def _model_arrays(self) -> dict[str, np.ndarray]:
@@ -160,6 +164,24 @@ class Trainer:
                                f"drives the LR schedule, is kept as saved")
         self.reporter.info(f"[kiln] resumed from {path} at step {self.step}, "
                            f"{self.consumed_samples} samples consumed")
+
+    def _refuse_second_history(self) -> None:
+        """A save path holds one run's history: saving from step ``self.step`` beside checkpoints of later
+        steps would replace some of them and leave rotation and the tracker mixing two histories."""
+        save_path = Path(self.config.checkpoint.save_path)
+        later = [step for step in complete_steps(save_path) if step > self.step]
+        if later:
+            raise CheckpointError(
+                f"checkpoint.save_path {save_path} holds checkpoints of steps after this run's start "
+                f"(step {self.step}): {', '.join(iteration_dir(save_path, s).name for s in later[:5])}"
+                f"{' …' if len(later) > 5 else ''}; training from step {self.step} here would overwrite or mix "
+                f"with them: save into a new checkpoint.save_path, or resume from the newest")
+
+    def saves_at(self, step: int) -> bool:
+        """Checkpoints fall on global steps (MindFormers' ``step % save_interleaved_steps``) and the last one,
+        so a resumed run saves the same steps as an uninterrupted one."""
+        ckpt = self.config.checkpoint
+        return ckpt.enable_save and (step % ckpt.save_interleaved_steps == 0 or step == self.config.training.steps)
 
     # ---- one step ----------------------------------------------------------------------------
     def _micro_batch(self, micro: int) -> tuple[Tensor | None, ...]:
@@ -286,9 +308,8 @@ class Trainer:
         self.saved_metrics: dict[int, dict] = {}
         if self.world.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.resolved_config_path.write_text(self.resolved_yaml)
+            write_text_atomic(self.resolved_config_path, self.resolved_yaml)
         start_step = self.step
-        interval = cfg.checkpoint.save_interleaved_steps
         n_params = sum(int(np.prod(p.shape)) for p in self.params)
         self.reporter.info(f"[kiln] training {cfg.model['model_type']} ({n_params:,} parameters) on "
                            f"{self.world.size} worker(s), dp={self.dp}, accumulation={self.accumulation}, "
@@ -311,8 +332,7 @@ class Trainer:
             self.reporter.step(metrics, self._log_line(metrics))
             for reason in metrics.get("abnormal", []):
                 self.reporter.warning(f"step {self.step}: {reason}; the next checkpoint will be marked abnormal")
-            if cfg.checkpoint.enable_save and ((self.step - start_step) % interval == 0
-                                               or self.step == cfg.training.steps):
+            if self.saves_at(self.step):
                 self.save(metrics)
             else:
                 self._report_saved()
