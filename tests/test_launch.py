@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from resources.msrun import MsrunNode, MsrunResource
+from resources.msrun import MsrunNode, MsrunResource, _MessageHandler
 from training import launch
 from training.launch import MsrunSettings, SettingError, msrun_command, msrun_environment
 from training.run import main as train_main
@@ -183,3 +183,29 @@ def test_cluster_nodes_give_each_node_its_command(tmp_path):
 def test_graph_mode_is_a_clear_error(capsys, tmp_path):
     assert train_main(["--config", str(tmp_path / "unused.yaml"), "--mode", "0"]) == 2
     assert "--mode 0: graph mode is not supported; Kiln trains in PyNative mode (--mode 1)" in capsys.readouterr().err
+
+
+class FakeSession:
+    def __init__(self, messages):
+        self.messages = messages
+
+    def get_custom_messages(self):
+        return self.messages
+
+
+def test_a_failing_message_callback_is_logged_retried_once_then_fails_the_step():
+    calls = []
+
+    def record(message):
+        calls.append(message["path"])
+        if message["path"] == "bad" or (message["path"] == "flaky" and calls.count("flaky") == 1):
+            raise RuntimeError("database is locked")
+    handler = _MessageHandler(dg.build_asset_context(), record)
+    session = FakeSession([{"event": "checkpoint", "path": p} for p in ("flaky", "ok")])
+    handler.drain(session)
+    session.messages.append({"event": "checkpoint", "path": "bad"})
+    handler.drain(session)  # only the new message
+    assert calls == ["flaky", "ok", "bad"]
+    with pytest.raises(dg.Failure, match="training finished.*\ncheckpoint bad: RuntimeError: database is locked$"):
+        handler.retry_failed()
+    assert calls == ["flaky", "ok", "bad", "flaky", "bad"]
