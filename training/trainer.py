@@ -178,8 +178,8 @@ class Trainer:
                 f"with them: save into a new checkpoint.save_path, or resume from the newest")
 
     def saves_at(self, step: int) -> bool:
-        """Checkpoints fall on global steps (MindFormers' ``step % save_interleaved_steps``) and the last one,
-        so a resumed run saves the same steps as an uninterrupted one."""
+        """Checkpoints fall on multiples of ``save_interleaved_steps`` and the last step, so a resumed run saves
+        the same steps as an uninterrupted one (MindFormers 2.1.0 counts from the resume step instead)."""
         ckpt = self.config.checkpoint
         return ckpt.enable_save and (step % ckpt.save_interleaved_steps == 0 or step == self.config.training.steps)
 
