@@ -100,7 +100,7 @@ def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult
 
     One step materializes a partition range with one result, so each source of a range gets the same
     metadata: a table row per source, `<figure>/<source>` numbers and `data_version/<source>` (the content
-    hash a one-source step would report, which `kiln audit` looks up), and no data version (Dagster
+    hash a one-source step would report, which `python -m pipelines.audit` looks up), and no data version (Dagster
     derives one from the inputs and the code version) since a shared one would be wrong for each.
     """
     keys = context.partition_keys

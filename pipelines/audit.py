@@ -1,24 +1,33 @@
-"""The Dagster side of ``kiln audit``: a checkpoint's lineage.json checked against the instance's records.
+"""The Dagster side of the audit: a checkpoint's lineage.json checked against an instance's records.
 
-For every link of the chain, the data version the lineage implies (the same hashes the assets report) is
-looked up among that asset's recorded materializations: which run produced it, with which code version
-(and whether the code here now has another), and whether the asset has been re-materialized with other
-data since. ``training/`` never imports this; the CLI does, when dagster is importable and an instance is
-given.
+    python -m pipelines.audit CHECKPOINT [--dagster-home DIR] [--data-root DIR] [--json]
+
+runs ``kiln audit``'s file audit, then, for every link of the chain, looks the data version the lineage
+implies (the same hashes the assets report) up among that asset's recorded materializations: which run
+produced it, with which code version (and whether the code here now has another), and whether the asset has
+been re-materialized with other data since. The exit code is the file audit's: the cross-check reports (an
+instance may simply be another one). ``training/`` never imports this: ``kiln audit`` runs without Dagster.
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import dagster as dg
 
-from assets.data import PER_SOURCE_DATA_VERSION, combined_hash
+from assets.sources import SourcesConfigError
 from training.data.hashing import sha256_file
+from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
 
 DATA_VERSION = "dagster/data_version"
 CODE_VERSION = "dagster/code_version"
 SEARCHED_MATERIALIZATIONS = 200  # per asset (partition), newest first
+# assets.data and pipelines.definitions read the sources config when imported: the functions that need them
+# import them, so that main() reports a missing or bad sources config (SourcesConfigError) instead of a traceback
 
 
 @dataclass
@@ -54,6 +63,8 @@ def current_code_versions() -> dict[str, str]:
 
 def expected_versions(checkpoint_dir: Path, lineage: dict) -> list[tuple[str, str | None, str]]:
     """(asset key, partition, data version) for each link, computed as the assets compute their versions."""
+    from assets.data import combined_hash
+
     links: list[tuple[str, str | None, str]] = []
     by_source: dict[str, dict[str, list[str]]] = {}
     for key in ("raw_files", "shards"):
@@ -75,6 +86,8 @@ def expected_versions(checkpoint_dir: Path, lineage: dict) -> list[tuple[str, st
 def checkpoint_version(checkpoint_dir: Path, lineage: dict) -> str:
     """As the training asset computes it: over every file of the directory, lineage.json and common.json
     included (written after the list in lineage.json), sorted by name."""
+    from assets.data import combined_hash
+
     hashes = {f["name"]: f["sha256"] for f in lineage["checkpoint"]["files"]}
     for name in ("lineage.json", "common.json"):
         path = checkpoint_dir / name
@@ -85,6 +98,8 @@ def checkpoint_version(checkpoint_dir: Path, lineage: dict) -> str:
 def content_version(materialization: dg.AssetMaterialization, partition: str | None) -> str | None:
     """The content hash a materialization recorded for ``partition``: its data version, or, for a step
     that built several sources at once (``per_source``), the ``data_version/<source>`` entry."""
+    from assets.data import PER_SOURCE_DATA_VERSION
+
     entry = materialization.metadata.get(f"{PER_SOURCE_DATA_VERSION}/{partition}") if partition else None
     return entry.value if entry is not None else (materialization.tags or {}).get(DATA_VERSION)
 
@@ -120,3 +135,50 @@ def cross_check_report(results: list[Recorded], instance_description: str) -> st
 
 def cross_check_json(results: list[Recorded]) -> list[dict]:
     return [asdict(r) for r in results]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipelines.audit", description=(
+        "kiln audit's file audit of a checkpoint, then each link of its lineage cross-checked with a Dagster "
+        "instance's materializations. Exit 0: every file matches; 1: a file changed since training; 3: nothing "
+        "changed but some files were not found; 2: bad input (no instance, unreadable lineage or sources config)."))
+    parser.add_argument("checkpoint", help="an iteration_XXXXXXXX checkpoint directory")
+    parser.add_argument("--dagster-home", default=os.environ.get("DAGSTER_HOME"),
+                        help="the Dagster instance's home directory (default: $DAGSTER_HOME)")
+    parser.add_argument("--data-root", help="where the data root is now (default: as recorded)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+
+    def fail(message: str) -> int:
+        print(f"{parser.prog}: {message}", file=sys.stderr)
+        return 2
+
+    if not args.dagster_home:
+        return fail("no Dagster instance given: pass --dagster-home DIR or set DAGSTER_HOME "
+                    "(kiln audit verifies the files alone)")
+    if not Path(args.dagster_home).is_dir():
+        return fail(f"--dagster-home {args.dagster_home} is not a directory")
+    checkpoint = Path(args.checkpoint)
+    try:
+        lineage, checks = audit_checkpoint(checkpoint, args.data_root)
+    except (ValueError, KeyError) as exc:
+        return fail(str(exc))
+    try:
+        with dg.DagsterInstance.from_config(args.dagster_home) as instance:
+            results = cross_check(instance, checkpoint, lineage)
+    except SourcesConfigError as exc:
+        return fail(f"{exc}; the cross-check compares code versions with Kiln's definitions, which read the sources "
+                    f"config: set KILN_SOURCES to the sources.yaml the chain ran with")
+    instance_description = f"the instance in {args.dagster_home}"
+    if args.json:
+        report = json.loads(audit_json(checkpoint, lineage, checks))
+        print(json.dumps({**report, "dagster_cross_check": {"instance": instance_description,
+                                                            "links": cross_check_json(results)}}, indent=2))
+    else:
+        print(audit_report(checkpoint, lineage, checks))
+        print(cross_check_report(results, instance_description))
+    return audit_exit_code(checks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

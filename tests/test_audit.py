@@ -1,10 +1,16 @@
-"""Lineage token shares, reverse lineage (`kiln lineage --consumers`) and the audit's Dagster note, on
-hand-built lineages (tests/test_postgres.py audits a real chain against a Dagster instance)."""
+"""Lineage token shares, reverse lineage (`kiln lineage --consumers`), `kiln audit` without Dagster and the
+Dagster cross-check (`python -m pipelines.audit`) on hand-built lineages (tests/test_postgres.py cross-checks a
+real chain against a Dagster instance)."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import yaml
 
+from conftest import PROJECT_ROOT
+from pipelines.audit import main as audit_with_dagster
 from training.cli import main as kiln
 from training.data.hashing import sha256_file
 from training.data.manifest import build_manifest
@@ -80,21 +86,97 @@ def test_consumers_lists_every_checkpoint_with_its_share(tmp_path, capsys):
     assert "first/checkpoints/iteration_00000002/lineage.json: unreadable lineage" in capsys.readouterr().err
 
 
-def test_audit_says_whether_the_dagster_cross_check_ran(tmp_path, capsys, monkeypatch):
+def test_kiln_audit_verifies_the_files_and_names_the_dagster_cross_check(tmp_path, capsys):
     config = tmp_path / "config.yaml"
     config.write_text("training: {}\n")
     checkpoint = write_checkpoint(tmp_path / "runs", "run", 1, {}, config)
-    monkeypatch.delenv("DAGSTER_HOME", raising=False)
     assert kiln(["audit", str(checkpoint)]) == 0
-    assert "Dagster cross-check: not run (no Dagster instance given" in capsys.readouterr().out
-    assert kiln(["audit", str(checkpoint), "--json", "--dagster-home", str(tmp_path / "nowhere")]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["dagster_cross_check"] == {"ran": False,
-                                             "note": f"{tmp_path / 'nowhere'} is not a Dagster home directory"}
+    assert (f"To also check each link against a Dagster instance's records: python -m pipelines.audit {checkpoint} "
+            f"[--dagster-home DIR]") in capsys.readouterr().out
+    assert kiln(["audit", str(checkpoint), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["exit_code"] == 0
 
     config.write_text("training: {steps: 2}\n")
     assert kiln(["audit", str(checkpoint)]) == 1
     assert f"run config  {config} changed since training" in capsys.readouterr().out
+
+
+# imports of these raise ImportError in the child: training/ must run where Dagster and Kiln's Dagster code are not
+BLOCK_DAGSTER = """
+import importlib.abc, sys
+BLOCKED, ATTEMPTS = ("dagster", "pipelines", "assets", "resources"), []
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            ATTEMPTS.append(name)  # an import that fails softly (except ImportError) counts too
+            raise ImportError(f"{name} is blocked: training/ must run without it")
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_training_imports_neither_dagster_nor_kilns_dagster_code(tmp_path):
+    """Every module of training/ imported, and `kiln audit` run, with dagster, pipelines, assets and resources
+    unimportable (dagster_pipes stays allowed: rank 0 reports through it)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {}\n")
+    checkpoint = write_checkpoint(tmp_path / "runs", "run", 1, {}, config)
+    script = BLOCK_DAGSTER + f"""
+import importlib, pkgutil, training
+for module in pkgutil.walk_packages(training.__path__, "training."):
+    importlib.import_module(module.name)
+from training.cli import main
+code = main(["audit", {str(checkpoint)!r}])
+sys.exit(f"imports tried: {{ATTEMPTS}}" if ATTEMPTS else code)
+"""
+    # with an instance at hand, as where `kiln audit` once tried the cross-check itself
+    done = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "DAGSTER_HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "python -m pipelines.audit" in done.stdout
+    # the hook does block: the cross-check's module is Dagster code
+    blocked = subprocess.run([sys.executable, "-c", BLOCK_DAGSTER + "import pipelines.audit"], cwd=PROJECT_ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert "ImportError: pipelines is blocked: training/ must run without it" in blocked.stderr
+
+
+def test_the_dagster_cross_check_reports_each_link_and_refuses_bad_input(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {}\n")
+    checkpoint = write_checkpoint(tmp_path / "runs", "run", 1,
+                                  lineage_inputs(write_manifest(tmp_path, (3, 1)), tmp_path), config)
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    assert audit_with_dagster([str(checkpoint)]) == 2
+    assert "no Dagster instance given: pass --dagster-home DIR or set DAGSTER_HOME" in capsys.readouterr().err
+    assert audit_with_dagster([str(checkpoint), "--dagster-home", str(tmp_path / "nowhere")]) == 2
+    assert f"--dagster-home {tmp_path / 'nowhere'} is not a directory" in capsys.readouterr().err
+
+    # an instance that never ran this chain: every link looked up, none recorded; the exit code judges the files
+    # (the manifest's shards and raw files are not on disk here: 3, nothing changed but files not found)
+    assert audit_with_dagster([str(checkpoint), "--dagster-home", str(home), "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["exit_code"] == 3 and report["dagster_cross_check"]["instance"] == f"the instance in {home}"
+    assert {link["asset"]: link["status"] for link in report["dagster_cross_check"]["links"]} == {
+        "raw_corpus[a]": "NOT RECORDED", "raw_corpus[b]": "NOT RECORDED", "tokenizer": "NOT RECORDED",
+        "token_shards[a]": "NOT RECORDED", "token_shards[b]": "NOT RECORDED", "blend_manifest": "NOT RECORDED",
+        "checkpoint[run/iteration_00000001]": "NOT RECORDED"}
+    assert audit_with_dagster([str(checkpoint), "--dagster-home", str(home)]) == 3
+    assert "NOT RECORDED in the instance: raw_corpus[a]" in capsys.readouterr().out
+
+
+def test_the_dagster_cross_check_names_a_missing_sources_config(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {}\n")
+    checkpoint = write_checkpoint(tmp_path / "runs", "run", 1, {}, config)
+    (tmp_path / "home").mkdir()
+    missing = tmp_path / "sources.yaml"
+    done = subprocess.run([sys.executable, "-m", "pipelines.audit", str(checkpoint), "--dagster-home",
+                           str(tmp_path / "home")], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KILN_SOURCES": str(missing)})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"python -m pipelines.audit: {missing}: unreadable sources config" in done.stderr
+    assert "set KILN_SOURCES to the sources.yaml the chain ran with" in done.stderr
 
 
 def test_copied_checkpoint_verifies_the_config_its_lineage_carries(tmp_path, capsys):

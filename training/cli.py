@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 
 
-def _audit(args) -> int:
-    import json
+CROSS_CHECK_COMMAND = "python -m pipelines.audit"  # the Dagster side lives with the Dagster code, in pipelines/
 
+
+def _audit(args) -> int:
     from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
 
     try:
@@ -19,41 +20,13 @@ def _audit(args) -> int:
         print(f"kiln audit: {exc}", file=sys.stderr)
         return 2
     checkpoint = Path(args.checkpoint)
-    cross_check, note = _dagster_cross_check(args.dagster_home, checkpoint, lineage)
-    # the exit code judges the files; the cross-check reports (an instance may simply be another one)
-    code = audit_exit_code(checks)
     if args.json:
-        report = json.loads(audit_json(checkpoint, lineage, checks))
-        from_dagster = {"ran": cross_check is not None, "note": note}
-        if cross_check is not None:
-            from pipelines.audit import cross_check_json
-
-            from_dagster["links"] = cross_check_json(cross_check)
-        print(json.dumps({**report, "exit_code": code, "dagster_cross_check": from_dagster}, indent=2))
+        print(audit_json(checkpoint, lineage, checks))
     else:
         print(audit_report(checkpoint, lineage, checks))
-        if cross_check is None:
-            print(f"Dagster cross-check: not run ({note})")
-        else:
-            from pipelines.audit import cross_check_report
-
-            print(cross_check_report(cross_check, note))
-    return code
-
-
-def _dagster_cross_check(dagster_home: str | None, checkpoint: Path, lineage: dict):
-    """The instance's records for each link, or None and why not: training/ runs without Dagster."""
-    if not dagster_home:
-        return None, "no Dagster instance given (--dagster-home or $DAGSTER_HOME)"
-    if not Path(dagster_home).is_dir():
-        return None, f"{dagster_home} is not a Dagster home directory"
-    try:
-        import dagster as dg
-        from pipelines.audit import cross_check
-    except ImportError as exc:
-        return None, f"dagster is not importable here ({exc})"
-    with dg.DagsterInstance.from_config(dagster_home) as instance:
-        return cross_check(instance, checkpoint, lineage), f"the instance in {dagster_home}"
+        print(f"To also check each link against a Dagster instance's records: "
+              f"{CROSS_CHECK_COMMAND} {checkpoint} [--dagster-home DIR]")
+    return audit_exit_code(checks)
 
 
 def _lineage(args) -> int:
@@ -185,9 +158,6 @@ def main(argv=None) -> int:
     audit.add_argument("checkpoint", help="an iteration_XXXXXXXX checkpoint directory")
     audit.add_argument("--data-root", help="where the data root is now (default: as recorded)")
     audit.add_argument("--json", action="store_true", help="machine-readable output")
-    audit.add_argument("--dagster-home", default=os.environ.get("DAGSTER_HOME"),
-                       help="also cross-check with this Dagster instance's materializations (default: "
-                            "$DAGSTER_HOME; without one, only the files are verified)")
     audit.set_defaults(handler=_audit)
 
     lineage = commands.add_parser("lineage", help="reverse lineage: the checkpoints that consumed a file",
