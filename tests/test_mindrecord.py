@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from mindspore.mindrecord import FileReader
 
-from training.data import gpt_dataset
 from training.data.gpt_dataset import GPTDataset
 from training.data.hashing import sha256_file
 from training.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -178,8 +177,6 @@ def test_too_many_document_ends_name_the_sample(corpora, tmp_path):
 # ---- reading -------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not hasattr(gpt_dataset, "sample_item"),
-                    reason="items are made by gpt_dataset.sample_item, which does not exist yet")
 def test_items_match_gpt_dataset_items(converted, corpora):
     dataset = MultiSourceMindRecordDataset([converted["a"]], eod_id=EOD, pad_id=PAD, seed=0, shuffle=False)
     expected = _gpt(corpora["a"], A_SAMPLES)
