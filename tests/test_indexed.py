@@ -13,9 +13,6 @@ from training.data.indexed import (
     dtype_for_vocab,
 )
 
-DOCUMENTS = [[5, 6, 7, 2], [9, 2], [], [1, 65000, 3, 4, 2]]
-
-
 def _megatron_streams():
     """STREAMS of fixtures/megatron/generate.py, loaded without importing Megatron."""
     path = Path(__file__).parent / "fixtures" / "megatron" / "generate.py"
@@ -26,25 +23,7 @@ def _megatron_streams():
 
 
 MEGATRON_STREAMS = _megatron_streams()
-
-
-def _megatron_idx(lengths, dtype_code, itemsize):
-    """The .idx Megatron-LM's _IndexWriter writes, spelled out field by field with struct."""
-    pointers, position = [], 0
-    for length in lengths:
-        pointers.append(position)
-        position += length * itemsize
-    document_indices = list(range(len(lengths) + 1))
-    return (
-        b"MMIDIDX\x00\x00"
-        + struct.pack("<Q", 1)
-        + struct.pack("<B", dtype_code)
-        + struct.pack("<Q", len(lengths))
-        + struct.pack("<Q", len(document_indices))
-        + struct.pack(f"<{len(lengths)}i", *lengths)
-        + struct.pack(f"<{len(lengths)}q", *pointers)
-        + struct.pack(f"<{len(document_indices)}q", *document_indices)
-    )
+DOCUMENTS = MEGATRON_STREAMS["uint16_empty_document"][1]  # an empty one among them
 
 
 def _write(prefix, documents, dtype=np.uint16):
@@ -80,18 +59,6 @@ def test_round_trip(tmp_path):
         dataset.get(4)
     with pytest.raises(IndexError):
         dataset.get(1, offset=1, length=2)
-
-
-def test_idx_and_bin_bytes_equal_megatron_layout(tmp_path):
-    prefix = tmp_path / "shard"
-    _write(prefix, DOCUMENTS)
-    lengths = [len(d) for d in DOCUMENTS]
-    assert (tmp_path / "shard.idx").read_bytes() == _megatron_idx(lengths, 8, 2)
-    tokens = [t for d in DOCUMENTS for t in d]
-    assert (tmp_path / "shard.bin").read_bytes() == struct.pack(f"<{len(tokens)}H", *tokens)
-
-    _write(tmp_path / "wide", DOCUMENTS, np.int32)
-    assert (tmp_path / "wide.idx").read_bytes() == _megatron_idx(lengths, 4, 4)
 
 
 def test_exception_leaves_nothing(tmp_path):
@@ -156,7 +123,8 @@ MEGATRON_FIXTURES = Path(__file__).parent / "fixtures" / "megatron"
 @pytest.mark.parametrize("name", sorted(MEGATRON_STREAMS))
 @pytest.mark.parametrize("batched", [False, True])
 def test_bytes_equal_megatron_core_output(tmp_path, name, batched):
-    """The fixtures were written by Megatron-core's IndexedDatasetBuilder (see fixtures/megatron/generate.py)."""
+    """The fixtures were written by Megatron-core's IndexedDatasetBuilder (see fixtures/megatron/generate.py):
+    uint16 and int32 token files, and an empty document."""
     dtype, documents = MEGATRON_STREAMS[name]
     with IndexedDatasetWriter(tmp_path / name, np.dtype(dtype)) as writer:
         if batched:
@@ -189,3 +157,12 @@ def test_closed_writers_commit_later(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.bin", "shard.idx"]
     with pytest.raises(RuntimeError, match="writer is committed, expected open"):
         writer.add_document([3])
+
+
+def test_without_mmap_the_tokens_are_read_from_the_file_alike(shard):
+    mapped, read = IndexedDataset(shard), IndexedDataset(shard, mmap_bin=False)
+    assert isinstance(mapped.get(0), np.memmap) or mapped.get(0).base is not None
+    for idx in range(len(mapped)):
+        assert np.array_equal(read.get(idx), mapped.get(idx))
+        assert np.array_equal(read.get(idx, 1, 2), mapped.get(idx, 1, 2))
+    assert read.num_tokens == mapped.num_tokens
