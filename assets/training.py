@@ -193,6 +193,12 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     try:
         train_config = load_config(config_file)
         train_config.accumulation_steps(msrun.worker_num)
+        # model: as the workers will build it, before msrun takes the devices; imported here, as the model
+        # package imports MindSpore, which loading the definitions does not need
+        from training.model import validate_model_section
+
+        tokenizer = load_manifest(storage.manifest_path(), storage.root)["tokenizer"]["path"]
+        validate_model_section(train_config, storage.root / tokenizer)
     except ConfigError as exc:
         raise dg.Failure(f"training config {config.config_path}: {exc}") from None
     lineage_file = run_dir / "lineage_inputs.json"

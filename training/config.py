@@ -93,8 +93,11 @@ def unknown_key_error(key: str, valid: typing.Iterable[str], path: str) -> Confi
 class Section:
     """Base of every config section: strict ``from_dict`` plus ``UNSUPPORTED`` default-only fields."""
 
-    # field name -> why Kiln refuses a non-default value (accepted and validated, but must stay default)
+    # field name -> why Kiln refuses a non-default value (accepted and validated, but must stay default).
+    # Every field is either read by the code that consumes configs or listed here: tests/test_config_fields.py.
     UNSUPPORTED: typing.ClassVar[dict[str, str]] = {}
+    # field name -> values MindFormers' own YAMLs write for "the default" (e.g. null for "auto"), accepted as it
+    SAME_AS_DEFAULT: typing.ClassVar[dict[str, tuple]] = {}
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "") -> "Section":
@@ -113,8 +116,8 @@ class Section:
             section = cls(**kwargs)
         except TypeError as exc:  # a required field is missing
             raise ConfigError(f"{path or '<root>'}: {exc}") from None
+        section.check(path)  # first, so an invalid value hears what the valid ones are
         section._check_unsupported(path)
-        section.check(path)
         return section
 
     def _check_unsupported(self, path: str) -> None:
@@ -123,7 +126,7 @@ class Section:
             f = fields[name]
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             value = getattr(self, name)
-            if value != default:
+            if value != default and value not in self.SAME_AS_DEFAULT.get(name, ()):
                 raise ConfigError(f"{_join(path, name)} = {value!r} is not supported yet ({reason})")
 
     def check(self, path: str) -> None:
@@ -164,6 +167,9 @@ class CheckpointConfig(Section):
     UNSUPPORTED = {
         "save_trainable_only": "LoRA is not implemented",
         "base_load_path": "LoRA base weights are not implemented",
+        "save_global_layout_cache": "Kiln keeps no gathered layout between saves: parameters are replicated, so "
+                                    "every rank's layout is the whole tensor",
+        "reshard_worker_num": "Kiln reshards a checkpoint in the loading process, one thread per rank",
     }
 
     def check(self, path):
@@ -229,16 +235,49 @@ class ParallelismConfig(Section):
     expert_parallel_async_d2h: bool = False
     expert_parallel_use_safe_tokens: bool = True
 
+    # Kiln trains data-parallel with replicated parameters: every other option here configures FSDP or a
+    # model-parallel layout that does not exist yet, so it is accepted only at its default.
+    _FSDP = "FSDP is not implemented: Kiln trains data-parallel with replicated parameters"
+    _CP = "context parallelism is not implemented: Kiln trains data-parallel with replicated parameters"
+    _PP = "pipeline parallelism is not implemented: Kiln trains data-parallel with replicated parameters"
+    _EP = "expert parallelism is not implemented: Kiln trains data-parallel with replicated parameters"
     UNSUPPORTED = {
-        "tensor_parallel": "only data parallelism is implemented",
-        "context_parallel": "only data parallelism is implemented",
-        "pipeline_parallel": "only data parallelism is implemented",
-        "expert_parallel": "only data parallelism is implemented",
-        "sequence_parallel": "it needs tensor parallelism",
+        "data_parallel_shard": _FSDP,
+        "data_parallel_shard_strategy": _FSDP,
+        "reshard_after_forward_policy": _FSDP,
         "cpu_offload": "optimizer offload is not implemented",
-        "dense_fsdp_shard_size": "parameters are replicated, not sharded",
-        "enable_mc2": "fused communication kernels are Ascend-only and not wired",
+        "disable_gradient_division": f"{_FSDP}; data-parallel gradients are always averaged over the ranks",
+        "dense_fsdp_shard_size": _FSDP,
+        "tensor_parallel": "tensor parallelism is not implemented: Kiln trains data-parallel with replicated "
+                           "parameters",
+        "context_parallel": _CP,
+        "context_parallel_method": _CP,
+        "context_parallel_async": _CP,
+        "ulysses_degree_in_cp": _CP,
+        "context_parallel_mask_type": _CP,
+        "pipeline_parallel": _PP,
+        "pipeline_parallel_layers_per_stage": _PP,
+        "pipeline_parallel_schedule": _PP,
+        # MindFormers overwrites it with the number of micro-batches per step; Kiln derives that number from
+        # global_batch_size / (local_batch_size × data parallel) and never reads this field
+        "pipeline_parallel_microbatch_size": f"{_PP}; the micro-batches per step come from "
+                                             "training.global_batch_size / (local_batch_size × data parallel)",
+        "pipeline_parallel_interleave_num": _PP,
+        "pipeline_parallel_overlap_p2p": _PP,
+        "pipeline_parallel_overlap_b_f": _PP,
+        "pipeline_parallel_enable_dxdw_split": _PP,
+        "pipeline_parallel_p2p_transport": _PP,
+        "sequence_parallel": "it needs tensor parallelism, which is not implemented",
+        "enable_mc2": "fused communication kernels need tensor parallelism, which is not implemented",
+        "enable_loss_parallel": "vocabulary-parallel loss needs tensor parallelism, which is not implemented",
+        "expert_parallel": _EP,
+        "npu_nums_per_device": _EP,
+        "moe_token_dispatcher_type": _EP,
+        "expert_parallel_async_d2h": _EP,
+        "expert_parallel_use_safe_tokens": _EP,
     }
+    # MindFormers' shipped pynative YAMLs write null for the automatic stage split
+    SAME_AS_DEFAULT = {"pipeline_parallel_layers_per_stage": (None,)}
 
     def check(self, path):
         require(self.data_parallel_shard == -1 or self.data_parallel_shard > 0,
@@ -393,7 +432,13 @@ class BlendedMegatronLoaderConfig(Section):
     column_names: list[str] = field(default_factory=lambda: ["input_ids", "labels", "loss_mask", "position_ids"])
     python_multiprocessing: bool = False
 
-    UNSUPPORTED = {"shuffle": "sample order comes from GPTDataset's seeded shuffle index"}
+    UNSUPPORTED = {
+        "shuffle": "sample order comes from GPTDataset's seeded shuffle index",
+        "column_names": "Kiln's GPTDataset items always carry input_ids, labels, loss_mask and position_ids "
+                        "(plus attention_mask or actual_seq_len when config asks for document masks)",
+        "python_multiprocessing": "Kiln reads samples in the training process, not through a MindSpore "
+                                  "GeneratorDataset with worker processes",
+    }
 
     def check(self, path):
         require(self.datasets_type == "GPTDataset", f"{path}.datasets_type must be GPTDataset")
@@ -422,11 +467,17 @@ class MindDatasetLoaderConfig(Section):
     column_names: list[str] = field(default_factory=lambda: ["input_ids"])
     python_multiprocessing: bool = False
 
+    UNSUPPORTED = {
+        "column_names": "Kiln's MindDataset reader takes the input_ids column only and derives labels, "
+                        "loss_mask and position_ids from it",
+        "python_multiprocessing": "Kiln reads samples in the training process, not through a MindSpore "
+                                  "dataset pipeline with worker processes",
+    }
+
     def check(self, path):
         require(self.eod >= 0, f"{path}.eod must be the tokenizer's end-of-document id, got {self.eod}")
         require(self.shuffle in (True, False, "global", "files", "infile"),
                 f"{path}.shuffle must be true, false, 'global', 'files' or 'infile', got {self.shuffle!r}")
-        require("input_ids" in self.column_names, f"{path}.column_names must include 'input_ids'")
 
 
 class DataloaderConfig:
@@ -451,8 +502,15 @@ class TrainDatasetConfig(Section):
     use_distribute_dataset: bool = False
     balance_enabled: bool = False
 
+    _NO_PIPELINE = ("Kiln reads each micro-batch in the training process, not through MindSpore's dataset "
+                    "pipeline")
     UNSUPPORTED = {"use_distribute_dataset": "every rank reads its own samples",
-                   "balance_enabled": "it needs compressed EOD masks"}
+                   "balance_enabled": "it needs compressed EOD masks",
+                   "drop_remainder": "Kiln reads exactly training.steps × global_batch_size samples, so there "
+                                     "is never a partial batch to keep",
+                   "num_parallel_workers": _NO_PIPELINE,
+                   "prefetch_size": _NO_PIPELINE,
+                   "numa_enable": _NO_PIPELINE}
 
 
 @dataclass
@@ -486,7 +544,8 @@ class TensorboardConfig(Section):
     log_interval: int = 1
     queue_size: int = 1000
 
-    UNSUPPORTED = {"output_dir": "TensorBoard output is not implemented; metrics go to metrics.jsonl"}
+    _NO_TENSORBOARD = "TensorBoard output is not implemented; metrics go to metrics.jsonl"
+    UNSUPPORTED = {"output_dir": _NO_TENSORBOARD, "log_interval": _NO_TENSORBOARD, "queue_size": _NO_TENSORBOARD}
 
 
 @dataclass
@@ -512,8 +571,12 @@ class MonitorConfig(Section):
 
 @dataclass
 class ContextConfig(Section):
+    # the device memory cap (mindspore.runtime.set_memory(max_size=...), training/trainer.py); the default
+    # sets none, as in MindFormers' pynative trainer, which declares the field and never applies it
+    _NO_MEMORY_CAP = "59GB"
+
     mode: int = 1
-    max_device_memory: str = "59GB"
+    max_device_memory: str = _NO_MEMORY_CAP
     device_target: str = "Ascend"
 
     def check(self, path):
@@ -522,6 +585,14 @@ class ContextConfig(Section):
                  f"{path}.device_target must be Ascend, GPU or CPU, got {self.device_target!r}")
         require(re.fullmatch(r"\d+(\.\d+)?GB", self.max_device_memory) is not None,
                  f"{path}.max_device_memory must look like '59GB', got {self.max_device_memory!r}")
+        require(not self.caps_device_memory or self.device_target != "CPU",
+                f"{path}.max_device_memory = {self.max_device_memory!r} has no effect on CPU (MindSpore caps "
+                f"device memory on Ascend and GPU only): leave it unset, or set {path}.device_target")
+
+    @property
+    def caps_device_memory(self) -> bool:
+        """Whether training applies ``max_device_memory`` (set to other than the default)."""
+        return self.max_device_memory != self._NO_MEMORY_CAP
 
 
 @dataclass
@@ -553,7 +624,10 @@ class RecomputeConfig(Section):
     select_module: Optional[dict] = None
     exclude_op: Optional[dict] = None
 
-    UNSUPPORTED = {"mode": "activation recompute is not implemented"}
+    # the sub-fields only configure a mode other than "None", which is refused: set alone, they would do nothing
+    _NO_RECOMPUTE = "activation recompute is not implemented"
+    UNSUPPORTED = {"mode": _NO_RECOMPUTE, "full_recompute_layer": _NO_RECOMPUTE, "select_module": _NO_RECOMPUTE,
+                   "exclude_op": _NO_RECOMPUTE}
 
 
 @dataclass
@@ -561,7 +635,8 @@ class RecomputeCommConfig(Section):
     enable: bool = False
     select_module: Optional[dict] = None
 
-    UNSUPPORTED = {"enable": "communication recompute is not implemented"}
+    UNSUPPORTED = {"enable": "communication recompute is not implemented",
+                   "select_module": "communication recompute is not implemented"}
 
 
 @dataclass
@@ -571,7 +646,8 @@ class SwapConfig(Section):
     layer_swap: Optional[list[dict]] = None
     op_swap: Optional[list[dict]] = None
 
-    UNSUPPORTED = {"enable": "activation swap is not implemented"}
+    _NO_SWAP = "activation swap is not implemented"
+    UNSUPPORTED = {"enable": _NO_SWAP, "default_prefetch": _NO_SWAP, "layer_swap": _NO_SWAP, "op_swap": _NO_SWAP}
 
 
 @dataclass
@@ -603,6 +679,15 @@ class TrainConfig(Section):
         require(isinstance(self.model["model_type"], str),
                 f"model.model_type: expected a model name such as 'qwen3', got {self.model['model_type']!r}")
         loader = self.train_dataset.dataloader
+        # MindFormers' model config carries seq_length too; the samples' length is the dataset's, so a
+        # model.seq_length must say the same, and an unset one is resolved to it (the model checks it against
+        # max_position_embeddings; its own default, 4096, would say nothing about these samples)
+        if isinstance(loader, BlendedMegatronLoaderConfig):
+            self.model.setdefault("seq_length", loader.config.seq_length)
+            require(self.model["seq_length"] == loader.config.seq_length,
+                    f"model.seq_length ({self.model['seq_length']!r}) differs from {_DATA_CONFIG}.seq_length "
+                    f"({loader.config.seq_length}), the length of the samples training reads: make them equal "
+                    f"or drop model.seq_length")
         if isinstance(loader, BlendedMegatronLoaderConfig) and loader.config.mock:
             from training.data.gpt_dataset import MockIndexedDataset
 

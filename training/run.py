@@ -29,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                              "(default: the config file's directory)")
     parser.add_argument("--lineage", help="JSON with the upstream chain (manifest, shards, tokenizer, raw files) "
                                           "to record in every checkpoint's lineage.json")
+    parser.add_argument("--tokenizer-model", help="the sentencepiece .model the data was tokenized with: its "
+                                                  "vocabulary must fit model.vocab_size")
     return parser.parse_args(argv)
 
 
@@ -41,9 +43,11 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     from training.config import ConfigError, load_config
+    from training.model import validate_model_section
 
     try:
         config = load_config(args.config, args.overrides)
+        validate_model_section(config, args.tokenizer_model)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

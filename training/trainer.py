@@ -49,9 +49,11 @@ def micro_batch_indices(consumed_samples: int, micro: int, rank: int, dp: int, l
 
 
 def configure_runtime(config: TrainConfig) -> None:
-    """Mode, device and determinism; MindSpore requires them before ``communication.init()``."""
+    """Mode, device, memory cap and determinism; MindSpore requires them before ``communication.init()``."""
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device(config.context.device_target)
+    if config.context.caps_device_memory:
+        ms.runtime.set_memory(max_size=config.context.max_device_memory)
     if config.training.deterministic:
         ms.set_context(deterministic="ON")
 

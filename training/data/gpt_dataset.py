@@ -796,6 +796,7 @@ def build_blended_dataset(
     cache_dir: str | os.PathLike | None = None,
     split_index: int = 0,
     builder_threads: int = 1,
+    mmap_bin: bool = True,
     where: str = "data_path",
     **options,
 ) -> BlendedDataset:
@@ -808,7 +809,8 @@ def build_blended_dataset(
     depend on its length). Without weights, one source is asked for `num_samples`, and several are
     each read for one epoch and blended exhaustively, in proportion to their sizes. `data_path`
     None is Megatron's mock data (MockIndexedDataset). The per-source datasets are built by
-    `builder_threads` threads (num_dataset_builder_threads). `options` are GPTDataset's further
+    `builder_threads` threads (num_dataset_builder_threads); `mmap_bin` memory-maps the .bin files
+    (mmap_bin_files), else tokens are read from them per sample. `options` are GPTDataset's further
     keyword options; errors about the list name it as `where`.
     """
     num_samples = _positive_int("num_samples", num_samples)
@@ -816,7 +818,7 @@ def build_blended_dataset(
         sources, weights = [MockIndexedDataset(eod_id)], None
     else:
         prefixes, weights = parse_data_path(data_path, where)
-        sources = [IndexedDataset(prefix) for prefix in prefixes]
+        sources = [IndexedDataset(prefix, mmap_bin=mmap_bin) for prefix in prefixes]
     if weights is not None:
         weights = _normalize(weights)
         sizes = [math.ceil(num_samples * weight * _BLEND_SURPLUS) for weight in weights]

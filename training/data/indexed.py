@@ -230,10 +230,13 @@ def _write_index(stream, code: int, itemsize: int, lengths: np.ndarray) -> str:
 
 
 class IndexedDataset:
-    """Memory-mapped reader of `<prefix>.bin/.idx`; validates the pair on open."""
+    """Reader of `<prefix>.bin/.idx`; validates the pair on open. The index is memory-mapped; the tokens are
+    too with `mmap_bin` (Megatron's `mmap_bin_files`), else each `get` reads its tokens from the file (less
+    address space and page cache per process, one read per call)."""
 
-    def __init__(self, prefix: str | os.PathLike) -> None:
+    def __init__(self, prefix: str | os.PathLike, mmap_bin: bool = True) -> None:
         self.prefix = Path(prefix)
+        self.mmap_bin = mmap_bin
         self.idx_path = Path(f"{self.prefix}.idx")
         self.bin_path = Path(f"{self.prefix}.bin")
         for path in (self.idx_path, self.bin_path):
@@ -317,11 +320,12 @@ class IndexedDataset:
                 f"size does not match {self.idx_path.name}: expected {expected_next} bytes "
                 f"({expected_next // itemsize} {self._dtype} tokens), got {bin_size}",
             )
+        self._num_tokens = bin_size // itemsize
         # np.memmap refuses empty files; an empty dataset simply has no tokens.
         self._tokens = (
             np.memmap(self.bin_path, mode="r", dtype=self._dtype).view(np.ndarray)
-            if bin_size
-            else np.zeros(0, self._dtype)
+            if bin_size and self.mmap_bin
+            else None
         )
 
     def __len__(self) -> int:
@@ -338,7 +342,15 @@ class IndexedDataset:
         if offset < 0 or length < 0 or offset + length > size:
             raise IndexError(f"{self.prefix}: sequence {idx} has {size} tokens; cannot read [{offset}, {offset + length})")
         start = int(self._pointers[idx]) // self._dtype.itemsize + offset
-        return self._tokens[start : start + length]
+        if self._tokens is not None:
+            return self._tokens[start : start + length]
+        tokens = np.empty(length, self._dtype)
+        with open(self.bin_path, "rb", buffering=0) as stream:
+            stream.seek(start * self._dtype.itemsize)
+            read = stream.readinto(tokens)
+        if read != tokens.nbytes:  # the file shrank since it was validated
+            raise self._fail(self.bin_path, f"short read: {read} of {tokens.nbytes} bytes at token {start}")
+        return tokens
 
     @property
     def sequence_lengths(self) -> np.ndarray:
@@ -362,4 +374,4 @@ class IndexedDataset:
 
     @property
     def num_tokens(self) -> int:
-        return self._tokens.size
+        return self._num_tokens

@@ -34,6 +34,9 @@ def build_dataset(config: TrainConfig, num_samples: int, split: str = "train"):
         blend, seq_length=c.seq_length, num_samples=num_samples, seed=c.seed, split=split_ratios,
         split_index=split_index, eod_id=c.eod, pad_id=c.pad, cache_dir=c.path_to_cache, where=where,
         builder_threads=c.num_dataset_builder_threads,
+        # unset reads the .bin files without mmap, as in MindFormers (its loader passes None to Megatron's
+        # IndexedDataset, whose `if mmap:` then picks the file reader)
+        mmap_bin=bool(c.mmap_bin_files),
         drop_last_partial_validation_sequence=c.drop_last_partial_validation_sequence,
         add_extra_token_to_sequence=c.add_extra_token_to_sequence, reset_position_ids=c.reset_position_ids,
         reset_attention_mask=c.reset_attention_mask, eod_mask_loss=c.eod_mask_loss,

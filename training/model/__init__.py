@@ -2,9 +2,11 @@
 as MindFormers does; every other key in the section configures that model."""
 from __future__ import annotations
 
-from training.config import ConfigError
+import os
+
+from training.config import ConfigError, TrainConfig, require
 from training.model.deepseek_v3 import DeepseekV3Config
-from training.model.gpt import GPTModel
+from training.model.gpt import GPTConfig, GPTModel
 from training.model.qwen3 import Qwen3Config
 
 # model_type -> (architecture, config class)
@@ -21,8 +23,9 @@ def _architecture(value) -> str:
     return value
 
 
-def build_model(model_section: dict, seed: int | None = None) -> GPTModel:
-    """Build the model named by ``model.model_type``/``model.architectures`` from the YAML ``model:`` dict."""
+def model_config(model_section: dict) -> GPTConfig:
+    """The family config (Qwen3Config / DeepseekV3Config) named by ``model.model_type``/``model.architectures``,
+    every other key of the YAML ``model:`` dict validated; no network is built."""
     settings = dict(model_section)
     model_type = settings.pop("model_type", None)
     architecture = _architecture(settings.pop("architectures", None))
@@ -33,7 +36,32 @@ def build_model(model_section: dict, seed: int | None = None) -> GPTModel:
     if architecture != expected_architecture:
         raise ConfigError(f"model.architectures = {architecture!r} does not match model_type {model_type!r}; "
                           f"supported: {supported}")
-    return GPTModel(config_class.from_dict(settings, "model"), seed=seed)
+    return config_class.from_dict(settings, "model")
 
 
-__all__ = ["DeepseekV3Config", "GPTModel", "Qwen3Config", "build_model"]
+def build_model(model_section: dict, seed: int | None = None) -> GPTModel:
+    """Build the model named by ``model.model_type``/``model.architectures`` from the YAML ``model:`` dict."""
+    return GPTModel(model_config(model_section), seed=seed)
+
+
+def validate_model_section(config: TrainConfig, tokenizer_model: str | os.PathLike | None = None) -> GPTConfig:
+    """Check ``model:`` before launch as the workers will build it (model.seq_length, which load_config sets
+    to the samples' length, within max_position_embeddings) and, given the sentencepiece ``tokenizer_model``
+    the data was tokenized with, against its vocabulary. Not part of ``load_config``: the model package
+    imports MindSpore, which the Dagster process and the CLI load only to launch."""
+    model = model_config(config.model)  # with load_config's model.seq_length: the samples' length
+    if tokenizer_model is not None:
+        import sentencepiece
+
+        try:
+            vocab = sentencepiece.SentencePieceProcessor(model_file=str(tokenizer_model)).vocab_size()
+        except (OSError, RuntimeError) as exc:
+            raise ConfigError(f"{tokenizer_model}: not a readable sentencepiece model ({exc})") from None
+        require(vocab <= model.vocab_size,
+                f"model.vocab_size = {model.vocab_size} is smaller than the vocabulary of the tokenizer the data "
+                f"was tokenized with ({vocab} ids, {tokenizer_model}): ids from {model.vocab_size} up have no "
+                f"embedding")
+    return model
+
+
+__all__ = ["DeepseekV3Config", "GPTModel", "Qwen3Config", "build_model", "model_config", "validate_model_section"]
