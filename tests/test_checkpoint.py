@@ -275,5 +275,5 @@ def test_rng_state_round_trips_through_json():
     restore_rng_state(state, "somewhere")
     np.testing.assert_array_equal(np.random.normal(size=5), expected)
     np.testing.assert_array_equal(ms.get_rng_state().asnumpy(), ms_expected)
-    with pytest.raises(CheckpointError, match="somewhere/common.json: field rng has no generator states"):
-        restore_rng_state({"seed": 1}, "somewhere")
+    with pytest.raises(CheckpointError, match="somewhere/kiln_state.json: field rng has no generator states"):
+        restore_rng_state({"seed": 1}, "somewhere/kiln_state.json")

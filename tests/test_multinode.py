@@ -83,7 +83,7 @@ def test_two_nodes_on_loopback_train_one_job(tmp_path, shard):
     assert sorted(p.name for p in (tmp_path / "node0_logs").glob("worker_*.log")) == ["worker_0.log"]
     assert sorted(p.name for p in (tmp_path / "node1_logs").glob("worker_*.log")) == ["worker_1.log"]
     loaded = load_checkpoint(checkpoints / "iteration_00000006")
-    assert loaded.common["global_step"] == 6 and loaded.common["world_size"] == 2 and loaded.model
+    assert loaded.common["global_step"] == 6 and loaded.state["world_size"] == 2 and loaded.model
     # one job, data parallel across the nodes: the same losses as one process reading the same global batches
     single = tmp_path / "single"
     (config,) = (tmp_path / "run").glob("config-*.yaml")

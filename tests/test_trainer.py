@@ -1,5 +1,7 @@
 """The trainer in one process (no msrun): a step, a save, a resume, and an audit of what it saved."""
 import json
+import shutil
+from pathlib import Path
 
 import mindspore as ms
 import numpy as np
@@ -9,7 +11,7 @@ from conftest import MICRO_CONFIG, PROJECT_ROOT
 from training.collectives import World
 from training.config import load_config
 from training.lineage import audit_checkpoint, audit_exit_code
-from training.checkpoint import CheckpointError
+from training.checkpoint import KILN_STATE, MINDFORMERS_COMMON_KEYS, CheckpointError
 from training.reporting import Reporter, read_records
 from training.trainer import Trainer, configure_runtime, micro_batch_indices
 
@@ -91,6 +93,31 @@ def test_a_partial_metrics_line_from_a_killed_run_does_not_swallow_the_next_reco
     make_trainer(tmp_path, shard, "killed", "training.steps=2").train()
     assert [m["step"] for m in read_records(metrics)] == [1, 1, 2]
     assert read_records(metrics, offset=len('{"step": 1, "loss": 6.2}\n'))[0]["step"] == 1
+
+
+def test_common_json_holds_exactly_mindformers_fields_and_kiln_state_is_audited(tmp_path, shard, capsys):
+    checkpoint = Path(make_trainer(tmp_path, shard, "mf", "training.steps=3").train().last_checkpoint)
+    common = json.loads((checkpoint / "common.json").read_text())
+    # MindFormers' CommonInfo takes every key as a constructor argument: one more and its resume raises
+    assert sorted(common) == sorted(MINDFORMERS_COMMON_KEYS) and common["global_step"] == 3
+    state = json.loads((checkpoint / KILN_STATE).read_text())
+    assert {"rng", "data_position", "config_sha256", "loss", "world_size"} <= set(state)
+    _, checks = audit_checkpoint(checkpoint)
+    assert ("kiln_state.json", "ok") in [(c.path, c.status) for c in checks]
+
+    # MindFormers' form of the same checkpoint, without Kiln's sidecar, resumes at its step from the seed
+    mindformers = tmp_path / "mindformers/iteration_00000003"
+    shutil.copytree(checkpoint, mindformers)
+    (mindformers / KILN_STATE).unlink()
+    capsys.readouterr()
+    resumed = make_trainer(tmp_path, shard, "from_mf", f"checkpoint.load_path={mindformers}")
+    assert resumed.step == 3 and resumed.consumed_samples == common["consumed_samples"]
+    assert f"has no {KILN_STATE} (saved by MindFormers?): the random generators start from training.seed" in (
+        capsys.readouterr().out)
+
+    (checkpoint / KILN_STATE).write_text(json.dumps({**state, "loss": 0.0}))
+    _, checks = audit_checkpoint(checkpoint)
+    assert [(c.path, c.status) for c in checks if c.status != "ok"] == [("kiln_state.json", "MISMATCH")]
 
 
 def test_audit_names_the_file_changed_since_training(tmp_path, shard):

@@ -2,7 +2,7 @@
 
 Order of writes for step N, so a crash at any point leaves every complete checkpoint as it was: every
 rank writes its safetensors files into the staging directory ``.iteration_N.partial/``; a barrier; rank 0
-writes ``metadata.json``, ``lineage.json`` and ``common.json`` there, renames the directory to
+writes ``metadata.json``, ``kiln_state.json``, ``lineage.json`` and ``common.json`` there, renames the directory to
 ``iteration_N/`` (so a directory under that name is always complete), then writes the tracker
 ``latest_checkpointed_iteration.txt``, then rotates old checkpoints. No save replaces a complete
 checkpoint: saving a step that already has one is an error, found before any file is written.
@@ -29,6 +29,11 @@ from training.data.hashing import sha256_file
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
+# MindFormers' CommonInfo builds itself from every key of common.json, so it holds exactly these; what else
+# Kiln keeps per checkpoint (random states, data position, loss, config hash) goes to a sidecar of its own
+MINDFORMERS_COMMON_KEYS = ("epoch_num", "step_num", "global_step", "loss_scale", "global_batch_size",
+                           "consumed_samples", "ckpt_status")
+KILN_STATE = "kiln_state.json"
 METADATA = "metadata.json"
 LINEAGE = "lineage.json"
 _ITERATION_RE = re.compile(r"^iteration_(\d{8})$")
@@ -225,6 +230,7 @@ class _PendingSave:
     target: Path
     metadata: dict
     common: dict
+    state: dict | None
     lineage: dict
     write: _AsyncWrite
 
@@ -259,7 +265,11 @@ class CheckpointSaver:
         self.completed: list[SavedCheckpoint] = []
 
     def save(self, *, step: int, model: dict[str, np.ndarray], optim: dict[str, np.ndarray] | None,
-             common: dict, lineage: dict) -> None:
+             common: dict, lineage: dict, state: dict | None = None) -> None:
+        """``common``: MindFormers' common.json fields; ``state``: Kiln's sidecar (none when not given)."""
+        extra = sorted(set(common) - set(MINDFORMERS_COMMON_KEYS))
+        if extra:
+            raise ValueError(f"common.json holds MindFormers' fields only; {', '.join(extra)} belong in the state")
         self.wait()
         arrays = {"model": model, "opt": optim or {}}
         plan = SavePlan.build(arrays, self.prefix, self.world.size, self.remove_redundancy)
@@ -277,13 +287,14 @@ class CheckpointSaver:
         files = plan.own_files(arrays, self.world.rank)
         if self.async_save:
             write = _AsyncWrite(staging, files)
-            self.pending = _PendingSave(step, target, metadata, common, lineage, write)
+            self.pending = _PendingSave(step, target, metadata, common, state, lineage, write)
             write.job.start()
             return
         _write_files(staging, files)
         self.collectives.barrier()
         if self.world.is_main:
-            self.completed.append(_finalize(self.save_path, step, target, metadata, common, lineage, self.save_max))
+            self.completed.append(_finalize(self.save_path, step, target, metadata, common, state, lineage,
+                                            self.save_max))
 
     def before_update(self) -> None:
         """Call before the optimizer changes parameters in place: waits until a pending async save has
@@ -314,8 +325,8 @@ class CheckpointSaver:
                                   + (f"; on this rank: {own!r}" if own else "")) from own
         if self.world.is_main:
             self.finalizer = _Job(f"kiln-finalize-{pending.target.name}", lambda: _finalize(
-                self.save_path, pending.step, pending.target, pending.metadata, pending.common, pending.lineage,
-                self.save_max))
+                self.save_path, pending.step, pending.target, pending.metadata, pending.common, pending.state,
+                pending.lineage, self.save_max))
             self.finalizer.start()
 
     def wait(self) -> None:
@@ -344,12 +355,14 @@ class CheckpointSaver:
         return done
 
 
-def _finalize(save_path: Path, step: int, target: Path, metadata: dict, common: dict, lineage: dict,
-              save_max: int) -> SavedCheckpoint:
-    """Rank 0, once every rank's files are in the staging directory: metadata, lineage, common.json, the
-    rename that completes the checkpoint, the tracker, then rotation."""
+def _finalize(save_path: Path, step: int, target: Path, metadata: dict, common: dict, state: dict | None,
+              lineage: dict, save_max: int) -> SavedCheckpoint:
+    """Rank 0, once every rank's files are in the staging directory: metadata, Kiln's state, lineage (which
+    hashes those), common.json, the rename that completes the checkpoint, the tracker, then rotation."""
     staging = staging_dir(target)
     write_json_atomic(staging / METADATA, metadata)
+    if state is not None:
+        write_json_atomic(staging / KILN_STATE, state)
     files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(staging.iterdir()) if not p.name.startswith(".")]
     write_json_atomic(staging / LINEAGE, {**lineage, "checkpoint": {"step": step, "files": files, "common": common}})
@@ -364,11 +377,11 @@ def _finalize(save_path: Path, step: int, target: Path, metadata: dict, common: 
 
 def save_checkpoint(*, save_path: Path, step: int, model: dict[str, np.ndarray], optim: dict[str, np.ndarray] | None,
                     common: dict, lineage: dict, prefix: str | None, save_max: int, world, collectives,
-                    remove_redundancy: bool = False) -> SavedCheckpoint | None:
+                    remove_redundancy: bool = False, state: dict | None = None) -> SavedCheckpoint | None:
     """One synchronous save (collective). Returns the saved checkpoint on rank 0, None elsewhere."""
     saver = CheckpointSaver(save_path=save_path, prefix=prefix, save_max=save_max, world=world,
                             collectives=collectives, remove_redundancy=remove_redundancy)
-    saver.save(step=step, model=model, optim=optim, common=common, lineage=lineage)
+    saver.save(step=step, model=model, optim=optim, common=common, lineage=lineage, state=state)
     done = saver.take_completed()
     return done[0] if done else None
 
@@ -418,19 +431,19 @@ def capture_rng_state(seed: int) -> dict:
                              "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
 
 
-def restore_rng_state(state: dict | None, path: Path) -> None:
-    """Set the generators back to ``capture_rng_state``'s record (from ``path``'s common.json)."""
+def restore_rng_state(state: dict, path: Path) -> None:
+    """Set the generators back to ``capture_rng_state``'s record (``path``: the file it came from)."""
     import mindspore as ms
 
     if not isinstance(state, dict) or "mindspore_default_generator" not in state:
-        raise CheckpointError(f"{Path(path) / COMMON}: field rng has no generator states (saved by an older Kiln?)")
+        raise CheckpointError(f"{path}: field rng has no generator states")
     try:
         ms_state = np.array(state["mindspore_default_generator"], dtype=np.uint8)
         numpy_state = state["numpy_global"]
         np.random.set_state((numpy_state["bit_generator"], np.array(numpy_state["key"], dtype=np.uint32),
                              numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{Path(path) / COMMON}: field rng is malformed ({exc!r})") from None
+        raise CheckpointError(f"{path}: field rng is malformed ({exc!r})") from None
     ms.set_rng_state(ms.Tensor(ms_state))
 
 
@@ -485,6 +498,16 @@ def _read_json(path: Path) -> dict:
     if not isinstance(payload, dict):
         raise CheckpointError(f"{path}: expected a JSON object, found {type(payload).__name__}")
     return payload
+
+
+def read_kiln_state(path: Path, common: dict) -> tuple[dict | None, Path]:
+    """Kiln's per-checkpoint state and the file it came from: ``kiln_state.json``, else the extra keys an
+    older Kiln wrote into common.json; None for a checkpoint that has neither (MindFormers wrote it)."""
+    sidecar = Path(path) / KILN_STATE
+    if sidecar.exists():
+        return _read_json(sidecar), sidecar
+    legacy = {k: v for k, v in common.items() if k not in MINDFORMERS_COMMON_KEYS} if "rng" in common else None
+    return legacy, Path(path) / COMMON
 
 
 def read_common(path: Path) -> dict:
@@ -550,6 +573,8 @@ class LoadedCheckpoint:
     model: dict[str, np.ndarray]
     optim: dict[str, np.ndarray]
     common: dict
+    state: dict | None  # Kiln's sidecar (read_kiln_state); None for a MindFormers checkpoint
+    state_path: Path
 
 
 def read_tensors(path: Path, catalog: dict[str, TensorEntry], names, rank: int) -> dict[str, np.ndarray]:
@@ -585,7 +610,8 @@ def read_tensors(path: Path, catalog: dict[str, TensorEntry], names, rank: int) 
 
 def _split(path: Path, catalog: dict[str, TensorEntry], tensors: dict[str, np.ndarray], common: dict
            ) -> LoadedCheckpoint:
-    return LoadedCheckpoint(path=Path(path), common=common,
+    state, state_path = read_kiln_state(path, common)
+    return LoadedCheckpoint(path=Path(path), common=common, state=state, state_path=state_path,
                             model={n: a for n, a in tensors.items() if catalog[n].kind == "model"},
                             optim={n: a for n, a in tensors.items() if catalog[n].kind == "opt"})
 

@@ -17,8 +17,8 @@ import numpy as np
 from mindspore import Tensor
 
 from training.atomic import write_text_atomic
-from training.checkpoint import (CheckpointError, CheckpointSaver, capture_rng_state, complete_steps, is_hf_dir,
-                                 iteration_dir, load_checkpoint, load_checkpoint_balanced, resolve_load_path,
+from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, capture_rng_state, complete_steps,
+                                 is_hf_dir, iteration_dir, load_checkpoint, load_checkpoint_balanced, resolve_load_path,
                                  restore_rng_state)
 from training.collectives import Collectives, World
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
@@ -152,7 +152,11 @@ class Trainer:
                                   f"set checkpoint.no_load_optim to load the weights only")
         self.optimizer.load_state_arrays(loaded.optim)
         common = loaded.common
-        restore_rng_state(common.get("rng"), path)
+        if loaded.state is None:
+            self.reporter.info(f"[kiln] {path} has no {KILN_STATE} (saved by MindFormers?): the random generators "
+                               f"start from training.seed {self.config.training.seed}, not where that run left them")
+        else:
+            restore_rng_state(loaded.state.get("rng"), loaded.state_path)
         saved_gbs = common["global_batch_size"]
         self.consumed_samples = int(common["consumed_samples"])
         gbs = self.config.training.global_batch_size
@@ -269,7 +273,8 @@ class Trainer:
             "epoch_num": 1, "step_num": cfg.training.steps, "global_step": self.step, "loss_scale": 1.0,
             "global_batch_size": cfg.training.global_batch_size, "consumed_samples": self.consumed_samples,
             "ckpt_status": status,
-            # Kiln's extras: what a bit-identical resume and an audit need
+        }
+        state = {  # Kiln's own: what a bit-identical resume and an audit need
             "loss": metrics["loss"], "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
             "config_sha256": config_sha256(self.resolved_yaml),
             "data_position": {"consumed_samples": self.consumed_samples, "seed": cfg.train_dataset.dataloader.seed},
@@ -285,7 +290,7 @@ class Trainer:
                 "consumed_samples": self.consumed_samples}
         self.saver.save(step=self.step, model=self._model_arrays(),
                         optim=None if cfg.checkpoint.no_save_optim else self.optimizer.state_arrays(),
-                        common=common, lineage=lineage)
+                        common=common, state=state, lineage=lineage)
         self._report_saved()
 
     def _report_saved(self) -> None:
