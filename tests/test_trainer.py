@@ -11,7 +11,7 @@ from conftest import MICRO_CONFIG, PROJECT_ROOT
 from training.collectives import World
 from training.config import load_config
 from training.lineage import audit_checkpoint, audit_exit_code
-from training.checkpoint import KILN_STATE, MINDFORMERS_COMMON_KEYS, CheckpointError
+from training.checkpoint import KILN_STATE, MINDFORMERS_COMMON_KEYS, CheckpointError, load_checkpoint
 from training.reporting import Reporter, read_records
 from training.trainer import Trainer, configure_runtime, micro_batch_indices
 
@@ -118,6 +118,67 @@ def test_common_json_holds_exactly_mindformers_fields_and_kiln_state_is_audited(
     (checkpoint / KILN_STATE).write_text(json.dumps({**state, "loss": 0.0}))
     _, checks = audit_checkpoint(checkpoint)
     assert [(c.path, c.status) for c in checks if c.status != "ok"] == [("kiln_state.json", "MISMATCH")]
+
+
+def write_safetensors(path, tensors):
+    """A safetensors file as MindFormers writes it, bfloat16 included: {name: (dtype code, raw array)}."""
+    header, offset = {}, 0
+    for name, (code, raw) in tensors.items():
+        header[name] = {"dtype": code, "shape": list(raw.shape), "data_offsets": [offset, offset + raw.nbytes]}
+        offset += raw.nbytes
+    encoded = json.dumps(header).encode()
+    path.write_bytes(len(encoded).to_bytes(8, "little") + encoded + b"".join(r.tobytes() for _, r in tensors.values()))
+
+
+def to_bfloat16_bits(array):
+    """Round-to-nearest-even float32 -> bfloat16 bits, as a bf16 cast does."""
+    bits = array.astype(np.float32).view(np.uint32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def mindformers_single_card_save(kiln_checkpoint, target):
+    """Kiln's checkpoint as MindFormers saves one card's bf16 training: no metadata.json, no kiln_state.json,
+    bfloat16 weights (the embedding table in float32, MindFormers' embedding_params_dtype default) and their
+    fp32 masters (main_param.*) beside the moments in the optimizer file."""
+    loaded = load_checkpoint(kiln_checkpoint)
+    target.mkdir(parents=True)
+    model, masters = {}, {}
+    for name, weight in loaded.model.items():
+        if name == "embedding.word_embeddings.weight":
+            model[name] = ("F32", weight)
+        else:
+            model[name] = ("BF16", to_bfloat16_bits(weight))
+            masters[f"main_param.{name}"] = ("F32", weight)
+    optim = {name: ("I64" if name == "global_step" else "F32", value) for name, value in loaded.optim.items()}
+    write_safetensors(target / "checkpoint-model-0000000-0000001.safetensors", model)
+    write_safetensors(target / "checkpoint-opt-0000000-0000001.safetensors", {**optim, **masters})
+    (target / "common.json").write_text(json.dumps(loaded.common))
+    return loaded
+
+
+def test_a_mindformers_single_card_bfloat16_checkpoint_resumes_exactly_and_loads_weights_only(
+        tmp_path, shard, capsys):
+    make_trainer(tmp_path, shard, "full").train()
+    uninterrupted = losses(tmp_path / "full")
+    mindformers = tmp_path / "mindformers/iteration_00000003"
+    kiln = mindformers_single_card_save(tmp_path / "full/checkpoints/iteration_00000003", mindformers)
+    capsys.readouterr()
+    resumed = make_trainer(tmp_path, shard, "resumed", f"checkpoint.load_path={mindformers}")
+    out = capsys.readouterr().out
+    assert "take their fp32 masters (main_param.*)" in out and "stored as BFloat16" not in out
+    assert all(np.array_equal(p.asnumpy(), kiln.model[p.name]) for p in resumed.model.get_parameters())
+    resumed.train()
+    after = losses(tmp_path / "resumed")
+    assert sorted(after) == [4, 5, 6] and all(after[s] == uninterrupted[s] for s in after)
+
+    weights_only = make_trainer(tmp_path, shard, "weights", "checkpoint.no_load_optim=true",
+                                f"checkpoint.load_path={mindformers}")
+    assert "tensor(s) stored as BFloat16 loaded as the model's Float32" in capsys.readouterr().out
+    embedding = "embedding.word_embeddings.weight"
+    for param in weights_only.model.get_parameters():
+        expected = kiln.model[param.name] if param.name == embedding else (
+            to_bfloat16_bits(kiln.model[param.name]).astype(np.uint32) << 16).view(np.float32)
+        np.testing.assert_array_equal(param.asnumpy(), expected)
 
 
 def test_audit_names_the_file_changed_since_training(tmp_path, shard):

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 from training.atomic import write_atomic, write_json_atomic, write_text_atomic
 from training.data.hashing import sha256_file
+from training.safetensors_io import SafetensorsFile, SafetensorsFileError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
@@ -41,7 +41,13 @@ _OPT_FILE_RE = re.compile(r"(^|-)opt-\d+-\d+\.safetensors$")
 # MindSpore's dtype names, as MindFormers writes them into metadata.json
 _MS_DTYPE_NAMES = {"float32": "Float32", "float16": "Float16", "int64": "Int64", "int32": "Int32",
                    "uint16": "UInt16", "uint8": "UInt8", "bool": "Bool"}
-_NUMPY_DTYPES = {ms_name: np.dtype(np_name) for np_name, ms_name in _MS_DTYPE_NAMES.items()}
+_NUMPY_BY_MS_NAME = {ms_name: np.dtype(np_name) for np_name, ms_name in _MS_DTYPE_NAMES.items()}
+# what the reader returns for each stored dtype: bfloat16 (MindFormers' default) widened to float32
+_NUMPY_DTYPES = {**_NUMPY_BY_MS_NAME, "BFloat16": np.dtype("float32")}
+# safetensors' dtype codes by MindSpore name: how a file without metadata.json describes its tensors
+_MS_NAMES_BY_CODE = {"F32": "Float32", "F16": "Float16", "BF16": "BFloat16", "I64": "Int64", "I32": "Int32",
+                     "U16": "UInt16", "U8": "UInt8", "BOOL": "Bool"}
+_SHARD_FILE_RE = re.compile(r"(?:^|-)(?:model|opt)-(\d{7})-(\d{7})\.safetensors$")
 # what a resume needs from common.json
 COMMON_REQUIRED = ("global_step", "consumed_samples", "global_batch_size")
 
@@ -95,6 +101,13 @@ def _write_safetensors_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None
         for array in arrays.values():
             stream.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
     write_atomic(path, write)
+
+
+def numpy_dtype(ms_dtype) -> np.dtype:
+    """numpy's dtype for a parameter's MindSpore dtype (one of those a checkpoint holds)."""
+    if str(ms_dtype) not in _NUMPY_BY_MS_NAME:
+        raise CheckpointError(f"dtype {ms_dtype} has no numpy equivalent a checkpoint can hold")
+    return _NUMPY_BY_MS_NAME[str(ms_dtype)]
 
 
 def balanced_assignment(sizes: dict[str, int], ranks: list[int]) -> dict[str, int]:
@@ -475,9 +488,11 @@ def resolve_load_path(load_path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint.load_path {path}: neither a save root with {TRACKER}, "
                               f"an iteration_XXXXXXXX directory, nor a Hugging Face directory "
                               f"(config.json + *.safetensors)")
-    for name in (COMMON, METADATA):
-        if not (path / name).exists():
-            raise CheckpointError(f"{path}: incomplete checkpoint, {name} is missing")
+    if not (path / COMMON).exists():
+        raise CheckpointError(f"{path}: incomplete checkpoint, {COMMON} is missing")
+    # MindFormers writes no metadata.json for a single-card save: its safetensors headers describe it
+    if not (path / METADATA).exists() and not any(path.glob("*.safetensors")):
+        raise CheckpointError(f"{path}: incomplete checkpoint, neither {METADATA} nor *.safetensors files")
     return path
 
 
@@ -524,8 +539,13 @@ class TensorEntry:
     """One tensor as metadata.json describes it: where its copies are, and what it must look like."""
     kind: str  # "model" | "opt"
     shape: tuple[int, ...]
-    dtype: np.dtype
+    stored: str  # MindSpore's name of the dtype in the file ("BFloat16", "Float32", ...)
     copies: tuple[tuple[str, int], ...]  # (file name, storage rank)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype the reader returns (bfloat16 widened to float32)."""
+        return _NUMPY_DTYPES[self.stored]
 
     @property
     def nbytes(self) -> int:
@@ -536,10 +556,41 @@ class TensorEntry:
         return next((f for f, r in self.copies if r == rank), self.copies[0][0])
 
 
+def _kind_of(file_name: str) -> str:
+    return "opt" if _OPT_FILE_RE.search(file_name) else "model"
+
+
+def _catalog_from_headers(path: Path) -> dict[str, TensorEntry]:
+    """A single-card MindFormers save has no metadata.json: every tensor in its safetensors files is whole,
+    as MindFormers' own loader assumes; the storage rank comes from the file name's index."""
+    catalog: dict[str, TensorEntry] = {}
+    for file_path in sorted(Path(path).glob("*.safetensors")):
+        reader = _open(file_path)
+        match = _SHARD_FILE_RE.search(file_path.name)
+        rank = int(match.group(1)) if match else 0
+        for name in reader.names():
+            code = reader.dtype(name)
+            if code not in _MS_NAMES_BY_CODE:
+                raise CheckpointError(f"{file_path}: tensor {name} has dtype {code}, not one of "
+                                      f"{sorted(_MS_NAMES_BY_CODE)}")
+            entry = TensorEntry(_kind_of(file_path.name), reader.shape(name), _MS_NAMES_BY_CODE[code],
+                                ((file_path.name, rank),))
+            known = catalog.get(name)
+            if known is not None and (known.shape, known.stored) != (entry.shape, entry.stored):
+                raise CheckpointError(f"{file_path}: tensor {name} is {entry.stored}{list(entry.shape)}, "
+                                      f"{known.copies[0][0]} holds it as {known.stored}{list(known.shape)}")
+            catalog[name] = entry if known is None else TensorEntry(
+                known.kind, known.shape, known.stored, known.copies + entry.copies)
+    return catalog
+
+
 def read_catalog(path: Path) -> dict[str, TensorEntry]:
-    """Every tensor of the checkpoint from metadata.json. Sharded tensors (a shard grid other than one
-    chunk) are refused by name: Kiln's layouts are replicated so far."""
+    """Every tensor of the checkpoint from metadata.json, or from the safetensors headers when there is
+    none. Sharded tensors (a shard grid other than one chunk) are refused by name: Kiln's layouts are
+    replicated so far."""
     meta_path = Path(path) / METADATA
+    if not meta_path.exists():
+        return _catalog_from_headers(path)
     metadata = _read_json(meta_path)
     catalog = {}
     try:
@@ -560,8 +611,7 @@ def read_catalog(path: Path) -> dict[str, TensorEntry]:
             copies = tuple((e["file_name"], int(e["storage_rank"])) for e in entries)
             if not copies:
                 raise CheckpointError(f"{meta_path}: tensor {name} is stored in no file")
-            kind = "opt" if _OPT_FILE_RE.search(copies[0][0]) else "model"
-            catalog[name] = TensorEntry(kind, tuple(info["global_shape"]), _NUMPY_DTYPES[dtype_name], copies)
+            catalog[name] = TensorEntry(_kind_of(copies[0][0]), tuple(info["global_shape"]), dtype_name, copies)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{meta_path}: malformed ({exc!r})") from None
     return catalog
@@ -575,10 +625,18 @@ class LoadedCheckpoint:
     common: dict
     state: dict | None  # Kiln's sidecar (read_kiln_state); None for a MindFormers checkpoint
     state_path: Path
+    stored: dict[str, str]  # each tensor's dtype in the files, MindSpore's name ("BFloat16", ...)
+
+
+def _open(file_path: Path) -> SafetensorsFile:
+    try:
+        return SafetensorsFile(file_path)
+    except SafetensorsFileError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def read_tensors(path: Path, catalog: dict[str, TensorEntry], names, rank: int) -> dict[str, np.ndarray]:
-    """Read ``names`` from the files metadata.json lists, each checked against its shape and dtype."""
+    """Read ``names`` from the files the catalog lists, each checked against its shape and dtype."""
     path = Path(path)
     by_file: dict[str, list[str]] = {}
     for name in names:
@@ -588,23 +646,16 @@ def read_tensors(path: Path, catalog: dict[str, TensorEntry], names, rank: int) 
         file_path = path / file_name
         if not file_path.exists():
             raise CheckpointError(f"{file_path}: missing (listed in {METADATA} for tensor {file_names[0]})")
-        try:
-            with safe_open(str(file_path), framework="numpy") as f:
-                present = set(f.keys())
-                for name in file_names:
-                    if name not in present:
-                        raise CheckpointError(f"{file_path}: tensor {name} listed in {METADATA} is not in the file")
-                    try:
-                        array = f.get_tensor(name)
-                    except SafetensorError as exc:
-                        raise CheckpointError(f"{file_path}: tensor {name} unreadable ({exc})") from None
-                    entry = catalog[name]
-                    if array.shape != entry.shape or array.dtype != entry.dtype:
-                        raise CheckpointError(f"{file_path}: tensor {name} is {array.dtype}{list(array.shape)}, "
-                                              f"{METADATA} says {entry.dtype}{list(entry.shape)}")
-                    tensors[name] = array
-        except SafetensorError as exc:
-            raise CheckpointError(f"{file_path}: not a readable safetensors file ({exc})") from None
+        reader = _open(file_path)
+        for name in file_names:
+            if name not in reader.header:
+                raise CheckpointError(f"{file_path}: tensor {name} listed in {METADATA} is not in the file")
+            entry = catalog[name]
+            stored = _MS_NAMES_BY_CODE.get(reader.dtype(name), reader.dtype(name))
+            if reader.shape(name) != entry.shape or stored != entry.stored:
+                raise CheckpointError(f"{file_path}: tensor {name} is {stored}{list(reader.shape(name))}, "
+                                      f"{METADATA} says {entry.stored}{list(entry.shape)}")
+            tensors[name] = reader.get(name)
     return tensors
 
 
@@ -612,6 +663,7 @@ def _split(path: Path, catalog: dict[str, TensorEntry], tensors: dict[str, np.nd
            ) -> LoadedCheckpoint:
     state, state_path = read_kiln_state(path, common)
     return LoadedCheckpoint(path=Path(path), common=common, state=state, state_path=state_path,
+                            stored={n: catalog[n].stored for n in tensors},
                             model={n: a for n, a in tensors.items() if catalog[n].kind == "model"},
                             optim={n: a for n, a in tensors.items() if catalog[n].kind == "opt"})
 

@@ -21,17 +21,18 @@ tensor is shape-checked by name. What the groups encode:
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from training.atomic import write_json_atomic
+from training.safetensors_io import SafetensorsFile, SafetensorsFileError
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
@@ -338,10 +339,6 @@ def layout(model_type: str, c) -> list[Group]:
 # when it refuses a header, so HF files are read here: header validated as the format requires (every tensor's
 # data_offsets inside the file, sized for its shape and dtype, the tensors tiling the data), then memory-mapped.
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F8_E4M3": np.uint8,
-              "I64": np.int64, "I32": np.int32}
-_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-                "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek's FP8 checkpoints: <name>.weight_scale_inv, one fp32 scale per block
 
 
@@ -375,44 +372,31 @@ class HFWeights:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
         if not files:
             raise HFConversionError(f"{self.dir}: no *.safetensors files")
-        self.entries: dict[str, tuple[Path, dict, int]] = {}  # name -> (file, header entry, data start)
+        self.entries: dict[str, SafetensorsFile] = {}  # name -> the file holding it
         for file_name in files:
-            path = self.dir / file_name
-            header, start = _read_header(path)
-            for name, entry in header.items():
-                if name == "__metadata__":
-                    continue
+            with _named_errors():
+                reader = SafetensorsFile(self.dir / file_name)
+            for name in reader.names():
                 if name in self.entries:
-                    raise HFConversionError(f"{path}: tensor {name} also in {self.entries[name][0].name}")
-                self.entries[name] = (path, entry, start)
+                    raise HFConversionError(f"{reader.path}: tensor {name} also in {self.entries[name].path.name}")
+                self.entries[name] = reader
 
     def file_of(self, name: str) -> Path:
-        return self.entries[name][0]
+        return self.entries[name].path
 
     def shape(self, name: str) -> Shape:
-        return tuple(self.entries[name][1]["shape"])
+        return self.entries[name].shape(name)
 
     def is_scale(self, name: str) -> bool:
         """A dequantization scale of another tensor in the directory (read with it, not on its own)."""
         return name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in self.entries
 
-    def _raw(self, name: str) -> np.ndarray:
-        path, entry, start = self.entries[name]
-        dtype = entry["dtype"]
-        if dtype not in _ST_DTYPES:
-            raise HFConversionError(f"{path}: tensor {name} has dtype {dtype}; supported: {', '.join(_ST_DTYPES)}")
-        begin, end = entry["data_offsets"]
-        if end == begin:
-            return np.zeros(entry["shape"], _ST_DTYPES[dtype])
-        return np.memmap(path, dtype=_ST_DTYPES[dtype], mode="r", offset=start + begin, shape=tuple(entry["shape"]))
-
     def get(self, name: str) -> np.ndarray:
-        array, dtype = self._raw(name), self.entries[name][1]["dtype"]
-        if dtype == "BF16":
-            return (array.astype(np.uint32) << 16).view(np.float32)
-        if dtype == "F8_E4M3":
-            return self._dequantize(name, _E4M3[array])
-        return np.array(array)
+        reader = self.entries[name]
+        with _named_errors():
+            if reader.dtype(name) == "F8_E4M3":
+                return self._dequantize(name, _E4M3[reader.raw(name)])
+            return reader.get(name)
 
     def _dequantize(self, name: str, values: np.ndarray) -> np.ndarray:
         scale_name = name + SCALE_SUFFIX
@@ -435,52 +419,13 @@ def _read_json(path: Path) -> dict:
         raise HFConversionError(f"{path}: unreadable JSON ({exc})") from None
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
-    """The safetensors header (8-byte little-endian length, then JSON) and where the data starts, checked
-    against the file: an error names the file and the first tensor whose entry does not fit it."""
+@contextmanager
+def _named_errors() -> Iterator[None]:
+    """The reader's errors (they name the file and tensor) as this module's."""
     try:
-        with open(path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if not 0 < length < 100_000_000:
-                raise ValueError(f"header length {length}")
-            header = json.loads(f.read(length))
-        data_bytes = path.stat().st_size - 8 - length
-        if not isinstance(header, dict) or data_bytes < 0:
-            raise ValueError("no JSON object header" if data_bytes >= 0 else "the file ends inside its header")
-    except (OSError, ValueError) as exc:
-        raise HFConversionError(f"{path}: not a readable safetensors file ({exc})") from None
-    spans = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        where = f"{path}: tensor {name}"
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise HFConversionError(f"{where}: header entry {entry!r} needs dtype, shape and data_offsets "
-                                    f"[begin, end]") from None
-        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-            raise HFConversionError(f"{where}: shape {shape!r} is not a list of sizes")
-        if not (type(begin) is int and type(end) is int and 0 <= begin <= end):
-            raise HFConversionError(f"{where}: data_offsets {[begin, end]!r} are not byte offsets begin <= end")
-        if end > data_bytes:
-            raise HFConversionError(f"{where}: data_offsets [{begin}, {end}] run past the {data_bytes} bytes of "
-                                    f"data in the file (truncated?)")
-        size = math.prod(shape) * _ST_ITEMSIZE.get(dtype, 0)
-        if dtype in _ST_ITEMSIZE and end - begin != size:
-            raise HFConversionError(f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, its {dtype} "
-                                    f"shape {shape} needs {size}")
-        spans.append((begin, end, name))
-    position = 0
-    for begin, end, name in sorted(spans):  # the format: tensors tile the data, no gap, no overlap
-        if begin != position:
-            raise HFConversionError(f"{path}: tensor {name}: data starts at byte {begin}, the previous tensor's "
-                                    f"ends at {position} (overlapping or misplaced data_offsets)")
-        position = end
-    if position != data_bytes:
-        raise HFConversionError(f"{path}: {data_bytes - position} bytes after the last tensor's data "
-                                f"(not a safetensors file, or its header is wrong)")
-    return header, 8 + length
+        yield
+    except SafetensorsFileError as exc:
+        raise HFConversionError(str(exc)) from None
 
 
 # ---- conversions ------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ from mindspore import Tensor
 
 from training.atomic import write_text_atomic
 from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, capture_rng_state, complete_steps,
-                                 is_hf_dir, iteration_dir, load_checkpoint, load_checkpoint_balanced, resolve_load_path,
-                                 restore_rng_state)
+                                 is_hf_dir, iteration_dir, load_checkpoint, load_checkpoint_balanced, numpy_dtype,
+                                 resolve_load_path, restore_rng_state)
 from training.collectives import Collectives, World
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
@@ -116,7 +116,11 @@ class Trainer:
     def _model_arrays(self) -> dict[str, np.ndarray]:
         return {p.name: p.asnumpy() for p in self.model.get_parameters()}
 
-    def _load_weights(self, path: Path, weights: dict[str, np.ndarray]) -> None:
+    def _load_weights(self, path: Path, weights: dict[str, np.ndarray], stored: dict[str, str] | None = None
+                      ) -> None:
+        """Set every parameter from ``weights``, in the parameter's own dtype; ``stored`` (each tensor's
+        dtype in the files) lets the log say which were converted, e.g. MindFormers' bfloat16 on CPU."""
+        converted: dict[tuple[str, str], int] = {}
         for param in self.model.get_parameters():
             if param.name not in weights:
                 raise CheckpointError(f"{path}: tensor {param.name} is missing")
@@ -124,11 +128,34 @@ class Trainer:
             if array.shape != param.shape:
                 raise CheckpointError(f"{path}: tensor {param.name} has shape {list(array.shape)}, "
                                       f"the model expects {list(param.shape)}")
-            param.set_data(Tensor(array))
+            wanted = numpy_dtype(param.dtype)
+            was = (stored or {}).get(param.name, str(array.dtype))
+            if array.dtype != wanted or was == "BFloat16":
+                conversion = (was, str(param.dtype))
+                converted[conversion] = converted.get(conversion, 0) + 1
+            param.set_data(Tensor(array.astype(wanted, copy=False)))
         extra = sorted(set(weights) - {p.name for p in self.model.get_parameters()})
         if extra:
             raise CheckpointError(f"{path}: tensors not in the model: {', '.join(extra[:5])}")
+        for (was, now), count in sorted(converted.items()):
+            self.reporter.info(f"[kiln] {count} tensor(s) stored as {was} loaded as the model's {now}")
         self.resumed_from = str(path)
+
+    def _masters_as_weights(self, loaded) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """The weights to load and their stored dtypes: a low-precision parameter saved with its fp32 master
+        (``main_param.<name>``, MindFormers' bf16 training) that is fp32 here takes the master, its exact
+        value; the master leaves the optimizer state, which has none for an fp32 parameter."""
+        weights, stored = dict(loaded.model), dict(loaded.stored)
+        taken = 0
+        for param in self.model.get_parameters():
+            master = f"main_param.{param.name}"
+            if param.dtype == ms.float32 and master in loaded.optim:
+                weights[param.name], stored[param.name] = loaded.optim.pop(master), stored.pop(master)
+                taken += 1
+        if taken:
+            self.reporter.info(f"[kiln] {taken} parameter(s) saved in low precision take their fp32 masters "
+                               f"(main_param.*) from {loaded.path}: the model trains them in float32 here")
+        return weights, stored
 
     def _resume(self, path: Path) -> None:
         ckpt = self.config.checkpoint
@@ -143,7 +170,8 @@ class Trainer:
                                               readers=ckpt.load_worker_number)
         else:
             loaded = load_checkpoint(path, rank=self.world.rank, load_optim=not ckpt.no_load_optim)
-        self._load_weights(path, loaded.model)
+        self._load_weights(path, *((loaded.model, loaded.stored) if ckpt.no_load_optim
+                                   else self._masters_as_weights(loaded)))
         if ckpt.no_load_optim:
             self.reporter.info(f"[kiln] loaded weights only from {path}; starting at step 0")
             return
