@@ -33,7 +33,7 @@ READ = {
         "seq_length", "seed", "path_to_cache", "eod", "pad", "num_dataset_builder_threads", "mmap_bin_files",
         "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "create_compressed_eod_mask",
         "eod_pad_length", "drop_last_partial_validation_sequence", "add_extra_token_to_sequence")},
-    "train_dataset.dataloader.sizes": "training/data/inspect.py",
+    "train_dataset.dataloader.sizes": "training/config.py::TrainConfig.split_samples",
     **{f"train_dataset.dataloader.{name}": "training/data/mindrecord.py" for name in (
         "dataset_files", "dataset_ratios", "samples_count", "nums_per_dataset", "shuffle", "shuffle_buffer_size")},
     **{f"train_dataset.dataloader.{name}": "training/data/loader.py" for name in ("seed", "eod", "pad")},

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT
 from training.collectives import World
-from training.config import load_config
+from training.config import ConfigError, load_config
 from training.lineage import audit_checkpoint, audit_exit_code
 from training.checkpoint import KILN_STATE, MINDFORMERS_COMMON_KEYS, CheckpointError, load_checkpoint
 from training.reporting import Reporter, read_records
@@ -179,6 +179,19 @@ def test_a_mindformers_single_card_bfloat16_checkpoint_resumes_exactly_and_loads
         expected = kiln.model[param.name] if param.name == embedding else (
             to_bfloat16_bits(kiln.model[param.name]).astype(np.uint32) << 16).view(np.float32)
         np.testing.assert_array_equal(param.asnumpy(), expected)
+
+
+def test_a_train_size_reads_its_samples_again_from_the_start_once_they_are_used(tmp_path, shard):
+    """`sizes[0]` (MindFormers' train sample count) sizes the dataset; past it the data repeats, as
+    MindFormers' exhausted iterator restarts."""
+    trainer = make_trainer(tmp_path, shard, "sized", "train_dataset.dataloader.sizes=[8, 0, 0]")
+    assert len(trainer.dataset) >= 8 and trainer.config.split_samples("train") == 8
+    first = [t.asnumpy() for t in trainer._micro_batch(0)[:3]]
+    trainer.consumed_samples = len(trainer.dataset)
+    again = [t.asnumpy() for t in trainer._micro_batch(0)[:3]]
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    with pytest.raises(ConfigError, match=r"train_dataset.dataloader.sizes\[0\] is the train split's sample count"):
+        make_trainer(tmp_path, shard, "unsized", "train_dataset.dataloader.sizes=[0, 8, 0]")
 
 
 def test_audit_names_the_file_changed_since_training(tmp_path, shard):

@@ -343,6 +343,7 @@ class LrSchedulerConfig(Section):
 
 
 _DATA_CONFIG = "train_dataset.dataloader.config"  # where GPTDatasetConfig sits in the YAML
+SPLITS = ("train", "valid", "test")  # the dataset splits, in the order of `split` ratios and `sizes`
 
 
 @dataclass
@@ -444,6 +445,9 @@ class BlendedMegatronLoaderConfig(Section):
         require(self.datasets_type == "GPTDataset", f"{path}.datasets_type must be GPTDataset")
         require(self.sizes is None or (len(self.sizes) == 3 and all(n >= 0 for n in self.sizes)),
                 f"{path}.sizes must be three sample counts [train, valid, test], got {self.sizes}")
+        require(self.sizes is None or self.sizes[0] > 0,
+                f"{path}.sizes[0] is the train split's sample count and must be > 0 (leave sizes unset for "
+                f"training.steps x training.global_batch_size), got {self.sizes}")
 
     @property
     def seed(self) -> int:
@@ -696,6 +700,17 @@ class TrainConfig(Section):
             require(isinstance(vocab, int) and vocab > largest,
                     f"{_DATA_CONFIG}.mock: the mock documents hold token ids up to {largest}, so model.vocab_size "
                     f"must be at least {largest + 1}, got {vocab}")
+
+    def split_samples(self, split: str = "train") -> int | None:
+        """How many samples ``split``'s dataset is built for (its index, so its shuffle, depends on it): the
+        dataloader's ``sizes`` entry when given, as in MindFormers, else steps × global_batch_size for
+        training and None (not sized) for the others. Training past a train size reads it again from its
+        start, as MindFormers' exhausted iterator restarts."""
+        loader = self.train_dataset.dataloader
+        sizes = getattr(loader, "sizes", None)
+        if sizes:
+            return sizes[SPLITS.index(split)]
+        return self.training.steps * self.training.global_batch_size if split == "train" else None
 
     def data_parallel_size(self, world_size: int) -> int:
         """dp = world / (tp·pp·cp), and the batch sizes must split evenly over it."""

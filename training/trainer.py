@@ -96,7 +96,7 @@ class Trainer:
         self.nan_policy = SkipStepOnNaN(config.training.use_skip_step_on_nan,
                                         config.training.max_consecutive_skipped_steps)
 
-        self.dataset = build_dataset(config, num_samples=config.training.steps * config.training.global_batch_size)
+        self.dataset = build_dataset(config, num_samples=config.split_samples("train"))
         self.seq_length = seq_length_of(config, self.dataset)
         loader = config.train_dataset.dataloader
         self.use_positions = isinstance(loader, BlendedMegatronLoaderConfig) and loader.config.reset_position_ids
@@ -223,7 +223,7 @@ class Trainer:
         (the last two None when the model's own positions and causal mask are right)."""
         indices = micro_batch_indices(self.consumed_samples, micro, self.world.rank, self.dp,
                                       self.config.training.local_batch_size)
-        batch = stack_model_inputs([self.dataset[i] for i in indices], self.use_positions)
+        batch = stack_model_inputs([self.dataset[i % len(self.dataset)] for i in indices], self.use_positions)
         return tuple(None if batch.get(key) is None else Tensor(batch[key])
                      for key in ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask"))
 

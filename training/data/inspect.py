@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from training.config import BlendedMegatronLoaderConfig, TrainConfig
+from training.config import SPLITS, BlendedMegatronLoaderConfig, TrainConfig
 from training.data.gpt_dataset import parse_data_path
-from training.data.loader import SPLITS, build_dataset
+from training.data.loader import build_dataset
 
 
 def source_labels(config: TrainConfig, dataset, split: str) -> list[str]:
@@ -19,15 +19,10 @@ def source_labels(config: TrainConfig, dataset, split: str) -> list[str]:
 def inspect_samples(config: TrainConfig, split: str = "train", num: int = 8) -> tuple[np.ndarray, list[str]]:
     """The first ``num`` samples' raw tokens ([num, seq_length + 1] int64) and each one's source.
 
-    The training split is built for steps × global_batch_size samples, as the trainer builds it, so
+    The split is built for as many samples as the trainer builds it for (``TrainConfig.split_samples``), so
     the shuffles and the blend are the ones training uses; sample i is read at step i // global_batch_size.
     """
-    loader = config.train_dataset.dataloader
-    if split == "train":
-        total = config.training.steps * config.training.global_batch_size
-    else:
-        sizes = getattr(loader, "sizes", None)
-        total = sizes[SPLITS.index(split)] if sizes else num
+    total = config.split_samples(split) or num
     if num > total:
         raise ValueError(f"--num {num}: the {split} split of this config holds {total} samples")
     dataset = build_dataset(config, num_samples=total, split=split)

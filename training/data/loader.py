@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from training.config import BlendedMegatronLoaderConfig, MindDatasetLoaderConfig, TrainConfig
+from training.config import SPLITS, BlendedMegatronLoaderConfig, MindDatasetLoaderConfig, TrainConfig
 from training.data.gpt_dataset import block_causal_mask_from_actual_seq_len, build_blended_dataset
 from training.data.mindrecord import build_mindrecord_train_dataset
-
-SPLITS = ("train", "valid", "test")
 
 
 def build_dataset(config: TrainConfig, num_samples: int, split: str = "train"):
