@@ -1,0 +1,68 @@
+"""How a tensor is laid out over ranks: the contract between the parallel strategies, which decide it, and
+checkpoints, which record it in MindFormers' metadata.json schema (reference §2.4) and reshard from it.
+
+A tensor of ``global_shape`` is cut into an even grid of chunks, ``fragmentations[d]`` along dim ``d``;
+chunk ``k`` is the k-th cell of that grid in row-major order (last dim fastest), MindFormers'
+``global_offset`` index. Every rank holds exactly one chunk of every tensor it has; ranks holding the same
+chunk are its replicas. A replicated tensor is the grid of one chunk held by every rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    global_shape: tuple[int, ...]
+    fragmentations: tuple[int, ...]  # chunks along each dim; each dim divides evenly
+    chunk_of_rank: tuple[int, ...]  # chunk index held by rank r, for r in range(world size)
+
+    def __post_init__(self):
+        if len(self.fragmentations) != len(self.global_shape):
+            raise ValueError(f"fragmentations {self.fragmentations} do not match shape {self.global_shape}")
+        for size, parts in zip(self.global_shape, self.fragmentations):
+            if parts < 1 or size % parts:
+                raise ValueError(f"shape {self.global_shape} does not split evenly into {self.fragmentations}")
+        if any(not 0 <= k < self.num_chunks for k in self.chunk_of_rank):
+            raise ValueError(f"chunk indices {self.chunk_of_rank} outside the {self.num_chunks} chunks")
+
+    @classmethod
+    def replicated(cls, shape: tuple[int, ...], world_size: int) -> "TensorLayout":
+        return cls(tuple(shape), (1,) * len(shape), (0,) * world_size)
+
+    @classmethod
+    def split(cls, shape: tuple[int, ...], dim: int, group_rank_of: tuple[int | None, ...], parts: int
+              ) -> "TensorLayout":
+        """Cut along ``dim`` into ``parts``; rank r holds part ``group_rank_of[r]`` (its index in the group
+        that shares the tensor out; ranks of other groups hold the same parts as their counterparts)."""
+        fragmentations = tuple(parts if d == dim else 1 for d in range(len(shape)))
+        return cls(tuple(shape), fragmentations, tuple(group_rank_of))
+
+    @property
+    def num_chunks(self) -> int:
+        return math.prod(self.fragmentations)
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.num_chunks > 1
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(size // parts for size, parts in zip(self.global_shape, self.fragmentations))
+
+    def chunk_coordinates(self, chunk: int) -> tuple[int, ...]:
+        """The chunk's position in the grid, one index per dim (row-major: the last dim varies fastest)."""
+        coords = []
+        for parts in reversed(self.fragmentations):
+            coords.append(chunk % parts)
+            chunk //= parts
+        return tuple(reversed(coords))
+
+    def chunk_slices(self, chunk: int) -> tuple[slice, ...]:
+        """Where chunk ``chunk`` lies in the global tensor."""
+        return tuple(slice(c * n, (c + 1) * n) for c, n in zip(self.chunk_coordinates(chunk), self.local_shape))
+
+    def holders(self, chunk: int) -> tuple[int, ...]:
+        """The ranks holding chunk ``chunk`` (its replicas), ascending."""
+        return tuple(r for r, k in enumerate(self.chunk_of_rank) if k == chunk)
