@@ -3,7 +3,7 @@ import pytest
 from training.config import ConfigError, TrainConfig, apply_overrides, load_config
 
 MINIMAL = {
-    "model": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM"},
+    "model": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "compute_dtype": "float32"},
     "lr_scheduler": {"type": "ConstantWarmUpLR"},
     "train_dataset": {"dataloader": {"type": "BlendedMegatronDatasetDataLoader",
                                      "config": {"seq_length": 8, "data_path": [1.0, "/d/a"], "eod": 2}}},

@@ -32,7 +32,7 @@ TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermedia
             n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, num_nextn_predict_layers=1,
             mtp_loss_scaling_factor=0.3, moe_aux_loss_coeff=0.01, seq_length=16, max_position_embeddings=64,
             rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=8, mscale=0.8,
-                              mscale_all_dim=0.6))
+                              mscale_all_dim=0.6), compute_dtype="float32", qk_layernorm=True)
 SECTION = dict(model_type="deepseek_v3", architectures="DeepseekV3ForCausalLM", **TINY)
 
 

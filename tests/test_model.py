@@ -17,7 +17,8 @@ ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, seq_length=32, max_position_embeddings=64)
+            num_key_value_heads=2, head_dim=16, seq_length=32, max_position_embeddings=64, compute_dtype="float32",
+            hidden_dropout=0.0)
 SECTION = dict(model_type="qwen3", architectures="Qwen3ForCausalLM", **TINY)
 
 
@@ -307,7 +308,8 @@ PRECISION_FIELDS = ("params_dtype", "compute_dtype", "layernorm_compute_dtype", 
 
 @pytest.mark.parametrize("field", PRECISION_FIELDS)
 def test_bfloat16_is_refused_on_cpu_naming_the_field(field):
-    with pytest.raises(ConfigError, match=rf"model\.{field} = 'bfloat16' is not supported on CPU.*float16"):
+    with pytest.raises(ConfigError, match=rf"model\.{field} = 'bfloat16'.* cannot run on CPU.*set model\.{field}: "
+                                          "float32"):
         build_model({**SECTION, field: "bfloat16"}, seed=0)
 
 

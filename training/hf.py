@@ -139,15 +139,14 @@ def kiln_only(kiln: str, shape: Shape) -> Group:
 def model_settings(model_section: dict):
     """The family config (Qwen3Config / DeepseekV3Config) of a YAML ``model:`` section, validated as
     ``build_model`` would (without building the model)."""
-    from training.model import SUPPORTED, _architecture  # the model package imports MindSpore: load it lazily
+    from training.config import ConfigError
+    from training.model import model_config  # the model package imports MindSpore: load it lazily
 
-    settings = dict(model_section)
-    model_type = settings.pop("model_type", None)
-    architecture = _architecture(settings.pop("architectures", None))
-    if model_type not in SUPPORTED or SUPPORTED[model_type][0] != architecture:
-        raise HFConversionError(f"model.model_type {model_type!r} / model.architectures {architecture!r}: "
-                                f"expected one of {', '.join(f'{t}/{a}' for t, (a, _) in SUPPORTED.items())}")
-    return model_type, SUPPORTED[model_type][1].from_dict(settings, "model")
+    try:
+        config = model_config(model_section)
+    except ConfigError as exc:
+        raise HFConversionError(str(exc)) from None
+    return model_section["model_type"], config
 
 
 def hf_compatible_settings(model_section: dict):
@@ -158,6 +157,16 @@ def hf_compatible_settings(model_section: dict):
                                 "also bias o_proj, so the two models would differ")
     if model_type == "qwen3":
         return model_type, c
+    if not c.qk_layernorm:
+        raise HFConversionError("model.qk_layernorm = false: Hugging Face's DeepSeek-V3 always normalises the q and "
+                                "kv latents (q_a_layernorm, kv_a_layernorm)")
+    if c.rope_scaling is None and (c.position_embedding_type == "yarn" or c.softmax_scale() != c.plain_softmax_scale):
+        raise HFConversionError(
+            f"model.position_embedding_type = {c.position_embedding_type!r}, model.rotary_scaling_factor = "
+            f"{c.rotary_scaling_factor}, model.mscale = {c.mscale}: MindFormers' YaRN (its original context is "
+            "max_position_embeddings; its softmax scale grows by mscale(rotary_scaling_factor, mscale)^2 even "
+            "without YaRN) has no Hugging Face equivalent; describe the scaling with model.rope_scaling, or set "
+            "model.rotary_scaling_factor: 1.0 for none")
     if c.moe_layer_freq != 1:
         raise HFConversionError(f"model.moe_layer_freq = {c.moe_layer_freq!r}: Hugging Face's DeepSeek-V3 makes "
                                 "every layer from first_k_dense_replace on an MoE layer (moe_layer_freq 1)")
@@ -218,7 +227,13 @@ def hf_to_kiln_model_section(hf_config: dict, where: str = "config.json") -> dic
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED:
         raise HFConversionError(f"{where}: model_type {model_type!r} is not supported ({', '.join(SUPPORTED)})")
-    section = {"model_type": model_type, "architectures": SUPPORTED[model_type][0]}
+    # MindFormers' defaults that Hugging Face's models do not share: bf16 compute (no CPU kernels; HF computes
+    # in the checkpoint's dtype, imported as fp32), Qwen3's hidden dropout 0.1, DeepSeek-V3 without latent norms
+    # and with MLA's softmax scale grown by mscale(rotary_scaling_factor 40, mscale)^2 (factor 1: unscaled)
+    section = {"model_type": model_type, "architectures": SUPPORTED[model_type][0], "compute_dtype": "float32",
+               "hidden_dropout": 0.0}
+    if model_type == "deepseek_v3":
+        section["qk_layernorm"] = True
     max_positions = hf_config.get("max_position_embeddings")
     if isinstance(max_positions, int):  # HF has no training sequence length: Kiln's default, capped to fit
         section["seq_length"] = min(SUPPORTED[model_type][1].seq_length, max_positions)
@@ -234,6 +249,8 @@ def hf_to_kiln_model_section(hf_config: dict, where: str = "config.json") -> dic
         if kind != "yarn":
             raise HFConversionError(f"{where}: rope scaling {kind!r} is not supported (only yarn)")
         section["rope_scaling"] = {"type": "yarn", **{k: scaling[k] for k in _ROPE_SCALING_FIELDS if k in scaling}}
+    elif model_type == "deepseek_v3":
+        section["rotary_scaling_factor"] = 1.0
     if model_type == "deepseek_v3":
         if hf_config.get("rope_interleave", True) is not True:
             raise HFConversionError(f"{where}: rope_interleave false is not supported (Kiln reads DeepSeek's "

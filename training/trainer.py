@@ -81,6 +81,8 @@ class Trainer:
         ms.set_seed(config.training.seed)
         np.random.seed(config.training.seed)
         self.model = build_model(config.model)
+        self.model.dropout_masks.reset(config.training.seed, world.rank)  # each rank its own dropout masks
+        self.model.set_train(True)  # dropout on
         self.params = self.model.trainable_params()
         self.lr_schedule = build_lr_schedule(_lr_section(config), config.training.steps)
         self.optimizer = build_optimizer(config.optimizer.to_dict(),
@@ -184,7 +186,9 @@ class Trainer:
             self.reporter.info(f"[kiln] {path} has no {KILN_STATE} (saved by MindFormers?): the random generators "
                                f"start from training.seed {self.config.training.seed}, not where that run left them")
         else:
-            restore_rng_state(loaded.state.get("rng"), loaded.state_path)
+            if not restore_rng_state(loaded.state.get("rng"), loaded.state_path, self.model.dropout_masks):
+                self.reporter.info(f"[kiln] {loaded.state_path} has no dropout mask state (saved before Kiln "
+                                   f"kept one): dropout masks start from training.seed {self.config.training.seed}")
         saved_gbs = common["global_batch_size"]
         self.consumed_samples = int(common["consumed_samples"])
         gbs = self.config.training.global_batch_size
@@ -306,7 +310,7 @@ class Trainer:
             "loss": metrics["loss"], "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
             "config_sha256": config_sha256(self.resolved_yaml),
             "data_position": {"consumed_samples": self.consumed_samples, "seed": cfg.train_dataset.dataloader.seed},
-            "rng": capture_rng_state(cfg.training.seed),
+            "rng": capture_rng_state(cfg.training.seed, self.model.dropout_masks),
             "world_size": self.world.size,
         }
         lineage = {**self.lineage_inputs, "run": self._run_record()}

@@ -6,6 +6,7 @@ import os
 
 from training.config import ConfigError, TrainConfig, require
 from training.model.deepseek_v3 import DeepseekV3Config
+from training.model import mindformers_keys
 from training.model.gpt import GPTConfig, GPTModel
 from training.model.qwen3 import Qwen3Config
 
@@ -25,7 +26,10 @@ def _architecture(value) -> str:
 
 def model_config(model_section: dict) -> GPTConfig:
     """The family config (Qwen3Config / DeepseekV3Config) named by ``model.model_type``/``model.architectures``,
-    every other key of the YAML ``model:`` dict validated; no network is built."""
+    every other key of the YAML ``model:`` dict validated as MindFormers reads it (its other spellings folded
+    in, keys it ignores logged, see ``mindformers_keys``); no network is built."""
+    if not isinstance(model_section, dict):
+        raise ConfigError(f"model: expected a mapping, got {model_section!r}")
     settings = dict(model_section)
     model_type = settings.pop("model_type", None)
     architecture = _architecture(settings.pop("architectures", None))
@@ -36,7 +40,7 @@ def model_config(model_section: dict) -> GPTConfig:
     if architecture != expected_architecture:
         raise ConfigError(f"model.architectures = {architecture!r} does not match model_type {model_type!r}; "
                           f"supported: {supported}")
-    return config_class.from_dict(settings, "model")
+    return config_class.from_dict(mindformers_keys.resolve(settings, model_type), "model")
 
 
 def build_model(model_section: dict, seed: int | None = None) -> GPTModel:

@@ -56,6 +56,20 @@ class DeepseekV3Config(GPTConfig):
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    # MindFormers registers no qk_layernorm for DeepSeek-V3: TransformerConfig's default, no latent norms
+    qk_layernorm: bool = False
+    hidden_dropout: float = 0.0
+    # MindFormers' YaRN (MLATransformerConfig): applied when position_embedding_type is 'yarn', the original
+    # context taken as max_position_embeddings; the softmax scale is multiplied by
+    # mscale(rotary_scaling_factor, mscale)² whatever the position embedding (as MindFormers' MLA does)
+    position_embedding_type: str = "rope"
+    rotary_scaling_factor: float = 40.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.707
+    mscale_all_dim: float = 0.707
+    # Hugging Face's spelling of YaRN, with Hugging Face's meaning (its own original context length; softmax
+    # scale from mscale_all_dim): Kiln's import/export format; exclusive with the MindFormers keys above
     rope_scaling: Optional[RopeScalingConfig] = None
     # MoE
     moe_intermediate_size: int = 2048
@@ -80,6 +94,8 @@ class DeepseekV3Config(GPTConfig):
     mtp_loss_scaling_factor: float = 0.1
 
     has_moe = True
+    MINDFORMERS_YARN_KEYS = ("position_embedding_type", "rotary_scaling_factor", "beta_fast", "beta_slow", "mscale",
+                             "mscale_all_dim")
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "model") -> "DeepseekV3Config":
@@ -87,6 +103,10 @@ class DeepseekV3Config(GPTConfig):
         section's errors would otherwise collapse into "expected Optional")."""
         if not isinstance(data, dict) or data.get("rope_scaling") is None:
             return super().from_dict(data, path)
+        mindformers_yarn = sorted(set(data) & set(cls.MINDFORMERS_YARN_KEYS))
+        require(not mindformers_yarn,
+                f"{path}.rope_scaling (Hugging Face's YaRN) and {', '.join(f'{path}.{k}' for k in mindformers_yarn)} "
+                "(MindFormers' YaRN) describe the rotary scaling twice, with different meanings; keep one")
         data = dict(data)
         scaling = RopeScalingConfig.from_dict(data.pop("rope_scaling"), f"{path}.rope_scaling")
         config = super().from_dict(data, path)
@@ -101,6 +121,11 @@ class DeepseekV3Config(GPTConfig):
             require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
         require(self.q_lora_rank is None or self.q_lora_rank > 0,
                 f"{path}.q_lora_rank must be > 0 or null (no query compression), got {self.q_lora_rank}")
+        require(self.position_embedding_type in ("rope", "yarn"),
+                f"{path}.position_embedding_type = {self.position_embedding_type!r}: expected rope or yarn")
+        require(self.rotary_scaling_factor > 0, f"{path}.rotary_scaling_factor must be > 0")
+        require(self.beta_fast > self.beta_slow > 0,
+                f"{path}.beta_fast ({self.beta_fast}) must exceed {path}.beta_slow ({self.beta_slow}) > 0")
         require(self.qk_rope_head_dim % 2 == 0, f"{path}.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         require(self.n_shared_experts >= 0, f"{path}.n_shared_experts must be >= 0")
         require(self.moe_shared_expert_intermediate_size is None or self.moe_shared_expert_intermediate_size > 0,
@@ -179,13 +204,25 @@ class DeepseekV3Config(GPTConfig):
                 self.qk_rope_head_dim, self.rope_theta, s.factor,
                 s.original_max_position_embeddings or self.max_position_embeddings,
                 s.beta_fast, s.beta_slow, s.mscale, s.mscale_all_dim)
+        elif self.position_embedding_type == "yarn":
+            factor = self.rotary_scaling_factor
+            inv_freq, _ = yarn_parameters(self.qk_rope_head_dim, self.rope_theta, factor, self.max_position_embeddings,
+                                          self.beta_fast, self.beta_slow, self.mscale, self.mscale_all_dim)
+            magnitude = yarn_mscale(factor, self.mscale) / yarn_mscale(factor, self.mscale_all_dim)
         return RotaryEmbedding(self.qk_rope_head_dim, self.rope_theta, self.max_position_embeddings,
                                self.dtype("rotary_dtype"), inv_freq=inv_freq, magnitude=magnitude)
 
+    @property
+    def plain_softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
+
     def softmax_scale(self) -> float:
-        """1/sqrt(q·k head dim), times mscale(factor, mscale_all_dim)² under YaRN (as HF's DeepSeek-V3)."""
-        scale = 1.0 / math.sqrt(self.qk_nope_head_dim + self.qk_rope_head_dim)
-        if self.rope_scaling is not None and self.rope_scaling.mscale_all_dim:
+        """1/sqrt(q·k head dim), times mscale(factor, mscale_all_dim)² under Hugging Face's rope_scaling, else
+        times mscale(rotary_scaling_factor, mscale)² (MindFormers' MLA, rope or yarn alike)."""
+        scale = self.plain_softmax_scale
+        if self.rope_scaling is None:
+            return scale * yarn_mscale(self.rotary_scaling_factor, self.mscale) ** 2
+        if self.rope_scaling.mscale_all_dim:
             scale *= yarn_mscale(self.rope_scaling.factor, self.rope_scaling.mscale_all_dim) ** 2
         return scale
 

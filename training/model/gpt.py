@@ -17,6 +17,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from training.config import Section, require
+from training.model.dropout import Dropout, MaskStream
 from training.model.layers import (DTYPE_FIELDS, DTYPES, Init, LanguageModelEmbedding, Linear, RotaryEmbedding,
                                    additive_mask, causal_mask, cast, linear, token_cross_entropy)
 from training.model.moe import MoELayer
@@ -42,12 +43,15 @@ class GPTConfig(Section):
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
     seq_length: int = 4096
-    # MindFormers' precision fields: matmuls run in compute_dtype, the rest where named
-    compute_dtype: str = "float32"
+    # MindFormers' precision fields and defaults: matmuls run in compute_dtype, the rest where named
+    compute_dtype: str = "bfloat16"
     params_dtype: str = "float32"
     layernorm_compute_dtype: str = "float32"
     softmax_compute_dtype: str = "float32"
     rotary_dtype: str = "float32"
+    # dropout on the embedding output and on each attention/MLP output before its residual add, in training
+    # only (MindFormers' TransformerConfig default; DeepSeek-V3 registers 0)
+    hidden_dropout: float = 0.1
 
     def check(self, path: str) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -62,11 +66,14 @@ class GPTConfig(Section):
         for name in DTYPE_FIELDS:
             value = getattr(self, name)
             require(value in DTYPES, f"{path}.{name} = {value!r}: expected one of {', '.join(DTYPES)}")
+        require(0.0 <= self.hidden_dropout < 1.0, f"{path}.hidden_dropout must be in [0, 1), got {self.hidden_dropout}")
         if ms.get_context("device_target") == "CPU":
             for name in DTYPE_FIELDS:  # float16 kernels exist on CPU (MindSpore 2.10), bfloat16 ones do not
-                require(getattr(self, name) != "bfloat16",
-                        f"{path}.{name} = 'bfloat16' is not supported on CPU (MindSpore's CPU MatMul, Softmax "
-                        "and reductions have no bfloat16 kernels); use float32 or float16")
+                value = getattr(self, name)
+                default = " (MindFormers' default)" if name == "compute_dtype" else ""
+                require(DTYPES[value] != ms.bfloat16,
+                        f"{path}.{name} = {value!r}{default} cannot run on CPU: MindSpore 2.10's CPU MatMul, Softmax and reductions have no bfloat16 "
+                        f"kernels; set {path}.{name}: float32 (or float16)")
 
     def dtype(self, name: str):
         """The MindSpore dtype of the precision field ``name``."""
@@ -117,6 +124,12 @@ class GPTModel(nn.Cell):
         self.mtp = MultiTokenPredictionBlock(init, config, layer_specs[-1]) if config.num_mtp_layers else None
         self.mask_repeats = config.mask_repeats()
         self._last_components: dict[str, Tensor] = {}
+        # MindFormers drops the embedding output too (in MTP depths alike); every Dropout draws from one stream
+        self.embedding_dropout = Dropout(config.hidden_dropout)
+        self.dropout_masks = MaskStream(seed)
+        for _, cell in self.cells_and_names():
+            if isinstance(cell, Dropout):
+                cell.stream = self.dropout_masks
         # drawn in fp32 (the same seeded stream for every dtype), then stored as model.params_dtype; AdamW
         # updates low-precision params through fp32 masters
         for param in self.get_parameters():
@@ -130,7 +143,7 @@ class GPTModel(nn.Cell):
             raise ValueError(f"sequence length {seq} exceeds model.max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
         cos, sin = self.rotary.tables(seq, position_ids)
-        hidden = cast(self.embedding(input_ids), self.compute_dtype)
+        hidden = cast(self.embedding_dropout(self.embedding(input_ids)), self.compute_dtype)
         mask = (causal_mask(seq, self.mask_repeats) if attention_mask is None
                 else additive_mask(attention_mask, self.mask_repeats))
         return self.decoder(hidden, cos, sin, mask), cos, sin, mask
@@ -166,7 +179,8 @@ class GPTModel(nn.Cell):
             depth_losses, ids = [], input_ids
             for k, layer in enumerate(self.mtp.layers):
                 ids, labels, loss_mask = roll_left(ids), roll_left(labels), roll_left(loss_mask)
-                hidden = layer(cast(self.embedding(ids), self.compute_dtype), hidden, cos, sin, mask)
+                hidden = layer(cast(self.embedding_dropout(self.embedding(ids)), self.compute_dtype), hidden, cos, sin,
+                               mask)
                 depth_losses.append(self._masked_mean_loss(self._output(hidden), labels, loss_mask))
                 components[f"mtp_{k + 1}_loss"] = depth_losses[-1]
             loss = loss + self.config.mtp_loss_scale * sum(depth_losses) / len(depth_losses)

@@ -7,7 +7,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-DTYPES = {"float32": ms.float32, "bfloat16": ms.bfloat16, "float16": ms.float16}
+# MindFormers' spellings, short ones included
+DTYPES = {"float32": ms.float32, "bfloat16": ms.bfloat16, "float16": ms.float16,
+          "fp32": ms.float32, "bf16": ms.bfloat16, "fp16": ms.float16}
 DTYPE_FIELDS = ("compute_dtype", "params_dtype", "layernorm_compute_dtype", "softmax_compute_dtype", "rotary_dtype")
 
 

@@ -56,12 +56,14 @@ class MLASelfAttention(nn.Cell):
         self.split_sizes = [q_rows, self.kv_lora, self.rope]
         norm_dtype = config.dtype("layernorm_compute_dtype")
         self.linear_qkv = Linear(init, config.hidden_size, sum(self.split_sizes))
+        # the latents' norms exist with model.qk_layernorm (MindFormers: IdentityOp otherwise)
+        norms = config.qk_layernorm
         if self.q_lora:
-            self.q_layernorm = RMSNorm(self.q_lora, config.rms_norm_eps, norm_dtype)
+            self.q_layernorm = RMSNorm(self.q_lora, config.rms_norm_eps, norm_dtype) if norms else None
             self.linear_qb = Linear(init, self.q_lora, heads * (self.nope + self.rope))
         else:
             self.q_layernorm = self.linear_qb = None
-        self.k_layernorm = RMSNorm(self.kv_lora, config.rms_norm_eps, norm_dtype)
+        self.k_layernorm = RMSNorm(self.kv_lora, config.rms_norm_eps, norm_dtype) if norms else None
         self.linear_kvb = Linear(init, self.kv_lora, heads * (self.nope + self.v_dim))
         self.linear_proj = Linear(init, heads * self.v_dim, config.hidden_size)
         self.scale = config.softmax_scale()
@@ -72,11 +74,15 @@ class MLASelfAttention(nn.Cell):
         batch, seq, _ = x.shape
         heads = self.num_heads
         q, kv_latent, k_rope = ops.split(self.linear_qkv(x), self.split_sizes, axis=-1)
+        if self.q_layernorm is not None:
+            q = self.q_layernorm(q)
         if self.q_lora:
-            q = self.linear_qb(self.q_layernorm(q))
+            q = self.linear_qb(q)
         q = q.reshape(batch, seq, heads, self.nope + self.rope).transpose(0, 2, 1, 3)
         q_nope, q_rope = ops.split(q, [self.nope, self.rope], axis=-1)
-        kv = self.linear_kvb(self.k_layernorm(kv_latent)).reshape(batch, seq, heads, self.nope + self.v_dim)
+        if self.k_layernorm is not None:
+            kv_latent = self.k_layernorm(kv_latent)
+        kv = self.linear_kvb(kv_latent).reshape(batch, seq, heads, self.nope + self.v_dim)
         k_nope, v = ops.split(kv.transpose(0, 2, 1, 3), [self.nope, self.v_dim], axis=-1)
         k_rope = apply_rotary(k_rope.reshape(batch, 1, seq, self.rope), cos, sin)
         q = ops.cat((q_nope, apply_rotary(q_rope, cos, sin)), axis=-1) * self.scale

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from mindspore import Tensor, nn, ops
 
+from training.model.dropout import Dropout
 from training.model.layers import Init, Linear, RMSNorm
 from training.model.spec import ModuleSpec, build_module
 
@@ -25,8 +26,9 @@ class MLP(nn.Cell):
 
 
 class TransformerLayer(nn.Cell):
-    """Pre-norm residual layer: x + attention(norm(x)), then + mlp(norm(x)); the attention and MLP
-    classes come from the spec (GQA or MLA; dense MLP or MoE)."""
+    """Pre-norm residual layer: x + dropout(attention(norm(x))), then + dropout(mlp(norm(x))) (dropout:
+    model.hidden_dropout, as MindFormers places it); the attention and MLP classes come from the spec (GQA or
+    MLA; dense MLP or MoE)."""
 
     def __init__(self, init: Init, config, self_attention: ModuleSpec, mlp: ModuleSpec):
         super().__init__()
@@ -35,10 +37,11 @@ class TransformerLayer(nn.Cell):
         self.self_attention = build_module(self_attention, init, config)
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_dtype)
         self.mlp = build_module(mlp, init, config)
+        self.hidden_dropout = Dropout(config.hidden_dropout)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+        x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), cos, sin, mask))
+        return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
 class TransformerBlock(nn.Cell):
