@@ -53,6 +53,7 @@ READ = {
         "save_tokens_per_expert_interval", "target_layers")},
     "context.max_device_memory": "training/trainer.py",
     "context.device_target": "training/trainer.py",
+    "parallelism.sequence_parallel": "training/run.py",
     **{f"profiler.{name}": "training/profiling.py" for name in (
         "enable_profiling", "start_step", "end_step", "output_path", "profiler_rank", "profiler_level", "mstx",
         "profile_memory", "profile_cpu", "with_stack")},
@@ -62,7 +63,7 @@ READ = {
 SINGLE_VALUED = {"context.mode": 0, "train_dataset.dataloader.datasets_type": "MockGPTDataset"}
 
 BLENDED = {
-    "model": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM"},
+    "model": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "compute_dtype": "float32"},
     "lr_scheduler": {"type": "ConstantWarmUpLR"},
     "train_dataset": {"dataloader": {"type": "BlendedMegatronDatasetDataLoader",
                                      "config": {"seq_length": 32, "data_path": ["shard"], "eod": 0}}},

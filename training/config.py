@@ -267,7 +267,6 @@ class ParallelismConfig(Section):
         "pipeline_parallel_overlap_b_f": _PP,
         "pipeline_parallel_enable_dxdw_split": _PP,
         "pipeline_parallel_p2p_transport": _PP,
-        "sequence_parallel": "it needs tensor parallelism, which is not implemented",
         "enable_mc2": "fused communication kernels need tensor parallelism, which is not implemented",
         "enable_loss_parallel": "vocabulary-parallel loss needs tensor parallelism, which is not implemented",
         "expert_parallel": _EP,

@@ -34,6 +34,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def require_device_runtime(device_target: str) -> None:
+    """MindSpore aborts with a C++ stack when ``ms.set_device`` names a device whose runtime is not installed
+    (Ascend without CANN: "libge_runner.so: cannot open shared object file"): refuse it first, naming the field."""
+    import mindspore as ms
+    from training.config import ConfigError
+
+    if not ms.hal.is_available(device_target):
+        default = " (the default when the YAML has no context section)" if device_target == "Ascend" else ""
+        raise ConfigError(f"context.device_target = {device_target!r}{default}: MindSpore finds no {device_target} "
+                          f"runtime on this machine; set context.device_target to a device it has (e.g. CPU)")
+
+
 def main(argv=None) -> int:
     if "MS_ROLE" in os.environ:
         _die_with_parent()
@@ -47,6 +59,7 @@ def main(argv=None) -> int:
 
     try:
         config = load_config(args.config, args.overrides)
+        require_device_runtime(config.context.device_target)
         validate_model_section(config, args.tokenizer_model)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
@@ -63,6 +76,9 @@ def main(argv=None) -> int:
     world = init_world()
     output_dir = Path(args.output_dir or Path(args.config).parent)
     reporter = Reporter(output_dir / "metrics.jsonl", enabled=world.is_main)
+    if config.parallelism.sequence_parallel:  # tensor_parallel > 1 is refused when the config loads
+        reporter.info("[kiln] parallelism.sequence_parallel: true has no effect at tensor_parallel 1 (it splits "
+                      "activations across the tensor-parallel group), as in MindFormers")
     try:
         trainer = Trainer(config, world, output_dir, reporter, lineage_inputs=load_lineage_inputs(args.lineage),
                           command=sys.argv)
