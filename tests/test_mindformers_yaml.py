@@ -168,3 +168,18 @@ def test_a_run_with_dropout_resumed_from_a_checkpoint_repeats_the_uninterrupted_
     after_resume = losses(tmp_path / "resumed")
     assert sorted(after_resume) == [3, 4]
     assert all(after_resume[s] == uninterrupted[s] for s in after_resume), (after_resume, uninterrupted)
+
+
+def test_sequence_parallel_is_accepted_at_tensor_parallel_1_and_tensor_parallel_stays_refused():
+    assert load_config(MINDFORMERS_DEEPSEEK3, ["parallelism.sequence_parallel=true"]).parallelism.sequence_parallel
+    with pytest.raises(ConfigError, match=r"parallelism\.tensor_parallel = 2 is not supported"):
+        load_config(MINDFORMERS_DEEPSEEK3, ["parallelism.tensor_parallel=2"])
+
+
+def test_a_device_without_its_runtime_is_one_line_naming_context_device_target():
+    from training.run import require_device_runtime
+
+    require_device_runtime("CPU")
+    with pytest.raises(ConfigError, match=r"^context\.device_target = 'Ascend' \(the default when the YAML has no "
+                                          r"context section\): MindSpore finds no Ascend runtime"):
+        require_device_runtime("Ascend")
