@@ -72,7 +72,8 @@ class GPTConfig(Section):
                 value = getattr(self, name)
                 default = " (MindFormers' default)" if name == "compute_dtype" else ""
                 require(DTYPES[value] != ms.bfloat16,
-                        f"{path}.{name} = {value!r}{default} cannot run on CPU: MindSpore 2.10's CPU MatMul, Softmax and reductions have no bfloat16 "
+                        f"{path}.{name} = {value!r}{default} cannot run on CPU: MindSpore 2.10's CPU MatMul, Softmax "
+                        f"and reductions have no bfloat16 "
                         f"kernels; set {path}.{name}: float32 (or float16)")
 
     def dtype(self, name: str):

@@ -96,7 +96,8 @@ _INERT_GROUPS = {
                "input_sliced_sig return_extra_loss moe_config monitor_config dataset_config batch_size",
     _DATASET: "pad_token_id ignore_token_id use_rotary_position_ids",
     _LATER_DEEPSEEK: "dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk dsa_index_topk_freq "
-                     "dsa_index_share_topk_offload dsa_index_share_loss dsa_indexer_types dsa_warmup_layerwise_backward "
+                     "dsa_index_share_topk_offload dsa_index_share_loss dsa_indexer_types "
+                     "dsa_warmup_layerwise_backward "
                      "dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss csa_window_size csa_compress_ratios "
                      "csa_compress_rotary_base csa_dense_mode o_groups o_lora_rank apply_dsa_kernel_fusion "
                      "num_residual_streams mhc_sinkhorn_iterations mhc_init_gating_factor mhc_layernorm_epsilon "
