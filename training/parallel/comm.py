@@ -1,0 +1,361 @@
+"""Every collective Kiln uses, on any ``Group`` of ``training.parallel.mesh``, differentiable.
+
+Differentiable (MindSpore tensors in and out; each backward is the adjoint collective):
+
+    all_reduce(x, group)                 sum over the group              | backward: all_reduce
+    copy_to_group(x, group)              identity                        | backward: all_reduce   (Megatron "f")
+    reduce_from_group(x, group)          sum over the group              | backward: identity     (Megatron "g")
+    all_gather(x, dim, group)            concat of every rank's x        | backward: reduce_scatter
+    reduce_scatter(x, dim, group)        sum, then this rank's slice     | backward: all_gather
+    scatter_to_group(x, dim, group)      this rank's slice               | backward: all_gather
+    broadcast(x, src, group)             the x of group member ``src``   | backward: sum onto src, zero elsewhere
+    all_to_all(x, split_dim, concat_dim, group)          equal splits    | backward: the reverse all_to_all
+    all_to_all_single(x, send_counts, recv_counts, group)  dim 0, variable splits | backward: the reverse
+    send_recv(x, pair, sender)           the sender's x, on a 2-rank group | backward: the receiver's gradient
+                                                                           flows back to the sender
+
+"This rank's slice" is chunk ``group.rank`` of ``group.size`` equal chunks; gathers concatenate in group
+order (ascending global rank). ``src`` / ``sender`` are indices in the group, not global ranks. Host-side
+helpers (numpy, not differentiable): ``all_reduce_array``, ``barrier``, ``share_arrays``; ``Collectives`` is
+the trainer's world-group façade.
+
+On a group of one every function is the identity and nothing touches MindSpore's communication, so a
+process not started by msrun (a world of one) never initialises it.
+
+Backends, chosen in ``_backend()`` alone: on Ascend the native HCCL collectives. On CPU (MindSpore 2.10,
+measured in ../shared/reference/mindspore-cpu-collectives.md) only AllReduce, the list form of
+``mint.distributed.all_gather`` and ``mint.distributed.broadcast`` (global source rank) work on sub-groups,
+so reduce-scatter is an all-reduce and a slice, and all-to-all an all-gather and a selection; send/recv are
+never used (on CPU ``recv`` can silently return its zero buffer). Tensors must be float32 (AllReduce on CPU
+takes float32/float16, broadcast float32/int32); a failed collective can leave the communicator unusable,
+so nothing here retries.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import mindspore as ms
+import mindspore.mint.distributed as dist
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from training.parallel.mesh import Group, World, world_group
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Backends: forward-only collectives on a group of two or more ranks
+
+
+def _chunk_of(x: Tensor, dim: int, index: int, parts: int, what: str, group: Group) -> Tensor:
+    if x.shape[dim] % parts:
+        raise ValueError(f"{what} over group {group.name!r} (size {group.size}): dim {dim} of shape "
+                         f"{tuple(x.shape)} does not split into {parts} equal parts")
+    size = x.shape[dim] // parts
+    return ops.narrow(x, dim, index * size, size).contiguous()
+
+
+class _Backend:
+    """The collectives both backends run the same way."""
+
+    def __init__(self):
+        self._all_reduce_ops: dict[str, ops.AllReduce] = {}
+
+    def all_reduce(self, x: Tensor, group: Group) -> Tensor:
+        if group.backend_name not in self._all_reduce_ops:
+            self._all_reduce_ops[group.backend_name] = ops.AllReduce(ops.ReduceOp.SUM, group.backend_name)
+        return self._all_reduce_ops[group.backend_name](x)
+
+    def broadcast(self, x: Tensor, src: int, group: Group) -> Tensor:
+        buffer = x.copy()  # broadcast writes in place, and the caller's tensor is not ours to overwrite
+        dist.broadcast(buffer, group.ranks[src], group=group.backend_name)  # src: a GLOBAL rank
+        return buffer
+
+    def barrier(self, group: Group) -> None:
+        dist.barrier(group=group.backend_name)
+
+
+class _CpuBackend(_Backend):
+    """Built from all-reduce, list all-gather and broadcast, the collectives MindSpore 2.10 runs on CPU."""
+
+    def gather_list(self, x: Tensor, group: Group) -> list[Tensor]:
+        parts = [ops.zeros_like(x) for _ in group.ranks]
+        dist.all_gather(parts, x.contiguous(), group=group.backend_name)
+        return parts
+
+    def all_gather(self, x: Tensor, dim: int, group: Group) -> Tensor:
+        return ops.cat(self.gather_list(x, group), dim)
+
+    def reduce_scatter(self, x: Tensor, dim: int, group: Group) -> Tensor:
+        return _chunk_of(self.all_reduce(x, group), dim, group.rank, group.size, "reduce_scatter", group)
+
+    def all_to_all_equal(self, blocks: Tensor, group: Group) -> Tensor:
+        gathered = self.gather_list(blocks, group)
+        return ops.stack([rank_blocks[group.rank] for rank_blocks in gathered])
+
+    def all_to_all_single(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                          group: Group) -> Tensor:
+        # every rank's send counts (float32: the dtype every CPU collective takes; exact below 2**24)
+        counts = self.gather_list(Tensor(np.asarray(send_counts, np.float32)), group)
+        sent = np.stack([c.asnumpy() for c in counts]).astype(np.int64)  # sent[j, k]: rows rank j sends to k
+        if sent[:, group.rank].tolist() != list(recv_counts):
+            raise ValueError(f"all_to_all_single over group {group.name!r}: rank {group.global_rank} expects "
+                             f"{list(recv_counts)} rows but the group sends it {sent[:, group.rank].tolist()}")
+        longest = int(sent.sum(axis=1).max())
+        padded = x if x.shape[0] == longest else ops.cat([x, ops.zeros((longest - x.shape[0], *x.shape[1:]),
+                                                                        x.dtype)])
+        gathered = self.gather_list(padded, group)
+        starts = np.cumsum(sent, axis=1) - sent
+        pieces = [gathered[j][int(starts[j, group.rank]):int(starts[j, group.rank] + sent[j, group.rank])]
+                  for j in range(group.size) if sent[j, group.rank]]
+        return ops.cat(pieces) if pieces else ops.zeros((0, *x.shape[1:]), x.dtype)
+
+
+class _AscendBackend(_Backend):
+    """HCCL's own collectives (dim 0 only, so other dims are moved there and back)."""
+
+    def all_gather(self, x: Tensor, dim: int, group: Group) -> Tensor:
+        rows = ops.moveaxis(x, dim, 0).contiguous()
+        out = ops.zeros((group.size * rows.shape[0], *rows.shape[1:]), x.dtype)
+        dist.all_gather_into_tensor(out, rows, group=group.backend_name)
+        return ops.moveaxis(out, 0, dim).contiguous()
+
+    def reduce_scatter(self, x: Tensor, dim: int, group: Group) -> Tensor:
+        _chunk_of(x, dim, 0, group.size, "reduce_scatter", group)  # the same error as on CPU
+        rows = ops.moveaxis(x, dim, 0).contiguous()
+        out = ops.zeros((rows.shape[0] // group.size, *rows.shape[1:]), x.dtype)
+        dist.reduce_scatter_tensor(out, rows, group=group.backend_name)
+        return ops.moveaxis(out, 0, dim).contiguous()
+
+    def all_to_all_equal(self, blocks: Tensor, group: Group) -> Tensor:
+        out = ops.zeros_like(blocks)
+        dist.all_to_all_single(out, blocks.contiguous(), group=group.backend_name)
+        return out
+
+    def all_to_all_single(self, x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
+                          group: Group) -> Tensor:
+        out = ops.zeros((sum(recv_counts), *x.shape[1:]), x.dtype)
+        dist.all_to_all_single(out, x.contiguous(), list(recv_counts), list(send_counts), group=group.backend_name)
+        return out
+
+
+_BACKENDS: dict[str, _Backend] = {}
+
+
+def _backend() -> _Backend:
+    """The one switch between the native (Ascend) and the CPU-built collectives."""
+    target = ms.get_context("device_target")
+    if target not in _BACKENDS:
+        _BACKENDS[target] = _AscendBackend() if target == "Ascend" else _CpuBackend()
+    return _BACKENDS[target]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Differentiable collectives
+
+
+class _WithBackward(nn.Cell):
+    """``forward`` with the hand-written ``backward`` as its gradient: MindSpore's own backward of its
+    collectives is missing on CPU (AllGather's needs ReduceScatter, which has no CPU kernel), and Megatron's
+    pairs (identity forward, all-reduce backward) have none at all."""
+
+    def __init__(self, forward: Callable[[Tensor], Tensor], backward: Callable[[Tensor], Tensor]):
+        super().__init__()
+        self.forward, self.backward = forward, backward
+
+    def construct(self, x):
+        return self.forward(x)
+
+    def bprop(self, x, out, dout):
+        return (self.backward(dout),)
+
+
+def _differentiable(x: Tensor, forward: Callable[[Tensor], Tensor], backward: Callable[[Tensor], Tensor]):
+    return _WithBackward(forward, backward)(x)
+
+
+def all_reduce(x: Tensor, group: Group) -> Tensor:
+    if group.size == 1:
+        return x
+    reduce = lambda t: _backend().all_reduce(t, group)  # noqa: E731
+    return _differentiable(x, reduce, reduce)
+
+
+def copy_to_group(x: Tensor, group: Group) -> Tensor:
+    """Enter a region where each rank computes a part from the same ``x`` (e.g. a column-parallel linear):
+    the parts' gradients with respect to ``x`` add up."""
+    if group.size == 1:
+        return x
+    return _differentiable(x, lambda t: t, lambda g: _backend().all_reduce(g, group))
+
+
+def reduce_from_group(x: Tensor, group: Group) -> Tensor:
+    """Leave such a region by summing the ranks' partial results (e.g. after a row-parallel linear)."""
+    if group.size == 1:
+        return x
+    return _differentiable(x, lambda t: _backend().all_reduce(t, group), lambda g: g)
+
+
+def _gather(x: Tensor, dim: int, group: Group) -> Tensor:
+    return _backend().all_gather(x, dim, group)
+
+
+def _reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
+    return _backend().reduce_scatter(x, dim, group)
+
+
+def all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
+    if group.size == 1:
+        return x
+    return _differentiable(x, lambda t: _gather(t, dim, group), lambda g: _reduce_scatter(g, dim, group))
+
+
+def reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
+    if group.size == 1:
+        return x
+    return _differentiable(x, lambda t: _reduce_scatter(t, dim, group), lambda g: _gather(g, dim, group))
+
+
+def scatter_to_group(x: Tensor, dim: int, group: Group) -> Tensor:
+    """This rank's slice of an ``x`` every rank holds whole (e.g. its sequence shard)."""
+    if group.size == 1:
+        return x
+    own = lambda t: _chunk_of(t, dim, group.rank, group.size, "scatter_to_group", group)  # noqa: E731
+    return _differentiable(x, own, lambda g: _gather(g, dim, group))
+
+
+def broadcast(x: Tensor, src: int, group: Group) -> Tensor:
+    """Member ``src``'s ``x`` on every member (the others' ``x`` only gives the shape and dtype)."""
+    _check_member(src, group, "broadcast")
+    if group.size == 1:
+        return x
+
+    def backward(g):
+        total = _backend().all_reduce(g, group)
+        return total if group.rank == src else ops.zeros_like(g)
+    return _differentiable(x, lambda t: _backend().broadcast(t, src, group), backward)
+
+
+def send_recv(x: Tensor, pair: Group, sender: int) -> Tensor:
+    """Point-to-point on a 2-rank group (``DeviceMesh.pair``): the receiver gets the sender's ``x`` (its own
+    ``x`` gives the shape and dtype); the sender gets its ``x`` back. A broadcast, because send/recv do not
+    work on CPU."""
+    if pair.size != 2:
+        raise ValueError(f"send_recv needs a 2-rank group, got {pair.name!r} with ranks {pair.ranks}")
+    return broadcast(x, sender, pair)
+
+
+def _exchange_blocks(x: Tensor, split_dim: int, concat_dim: int, group: Group) -> Tensor:
+    blocks = ops.stack([_chunk_of(x, split_dim, k, group.size, "all_to_all", group) for k in range(group.size)])
+    received = _backend().all_to_all_equal(blocks, group)  # received[j]: rank j's block for this rank
+    return ops.cat([received[j] for j in range(group.size)], concat_dim)
+
+
+def all_to_all(x: Tensor, split_dim: int, concat_dim: int, group: Group) -> Tensor:
+    """Split ``x`` into ``group.size`` equal blocks along ``split_dim``, send block k to member k, and
+    concatenate the blocks received along ``concat_dim`` in group order (e.g. Ulysses: sequence shards ↔
+    head shards)."""
+    if group.size == 1:
+        return x
+    return _differentiable(x, lambda t: _exchange_blocks(t, split_dim, concat_dim, group),
+                           lambda g: _exchange_blocks(g, concat_dim, split_dim, group))
+
+
+def all_to_all_single(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Group) -> Tensor:
+    """Send rows ``[sum(send_counts[:k]), sum(send_counts[:k+1]))`` of ``x`` to member k; receive
+    ``recv_counts[j]`` rows from member j, concatenated in group order (e.g. MoE token dispatch)."""
+    if len(send_counts) != group.size or len(recv_counts) != group.size:
+        raise ValueError(f"all_to_all_single over group {group.name!r} (size {group.size}) needs one count per "
+                         f"member, got send_counts {list(send_counts)} and recv_counts {list(recv_counts)}")
+    if sum(send_counts) != x.shape[0]:
+        raise ValueError(f"all_to_all_single over group {group.name!r}: send_counts {list(send_counts)} sum to "
+                         f"{sum(send_counts)}, but x has {x.shape[0]} rows")
+    if group.size == 1:
+        return x
+    return _differentiable(x, lambda t: _backend().all_to_all_single(t, send_counts, recv_counts, group),
+                           lambda g: _backend().all_to_all_single(g, recv_counts, send_counts, group))
+
+
+def _check_member(index: int, group: Group, what: str) -> None:
+    if not 0 <= index < group.size:
+        raise ValueError(f"{what}: member {index} is not in group {group.name!r} of size {group.size}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Host-side helpers (numpy), not differentiable
+
+
+def all_reduce_array(values: np.ndarray, group: Group) -> np.ndarray:
+    """The sum of a small numpy array over ``group`` (metrics, flags): float32 when summed, ``values``
+    itself on a group of one."""
+    if group.size == 1:
+        return values
+    return _backend().all_reduce(Tensor(np.asarray(values, dtype=np.float32)), group).asnumpy()
+
+
+def barrier(group: Group) -> None:
+    """Every member reaches this point before any continues."""
+    if group.size > 1:
+        _backend().barrier(group)
+
+
+def share_arrays(own: dict[str, np.ndarray], owners: dict[str, int],
+                 specs: dict[str, tuple[tuple[int, ...], np.dtype]], group: Group) -> dict[str, np.ndarray]:
+    """Every member ends with every array of ``specs`` (name -> shape, dtype); ``owners[name]`` is the one
+    member (index in ``group``) that has it in ``own``. One broadcast per owning member, of its arrays' raw
+    bytes as int32 (each padded to 4 bytes), so any dtype arrives bit for bit."""
+    if group.size == 1:
+        return dict(own)
+    shared = dict(own)
+    for root in sorted(set(owners.values())):
+        _check_member(root, group, "share_arrays")
+        names = sorted(n for n, r in owners.items() if r == root)
+        sizes = [int(np.prod(specs[n][0], dtype=np.int64)) * np.dtype(specs[n][1]).itemsize for n in names]
+        padded = [-(-size // 4) * 4 for size in sizes]
+        buffer = np.zeros(sum(padded), dtype=np.uint8)
+        if group.rank == root:
+            offset = 0
+            for name, size, room in zip(names, sizes, padded):
+                buffer[offset:offset + size] = np.ascontiguousarray(own[name]).reshape(-1).view(np.uint8)
+                offset += room
+        received = _backend().broadcast(Tensor(buffer.view(np.int32)), root, group).asnumpy().view(np.uint8)
+        if group.rank != root:
+            offset = 0
+            for name, size, room in zip(names, sizes, padded):
+                shape, dtype = specs[name]
+                shared[name] = received[offset:offset + size].copy().view(dtype).reshape(shape)
+                offset += room
+    return shared
+
+
+class Collectives:
+    """The world-group collectives the data-parallel trainer, checkpoints and monitors use."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.group = world_group(world)
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        """Sum a MindSpore tensor over every rank (differentiable)."""
+        return all_reduce(tensor, self.group)
+
+    def average_gradients(self, grads: tuple) -> tuple:
+        """Mean of each gradient over ranks, as one AllReduce of one flat buffer: a collective's
+        fixed cost (a CPU round trip through the scheduler, an HCCL launch) dominates for small
+        tensors, and a model has dozens of them."""
+        if self.world.size == 1:
+            return grads
+        flat = _backend().all_reduce(ops.cat([g.reshape(-1) for g in grads]), self.group) * (1.0 / self.world.size)
+        pieces = ops.split(flat, [int(g.size) for g in grads])
+        return tuple(piece.reshape(g.shape) for piece, g in zip(pieces, grads))
+
+    def all_reduce_array(self, values: np.ndarray) -> np.ndarray:
+        """Sum a small float64/float32 numpy array over ranks (metrics, flags)."""
+        return all_reduce_array(values, self.group)
+
+    def barrier(self) -> None:
+        barrier(self.group)
+
+    def share_arrays(self, own: dict[str, np.ndarray], owners: dict[str, int],
+                     specs: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray]:
+        """``comm.share_arrays`` over the world: ``owners`` are global ranks."""
+        return share_arrays(own, owners, specs, self.group)
