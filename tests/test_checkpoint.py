@@ -162,39 +162,42 @@ def test_a_save_that_dies_midway_leaves_no_directory_under_the_final_name(tmp_pa
 
 def test_balanced_assignment_gives_each_tensor_to_one_rank_by_bytes():
     sizes = {"a": 100, "b": 60, "c": 50, "d": 10, "e": 0}
-    owner = balanced_assignment(sizes, [0, 1])
+    owner = balanced_assignment(sizes, dict.fromkeys(sizes, (0, 1)))
     assert owner == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 0}
     load = [sum(s for n, s in sizes.items() if owner[n] == r) for r in (0, 1)]
     assert load == [110, 110]
-    assert set(balanced_assignment(sizes, [0, 1, 2]).values()) == {0, 1, 2}
+    assert set(balanced_assignment(sizes, dict.fromkeys(sizes, (0, 1, 2))).values()) == {0, 1, 2}
+    # MindFormers' order: fewest holders first, whatever their size; each to its least-loaded holder
+    owner = balanced_assignment({"big": 100, "only1": 10, "only0": 5}, {"big": (0, 1), "only1": (1,), "only0": (0,)})
+    assert owner == {"only1": 1, "only0": 0, "big": 0}
 
 
-def test_redundancy_free_save_of_two_ranks_loads_from_whichever_file_holds_each_tensor(tmp_path):
-    """What two ranks write with remove_redundancy (each rank its files), read back by one process."""
+def test_redundancy_free_save_of_four_ranks_loads_from_whichever_file_holds_each_tensor(tmp_path):
+    """What four ranks write with remove_redundancy (each rank its files), read back by one process."""
     model, optim = arrays(7)
     tensors = {"model": model, "opt": optim}
-    plan = SavePlan.build(tensors, "checkpoint", world_size=2, remove_redundancy=True)
+    plan = SavePlan.build(tensors, None, "checkpoint", world_size=4, remove_redundancy=True)
     assert all(len(ranks) == 1 for ranks in plan.writers.values())
-    meta = plan.metadata(tensors, world_size=2)
+    meta = plan.metadata()
     target = iteration_dir(tmp_path, 7)
     target.mkdir()
     written = {}
-    for rank in (0, 1):
+    for rank in range(4):
         for name, part in plan.own_files(tensors, rank).items():
             _write_safetensors_atomic(target / name, part)
             written[name] = sorted(part)
-    # every tensor in exactly one file; files numbered among the ranks that write one
+    # every tensor in exactly one file; model and optimizer planned apart, as MindFormers does: 3 model
+    # tensors go to ranks 0-2 (largest first, each to an idle rank), so rank 3 writes no model file and the
+    # model files are numbered among the 3 ranks writing one; 4 optimizer tensors, one per rank
     assert sorted(n for names in written.values() for n in names) == sorted(model | optim)
-    # by bytes: adam_m.embedding (256 B) -> rank 0, embedding (256 B) -> 1, adam_m.fc1 (128 B) -> 0, the rest
-    # (152 B) -> 1; so only rank 1 writes model tensors, and its model file is number 0 of 1
-    assert sorted(written) == ["checkpoint-model-0000000-0000001.safetensors",
-                               "checkpoint-opt-0000000-0000002.safetensors",
-                               "checkpoint-opt-0000001-0000002.safetensors"]
+    assert sorted(written) == [f"checkpoint-model-{i:07d}-0000003.safetensors" for i in range(3)] + [
+        f"checkpoint-opt-{i:07d}-0000004.safetensors" for i in range(4)]
     entry = meta["storage_data"]["('embedding.word_embeddings.weight', (0,))"]
-    assert len(entry) == 1 and entry[0]["rank_group"] == [0, 1]
+    assert entry == [{"file_name": "checkpoint-model-0000000-0000003.safetensors", "storage_rank": 0,
+                      "rank_group": [0, 1, 2, 3]}]
     (target / "metadata.json").write_text(json.dumps(meta))
     (target / "common.json").write_text(json.dumps(common(7)))
-    for rank in (0, 1):
+    for rank in range(4):
         assert_loaded(load_checkpoint(target, rank=rank), 7)
 
 

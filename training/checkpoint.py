@@ -12,7 +12,9 @@ Nothing is deserialized with pickle: tensors are safetensors, the rest JSON.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import re
 import shutil
@@ -25,7 +27,8 @@ import numpy as np
 
 from training.atomic import write_atomic, write_json_atomic, write_text_atomic
 from training.data.hashing import sha256_file
-from training.safetensors_io import SafetensorsFile, SafetensorsFileError
+from training.parallel.layout import TensorLayout
+from training.safetensors_io import SafetensorsFile, SafetensorsFileError, widen_bfloat16
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.json"
@@ -110,17 +113,23 @@ def numpy_dtype(ms_dtype) -> np.dtype:
     return _NUMPY_BY_MS_NAME[str(ms_dtype)]
 
 
-def balanced_assignment(sizes: dict[str, int], ranks: list[int]) -> dict[str, int]:
-    """Give each tensor to exactly one of ``ranks``, balancing bytes: largest tensors first (ties by name),
-    each to the rank with the fewest bytes so far (ties to the lower rank) — MindFormers' greedy rule for a
-    group of ranks that all hold every tensor. Pure, so every rank computes the same plan without talking."""
-    load = {r: 0 for r in ranks}
+def balanced_assignment(sizes: dict, holders: dict) -> dict:
+    """Give each item (a chunk, or a tensor) to exactly one of the ranks holding it, balancing bytes —
+    MindFormers' greedy rule (``distribute_shards``): items with the fewest holders first, then the larger,
+    then by key; each to its least-loaded holder (ties to the lower rank). Pure, so every rank computes the
+    same plan without talking. ``sizes``: item -> bytes; ``holders``: item -> the ranks that have it."""
+    load = {r: 0 for ranks in holders.values() for r in ranks}
     owner = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        rank = min(ranks, key=lambda r: (load[r], r))
-        owner[name] = rank
-        load[rank] += sizes[name]
+    for item in sorted(sizes, key=lambda i: (len(holders[i]), -sizes[i], i)):
+        rank = min(sorted(holders[item]), key=lambda r: load[r])
+        owner[item] = rank
+        load[rank] += sizes[item]
     return owner
+
+
+def storage_key(name: str, chunk: int) -> str:
+    """metadata.json's key of one chunk: the text of MindFormers' Python tuple (name, (k,))."""
+    return str((name, (chunk,)))
 
 
 # ---- saving ----------------------------------------------------------------------------------------
@@ -134,62 +143,119 @@ class SavedCheckpoint:
 
 @dataclass
 class SavePlan:
-    """Which ranks write each tensor, and into which file."""
-    writers: dict[str, list[int]]  # tensor -> the ranks writing a copy of it
-    files: dict[tuple[str, int], str]  # (kind, rank) -> file name, for every rank writing that kind
+    """Which ranks write each distinct chunk of each tensor, and into which file. Computed alike on every
+    rank from the layouts alone, so rank 0 describes every rank's files without gathering anything."""
+    layouts: dict[str, TensorLayout]  # every saved tensor's, replicated ones included
     kind: dict[str, str]  # tensor -> "model" | "opt"
+    dtype: dict[str, np.dtype]
+    holders: dict[tuple[str, int], list[int]]  # (tensor, chunk) -> the ranks holding it, ascending
+    writers: dict[tuple[str, int], list[int]]  # (tensor, chunk) -> the ranks writing a copy of it
+    files: dict[tuple[str, int], str]  # (kind, rank) -> file name, for every rank writing that kind
 
     @classmethod
-    def build(cls, arrays: dict[str, dict[str, np.ndarray]], prefix: str | None, world_size: int,
-              remove_redundancy: bool) -> "SavePlan":
-        """``arrays``: {"model": {...}, "opt": {...}}. Replicated data parallelism: every rank holds every
-        tensor, so normally every rank writes all of them; ``remove_redundancy`` gives each to one rank."""
+    def build(cls, arrays: dict[str, dict[str, np.ndarray]], layouts: dict[str, TensorLayout] | None,
+              prefix: str | None, world_size: int, remove_redundancy: bool) -> "SavePlan":
+        """``arrays``: {"model": {...}, "opt": {...}}, this rank's local arrays; ``layouts``: how each tensor
+        is spread over the ranks (a tensor without one is replicated; layouts of tensors not saved, e.g.
+        the optimizer's under no_save_optim, are not used). Normally every holder of a chunk writes it;
+        ``remove_redundancy`` gives each chunk to one holder, planned per kind as MindFormers plans its
+        model and optimizer files apart."""
         kind = {name: k for k, tensors in arrays.items() for name in tensors}
-        ranks = list(range(world_size))
+        dtype = {name: tensors[name].dtype for tensors in arrays.values() for name in tensors}
+        full = {}
+        for name in kind:
+            layout = (layouts or {}).get(name) or TensorLayout.replicated(arrays[kind[name]][name].shape, world_size)
+            _check_layout(name, layout, arrays[kind[name]][name], world_size)
+            full[name] = layout
+        holders = {(name, k): ranks for name, layout in full.items() for k, ranks in enumerate(_holders(layout))}
         if remove_redundancy:
-            sizes = {name: tensors[name].nbytes for tensors in arrays.values() for name in tensors}
-            writers = {name: [rank] for name, rank in balanced_assignment(sizes, ranks).items()}
+            writers = {}
+            for k in arrays:
+                chunks = {storage_key(*chunk): chunk for chunk in holders if kind[chunk[0]] == k}
+                sizes = {key: math.prod(full[chunk[0]].local_shape) * dtype[chunk[0]].itemsize
+                         for key, chunk in chunks.items()}
+                owner = balanced_assignment(sizes, {key: holders[chunk] for key, chunk in chunks.items()})
+                writers.update({chunks[key]: [rank] for key, rank in owner.items()})
         else:
-            writers = {name: ranks for name in kind}
+            writers = holders
         files = {}
         for k in arrays:
-            writing = sorted({r for name, rs in writers.items() if kind[name] == k for r in rs})
+            writing = sorted({r for chunk, ranks in writers.items() if kind[chunk[0]] == k for r in ranks})
             for index, rank in enumerate(writing):
                 # a redundancy-free save numbers its files among the ranks writing one, as MindFormers does
                 files[(k, rank)] = (shard_file_name(prefix, k, index, len(writing)) if remove_redundancy
                                     else shard_file_name(prefix, k, rank, world_size))
-        return cls(writers=writers, files=files, kind=kind)
+        return cls(layouts=full, kind=kind, dtype=dtype, holders=holders, writers=writers, files=files)
 
     def own_files(self, arrays: dict[str, dict[str, np.ndarray]], rank: int) -> dict[str, dict[str, np.ndarray]]:
-        """file name -> the tensors ``rank`` writes into it."""
+        """file name -> the tensors ``rank`` writes into it (its own chunk of each, so one entry per tensor)."""
         out: dict[str, dict[str, np.ndarray]] = {}
-        for name, ranks in self.writers.items():
-            if rank in ranks:
+        for name, layout in self.layouts.items():
+            if rank in self.writers[(name, layout.chunk_of_rank[rank])]:
                 k = self.kind[name]
                 out.setdefault(self.files[(k, rank)], {})[name] = arrays[k][name]
         return out
 
-    def metadata(self, arrays: dict[str, dict[str, np.ndarray]], world_size: int) -> dict:
-        """MindFormers' metadata.json: global shape and shard grid of every tensor (replicated data
-        parallelism: one unsharded chunk) and, in storage_data, each file holding a copy and its rank."""
+    def metadata(self) -> dict:
+        """MindFormers' metadata.json: every tensor's global shape, shard grid and distinct chunks, and in
+        storage_data, for each chunk, every file holding a copy, the rank that wrote it and the chunk's
+        holders. ``replica_id`` of a sharded tensor is MindFormers' per-rank list: rank r's index among the
+        holders of its chunk; an unsharded tensor has 0. ``layout`` (MindSpore's device matrix and tensor
+        map) stays null: the grid and storage_data describe every chunk."""
         state, storage = {}, {}
-        ranks = list(range(world_size))
-        for name, k in self.kind.items():
-            array = arrays[k][name]
-            if array.dtype.name not in _MS_DTYPE_NAMES:
-                raise CheckpointError(f"tensor {name}: dtype {array.dtype} cannot be saved "
+        for name, layout in self.layouts.items():
+            if self.dtype[name].name not in _MS_DTYPE_NAMES:
+                raise CheckpointError(f"tensor {name}: dtype {self.dtype[name]} cannot be saved "
                                       f"(one of {sorted(_MS_DTYPE_NAMES)})")
+            replica_id = _replica_ids(layout) if layout.is_sharded else 0
             state[name] = {
-                "properties": {"dtype": _MS_DTYPE_NAMES[array.dtype.name], "replica_id": 0,
+                "properties": {"dtype": _MS_DTYPE_NAMES[self.dtype[name].name], "replica_id": replica_id,
                                "allow_shape_mismatch": False, "allow_to_save": True},
-                "global_shape": list(array.shape),
-                "axis_fragmentations": [1] * array.ndim,
+                "global_shape": list(layout.global_shape),
+                "axis_fragmentations": list(layout.fragmentations),
                 "layout": None,
-                "chunk": [{"global_offset": [0], "local_shape": list(array.shape)}],
+                "chunk": [{"global_offset": [k], "local_shape": list(layout.local_shape)}
+                          for k in range(layout.num_chunks)],
             }
-            storage[str((name, (0,)))] = [
-                {"file_name": self.files[(k, r)], "storage_rank": r, "rank_group": ranks} for r in self.writers[name]]
+            for k in range(layout.num_chunks):
+                storage[storage_key(name, k)] = [
+                    {"file_name": self.files[(self.kind[name], r)], "storage_rank": r,
+                     "rank_group": self.holders[(name, k)]} for r in self.writers[(name, k)]]
         return {"state_dict_metadata": state, "storage_data": storage}
+
+
+def _holders(layout: TensorLayout) -> list[list[int]]:
+    """Each chunk's holders, ascending: ``TensorLayout.holders`` of every chunk in one pass over the ranks
+    (a plan is built at every save, and a world of N ranks has up to N chunks per tensor)."""
+    holders: list[list[int]] = [[] for _ in range(layout.num_chunks)]
+    for rank, chunk in enumerate(layout.chunk_of_rank):
+        holders[chunk].append(rank)
+    return holders
+
+
+def _replica_ids(layout: TensorLayout) -> list[int]:
+    """MindFormers' replica_id of a sharded tensor: for each rank, how many lower ranks hold its chunk."""
+    seen = [0] * layout.num_chunks
+    ids = []
+    for chunk in layout.chunk_of_rank:
+        ids.append(seen[chunk])
+        seen[chunk] += 1
+    return ids
+
+
+def _check_layout(name: str, layout: TensorLayout, local: np.ndarray, world_size: int) -> None:
+    """The rank's array is its chunk of the layout, and every chunk has a holder to write it."""
+    if len(layout.chunk_of_rank) != world_size:
+        raise CheckpointError(f"tensor {name}: its layout places {len(layout.chunk_of_rank)} ranks, the world "
+                              f"has {world_size}")
+    if tuple(local.shape) != layout.local_shape:
+        raise CheckpointError(f"tensor {name}: this rank's array is {list(local.shape)}, its layout's chunk is "
+                              f"{list(layout.local_shape)} (global {list(layout.global_shape)} cut "
+                              f"{list(layout.fragmentations)})")
+    orphans = sorted(set(range(layout.num_chunks)) - set(layout.chunk_of_rank))
+    if orphans:
+        raise CheckpointError(f"tensor {name}: chunks {orphans} of its layout are held by no rank, "
+                              f"so no file would hold them")
 
 
 def _host_copies(files: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
@@ -278,14 +344,18 @@ class CheckpointSaver:
         self.completed: list[SavedCheckpoint] = []
 
     def save(self, *, step: int, model: dict[str, np.ndarray], optim: dict[str, np.ndarray] | None,
-             common: dict, lineage: dict, state: dict | None = None) -> None:
-        """``common``: MindFormers' common.json fields; ``state``: Kiln's sidecar (none when not given)."""
+             common: dict, lineage: dict, state: dict | None = None,
+             layouts: dict[str, TensorLayout] | None = None) -> None:
+        """``model``/``optim``: this rank's local arrays; ``layouts``: tensor name (model and optimizer
+        alike) -> how it is spread over the ranks, each array being this rank's chunk of it; a tensor
+        without a layout is replicated (every rank holds it whole). ``common``: MindFormers' common.json
+        fields; ``state``: Kiln's sidecar (none when not given)."""
         extra = sorted(set(common) - set(MINDFORMERS_COMMON_KEYS))
         if extra:
             raise ValueError(f"common.json holds MindFormers' fields only; {', '.join(extra)} belong in the state")
         self.wait()
         arrays = {"model": model, "opt": optim or {}}
-        plan = SavePlan.build(arrays, self.prefix, self.world.size, self.remove_redundancy)
+        plan = SavePlan.build(arrays, layouts, self.prefix, self.world.size, self.remove_redundancy)
         target = iteration_dir(self.save_path, step)
         if is_complete(target):  # every rank sees the same directory, so every rank stops here alike
             raise CheckpointError(f"{target}: a complete checkpoint of step {step} is already there; Kiln never "
@@ -296,7 +366,7 @@ class CheckpointSaver:
                 shutil.rmtree(leftover, ignore_errors=True)
             staging.mkdir(parents=True)
         self.collectives.barrier()
-        metadata = plan.metadata(arrays, self.world.size) if self.world.is_main else {}
+        metadata = plan.metadata() if self.world.is_main else {}
         files = plan.own_files(arrays, self.world.rank)
         if self.async_save:
             write = _AsyncWrite(staging, files)
@@ -390,11 +460,13 @@ def _finalize(save_path: Path, step: int, target: Path, metadata: dict, common: 
 
 def save_checkpoint(*, save_path: Path, step: int, model: dict[str, np.ndarray], optim: dict[str, np.ndarray] | None,
                     common: dict, lineage: dict, prefix: str | None, save_max: int, world, collectives,
-                    remove_redundancy: bool = False, state: dict | None = None) -> SavedCheckpoint | None:
-    """One synchronous save (collective). Returns the saved checkpoint on rank 0, None elsewhere."""
+                    remove_redundancy: bool = False, state: dict | None = None,
+                    layouts: dict[str, TensorLayout] | None = None) -> SavedCheckpoint | None:
+    """One synchronous save (collective; ``CheckpointSaver.save``). Returns the saved checkpoint on rank 0,
+    None elsewhere."""
     saver = CheckpointSaver(save_path=save_path, prefix=prefix, save_max=save_max, world=world,
                             collectives=collectives, remove_redundancy=remove_redundancy)
-    saver.save(step=step, model=model, optim=optim, common=common, lineage=lineage, state=state)
+    saver.save(step=step, model=model, optim=optim, common=common, lineage=lineage, state=state, layouts=layouts)
     done = saver.take_completed()
     return done[0] if done else None
 
@@ -543,13 +615,18 @@ def read_common(path: Path) -> dict:
     return common
 
 
+Copies = tuple[tuple[str, int], ...]  # (file name, storage rank) of every stored copy of one chunk
+
+
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor as metadata.json describes it: where its copies are, and what it must look like."""
+    """One tensor as the checkpoint describes it: global shape and shard grid, where each chunk's copies
+    are, and what the files must hold."""
     kind: str  # "model" | "opt"
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # global
     stored: str  # MindSpore's name of the dtype in the file ("BFloat16", "Float32", ...)
-    copies: tuple[tuple[str, int], ...]  # (file name, storage rank)
+    fragmentations: tuple[int, ...]  # chunks along each dim (all 1: unsharded)
+    chunks: tuple[Copies, ...]  # chunk k (MindFormers' global_offset index) -> its copies
 
     @property
     def dtype(self) -> np.dtype:
@@ -558,11 +635,24 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
-    def file_for(self, rank: int) -> str:
-        """This rank's own copy when it wrote one, else the first listed."""
-        return next((f for f, r in self.copies if r == rank), self.copies[0][0])
+    @property
+    def grid(self) -> TensorLayout:
+        """The shard grid, holding no ranks: where each chunk lies is all a reader needs."""
+        return TensorLayout(self.shape, self.fragmentations, ())
+
+    def file_for(self, chunk: int, rank: int) -> str:
+        """The file to read ``chunk`` from: this rank's own copy when it wrote one, else the first listed."""
+        copies = self.chunks[chunk]
+        return next((f for f, r in copies if r == rank), copies[0][0])
+
+    def describe(self, chunk: int) -> str:
+        """How errors name one chunk of this tensor."""
+        if len(self.chunks) == 1:
+            return f"{self.stored}{list(self.shape)}"
+        return (f"chunk {chunk} of {self.stored}{list(self.shape)} cut {list(self.fragmentations)}, "
+                f"{self.stored}{list(self.grid.local_shape)}")
 
 
 def _kind_of(file_name: str) -> str:
@@ -582,48 +672,62 @@ def _catalog_from_headers(path: Path) -> dict[str, TensorEntry]:
             if code not in _MS_NAMES_BY_CODE:
                 raise CheckpointError(f"{file_path}: tensor {name} has dtype {code}, not one of "
                                       f"{sorted(_MS_NAMES_BY_CODE)}")
-            entry = TensorEntry(_kind_of(file_path.name), reader.shape(name), _MS_NAMES_BY_CODE[code],
-                                ((file_path.name, rank),))
+            shape, stored = reader.shape(name), _MS_NAMES_BY_CODE[code]
             known = catalog.get(name)
-            if known is not None and (known.shape, known.stored) != (entry.shape, entry.stored):
-                raise CheckpointError(f"{file_path}: tensor {name} is {entry.stored}{list(entry.shape)}, "
-                                      f"{known.copies[0][0]} holds it as {known.stored}{list(known.shape)}")
-            catalog[name] = entry if known is None else TensorEntry(
-                known.kind, known.shape, known.stored, known.copies + entry.copies)
+            if known is not None and (known.shape, known.stored) != (shape, stored):
+                raise CheckpointError(f"{file_path}: tensor {name} is {stored}{list(shape)}, "
+                                      f"{known.chunks[0][0][0]} holds it as {known.stored}{list(known.shape)}")
+            copies = (known.chunks[0] if known else ()) + ((file_path.name, rank),)
+            catalog[name] = TensorEntry(_kind_of(file_path.name), shape, stored, (1,) * len(shape), (copies,))
     return catalog
 
 
 def read_catalog(path: Path) -> dict[str, TensorEntry]:
-    """Every tensor of the checkpoint from metadata.json, or from the safetensors headers when there is
-    none. Sharded tensors (a shard grid other than one chunk) are refused by name: Kiln's layouts are
-    replicated so far."""
+    """Every tensor of the checkpoint, its chunks and the files holding each, from metadata.json, or from
+    the safetensors headers when there is none."""
     meta_path = Path(path) / METADATA
     if not meta_path.exists():
         return _catalog_from_headers(path)
     metadata = _read_json(meta_path)
-    catalog = {}
     try:
         state, storage = metadata["state_dict_metadata"], metadata["storage_data"]
+        stored_chunks: dict[str, dict[int, Copies]] = {}
         for key, entries in storage.items():
             match = re.fullmatch(r"\('(.+)', \((\d+),\)\)", key)
             if not match:
                 raise CheckpointError(f"{meta_path}: storage_data key {key!r} is not \"('<name>', (k,))\"")
-            name = match.group(1)
-            info = state[name]
-            if any(n != 1 for n in info["axis_fragmentations"]) or len(info["chunk"]) != 1:
-                raise CheckpointError(f"{meta_path}: tensor {name} is sharded (axis_fragmentations "
-                                      f"{info['axis_fragmentations']}); only unsharded tensors can be loaded")
-            dtype_name = info["properties"]["dtype"]
-            if dtype_name not in _NUMPY_DTYPES:
-                raise CheckpointError(f"{meta_path}: tensor {name} has dtype {dtype_name}, "
-                                      f"not one of {sorted(_NUMPY_DTYPES)}")
             copies = tuple((e["file_name"], int(e["storage_rank"])) for e in entries)
             if not copies:
-                raise CheckpointError(f"{meta_path}: tensor {name} is stored in no file")
-            catalog[name] = TensorEntry(_kind_of(copies[0][0]), tuple(info["global_shape"]), dtype_name, copies)
+                raise CheckpointError(f"{meta_path}: tensor {match.group(1)} chunk {match.group(2)} is stored "
+                                      f"in no file")
+            stored_chunks.setdefault(match.group(1), {})[int(match.group(2))] = copies
+        return {name: _catalog_entry(meta_path, name, state.get(name), chunks)
+                for name, chunks in stored_chunks.items()}
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{meta_path}: malformed ({exc!r})") from None
-    return catalog
+
+
+def _catalog_entry(meta_path: Path, name: str, info: dict | None, chunks: dict[int, Copies]) -> TensorEntry:
+    """One tensor of metadata.json: its description, and storage for every chunk of its grid."""
+    if info is None:
+        raise CheckpointError(f"{meta_path}: storage_data lists tensor {name}, state_dict_metadata does not "
+                              f"describe it")
+    dtype_name = info["properties"]["dtype"]
+    if dtype_name not in _NUMPY_DTYPES:
+        raise CheckpointError(f"{meta_path}: tensor {name} has dtype {dtype_name}, "
+                              f"not one of {sorted(_NUMPY_DTYPES)}")
+    shape, fragmentations = tuple(info["global_shape"]), tuple(info["axis_fragmentations"])
+    try:
+        num_chunks = TensorLayout(shape, fragmentations, ()).num_chunks
+    except ValueError as exc:
+        raise CheckpointError(f"{meta_path}: tensor {name}: {exc}") from None
+    missing, extra = sorted(set(range(num_chunks)) - set(chunks)), sorted(set(chunks) - set(range(num_chunks)))
+    if missing or extra:
+        raise CheckpointError(f"{meta_path}: tensor {name} is cut {list(fragmentations)} into {num_chunks} "
+                              f"chunk(s); storage_data " + (f"has no file for chunk(s) {missing}" if missing
+                                                            else f"lists chunk(s) {extra} outside the grid"))
+    return TensorEntry(_kind_of(chunks[0][0][0]), shape, dtype_name, fragmentations,
+                       tuple(chunks[k] for k in range(num_chunks)))
 
 
 @dataclass
@@ -644,28 +748,89 @@ def _open(file_path: Path) -> SafetensorsFile:
         raise CheckpointError(str(exc)) from None
 
 
-def read_tensors(path: Path, catalog: dict[str, TensorEntry], names, rank: int) -> dict[str, np.ndarray]:
-    """Read ``names`` from the files the catalog lists, each checked against its shape and dtype."""
-    path = Path(path)
-    by_file: dict[str, list[str]] = {}
+Region = tuple[slice, ...]  # a box of a tensor's global coordinates
+
+
+def whole(shape: tuple[int, ...]) -> Region:
+    return tuple(slice(0, n) for n in shape)
+
+
+def target_regions(path: Path, catalog: dict[str, TensorEntry], names, layouts: dict[str, TensorLayout] | None,
+                   rank: int) -> dict[str, Region]:
+    """Where this rank's local array of each tensor lies, under the loading run's ``layouts`` (a tensor
+    without one is loaded whole). The loading run's global shapes must be the checkpoint's."""
+    regions = {}
     for name in names:
-        by_file.setdefault(catalog[name].file_for(rank), []).append(name)
+        shape, layout = catalog[name].shape, (layouts or {}).get(name)
+        if layout is None:
+            regions[name] = whole(shape)
+            continue
+        if tuple(layout.global_shape) != shape:
+            raise CheckpointError(f"{path}: tensor {name} is {list(shape)} in the checkpoint, the loading run's "
+                                  f"layout has it {list(layout.global_shape)}")
+        if not 0 <= rank < len(layout.chunk_of_rank):
+            raise CheckpointError(f"tensor {name}: its layout places {len(layout.chunk_of_rank)} ranks, "
+                                  f"this is rank {rank}")
+        regions[name] = layout.chunk_slices(layout.chunk_of_rank[rank])
+    return regions
+
+
+def _overlaps(grid: TensorLayout, region: Region):
+    """(chunk, the overlap's slices within that chunk, within the region) for every chunk of ``grid``
+    that ``region`` overlaps."""
+    spans = []
+    for box, size in zip(region, grid.local_shape):
+        if box.start >= box.stop:
+            return  # an empty region overlaps nothing (and a dim of size 0 has no chunk size to divide by)
+        spans.append(range(box.start // size, -(-box.stop // size)))
+    for coords in itertools.product(*spans):
+        chunk = 0
+        for coordinate, parts in zip(coords, grid.fragmentations):
+            chunk = chunk * parts + coordinate  # row-major, MindFormers' global_offset index
+        lows = [max(box.start, c * n) for box, c, n in zip(region, coords, grid.local_shape)]
+        highs = [min(box.stop, (c + 1) * n) for box, c, n in zip(region, coords, grid.local_shape)]
+        yield (chunk,
+               tuple(slice(lo - c * n, hi - c * n) for lo, hi, c, n in zip(lows, highs, coords, grid.local_shape)),
+               tuple(slice(lo - box.start, hi - box.start) for lo, hi, box in zip(lows, highs, region)))
+
+
+def read_regions(path: Path, catalog: dict[str, TensorEntry], regions: dict[str, Region], rank: int
+                 ) -> dict[str, np.ndarray]:
+    """Each tensor's region, assembled from the stored chunks it overlaps. Only the files holding those
+    chunks are opened, and of each chunk only the overlap is read (the files are memory-mapped); every
+    chunk read is checked against the catalog's shape and dtype first."""
+    path = Path(path)
+    readers: dict[str, SafetensorsFile] = {}
     tensors = {}
-    for file_name, file_names in sorted(by_file.items()):
-        file_path = path / file_name
-        if not file_path.exists():
-            raise CheckpointError(f"{file_path}: missing (listed in {METADATA} for tensor {file_names[0]})")
-        reader = _open(file_path)
-        for name in file_names:
-            if name not in reader.header:
-                raise CheckpointError(f"{file_path}: tensor {name} listed in {METADATA} is not in the file")
-            entry = catalog[name]
-            stored = _MS_NAMES_BY_CODE.get(reader.dtype(name), reader.dtype(name))
-            if reader.shape(name) != entry.shape or stored != entry.stored:
-                raise CheckpointError(f"{file_path}: tensor {name} is {stored}{list(reader.shape(name))}, "
-                                      f"{METADATA} says {entry.stored}{list(entry.shape)}")
-            tensors[name] = reader.get(name)
+    for name, region in regions.items():
+        entry = catalog[name]
+        out = np.empty(tuple(box.stop - box.start for box in region), entry.dtype)
+        for chunk, in_chunk, in_region in _overlaps(entry.grid, region):
+            file_name = entry.file_for(chunk, rank)
+            if file_name not in readers:
+                if not (path / file_name).exists():
+                    raise CheckpointError(f"{path / file_name}: missing (listed in {METADATA} for tensor {name})")
+                readers[file_name] = _open(path / file_name)
+            part = _stored_chunk(readers[file_name], name, entry, chunk)[in_chunk]
+            out[in_region] = widen_bfloat16(part) if entry.stored == "BFloat16" else part
+        tensors[name] = out
     return tensors
+
+
+def _stored_chunk(reader: SafetensorsFile, name: str, entry: TensorEntry, chunk: int) -> np.ndarray:
+    """The chunk as stored (memory-mapped; bfloat16 as its raw bits), once its shape and dtype are checked."""
+    if name not in reader.header:
+        raise CheckpointError(f"{reader.path}: tensor {name} listed in {METADATA} is not in the file")
+    stored = _MS_NAMES_BY_CODE.get(reader.dtype(name), reader.dtype(name))
+    if reader.shape(name) != entry.grid.local_shape or stored != entry.stored:
+        raise CheckpointError(f"{reader.path}: tensor {name} is {stored}{list(reader.shape(name))}, "
+                              f"{METADATA} says {entry.describe(chunk)}")
+    return reader.raw(name)
+
+
+def read_tensors(path: Path, catalog: dict[str, TensorEntry], names, rank: int) -> dict[str, np.ndarray]:
+    """Read ``names`` whole."""
+    return read_regions(path, catalog, {n: whole(catalog[n].shape) for n in names}, rank)
 
 
 def _split(path: Path, catalog: dict[str, TensorEntry], tensors: dict[str, np.ndarray], common: dict
@@ -681,24 +846,34 @@ def _wanted(catalog: dict[str, TensorEntry], load_optim: bool) -> list[str]:
     return sorted(n for n, e in catalog.items() if load_optim or e.kind == "model")
 
 
-def load_checkpoint(path: Path, rank: int = 0, load_optim: bool = True) -> LoadedCheckpoint:
-    """Read every tensor named in ``metadata.json`` (optimizer state only with ``load_optim``), from
-    whichever file holds it — this rank's own copy when there is one."""
+def load_checkpoint(path: Path, rank: int = 0, load_optim: bool = True,
+                    layouts: dict[str, TensorLayout] | None = None) -> LoadedCheckpoint:
+    """This rank's arrays of every tensor of the checkpoint (optimizer state only with ``load_optim``)
+    under the loading run's ``layouts``: each tensor's chunk of ``rank`` (a tensor without a layout, or
+    every tensor when ``layouts`` is None, whole), whatever layout the checkpoint was saved under."""
     common = read_common(path)
     catalog = read_catalog(path)
-    return _split(path, catalog, read_tensors(path, catalog, _wanted(catalog, load_optim), rank), common)
+    regions = target_regions(path, catalog, _wanted(catalog, load_optim), layouts, rank)
+    return _split(path, catalog, read_regions(path, catalog, regions, rank), common)
 
 
-def load_checkpoint_balanced(path: Path, world, collectives, load_optim: bool = True, readers: int | None = None
-                             ) -> LoadedCheckpoint:
-    """Collective. The first ``readers`` ranks (all by default) each read a disjoint, byte-balanced subset
-    of the tensors from disk; every other tensor arrives by broadcast from the rank that read it. The
-    result is bit-identical to ``load_checkpoint`` on every rank."""
+def load_checkpoint_balanced(path: Path, world, collectives, load_optim: bool = True, readers: int | None = None,
+                             layouts: dict[str, TensorLayout] | None = None) -> LoadedCheckpoint:
+    """Collective. ``load_checkpoint``'s result on every rank, with the disk reads of the tensors every
+    rank loads whole spread out: the first ``readers`` ranks (all by default) each read a disjoint,
+    byte-balanced subset of them, and every other rank receives it by broadcast from the rank that read
+    it. A tensor the loading run shards (``layouts``) differs per rank, so each rank reads its own chunk."""
     common = read_common(path)
     catalog = read_catalog(path)
     names = _wanted(catalog, load_optim)
-    reading_ranks = list(range(min(readers or world.size, world.size)))
-    owners = balanced_assignment({n: catalog[n].nbytes for n in names}, reading_ranks)
-    own = read_tensors(path, catalog, [n for n in names if owners[n] == world.rank], world.rank)
-    specs = {n: (catalog[n].shape, catalog[n].dtype) for n in names}
-    return _split(path, catalog, collectives.share_arrays(own, owners, specs), common)
+    regions = target_regions(path, catalog, names, layouts, world.rank)
+    sharded = sorted(n for n in names if layouts and n in layouts and layouts[n].is_sharded)
+    shared_names = [n for n in names if n not in sharded]
+    reading_ranks = tuple(range(min(readers or world.size, world.size)))
+    owners = balanced_assignment({n: catalog[n].nbytes for n in shared_names},
+                                 {n: reading_ranks for n in shared_names})
+    own = read_tensors(path, catalog, [n for n in shared_names if owners[n] == world.rank], world.rank)
+    specs = {n: (catalog[n].shape, catalog[n].dtype) for n in shared_names}
+    tensors = collectives.share_arrays(own, owners, specs)
+    tensors.update(read_regions(path, catalog, {n: regions[n] for n in sharded}, world.rank))
+    return _split(path, catalog, tensors, common)

@@ -1,0 +1,280 @@
+"""Sharded checkpoints: every rank writes only the chunks it holds (one writer per chunk with
+remove_redundancy), metadata.json describes them in MindFormers' schema, and a checkpoint saved under one
+layout loads, bit for bit, into any other. N ranks are N threads of this process, each with its own
+saver, meeting at a real barrier: the file logic is exactly what N processes run."""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from training.checkpoint import (CheckpointError, _write_safetensors_atomic, load_checkpoint,
+                                 load_checkpoint_balanced, save_checkpoint)
+from training.collectives import World
+from training.parallel.layout import TensorLayout
+
+EMB = "embedding.word_embeddings.weight"
+QKV = "decoder.layers.0.self_attention.linear_qkv.weight"  # column-parallel: rows split over tp
+PROJ = "decoder.layers.0.self_attention.linear_proj.weight"  # row-parallel: columns split over tp
+NORM = "decoder.final_layernorm.weight"
+STEP = "global_step"
+
+
+def full_tensors() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    model = {EMB: rng.normal(size=(16, 8)).astype(np.float32), QKV: rng.normal(size=(12, 8)).astype(np.float32),
+             PROJ: rng.normal(size=(8, 12)).astype(np.float16), NORM: rng.normal(size=8).astype(np.float32)}
+    model[EMB][0, :2] = [-0.0, np.nan]  # bit patterns a value comparison would not notice
+    optim = {f"adam_m.{n}": rng.normal(size=a.shape).astype(np.float32) for n, a in model.items()}
+    return model, {**optim, STEP: np.array([5], np.int64)}
+
+
+def tp_fsdp_layouts() -> dict[str, TensorLayout]:
+    """TP2 x FSDP2 on 4 ranks, tp innermost as in MindFormers' mesh: rank r has tp = r % 2, dp = r // 2.
+    FSDP cuts each rank's TP part again along dim 0."""
+    tp, dp = [r % 2 for r in range(4)], [r // 2 for r in range(4)]
+    rows_of_rows = tuple(2 * t + d for t, d in zip(tp, dp))  # dim 0 in 4: tp's half, then dp's quarter of it
+    return {EMB: TensorLayout((16, 8), (4, 1), rows_of_rows), QKV: TensorLayout((12, 8), (4, 1), rows_of_rows),
+            PROJ: TensorLayout((8, 12), (2, 2), tuple(2 * d + t for t, d in zip(tp, dp))),  # dp rows, tp columns
+            NORM: TensorLayout((8,), (2,), tuple(dp))}
+
+
+def layouts_of(name: str) -> tuple[int, dict[str, TensorLayout]]:
+    """(world size, layout of every sharded model tensor); the optimizer's moments follow their parameter,
+    the step counter is replicated."""
+    model, _ = full_tensors()
+    if name in ("1", "DP2"):
+        return (1 if name == "1" else 2), {}
+    if name == "FSDP2":
+        world, layouts = 2, {n: TensorLayout.split(a.shape, 0, (0, 1), 2) for n, a in model.items()}
+    elif name == "TP2":
+        world, layouts = 2, {EMB: TensorLayout.split((16, 8), 0, (0, 1), 2),
+                             QKV: TensorLayout.split((12, 8), 0, (0, 1), 2),
+                             PROJ: TensorLayout.split((8, 12), 1, (0, 1), 2)}
+    else:
+        world, layouts = 4, tp_fsdp_layouts()
+    return world, {**layouts, **{f"adam_m.{n}": layout for n, layout in layouts.items()}}
+
+
+LAYOUTS = ["1", "DP2", "FSDP2", "TP2", "TP2xFSDP2"]
+
+
+def local(full: dict[str, np.ndarray], layouts: dict[str, TensorLayout], rank: int) -> dict[str, np.ndarray]:
+    """What ``rank`` holds of each tensor."""
+    out = {}
+    for name, array in full.items():
+        layout = layouts.get(name)
+        out[name] = array if layout is None else array[layout.chunk_slices(layout.chunk_of_rank[rank])]
+    return out
+
+
+class ThreadCollectives:
+    """The collectives of one of N threads standing in for N ranks."""
+
+    def __init__(self, world: World, barrier: threading.Barrier, board: dict):
+        self.world, self._barrier, self._board = world, barrier, board
+
+    def barrier(self) -> None:
+        self._barrier.wait(timeout=60)
+
+    def all_reduce_array(self, values: np.ndarray) -> np.ndarray:
+        self._board[("sum", self.world.rank)] = np.asarray(values)
+        self.barrier()
+        total = sum(self._board[("sum", r)] for r in range(self.world.size))
+        self.barrier()
+        return total
+
+    def share_arrays(self, own: dict, owners: dict, specs: dict) -> dict:
+        self._board.update(own)
+        self.barrier()
+        shared = {name: self._board[name].copy() for name in specs}
+        self.barrier()
+        return shared
+
+
+def on_ranks(world_size: int, work) -> list:
+    """``work(world, collectives)`` on every rank, each in its own thread; the ranks' results, or the
+    first error (a failing rank breaks the barrier, so the others stop too)."""
+    barrier, board = threading.Barrier(world_size), {}
+    results, errors = [None] * world_size, []
+
+    def run(rank: int) -> None:
+        world = World(rank=rank, size=world_size)
+        try:
+            results[rank] = work(world, ThreadCollectives(world, barrier, board))
+        except BaseException as exc:  # noqa: BLE001 -- re-raised below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return results
+
+
+def save_under(root, layout, remove_redundancy: bool, model=None, optim=None, lineage=None):
+    """Every rank saves its chunks; ``layout``: a name of ``LAYOUTS`` or (world size, layouts). Returns the
+    checkpoint directory."""
+    full_model, full_optim = full_tensors() if model is None else (model, optim or {})
+    world_size, layouts = layouts_of(layout) if isinstance(layout, str) else layout
+
+    def work(world, collectives):
+        return save_checkpoint(save_path=root, step=1, model=local(full_model, layouts, world.rank),
+                               optim=local(full_optim, layouts, world.rank) if full_optim else None,
+                               common={"global_step": 1, "consumed_samples": 4, "global_batch_size": 4},
+                               lineage=lineage or {}, prefix="checkpoint", save_max=3, world=world,
+                               collectives=collectives, remove_redundancy=remove_redundancy, layouts=layouts)
+    return on_ranks(world_size, work)[0].path
+
+
+def assert_local_slices(loaded, layouts, rank):
+    """Every tensor the rank loaded is its slice of the original, bit for bit, dtype included."""
+    model, optim = full_tensors()
+    for got, full in ((loaded.model, local(model, layouts, rank)), (loaded.optim, local(optim, layouts, rank))):
+        assert sorted(got) == sorted(full)
+        for name, want in full.items():
+            assert got[name].dtype == want.dtype and got[name].shape == want.shape, name
+            assert got[name].tobytes() == np.ascontiguousarray(want).tobytes(), name
+
+
+@pytest.mark.parametrize("remove_redundancy", [False, True], ids=["all_copies", "remove_redundancy"])
+@pytest.mark.parametrize("source", LAYOUTS)
+def test_a_checkpoint_saved_under_any_layout_loads_into_every_layout(tmp_path, source, remove_redundancy):
+    path = save_under(tmp_path, source, remove_redundancy)
+    for target in LAYOUTS:
+        world_size, layouts = layouts_of(target)
+        for rank in range(world_size):
+            assert_local_slices(load_checkpoint(path, rank=rank, layouts=layouts), layouts, rank)
+
+
+def test_the_balanced_load_reshards_too(tmp_path):
+    """Whole tensors are read once and broadcast; the loading run's sharded ones are read by each rank."""
+    path = save_under(tmp_path, "TP2xFSDP2", remove_redundancy=True)
+    world_size, layouts = layouts_of("FSDP2")
+    loaded = on_ranks(world_size, lambda world, collectives: load_checkpoint_balanced(
+        path, world, collectives, layouts=layouts))
+    for rank in range(world_size):
+        assert_local_slices(loaded[rank], layouts, rank)
+
+
+def test_each_rank_writes_only_its_chunks(tmp_path):
+    path = save_under(tmp_path, "TP2xFSDP2", remove_redundancy=False)
+    rank1 = load_file(path / "checkpoint-model-0000001-0000004.safetensors")
+    model, _ = full_tensors()
+    # rank 1: tp 1, dp 0 -> rows 8:12 of the embedding (chunk 2 of 4), columns 6:12 of linear_proj's rows 0:4
+    np.testing.assert_array_equal(rank1[EMB], model[EMB][8:12])
+    np.testing.assert_array_equal(rank1[PROJ], model[PROJ][0:4, 6:12])
+    np.testing.assert_array_equal(rank1[NORM], model[NORM][0:4])
+
+
+def test_metadata_json_follows_mindformers_schema(tmp_path):
+    """A hand-computed TP2 x FSDP2 example: rank r holds tp = r % 2, dp = r // 2."""
+    meta = json.loads((save_under(tmp_path / "all", "TP2xFSDP2", False) / "metadata.json").read_text())
+    proj = meta["state_dict_metadata"][PROJ]
+    assert proj["global_shape"] == [8, 12] and proj["axis_fragmentations"] == [2, 2]
+    assert proj["chunk"] == [{"global_offset": [k], "local_shape": [4, 6]} for k in range(4)]
+    assert proj["properties"] == {"dtype": "Float16", "replica_id": [0, 0, 0, 0], "allow_shape_mismatch": False,
+                                  "allow_to_save": True}
+    assert proj["layout"] is None
+    # the grid is row-major: chunk 1 is dp row 0, tp column 1, held by rank 1 only
+    assert meta["storage_data"][f"('{PROJ}', (1,))"] == [
+        {"file_name": "checkpoint-model-0000001-0000004.safetensors", "storage_rank": 1, "rank_group": [1]}]
+    norm = meta["state_dict_metadata"][NORM]
+    assert norm["axis_fragmentations"] == [2] and norm["properties"]["replica_id"] == [0, 1, 0, 1]
+    # the second half of the norm is held by ranks 2 and 3 (dp 1): both write a copy
+    assert meta["storage_data"][f"('{NORM}', (1,))"] == [
+        {"file_name": f"checkpoint-model-000000{r}-0000004.safetensors", "storage_rank": r, "rank_group": [2, 3]}
+        for r in (2, 3)]
+    step = meta["state_dict_metadata"][STEP]
+    assert step["axis_fragmentations"] == [1] and step["properties"]["replica_id"] == 0
+    assert [e["storage_rank"] for e in meta["storage_data"][f"('{STEP}', (0,))"]] == [0, 1, 2, 3]
+    assert len(meta["storage_data"]) == sum(len(e["chunk"]) for e in meta["state_dict_metadata"].values())
+
+    meta = json.loads((save_under(tmp_path / "one", "TP2xFSDP2", True) / "metadata.json").read_text())
+    # remove_redundancy: one writer per chunk. Every rank has 272 B of chunks only it holds; the norm's
+    # halves (2 holders) then go to the lower rank of each pair, and the optimizer's step counter (4 holders,
+    # planned with the optimizer's chunks) to rank 1, the least loaded once adam_m's norm halves went to 0, 2
+    assert meta["storage_data"][f"('{NORM}', (1,))"] == [
+        {"file_name": "checkpoint-model-0000002-0000004.safetensors", "storage_rank": 2, "rank_group": [2, 3]}]
+    assert meta["storage_data"][f"('{STEP}', (0,))"] == [
+        {"file_name": "checkpoint-opt-0000001-0000004.safetensors", "storage_rank": 1, "rank_group": [0, 1, 2, 3]}]
+    assert all(len(entries) == 1 for entries in meta["storage_data"].values())
+
+
+def test_a_rank_reads_only_the_files_holding_its_chunks(tmp_path):
+    path = save_under(tmp_path, "FSDP2", remove_redundancy=False)
+    _, layouts = layouts_of("FSDP2")
+    for kind in ("model", "opt"):
+        (path / f"checkpoint-{kind}-0000001-0000002.safetensors").unlink()
+    assert_local_slices(load_checkpoint(path, rank=0, layouts=layouts), layouts, 0)
+    with pytest.raises(CheckpointError, match=rf"checkpoint-opt-0000001-0000002.safetensors: missing \(listed in "
+                                              rf"metadata.json for tensor adam_m.{NORM}\)"):
+        load_checkpoint(path, rank=1, layouts=layouts)
+
+
+def test_a_damaged_chunk_is_refused_naming_file_and_tensor(tmp_path):
+    path = save_under(tmp_path, "FSDP2", remove_redundancy=False)
+    model, _ = full_tensors()
+    rank1_file = path / "checkpoint-model-0000001-0000002.safetensors"
+    _write_safetensors_atomic(rank1_file, {**local(model, layouts_of("FSDP2")[1], 1), EMB: model[EMB][:7]})
+    with pytest.raises(CheckpointError, match=rf"{rank1_file.name}: tensor {EMB} is Float32\[7, 8\], metadata.json "
+                                              rf"says chunk 1 of Float32\[16, 8\] cut \[2, 1\], Float32\[8, 8\]"):
+        load_checkpoint(path)
+    # the loading run's layout must have the checkpoint's global shape
+    wider = {EMB: TensorLayout.split((32, 8), 0, (0, 1), 2)}
+    with pytest.raises(CheckpointError, match=rf"tensor {EMB} is \[16, 8\] in the checkpoint, the loading run's "
+                                              rf"layout has it \[32, 8\]"):
+        load_checkpoint(path, rank=0, layouts=wider)
+    meta_path = path / "metadata.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["storage_data"][f"('{EMB}', (1,))"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=rf"metadata.json: tensor {EMB} is cut \[2, 1\] into 2 chunk\(s\); "
+                                              rf"storage_data has no file for chunk\(s\) \[1\]"):
+        load_checkpoint(path)
+
+
+def test_a_layout_that_does_not_fit_the_arrays_is_refused_before_anything_is_written(tmp_path):
+    model, _ = full_tensors()
+    half = TensorLayout.split((16, 8), 0, (0, 1), 2)
+    with pytest.raises(CheckpointError, match=rf"tensor {EMB}: this rank's array is \[16, 8\], its layout's chunk "
+                                              rf"is \[8, 8\] \(global \[16, 8\] cut \[2, 1\]\)"):
+        on_ranks(2, lambda world, collectives: save_checkpoint(
+            save_path=tmp_path, step=1, model={EMB: model[EMB]}, optim=None, common={}, lineage={}, prefix=None,
+            save_max=1, world=world, collectives=collectives, layouts={EMB: half}))
+    with pytest.raises(CheckpointError, match=rf"tensor {EMB}: chunks \[1\] of its layout are held by no rank"):
+        save_under(tmp_path, (2, {EMB: TensorLayout((16, 8), (2, 1), (0, 0))}), False,
+                   model={EMB: model[EMB][:8]}, optim={})
+    assert not any(tmp_path.iterdir())
+
+
+def test_export_hf_of_a_sharded_checkpoint_equals_that_of_the_replicated_one(tmp_path):
+    from interop.hf_helpers import kiln_model, model_section
+    from training.hf import export_hf
+
+    section = model_section("tests/configs/qwen3_micro.yaml")
+    _, weights = kiln_model(section, seed=3)
+    # TP2 x FSDP2-like: every matrix cut in two along both dims where they divide, vectors along dim 0
+    layouts = {}
+    for name, array in weights.items():
+        cuts = tuple(2 if n % 2 == 0 else 1 for n in array.shape[:2]) + (1,) * (array.ndim - 2)
+        grid = TensorLayout(array.shape, cuts, (0,))
+        layouts[name] = TensorLayout(array.shape, cuts, tuple(r % grid.num_chunks for r in range(4)))
+    lineage = {"run": {"config": {"model": section}}}
+    sharded = save_under(tmp_path / "sharded", (4, layouts), True, model=weights, lineage=lineage)
+    replicated = save_under(tmp_path / "replicated", "1", False, model=weights, lineage=lineage)
+    assert json.loads((sharded / "metadata.json").read_text())["state_dict_metadata"][
+        "decoder.layers.0.mlp.linear_fc1.weight"]["axis_fragmentations"] == [2, 2]
+    export_hf(sharded, tmp_path / "hf_sharded")
+    export_hf(replicated, tmp_path / "hf_replicated")
+    assert (sorted(p.name for p in (tmp_path / "hf_sharded").iterdir())
+            == sorted(p.name for p in (tmp_path / "hf_replicated").iterdir()))
+    for file in (tmp_path / "hf_sharded").iterdir():
+        assert file.read_bytes() == (tmp_path / "hf_replicated" / file.name).read_bytes(), file.name
