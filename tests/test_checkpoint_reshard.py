@@ -278,3 +278,24 @@ def test_export_hf_of_a_sharded_checkpoint_equals_that_of_the_replicated_one(tmp
             == sorted(p.name for p in (tmp_path / "hf_replicated").iterdir()))
     for file in (tmp_path / "hf_sharded").iterdir():
         assert file.read_bytes() == (tmp_path / "hf_replicated" / file.name).read_bytes(), file.name
+
+
+def test_the_audit_hashes_every_ranks_files(tmp_path):
+    from training.data.hashing import sha256_file
+    from training.lineage import audit_checkpoint
+
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {}\n")
+    path = save_under(tmp_path / "run", "TP2xFSDP2", False,
+                      lineage={"run": {"config_path": str(config), "config_sha256": sha256_file(config)}})
+    _, checks = audit_checkpoint(path)
+    audited = {c.path for c in checks if c.status == "ok"}
+    assert {f"checkpoint-{kind}-000000{r}-0000004.safetensors" for kind in ("model", "opt") for r in range(4)
+            } | {"metadata.json", "common.json"} <= audited
+    with open(path / "checkpoint-opt-0000003-0000004.safetensors", "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)[0]
+        f.seek(-1, 2)
+        f.write(bytes([last ^ 1]))
+    _, checks = audit_checkpoint(path)
+    assert [c.path for c in checks if c.status != "ok"] == ["checkpoint-opt-0000003-0000004.safetensors"]
