@@ -15,7 +15,9 @@ class SelfAttention(nn.Cell):
     ``linear_qkv`` rows are grouped per KV group: [q heads of group 0, k0, v0, q heads of group 1, k1, v1, …].
     GQA without copying K/V: the q heads of one KV group are stacked along the query axis
     ([batch, groups, heads_per_group·seq, dim]), so one batched matmul per group serves all its heads;
-    the causal mask is stacked the same way (``mask_repeats`` = heads per group)."""
+    the causal mask is stacked the same way (``mask_repeats`` = heads per group).
+
+    Under tensor parallelism each rank holds whole KV groups: ``num_groups``/``num_heads`` count this rank's."""
 
     def __init__(self, init: Init, config):
         super().__init__()
@@ -48,9 +50,10 @@ class SelfAttention(nn.Cell):
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         """x: [batch, seq, hidden]; cos/sin from RotaryEmbedding.tables; mask: causal_mask(seq,
         heads_per_group) or additive_mask(attention_mask, heads_per_group)."""
-        batch, seq, _ = x.shape
+        qkv = self.linear_qkv(x)  # the whole sequence, also when x is a sequence shard (tensor parallel)
+        batch, seq, _ = qkv.shape
         groups, per_group, dim = self.num_groups, self.heads_per_group, self.head_dim
-        qkv = self.linear_qkv(x).reshape(batch, seq, groups, per_group + 2, dim)
+        qkv = qkv.reshape(batch, seq, groups, per_group + 2, dim)
         q, k, _ = ops.split(self._qk_normed(qkv), [per_group, 1, 1], axis=3)  # q head g·per_group + j: KV group g
         _, _, v = ops.split(qkv, [per_group, 1, 1], axis=3)
         q = q.transpose(0, 2, 3, 1, 4)                                     # [batch, groups, per_group, seq, dim]

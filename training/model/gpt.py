@@ -125,6 +125,10 @@ class GPTModel(nn.Cell):
         self.mtp = MultiTokenPredictionBlock(init, config, layer_specs[-1]) if config.num_mtp_layers else None
         self.mask_repeats = config.mask_repeats()
         self._last_components: dict[str, Tensor] = {}
+        # tensor parallelism replaces these: the collective bringing the hidden states to the (vocab-parallel)
+        # output layer, and the per-token loss of logits over this rank's part of the vocabulary
+        self.output_input_comm = None
+        self.token_loss = token_cross_entropy
         # MindFormers drops the embedding output too (in MTP depths alike); every Dropout draws from one stream
         self.embedding_dropout = Dropout(config.hidden_dropout)
         self.dropout_masks = MaskStream(seed)
@@ -150,22 +154,24 @@ class GPTModel(nn.Cell):
         return self.decoder(hidden, cos, sin, mask), cos, sin, mask
 
     def _output(self, hidden: Tensor) -> Tensor:
+        if self.output_input_comm is not None:
+            hidden = self.output_input_comm(hidden)
         if self.output_layer is None:
             logits = linear(hidden, self.embedding.word_embeddings.weight)
         else:
             logits = self.output_layer(hidden)
         return cast(logits, ms.float32)
 
-    @staticmethod
-    def _masked_mean_loss(logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
-        token_loss = token_cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    def _masked_mean_loss(self, logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
+        token_loss = self.token_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         mask = cast(loss_mask.reshape(-1), ms.float32)
         return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 
     def logits(self, input_ids: Tensor, position_ids: Tensor | None = None,
                attention_mask: Tensor | None = None) -> Tensor:
         """[batch, seq] token ids → [batch, seq, vocab] fp32 logits. Without ``position_ids`` positions
-        are 0..seq-1; without ``attention_mask`` ([batch, 1, seq, seq], 1 = masked) attention is causal."""
+        are 0..seq-1; without ``attention_mask`` ([batch, 1, seq, seq], 1 = masked) attention is causal.
+        Under tensor parallelism: this rank's slice of the vocabulary only."""
         return self._output(self._decode(input_ids, position_ids, attention_mask)[0])
 
     def construct(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor, position_ids: Tensor | None = None,

@@ -50,13 +50,21 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 class Linear(nn.Cell):
+    """``input_comm``/``output_comm`` (None: none) are the collectives tensor parallelism puts around the
+    matmul: a column-parallel linear gathers its input, a row-parallel one reduces its partial output."""
+
     def __init__(self, init: Init, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = init.normal(out_features, in_features)
         self.bias = init.zeros(out_features) if bias else None
+        self.input_comm = None
+        self.output_comm = None
 
     def construct(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        if self.input_comm is not None:
+            x = self.input_comm(x)
+        out = linear(x, self.weight, self.bias)
+        return out if self.output_comm is None else self.output_comm(out)
 
 
 class RMSNorm(nn.Cell):
@@ -83,12 +91,22 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, dtype) -> Tensor:
 
 
 class VocabEmbedding(nn.Cell):
+    """The [vocab, hidden] lookup table. Under tensor parallelism the table holds the rows
+    ``vocab_start`` onwards only: other ids look up zeros and ``output_comm`` sums the ranks' lookups."""
+
     def __init__(self, init: Init, vocab_size: int, hidden_size: int):
         super().__init__()
         self.weight = init.normal(vocab_size, hidden_size)
+        self.vocab_start = 0
+        self.output_comm = None
 
     def construct(self, input_ids: Tensor) -> Tensor:
-        return ops.gather(self.weight, input_ids, 0)
+        if self.output_comm is None:
+            return ops.gather(self.weight, input_ids, 0)
+        local_ids = input_ids - self.vocab_start
+        here = ops.logical_and(local_ids >= 0, local_ids < self.weight.shape[0])
+        rows = ops.gather(self.weight, ops.where(here, local_ids, 0), 0)
+        return self.output_comm(rows * here.expand_dims(-1).astype(rows.dtype))
 
 
 class LanguageModelEmbedding(nn.Cell):

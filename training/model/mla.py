@@ -69,15 +69,20 @@ class MLASelfAttention(nn.Cell):
         self.scale = config.softmax_scale()
         self.softmax_dtype = config.dtype("softmax_compute_dtype")
         self.logit_tracker = MaxLogitTracker()
+        # tensor parallelism: this rank's heads in ``num_heads``, and the collective that brings the shared
+        # rope key (computed on the sequence shard) to every head of the whole sequence
+        self.rope_key_comm = None
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        batch, seq, _ = x.shape
         heads = self.num_heads
         q, kv_latent, k_rope = ops.split(self.linear_qkv(x), self.split_sizes, axis=-1)
+        if self.rope_key_comm is not None:
+            k_rope = self.rope_key_comm(k_rope)
         if self.q_layernorm is not None:
             q = self.q_layernorm(q)
         if self.q_lora:
             q = self.linear_qb(q)
+        batch, seq, _ = q.shape  # the whole sequence, also when x is a sequence shard (tensor parallel)
         q = q.reshape(batch, seq, heads, self.nope + self.rope).transpose(0, 2, 1, 3)
         q_nope, q_rope = ops.split(q, [self.nope, self.rope], axis=-1)
         if self.k_layernorm is not None:

@@ -108,6 +108,9 @@ class MoELayer(nn.Cell):
         self.aux_coeff = config.moe_aux_loss_coeff
         self.aux_loss: Tensor | None = None
         self._counts = np.zeros(self.num_experts, np.int64)
+        # sequence parallel: sums the loss statistics over the ranks holding the other parts of the sequences
+        # (forward all-reduce, backward identity); None when this rank sees whole sequences
+        self.sequence_shard_sum = None
 
     def construct(self, x: Tensor) -> Tensor:
         batch, seq, hidden = x.shape
@@ -130,7 +133,8 @@ class MoELayer(nn.Cell):
     def _load_balancing_loss(self, scores: Tensor, choices: np.ndarray) -> Tensor | None:
         """coeff · Σ_i f_i·P_i: f_i = E/(k·T)·(tokens choosing expert i), P_i = mean routing probability of
         expert i (scores normalised per token), over each sequence ('seq_aux_loss', then averaged) or over
-        the whole micro-batch ('aux_loss')."""
+        the whole micro-batch ('aux_loss'). Under sequence parallelism the counts and probability sums are
+        summed over the sequence's shards first (one collective), as MindFormers' router does."""
         if self.balancing == "none" or self.aux_coeff == 0:
             return None
         batch = choices.shape[0]
@@ -139,9 +143,15 @@ class MoELayer(nn.Cell):
             choices, probs = choices.reshape(1, -1), probs.reshape(1, -1, self.num_experts)
         else:
             probs = probs.reshape(batch, -1, self.num_experts)
-        counts = np.stack([np.bincount(row, minlength=self.num_experts) for row in choices]).astype(np.float32)
-        fraction = Tensor(counts * self.num_experts / choices.shape[1])  # choices per row = k·tokens per row
-        return (fraction * probs.mean(1)).sum(-1).mean() * self.aux_coeff
+        rows = choices.shape[0]
+        counts = Tensor(np.stack([np.bincount(row, minlength=self.num_experts) for row in choices]).astype(np.float32))
+        prob_sums = probs.sum(1)
+        if self.sequence_shard_sum is not None:
+            counts, prob_sums = ops.split(self.sequence_shard_sum(ops.cat((counts, prob_sums))), rows)
+        choices_per_row = counts.sum(-1, keepdims=True)  # k·tokens per row
+        fraction = counts * self.num_experts / choices_per_row
+        mean_probs = prob_sums / (choices_per_row / self.top_k)
+        return (fraction * mean_probs).sum(-1).mean() * self.aux_coeff
 
     # ---- between steps ----
     def take_counts(self) -> np.ndarray:

@@ -11,7 +11,7 @@ from training.model.spec import ModuleSpec, build_module
 class MLP(nn.Cell):
     """SwiGLU: fc2(silu(gate) * up), with gate/up interleaved in the rows of ``linear_fc1`` (row 2j is gate
     unit j, row 2j+1 up unit j). ``ffn_size`` defaults to model.intermediate_size (dense layers); shared
-    experts pass their own."""
+    experts pass their own. Under tensor parallelism ``ffn`` counts this rank's units."""
 
     def __init__(self, init: Init, config, ffn_size: int | None = None):
         super().__init__()
@@ -20,7 +20,8 @@ class MLP(nn.Cell):
         self.linear_fc2 = Linear(init, self.ffn, config.hidden_size)
 
     def construct(self, x: Tensor) -> Tensor:
-        gate_up = self.linear_fc1(x).reshape(*x.shape[:-1], self.ffn, 2)
+        gate_up = self.linear_fc1(x)  # the whole sequence, also when x is a sequence shard (tensor parallel)
+        gate_up = gate_up.reshape(*gate_up.shape[:-1], self.ffn, 2)
         gate, up = gate_up[..., 0], gate_up[..., 1]
         return self.linear_fc2(ops.silu(gate) * up)
 
