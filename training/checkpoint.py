@@ -867,7 +867,7 @@ def load_checkpoint_balanced(path: Path, world, collectives, load_optim: bool = 
     catalog = read_catalog(path)
     names = _wanted(catalog, load_optim)
     regions = target_regions(path, catalog, names, layouts, world.rank)
-    sharded = sorted(n for n in names if layouts and n in layouts and layouts[n].is_sharded)
+    sharded = {n for n in names if layouts and n in layouts and layouts[n].is_sharded}
     shared_names = [n for n in names if n not in sharded]
     reading_ranks = tuple(range(min(readers or world.size, world.size)))
     owners = balanced_assignment({n: catalog[n].nbytes for n in shared_names},
@@ -875,5 +875,5 @@ def load_checkpoint_balanced(path: Path, world, collectives, load_optim: bool = 
     own = read_tensors(path, catalog, [n for n in shared_names if owners[n] == world.rank], world.rank)
     specs = {n: (catalog[n].shape, catalog[n].dtype) for n in shared_names}
     tensors = collectives.share_arrays(own, owners, specs)
-    tensors.update(read_regions(path, catalog, {n: regions[n] for n in sharded}, world.rank))
+    tensors.update(read_regions(path, catalog, {n: regions[n] for n in sorted(sharded)}, world.rank))
     return _split(path, catalog, tensors, common)
