@@ -46,8 +46,10 @@ def test_the_base_config_is_valid():
     ("profiler.start_step=5", r"profiler: need 0 < start_step <= end_step, got 5 and 1"),
     ("checkpoint.save_path=''", r"checkpoint\.save_path must be set when checkpoint\.enable_save is true"),
     ("model.model_type=null", r"model\.model_type"),
+    ("parallelism.tensor_parallel=2",
+     r"parallelism\.tensor_parallel = 2 needs parallelism\.sequence_parallel: true \(MindFormers'"),
     # accepted but not implemented: refused at non-default values, never ignored
-    ("parallelism.tensor_parallel=2", r"parallelism\.tensor_parallel = 2 is not supported yet"),
+    ("parallelism.pipeline_parallel=2", r"parallelism\.pipeline_parallel = 2 is not supported yet"),
     ("recompute.mode=full", r"recompute\.mode = 'full' is not supported yet"),
     ("swap.enable=true", r"swap\.enable = True is not supported yet"),
     ("lora_config={r: 8}", r"lora_config = .* is not supported yet \(LoRA is not implemented\)"),

@@ -54,6 +54,7 @@ READ = {
     "context.max_device_memory": "training/trainer.py",
     "context.device_target": "training/trainer.py",
     "parallelism.sequence_parallel": "training/run.py",
+    "parallelism.tensor_parallel": "training/parallel/mesh.py",
     **{f"profiler.{name}": "training/profiling.py" for name in (
         "enable_profiling", "start_step", "end_step", "output_path", "profiler_rank", "profiler_level", "mstx",
         "profile_memory", "profile_cpu", "with_stack")},

@@ -170,10 +170,11 @@ def test_a_run_with_dropout_resumed_from_a_checkpoint_repeats_the_uninterrupted_
     assert all(after_resume[s] == uninterrupted[s] for s in after_resume), (after_resume, uninterrupted)
 
 
-def test_sequence_parallel_is_accepted_at_tensor_parallel_1_and_tensor_parallel_stays_refused():
+def test_sequence_parallel_is_accepted_at_tensor_parallel_1_and_required_above_as_in_mindformers():
     assert load_config(MINDFORMERS_DEEPSEEK3, ["parallelism.sequence_parallel=true"]).parallelism.sequence_parallel
-    with pytest.raises(ConfigError, match=r"parallelism\.tensor_parallel = 2 is not supported"):
-        load_config(MINDFORMERS_DEEPSEEK3, ["parallelism.tensor_parallel=2"])
+    assert load_config(MINDFORMERS_DEEPSEEK3, ["parallelism.tensor_parallel=2"]).parallelism.tensor_parallel == 2
+    with pytest.raises(ConfigError, match=r"parallelism\.tensor_parallel = 2 needs parallelism\.sequence_parallel"):
+        load_config(MINDFORMERS_DEEPSEEK3, ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=false"])
 
 
 def test_a_device_without_its_runtime_is_one_line_naming_context_device_target():

@@ -248,8 +248,6 @@ class ParallelismConfig(Section):
         "cpu_offload": "optimizer offload is not implemented",
         "disable_gradient_division": f"{_FSDP}; data-parallel gradients are always averaged over the ranks",
         "dense_fsdp_shard_size": _FSDP,
-        "tensor_parallel": "tensor parallelism is not implemented: Kiln trains data-parallel with replicated "
-                           "parameters",
         "context_parallel": _CP,
         "context_parallel_method": _CP,
         "context_parallel_async": _CP,
@@ -267,8 +265,11 @@ class ParallelismConfig(Section):
         "pipeline_parallel_overlap_b_f": _PP,
         "pipeline_parallel_enable_dxdw_split": _PP,
         "pipeline_parallel_p2p_transport": _PP,
-        "enable_mc2": "fused communication kernels need tensor parallelism, which is not implemented",
-        "enable_loss_parallel": "vocabulary-parallel loss needs tensor parallelism, which is not implemented",
+        "enable_mc2": "fused all-gather+matmul / matmul+reduce-scatter kernels (Ascend MC2) are not implemented: "
+                      "tensor parallelism runs the collective and the matmul as separate ops",
+        # MindFormers reads it nowhere either: its loss is vocabulary-parallel whenever tensor_parallel > 1
+        "enable_loss_parallel": "the loss is always vocabulary-parallel when tensor_parallel > 1 (as in "
+                                "MindFormers, which reads this field nowhere); leave it false",
         "expert_parallel": _EP,
         "npu_nums_per_device": _EP,
         "moe_token_dispatcher_type": _EP,
@@ -279,6 +280,11 @@ class ParallelismConfig(Section):
     SAME_AS_DEFAULT = {"pipeline_parallel_layers_per_stage": (None,)}
 
     def check(self, path):
+        require(self.tensor_parallel >= 1, f"{path}.tensor_parallel must be >= 1, got {self.tensor_parallel}")
+        # MindFormers' ParallelismConfig refuses the same: its PyNative tensor parallelism is sequence parallel
+        require(self.tensor_parallel == 1 or self.sequence_parallel,
+                f"{path}.tensor_parallel = {self.tensor_parallel} needs {path}.sequence_parallel: true "
+                "(MindFormers' PyNative tensor parallelism always shards activations along the sequence)")
         require(self.data_parallel_shard == -1 or self.data_parallel_shard > 0,
                  f"{path}.data_parallel_shard must be -1 or > 0, got {self.data_parallel_shard}")
         require(self.reshard_after_forward_policy in ("default", "always", "never"),

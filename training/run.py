@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     world = init_world()
     output_dir = Path(args.output_dir or Path(args.config).parent)
     reporter = Reporter(output_dir / "metrics.jsonl", enabled=world.is_main)
-    if config.parallelism.sequence_parallel:  # tensor_parallel > 1 is refused when the config loads
+    if config.parallelism.sequence_parallel and config.parallelism.tensor_parallel == 1:
         reporter.info("[kiln] parallelism.sequence_parallel: true has no effect at tensor_parallel 1 (it splits "
                       "activations across the tensor-parallel group), as in MindFormers")
     try:
