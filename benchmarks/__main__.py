@@ -175,7 +175,7 @@ def matmul_peak_flops(size: int = 1024, repeats: int = 20) -> float:
 def bench_training(shard_prefix: Path, steps: int) -> float:
     """The demo's model (configs/qwen3_tiny.yaml) trained by the real Trainer in one process; returns
     its tokens/s."""
-    from training.collectives import World
+    from training.parallel.mesh import World
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
     from training.reporting import Reporter

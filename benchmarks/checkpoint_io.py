@@ -33,7 +33,7 @@ WIDER = ["model.hidden_size=512", "model.intermediate_size=1536", "model.num_hid
 
 
 def _trainer(shard: Path, work: Path):
-    from training.collectives import World
+    from training.parallel.mesh import World
     from training.config import load_config
     from training.reporting import Reporter
     from training.trainer import Trainer, configure_runtime

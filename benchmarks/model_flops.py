@@ -31,7 +31,7 @@ def load(config_path: str, shard_prefix: Path, steps: int):
 
 def measure(config, shard_prefix: Path, steps: int) -> dict:
     """Train ``steps`` steps; the first (kernel compilation) is left out of the rates."""
-    from training.collectives import World
+    from training.parallel.mesh import World
     from training.reporting import Reporter
     from training.trainer import Trainer
 

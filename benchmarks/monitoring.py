@@ -35,7 +35,7 @@ def _random_shard(prefix: Path, vocab_size: int, documents: int = 2000) -> Path:
 
 
 def _trainer(shard: Path, work: Path, name: str, options: dict[str, str], steps: int):
-    from training.collectives import World
+    from training.parallel.mesh import World
     from training.config import load_config
     from training.reporting import Reporter
     from training.trainer import Trainer, configure_runtime

@@ -7,7 +7,8 @@ import pytest
 from training.checkpoint import (TRACKER, CheckpointError, CheckpointSaver, SavePlan, _write_safetensors_atomic,
                                  balanced_assignment, capture_rng_state, is_hf_dir, iteration_dir, load_checkpoint,
                                  resolve_load_path, restore_rng_state, save_checkpoint, tracked_step)
-from training.collectives import Collectives, World
+from training.parallel.comm import Collectives
+from training.parallel.mesh import World
 
 WORLD = World(rank=0, size=1)
 MODEL_FILE = "checkpoint-model-0000000-0000001.safetensors"

@@ -12,7 +12,8 @@ import pytest
 from mindspore import Tensor
 
 from conftest import PROJECT_ROOT
-from training.collectives import Collectives, World
+from training.parallel.comm import Collectives
+from training.parallel.mesh import World
 from training.config import ConfigError
 from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
 from training.model import DeepseekV3Config, build_model

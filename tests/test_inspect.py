@@ -4,7 +4,7 @@ import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT, write_random_documents
 from training.cli import main as kiln
-from training.collectives import World
+from training.parallel.mesh import World
 from training.config import load_config
 from training.reporting import Reporter
 from training.trainer import Trainer, configure_runtime

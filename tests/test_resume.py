@@ -170,7 +170,8 @@ import json, sys
 from pathlib import Path
 import mindspore as ms
 import training.checkpoint as checkpoint
-from training.collectives import Collectives, init_world
+from training.parallel.comm import Collectives
+from training.parallel.mesh import init_world
 
 if __name__ == "__main__":
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -192,7 +193,8 @@ if __name__ == "__main__":
 @pytest.mark.msrun
 def test_balanced_load_reads_disjoint_subsets_and_equals_a_plain_load(tmp_path):
     from training.checkpoint import save_checkpoint
-    from training.collectives import Collectives, World
+    from training.parallel.comm import Collectives
+    from training.parallel.mesh import World
 
     rng = np.random.default_rng(0)
     model = {"a.f32": rng.normal(size=(33, 7)).astype(np.float32), "b.f16": rng.normal(size=(5, 3)).astype(np.float16),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT
-from training.collectives import World
+from training.parallel.mesh import World
 from training.config import ConfigError, load_config
 from training.lineage import audit_checkpoint, audit_exit_code
 from training.checkpoint import KILN_STATE, MINDFORMERS_COMMON_KEYS, CheckpointError, load_checkpoint

@@ -718,21 +718,16 @@ class TrainConfig(Section):
         return self.training.steps * self.training.global_batch_size if split == "train" else None
 
     def data_parallel_size(self, world_size: int) -> int:
-        """dp = world / (tp·pp·cp), and the batch sizes must split evenly over it."""
-        p = self.parallelism
-        model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
-        require(world_size % model_parallel == 0,
-                 f"parallelism: tensor×pipeline×context = {model_parallel} does not divide the world size {world_size}")
-        return world_size // model_parallel
+        """dp = world / (tp·pp·cp), the ranks reading different samples (training.parallel.mesh.ParallelDims)."""
+        from training.parallel.mesh import ParallelDims  # it imports this module
+
+        return ParallelDims.from_config(self.parallelism, world_size).dp
 
     def accumulation_steps(self, world_size: int) -> int:
-        dp = self.data_parallel_size(world_size)
-        t = self.training
-        per_step = t.local_batch_size * dp
-        require(t.global_batch_size % per_step == 0,
-                 f"training.global_batch_size={t.global_batch_size} is not divisible by "
-                 f"training.local_batch_size={t.local_batch_size} × data_parallel={dp}")
-        return t.global_batch_size // per_step
+        """Micro-batches per step; the batch sizes must split evenly over the data-parallel ranks."""
+        from training.parallel.mesh import ParallelDims  # it imports this module
+
+        return ParallelDims.from_config(self.parallelism, world_size).check_batch(self.training)
 
 
 def set_field(data: dict, dotted_key: str, value: Any) -> dict:

@@ -609,7 +609,8 @@ def import_hf(hf_dir: Path, save_path: Path, model_section: dict | None = None) 
     ``checkpoint.load_path`` with ``no_load_optim``). The model section defaults to the one config.json
     describes. Returns (the iteration directory, the model section)."""
     from training.checkpoint import save_checkpoint
-    from training.collectives import Collectives, World
+    from training.parallel.comm import Collectives
+    from training.parallel.mesh import World
 
     hf_dir, save_path = Path(hf_dir), Path(save_path)
     if save_path.exists() and any(save_path.iterdir()):

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         print(f"[kiln] note: ASCEND_RT_VISIBLE_DEVICES is set but context.device_target is "
               f"{config.context.device_target}", file=sys.stderr)
 
-    from training.collectives import init_world
+    from training.parallel.mesh import init_world
     from training.reporting import Reporter
     from training.trainer import Trainer, configure_runtime, load_lineage_inputs
 

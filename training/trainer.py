@@ -20,7 +20,8 @@ from training.atomic import write_text_atomic
 from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, capture_rng_state, complete_steps,
                                  is_hf_dir, iteration_dir, load_checkpoint, load_checkpoint_balanced, numpy_dtype,
                                  resolve_load_path, restore_rng_state)
-from training.collectives import Collectives, World
+from training.parallel.comm import Collectives
+from training.parallel.mesh import World
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.model import build_model

@@ -9,7 +9,8 @@ from safetensors.numpy import load_file, save_file
 from interop.hf_helpers import kiln_model, model_section
 from training.checkpoint import load_checkpoint, save_checkpoint
 from training.cli import main
-from training.collectives import Collectives, World
+from training.parallel.comm import Collectives
+from training.parallel.mesh import World
 
 CONFIG = "tests/configs/deepseek_v3_micro.yaml"
 
