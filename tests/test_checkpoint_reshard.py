@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 
 from training.checkpoint import (CheckpointError, _write_safetensors_atomic, load_checkpoint,
                                  load_checkpoint_balanced, save_checkpoint)
-from training.collectives import World
+from training.parallel.mesh import World
 from training.parallel.layout import TensorLayout
 
 EMB = "embedding.word_embeddings.weight"
