@@ -13,8 +13,8 @@ from safetensors.numpy import load_file
 
 from training.checkpoint import (CheckpointError, _write_safetensors_atomic, load_checkpoint,
                                  load_checkpoint_balanced, save_checkpoint)
-from training.parallel.mesh import World
 from training.parallel.layout import TensorLayout
+from training.parallel.mesh import World
 
 EMB = "embedding.word_embeddings.weight"
 QKV = "decoder.layers.0.self_attention.linear_qkv.weight"  # column-parallel: rows split over tp
