@@ -1,5 +1,6 @@
+import importlib.util
 import json
-import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,84 +31,48 @@ def _make_indexed(prefix, num_docs, seed, max_len=40):
     return IndexedDataset(prefix)
 
 
-# ---- plain-Python statements of Megatron-core's rules, the oracles of these tests ----
+# ---- megatron-core's own outputs, the oracles of the index tests ----------------------------
 
 
-def _megatron_sample_index(sizes, document_index, seq_length, total_tokens, drop_last=True, extra=1):
-    """build_sample_idx of Megatron-core's helpers.cpp, one document step at a time."""
-    usable = total_tokens - extra
-    num_samples = usable // seq_length if drop_last else -(-usable // seq_length)
-    rows = [(0, 0)]
-    position, offset = 0, 0
-    while len(rows) <= num_samples:
-        remaining = seq_length + extra
-        while remaining != 0:
-            length = int(sizes[document_index[position]]) - offset
-            remaining -= length
-            if remaining <= 0:
-                offset += remaining + length - extra
-                remaining = 0
-            elif position == len(document_index) - 1:
-                offset = int(sizes[document_index[position]]) - extra
-                break
-            else:
-                position, offset = position + 1, 0
-        rows.append((position, offset))
-    return np.array(rows)
+def _load_megatron_fixtures():
+    """fixtures/megatron/generate.py, loaded without importing Megatron: the configurations whose
+    indices megatron-core 0.16.1 built and saved there (see its docstring for how)."""
+    path = Path(__file__).parent / "fixtures" / "megatron" / "generate.py"
+    spec = importlib.util.spec_from_file_location("megatron_fixture", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _megatron_blend(weights, size):
-    """build_blending_indices: position i goes to the largest weight * max(i, 1) - count, first on ties."""
-    counts = [0] * len(weights)
-    sources, numbers = [], []
-    for i in range(size):
-        errors = [w * max(i, 1) - c for w, c in zip(weights, counts)]
-        best = errors.index(max(errors))
-        sources.append(best)
-        numbers.append(counts[best])
-        counts[best] += 1
-    return np.array(sources), np.array(numbers)
+MEGATRON = _load_megatron_fixtures()
+assert MEGATRON.EOD == EOD
 
 
-def _megatron_masks(tokens, eod, reset_position_ids, reset_attention_mask, eod_mask_loss):
-    """_get_ltor_masks_and_position_ids: (attention mask with 1 = masked, loss mask, positions)."""
-    size = len(tokens)
-    visible = np.tril(np.ones((size, size)))
-    loss_mask = np.ones(size)
-    if eod_mask_loss:
-        loss_mask[tokens == eod] = 0
-    positions = np.arange(size)
-    previous = 0
-    for i in np.flatnonzero(tokens == eod):
-        if reset_attention_mask:
-            visible[i + 1 :, : i + 1] = 0
-        if reset_position_ids:
-            positions[i + 1 :] -= i + 1 - previous
-            previous = i + 1
-    return (visible < 0.5).astype(np.int32)[None], loss_mask, positions
+def _megatron(kind, name=None):
+    with np.load(MEGATRON.fixture(kind, name), allow_pickle=False) as arrays:
+        return dict(arrays)
 
 
-def _expected_shuffles(dataset):
-    """The document and shuffle index Megatron's recipe gives for this dataset's seed and sizes."""
-    rng = np.random.RandomState(dataset.seed)
-    documents = list(range(dataset.document_begin, dataset.document_end))
+def _source(stream):
+    return IndexedDataset(MEGATRON.HERE / stream)
 
-    def shuffled_epochs(epochs):
-        index = np.array(documents * epochs, dtype=np.int32)
-        rng.shuffle(index)
-        return index
 
-    epochs = dataset.num_epochs
-    if dataset.separate_final_epoch:
-        document_index = np.concatenate((shuffled_epochs(epochs - 1), shuffled_epochs(1)))
-        first = ((epochs - 1) * dataset.tokens_per_epoch - 1) // dataset.seq_length
-    else:
-        document_index = shuffled_epochs(epochs)
-        first = len(dataset)
-    head, tail = np.arange(first), np.arange(first, len(dataset))
-    rng.shuffle(head)
-    rng.shuffle(tail)
-    return document_index, np.concatenate((head, tail))
+def _assert_same(built, expected, what):
+    """Kiln's array is megatron-core's: same dtype, same values."""
+    built = np.asarray(built)
+    assert built.dtype == expected.dtype, f"{what}: dtype {built.dtype}, megatron-core {expected.dtype}"
+    assert np.array_equal(built, expected), f"{what} differs from megatron-core's"
+
+
+def _gpt_case(name, **overrides):
+    """Kiln's GPTDataset for GPT_CASES[name] of the fixtures (pad -1, as megatron's default)."""
+    case = MEGATRON.GPT_CASES[name]
+    options = dict(seq_length=case["seq_length"], num_samples=case["num_samples"], seed=case["seed"], eod_id=EOD,
+                   split=case["split"], split_index=case["split_index"], pad_id=-1,
+                   add_extra_token_to_sequence=case["add_extra_token_to_sequence"],
+                   drop_last_partial_validation_sequence=case["drop_last_partial_validation_sequence"])
+    options.update(overrides)
+    return GPTDataset(_source(case["stream"]), **options)
 
 
 # ---- GPTDataset --------------------------------------------------------------------------
@@ -124,58 +89,45 @@ def _dataset(indexed, **overrides):
     return GPTDataset(indexed, **options)
 
 
-@pytest.mark.parametrize("extra", [1, 0])
-@pytest.mark.parametrize("drop_last", [True, False])
-@pytest.mark.parametrize("seq_length", [1, 5, 16])
-def test_sample_index_matches_megatron_loop_on_random_lengths(extra, drop_last, seq_length):
-    rng = np.random.default_rng(seq_length * 4 + extra * 2 + drop_last)
-    for _ in range(25):
-        sizes = rng.integers(0, 12, size=int(rng.integers(1, 30))).astype(np.int32)
-        sizes[rng.integers(sizes.size)] += 1 + extra  # at least one sample's worth over a few epochs
-        epochs = int(rng.integers(1, 4))
-        document_index = np.tile(np.arange(sizes.size, dtype=np.int32), epochs)
-        rng.shuffle(document_index)
-        total = int(sizes.sum()) * epochs
-        if total - extra < seq_length and drop_last:
-            continue
-        built = gpt_dataset._build_sample_index(sizes, document_index, seq_length, drop_last, extra)
-        expected = _megatron_sample_index(sizes, document_index, seq_length, total, drop_last, extra)
-        assert np.array_equal(built, expected), (sizes.tolist(), document_index.tolist())
+@pytest.mark.parametrize("name", sorted(MEGATRON.GPT_CASES))
+def test_indices_equal_megatron_cores(name):
+    """Document, sample and shuffle index, and every sample's tokens, as megatron-core's GPTDataset built
+    them for the same configuration (fixtures/megatron/generate.py says what each case exercises)."""
+    expected = _megatron("gpt", name)
+    dataset = _gpt_case(name)
+    for index in ("document_index", "sample_index", "shuffle_index"):
+        _assert_same(getattr(dataset, index), expected[index], f"{name}: {index}")
+    assert len(dataset) == len(expected["text"])
+    tokens = np.stack([dataset.sample_tokens(i) for i in range(len(dataset))])
+    _assert_same(tokens, expected["text"], f"{name}: sample tokens")
 
 
-@pytest.mark.parametrize("num_samples", [10, 150, 200, 400])
-def test_indices_match_megatron(indexed, num_samples):
-    dataset = _dataset(indexed, num_samples=num_samples)
-    expected_documents, expected_shuffle = _expected_shuffles(dataset)
-    assert np.array_equal(dataset.document_index, expected_documents)
-    assert dataset.document_index.dtype == np.int32
-    expected_samples = _megatron_sample_index(indexed.sequence_lengths, dataset.document_index, 16,
-                                              dataset.num_epochs * dataset.tokens_per_epoch)
-    assert np.array_equal(dataset.sample_index, expected_samples)
-    assert np.array_equal(dataset.shuffle_index, expected_shuffle)
-    # Megatron's length: every sample of the whole epochs built, at least the ones asked for.
-    assert len(dataset) == (dataset.num_epochs * dataset.tokens_per_epoch - 1) // 16 >= num_samples
-
-
-def test_final_epoch_is_separate_below_80_percent(indexed):
-    tokens = int(indexed.sequence_lengths.sum())
-    per_epoch = (tokens - 1) // 16
-    before_final = (2 * tokens - 1) // 16
-    threshold = int(0.80 * per_epoch)
-    below = _dataset(indexed, num_samples=before_final + threshold - 1)
-    at = _dataset(indexed, num_samples=before_final + threshold)
-    assert below.num_epochs == at.num_epochs == 3
-    assert below.separate_final_epoch and not at.separate_final_epoch
-
-    # Separate: two shuffled epochs, then the third shuffled on its own, and the samples wholly
-    # inside the first two epochs are shuffled among themselves.
-    documents = len(indexed)
-    assert sorted(below.document_index[2 * documents :].tolist()) == list(range(documents))
-    assert sorted(below.shuffle_index[:before_final].tolist()) == list(range(before_final))
-    for dataset in (below, at):
-        expected_documents, expected_shuffle = _expected_shuffles(dataset)
-        assert np.array_equal(dataset.document_index, expected_documents)
-        assert np.array_equal(dataset.shuffle_index, expected_shuffle)
+def test_megatron_cases_reach_the_branches_they_name():
+    """The fixture cases exercise what their names say (else the comparison above proves less)."""
+    epochs, apart = {}, {}
+    for name in MEGATRON.GPT_CASES:
+        dataset = _gpt_case(name)
+        epochs[name], apart[name] = dataset.num_epochs, dataset.separate_final_epoch
+    assert epochs["corpus_one_epoch"] == 1
+    assert (epochs["corpus_final_epoch_apart"], apart["corpus_final_epoch_apart"]) == (2, True)
+    assert (epochs["corpus_final_epoch_joined"], apart["corpus_final_epoch_joined"]) == (2, False)
+    assert (epochs["corpus_below_80_percent"], apart["corpus_below_80_percent"]) == (3, True)
+    assert (epochs["corpus_at_80_percent"], apart["corpus_at_80_percent"]) == (3, False)
+    assert (epochs["corpus_six_epochs"], apart["corpus_six_epochs"]) == (6, True)
+    assert epochs["corpus_test_split_one_document"] > 1
+    short = [name for name in MEGATRON.GPT_CASES if name.startswith("short_")]
+    assert len(short) == 12 and all(epochs[name] > 1 for name in short)
+    assert any(apart[name] for name in short) and not all(apart[name] for name in short)
+    # the kept last sample is a partial one, padded with -1
+    kept = _megatron("gpt", "corpus_valid_keep_last")["text"]
+    assert len(kept) == len(_megatron("gpt", "corpus_valid_drop_last")["text"]) + 1 and (kept == -1).any()
+    # a document ends exactly at a sample boundary somewhere, and empty documents are in the index
+    for name in short:
+        dataset = _gpt_case(name)
+        lengths = dataset.indexed.sequence_lengths
+        assert (lengths[dataset.document_index] == 0).any()
+        ends = np.cumsum(lengths[dataset.document_index])
+        assert np.isin(np.arange(1, len(dataset)) * dataset.seq_length, ends).any()
 
 
 @pytest.mark.parametrize("num_samples", [10, 150, 400])
@@ -280,23 +232,26 @@ def test_sample_item_by_hand():
     assert masked["position_ids"].tolist() == list(range(8))  # positions reset only when asked
 
 
-@pytest.mark.parametrize("reset_position_ids", [False, True])
-@pytest.mark.parametrize("reset_attention_mask", [False, True])
-@pytest.mark.parametrize("eod_mask_loss", [False, True])
-def test_items_follow_megatron_masks(tmp_path, reset_position_ids, reset_attention_mask, eod_mask_loss):
-    short_docs = _make_indexed(tmp_path / "short", 80, seed=3, max_len=7)
-    dataset = GPTDataset(short_docs, seq_length=24, num_samples=30, seed=5, eod_id=EOD, pad_id=-1,
+@pytest.mark.parametrize("flags", MEGATRON.ITEM_FLAGS, ids=[MEGATRON.item_key(*f) for f in MEGATRON.ITEM_FLAGS])
+def test_items_equal_megatron_cores(flags):
+    """Every item's inputs, labels, loss mask, positions and attention mask as megatron-core's
+    GPTDataset.__getitem__ gave them (its `tokens` are Kiln's input_ids; its attention mask is a
+    bool, True = masked, Kiln's int32 1 = masked; its positions int64, Kiln's int32)."""
+    reset_position_ids, reset_attention_mask, eod_mask_loss, extra = flags
+    case = MEGATRON.ITEM_CASE
+    expected = _megatron("items")
+    key = MEGATRON.item_key(*flags)
+    dataset = GPTDataset(_source(case["stream"]), seq_length=case["seq_length"], num_samples=case["num_samples"],
+                         seed=case["seed"], eod_id=EOD, pad_id=case["pad_id"], add_extra_token_to_sequence=extra,
                          reset_position_ids=reset_position_ids, reset_attention_mask=reset_attention_mask,
                          eod_mask_loss=eod_mask_loss, create_attention_mask=True)
-    for i in range(30):
-        inputs = dataset.sample_tokens(i)[:-1]
-        assert (inputs == EOD).sum() >= 2
-        mask, loss_mask, positions = _megatron_masks(inputs, EOD, reset_position_ids, reset_attention_mask,
-                                                     eod_mask_loss)
-        item = dataset[i]
-        assert np.array_equal(item["attention_mask"], mask)
-        assert np.array_equal(item["loss_mask"], loss_mask)
-        assert np.array_equal(item["position_ids"], positions)
+    items = [dataset[i] for i in range(case["num_samples"])]
+    assert all((item["input_ids"] == EOD).sum() >= 2 for item in items)  # several documents per sample
+    for field, megatron_field in (("input_ids", "tokens"), ("labels", "labels"), ("loss_mask", "loss_mask"),
+                                  ("position_ids", "position_ids"), ("attention_mask", "attention_mask")):
+        built = np.stack([item[field] for item in items])
+        assert built.shape == expected[f"{key}-{megatron_field}"].shape
+        assert np.array_equal(built, expected[f"{key}-{megatron_field}"]), f"{key}: {field}"
 
 
 def test_compressed_eod_mask_wins_and_overflow_names_the_sample(tmp_path):
@@ -393,25 +348,27 @@ def test_damaged_cache_is_rebuilt(indexed, tmp_path, damage):
 # ---- blending ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("weights", [[1.0], [0.5, 0.5], [0.7, 0.3], [1, 1, 1], [5, 3, 2], [0.01, 0.99],
-                                     list(np.random.default_rng(0).random(7))])
-def test_blending_index_is_megatrons_greedy(weights, monkeypatch):
+@pytest.mark.parametrize("name", sorted(MEGATRON.BLENDING_CASES))
+def test_blending_index_equals_megatron_cores(name, monkeypatch):
+    """build_blending_indices of megatron-core's C++ helpers, for weights with ties, lopsided and uneven ones."""
+    weights, size = MEGATRON.BLENDING_CASES[name]
+    expected = _megatron("blending", name)
     weights = gpt_dataset._normalize(weights)
-    sources, numbers = _megatron_blend(weights, 3000)
+    _assert_same(np.array(weights), expected["weights"], f"{name}: normalized weights")
     # The scalar loop (small sizes) ...
-    built = gpt_dataset._blending_indices(weights, 3000)
+    built = gpt_dataset._blending_indices(weights, size)
     # ... and the chunked numpy builder, forced on with small chunks; warm-up 0 makes some chunks
     # start from a wrong state, so the repair path runs too.
     monkeypatch.setattr(gpt_dataset, "_BLEND_PARALLEL_MIN_SIZE", 0)
-    chunked = [gpt_dataset._blending_indices(weights, 3000, chunk=64, warmup=w) for w in (16, 0)]
+    chunked = [gpt_dataset._blending_indices(weights, size, chunk=64, warmup=w) for w in (16, 0)]
     for dataset_index, dataset_sample_index in [built, *chunked]:
-        assert dataset_index.dtype == np.int16 and dataset_sample_index.dtype == np.int64
-        assert np.array_equal(dataset_index, sources)
-        assert np.array_equal(dataset_sample_index, numbers)
+        _assert_same(dataset_index, expected["dataset_index"], f"{name}: dataset_index")
+        _assert_same(dataset_sample_index, expected["dataset_sample_index"], f"{name}: dataset_sample_index")
 
 
 def test_chunks_that_start_out_of_step_are_redone(monkeypatch):
-    weights = gpt_dataset._normalize(list(np.random.default_rng(1).random(5)))
+    weights, size = MEGATRON.BLENDING_CASES["five_uneven"]
+    weights = gpt_dataset._normalize(weights)
     redone = []
     scalar = gpt_dataset._greedy_steps
 
@@ -421,9 +378,9 @@ def test_chunks_that_start_out_of_step_are_redone(monkeypatch):
 
     monkeypatch.setattr(gpt_dataset, "_BLEND_PARALLEL_MIN_SIZE", 0)
     monkeypatch.setattr(gpt_dataset, "_greedy_steps", counting)
-    dataset_index, _ = gpt_dataset._blending_indices(weights, 5000, chunk=50, warmup=0)
+    dataset_index, _ = gpt_dataset._blending_indices(weights, size, chunk=50, warmup=0)
     assert redone and all(start % 50 == 0 for start in redone)
-    assert np.array_equal(dataset_index, _megatron_blend(weights, 5000)[0])
+    _assert_same(dataset_index, _megatron("blending", "five_uneven")["dataset_index"], "dataset_index")
 
 
 def test_blend_shares_stay_within_one_sample_of_the_weights():
@@ -434,26 +391,54 @@ def test_blend_shares_stay_within_one_sample_of_the_weights():
     assert np.abs(taken - ideal).max() <= 1
 
 
-def test_blended_dataset(tmp_path):
-    weights = [5, 3, 2]
-    sources = [_make_indexed(tmp_path / f"s{k}", 40, seed=k) for k in range(3)]
-    size = 500
-    datasets = [_dataset(src, num_samples=math.ceil(size * w / 10 * 1.005)) for src, w in zip(sources, weights)]
-    blend = BlendedDataset(datasets, weights, size)
+def _blend_sources(case, num_samples):
+    """Kiln's GPTDatasets over a BLEND_CASES blend's streams, num_samples[k] samples (None: one epoch)."""
+    return [GPTDataset(_source(stream), seq_length=case["seq_length"], num_samples=n, seed=case["seed"], eod_id=EOD)
+            for stream, n in zip(case["streams"], num_samples)]
+
+
+@pytest.mark.parametrize("name", sorted(MEGATRON.BLEND_CASES))
+def test_blend_equals_megatron_cores(name):
+    """A BlendedDataset as megatron-core's BlendedMegatronDatasetBuilder built it: each source's three
+    indices for the samples the builder asked of it, and the blend's two. "weighted": weights [5, 3, 2]
+    and a size (the greedy blend); "unweighted": one epoch of each source, blended exhaustively."""
+    case = MEGATRON.BLEND_CASES[name]
+    expected = _megatron("blend", name)
+    sources = len(case["streams"])
+    num_samples = [int(expected[f"num_samples_{k}"]) for k in range(sources)]
+    num_samples = [None if n == -1 else n for n in num_samples]
+    datasets = _blend_sources(case, num_samples)
+    for k, dataset in enumerate(datasets):
+        for index in ("document_index", "sample_index", "shuffle_index"):
+            _assert_same(getattr(dataset, index), expected[f"{index}_{k}"], f"{name}: source {k} {index}")
+    if case["weights"] is None:
+        blend = BlendedDataset(datasets, None, None)
+    else:
+        blend = BlendedDataset(datasets, case["weights"], len(expected["dataset_index"]))
+    _assert_same(np.array(blend.weights), expected["weights"] / expected["weights"].sum(), f"{name}: weights")
+    _assert_same(blend.source_index, expected["dataset_index"], f"{name}: dataset_index")
+    _assert_same(blend.sample_index, expected["dataset_sample_index"], f"{name}: dataset_sample_index")
+
+
+def test_blended_dataset():
+    case = MEGATRON.BLEND_CASES["weighted"]
+    expected = _megatron("blend", "weighted")
+    datasets = _blend_sources(case, [int(expected[f"num_samples_{k}"]) for k in range(3)])
+    size = len(expected["dataset_index"])
+    blend = BlendedDataset(datasets, case["weights"], size)
     assert len(blend) == size and blend.weights == pytest.approx([0.5, 0.3, 0.2])
-    expected_sources, expected_numbers = _megatron_blend(blend.weights, size)
-    assert np.array_equal(blend.source_index, expected_sources)
-    for i in (0, 1, 2, 250, 499):
+    expected_sources, expected_numbers = expected["dataset_index"], expected["dataset_sample_index"]
+    for i in (0, 1, 2, 250, size - 1):
         k, j = int(expected_sources[i]), int(expected_numbers[i])
         assert blend.source_of(i) == k
         item = blend[i]
         assert item["dataset_id"] == k
         assert np.array_equal(item["input_ids"], datasets[k][j]["input_ids"])
-    with pytest.raises(IndexError, match="sample 500 out of range"):
-        blend.source_of(500)
+    with pytest.raises(IndexError, match=f"sample {size} out of range"):
+        blend.source_of(size)
 
-    with pytest.raises(ValueError, match="blend source 0 must supply"):
-        BlendedDataset(datasets, [20, 0.5, 0.5], 2000)
+    with pytest.raises(ValueError, match="blend source 1 must supply"):
+        BlendedDataset(datasets, [0.5, 20, 0.5], 2000)
     with pytest.raises(ValueError, match="need one weight per dataset"):
         BlendedDataset(datasets, [1, 1], size)
     with pytest.raises(ValueError, match="weights must be finite, non-negative"):
@@ -533,33 +518,18 @@ def test_parse_data_path_forms(tmp_path):
     assert parse_data_path(p[:2]) == (p[:2], None)  # even length, no entry a number: prefixes only
 
 
-def _megatron_exhaustive_blend(lengths):
-    """build_exhaustive_blending_indices of Megatron-core's helpers.cpp, one position at a time."""
-    total = sum(lengths)
-    weights = [n / total for n in lengths]
-    counts = [0] * len(lengths)
-    sources, numbers = [], []
-    for i in range(total):
-        t = max(float(i), 1.0)
-        best, best_error = None, None
-        for k in range(len(lengths)):
-            if counts[k] == lengths[k]:
-                continue
-            error = weights[k] * t - counts[k]
-            if best_error is None or error > best_error:
-                best, best_error = k, error
-        sources.append(best)
-        numbers.append(counts[best])
-        counts[best] += 1
-    return np.array(sources), np.array(numbers)
-
-
-@pytest.mark.parametrize("lengths", [[7, 3], [100, 1, 37, 5], [300_000, 1_000, 17]])
-def test_exhaustive_blend_matches_megatron(lengths):
+@pytest.mark.parametrize("name", sorted(MEGATRON.EXHAUSTIVE_CASES))
+@pytest.mark.parametrize("chunked", [False, True])
+def test_exhaustive_blend_equals_megatron_cores(name, chunked, monkeypatch):
+    """build_exhaustive_blending_indices of megatron-core's C++ helpers; `chunked` forces Kiln's chunked
+    greedy builder on (below its size threshold otherwise) before the used-up sources leave the race."""
+    lengths = MEGATRON.EXHAUSTIVE_CASES[name]
+    if chunked:
+        monkeypatch.setattr(gpt_dataset, "_BLEND_PARALLEL_MIN_SIZE", 0)
     sources, numbers = gpt_dataset._exhaustive_blending_indices(lengths)
-    expected_sources, expected_numbers = _megatron_exhaustive_blend(lengths)
-    assert np.array_equal(sources, expected_sources) and np.array_equal(numbers, expected_numbers)
-    assert np.bincount(sources).tolist() == lengths
+    expected = _megatron("exhaustive", name)
+    _assert_same(sources, expected["dataset_index"], f"{name}: dataset_index")
+    _assert_same(numbers, expected["dataset_sample_index"], f"{name}: dataset_sample_index")
 
 
 def test_unweighted_blend(tmp_path):
@@ -582,14 +552,41 @@ def test_unweighted_blend(tmp_path):
     assert len(single) == 500 and single.datasets[0].num_samples == 500 and single.datasets[0].num_epochs > 1
 
 
-def test_mock_dataset_follows_megatron():
+def _assert_same_digest(built, expected, name):
+    """A large array against megatron-core's: dtype, shape, first entries and the sha256 of its bytes."""
+    import hashlib
+
+    built = np.ascontiguousarray(built)
+    assert built.dtype.str == str(expected[f"{name}-dtype"]), name
+    assert built.shape == tuple(expected[f"{name}-shape"]), name
+    head = expected[f"{name}-head"]
+    assert np.array_equal(built[: len(head)], head), f"{name}: first entries differ from megatron-core's"
+    assert hashlib.sha256(built.tobytes()).hexdigest() == str(expected[f"{name}-sha256"]), f"{name} differs"
+
+
+def test_mock_dataset_equals_megatron_cores():
+    """Megatron's mock data (MockGPTLowLevelDataset) and the train split of its MockGPTDataset, for which
+    megatron forces split "1,1,1"; Kiln's mock honours the configured split, so it is given "1,1,1" here."""
+    case = MEGATRON.MOCK_CASE
+    expected = _megatron("mock")
+    mock = gpt_dataset.MockIndexedDataset(eod_id=case["eod"])
+    _assert_same_digest(mock.sequence_lengths, expected, "sequence_lengths")
+    for document in case["documents"]:
+        _assert_same(mock.get(document), expected[f"document_{document}"], f"document {document}")
+        _assert_same(mock.get(document, 2, 5), expected[f"document_{document}_offset_2_length_5"],
+                     f"document {document}[2:7]")
+    dataset = GPTDataset(mock, seq_length=case["seq_length"], num_samples=case["num_samples"], seed=case["seed"],
+                         eod_id=case["eod"], split="1,1,1", split_index=0)
+    for index in ("document_index", "sample_index", "shuffle_index"):
+        _assert_same_digest(getattr(dataset, index), expected, index)
+    tokens = np.stack([dataset.sample_tokens(i) for i in range(case["samples"])])
+    _assert_same(tokens, expected["text"], "mock sample tokens")
+
+
+def test_mock_blend():
     mock = gpt_dataset.MockIndexedDataset(eod_id=7)
-    lengths = np.random.default_rng(0).integers(1, 4096, size=100_000, dtype=np.int32)
-    assert np.array_equal(mock.sequence_lengths, lengths)
+    lengths = mock.sequence_lengths
     document = mock.get(3)
-    assert document.size == lengths[3] and document[-1] == 7
-    assert np.array_equal(document[:-1], np.arange(1, lengths[3]))
-    assert np.array_equal(mock.get(3, 2, 5), document[2:7])
     assert np.array_equal(mock.get(3, int(lengths[3]) - 3), document[-3:])
     blend = build_blended_dataset(None, seq_length=16, num_samples=40, seed=1, split="1,0,0", eod_id=7)
     assert len(blend) == 40 and blend[0]["input_ids"].shape == (16,)
