@@ -1,3 +1,4 @@
+import hashlib
 import importlib.util
 import json
 from pathlib import Path
@@ -64,6 +65,17 @@ def _assert_same(built, expected, what):
     assert np.array_equal(built, expected), f"{what} differs from megatron-core's"
 
 
+def _assert_same_digest(built, expected, name):
+    """A large array against megatron-core's digest of it (fixtures/megatron/generate.py `_digest`):
+    dtype, shape, first and last entries, and the sha256 of its bytes."""
+    built = np.ascontiguousarray(built)
+    assert built.dtype.str == str(expected[f"{name}-dtype"]), name
+    assert built.shape == tuple(expected[f"{name}-shape"]), f"{name}: shape {built.shape}"
+    for end, part in (("head", built[:len(expected[f"{name}-head"])]), ("tail", built[-len(expected[f"{name}-tail"]):])):
+        assert np.array_equal(part, expected[f"{name}-{end}"]), f"{name}: {end} differs from megatron-core's"
+    assert hashlib.sha256(built.tobytes()).hexdigest() == str(expected[f"{name}-sha256"]), f"{name} differs"
+
+
 def _gpt_case(name, **overrides):
     """Kiln's GPTDataset for GPT_CASES[name] of the fixtures (pad -1, as megatron's default)."""
     case = MEGATRON.GPT_CASES[name]
@@ -100,6 +112,16 @@ def test_indices_equal_megatron_cores(name):
     assert len(dataset) == len(expected["text"])
     tokens = np.stack([dataset.sample_tokens(i) for i in range(len(dataset))])
     _assert_same(tokens, expected["text"], f"{name}: sample tokens")
+
+
+@pytest.mark.parametrize("name", sorted(MEGATRON.SAMPLE_INDEX_CASES))
+def test_sample_index_equals_megatron_cores_helper(name):
+    """build_sample_idx of megatron-core's C++ helpers on a stream too long to save whole: past 2**24
+    tokens its single-precision count of samples with a kept last partial sample is what counts."""
+    lengths, document_index, seq_length, drop_last, extra = MEGATRON.SAMPLE_INDEX_CASES[name]
+    built = gpt_dataset._build_sample_index(np.array(lengths, dtype=np.int32), np.array(document_index, dtype=np.int32),
+                                            seq_length, drop_last, int(extra))
+    _assert_same_digest(built, _megatron("sample_index", name), "sample_index")
 
 
 def test_megatron_cases_reach_the_branches_they_name():
@@ -550,18 +572,6 @@ def test_unweighted_blend(tmp_path):
     # a single prefix without a weight is read for as many epochs as the samples need
     single = build_blended_dataset(prefixes[:1], seq_length=8, num_samples=500, seed=3, split="1,0,0", eod_id=EOD)
     assert len(single) == 500 and single.datasets[0].num_samples == 500 and single.datasets[0].num_epochs > 1
-
-
-def _assert_same_digest(built, expected, name):
-    """A large array against megatron-core's: dtype, shape, first entries and the sha256 of its bytes."""
-    import hashlib
-
-    built = np.ascontiguousarray(built)
-    assert built.dtype.str == str(expected[f"{name}-dtype"]), name
-    assert built.shape == tuple(expected[f"{name}-shape"]), name
-    head = expected[f"{name}-head"]
-    assert np.array_equal(built[: len(head)], head), f"{name}: first entries differ from megatron-core's"
-    assert hashlib.sha256(built.tobytes()).hexdigest() == str(expected[f"{name}-sha256"]), f"{name} differs"
 
 
 def test_mock_dataset_equals_megatron_cores():

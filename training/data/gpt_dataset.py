@@ -192,12 +192,18 @@ def _build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray
     ending exactly at a boundary is kept when extra_token is 0 (offset = its length) and left
     behind when it is 1; searchsorted on the documents' cumulative ends finds that document for
     every boundary at once. Row 0 is always (0, 0). A last partial sequence, when kept, ends at the
-    last document's length - extra_token, as Megatron's loop leaves it.
+    last document's length - extra_token, as Megatron's loop leaves it (as do any rows its
+    single-precision count of samples adds past the end).
     """
     lengths = sequence_lengths[document_index].astype(np.int64)
     ends = np.cumsum(lengths)
     usable = int(ends[-1]) - extra_token
-    num_samples = usable // seq_length if drop_last_partial_sequence else -(-usable // seq_length)
+    if drop_last_partial_sequence:
+        num_samples = usable // seq_length
+    else:
+        # As helpers.cpp counts them: ceil(float(usable) / seq_length) in single precision, so past
+        # 2**24 tokens the rounding can drop (or add) the last partial sample just as in Megatron.
+        num_samples = int(np.ceil(np.float32(usable) / np.float32(seq_length)))
     boundaries = np.arange(1, num_samples + 1, dtype=np.int64) * seq_length
     positions = np.searchsorted(ends, boundaries + (extra_token - 1), side="right")
     past_end = positions == ends.size
