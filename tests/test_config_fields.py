@@ -53,6 +53,9 @@ READ = {
         "save_tokens_per_expert_interval", "target_layers")},
     "context.max_device_memory": "training/trainer.py",
     "context.device_target": "training/trainer.py",
+    "parallelism.data_parallel_shard": "training/parallel/mesh.py",
+    **{f"parallelism.{name}": "training/parallel/parallelize.py" for name in (
+        "data_parallel_shard_strategy", "disable_gradient_division")},
     "parallelism.sequence_parallel": "training/run.py",
     "parallelism.tensor_parallel": "training/parallel/mesh.py",
     **{f"profiler.{name}": "training/profiling.py" for name in (
@@ -61,7 +64,9 @@ READ = {
 }
 
 # dotted field path -> a value other than the one its section's check() accepts
-SINGLE_VALUED = {"context.mode": 0, "train_dataset.dataloader.datasets_type": "MockGPTDataset"}
+SINGLE_VALUED = {"context.mode": 0, "train_dataset.dataloader.datasets_type": "MockGPTDataset",
+                 # "default" and "never" behave alike (training/parallel/fsdp.py keeps gathered weights until backward)
+                 "parallelism.reshard_after_forward_policy": "always"}
 
 BLENDED = {
     "model": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "compute_dtype": "float32"},
@@ -74,7 +79,6 @@ MINDRECORD = {**BLENDED, "train_dataset": {"dataloader": {"type": "MindDataset",
                                                           "eod": 0}}}
 # non-default values a section's check() accepts, where a made-up one would be refused as invalid instead
 VALID_NON_DEFAULT = {
-    "parallelism.reshard_after_forward_policy": "always",
     "parallelism.context_parallel_method": "ulysses",
     "parallelism.pipeline_parallel_schedule": "gpipe",
     "parallelism.moe_token_dispatcher_type": "alltoall_deredundancy",

@@ -262,10 +262,10 @@ def poison_steps(trainer, steps):
     grad_fn = trainer.grad_fn
 
     def poisoned(*inputs):
-        loss, grads = grad_fn(*inputs)
+        losses, grads = grad_fn(*inputs)  # (the loss its backward used, the loss) and the gradients
         if trainer.step + 1 in steps:
-            return loss * float("nan"), tuple(g * float("nan") for g in grads)
-        return loss, grads
+            return tuple(loss * float("nan") for loss in losses), tuple(g * float("nan") for g in grads)
+        return losses, grads
     trainer.grad_fn = poisoned
 
 

@@ -235,19 +235,14 @@ class ParallelismConfig(Section):
     expert_parallel_async_d2h: bool = False
     expert_parallel_use_safe_tokens: bool = True
 
-    # Kiln trains data-parallel with replicated parameters: every other option here configures FSDP or a
-    # model-parallel layout that does not exist yet, so it is accepted only at its default.
-    _FSDP = "FSDP is not implemented: Kiln trains data-parallel with replicated parameters"
-    _CP = "context parallelism is not implemented: Kiln trains data-parallel with replicated parameters"
-    _PP = "pipeline parallelism is not implemented: Kiln trains data-parallel with replicated parameters"
-    _EP = "expert parallelism is not implemented: Kiln trains data-parallel with replicated parameters"
+    # the options of layouts that do not exist yet are accepted only at their defaults
+    _CP = "context parallelism is not implemented"
+    _PP = "pipeline parallelism is not implemented"
+    _EP = "expert parallelism is not implemented"
     UNSUPPORTED = {
-        "data_parallel_shard": _FSDP,
-        "data_parallel_shard_strategy": _FSDP,
-        "reshard_after_forward_policy": _FSDP,
         "cpu_offload": "optimizer offload is not implemented",
-        "disable_gradient_division": f"{_FSDP}; data-parallel gradients are always averaged over the ranks",
-        "dense_fsdp_shard_size": _FSDP,
+        "dense_fsdp_shard_size": "a shard size of its own for dense weights is not implemented: every sharded "
+                                 "weight is cut over the whole dp_shard group (data_parallel_shard)",
         "context_parallel": _CP,
         "context_parallel_method": _CP,
         "context_parallel_async": _CP,
@@ -287,14 +282,27 @@ class ParallelismConfig(Section):
                 "(MindFormers' PyNative tensor parallelism always shards activations along the sequence)")
         require(self.data_parallel_shard == -1 or self.data_parallel_shard > 0,
                  f"{path}.data_parallel_shard must be -1 or > 0, got {self.data_parallel_shard}")
+        require(self.data_parallel_shard_strategy in FSDP_STRATEGIES,
+                f"{path}.data_parallel_shard_strategy must be one of {', '.join(FSDP_STRATEGIES)}, got "
+                f"{self.data_parallel_shard_strategy!r}")
         require(self.reshard_after_forward_policy in ("default", "always", "never"),
                  f"{path}.reshard_after_forward_policy must be default/always/never")
+        # MindSpore has no hook to free a gathered weight that autograd saved for the backward and gather it
+        # again there: each unit's weights stay gathered until its backward, which is what "never" asks for
+        require(self.reshard_after_forward_policy != "always",
+                f"{path}.reshard_after_forward_policy = 'always' is not supported: Kiln's FSDP keeps a unit's "
+                f"gathered weights until its backward (MindSpore cannot free and re-gather them); use 'default' "
+                f"or 'never', which behave alike here")
         require(self.context_parallel_method in ("colossal", "ulysses", "hybrid"),
                  f"{path}.context_parallel_method must be colossal/ulysses/hybrid")
         require(self.pipeline_parallel_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
                  f"{path}.pipeline_parallel_schedule must be 1f1b/interleaved_1f1b/gpipe")
         require(self.moe_token_dispatcher_type in ("alltoall", "alltoall_deredundancy"),
                  f"{path}.moe_token_dispatcher_type must be alltoall/alltoall_deredundancy")
+
+
+# ZeRO-1, -2 and -3: what data_parallel_shard_strategy shards (training/parallel/fsdp.py)
+FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass

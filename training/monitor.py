@@ -91,12 +91,13 @@ class TrainStateMonitor:
         return bool(self.local_norm or self.device_norm or self.param_norm or self.local_loss
                     or self.device_loss or self.max_attention_logit)
 
-    def micro_batch(self, loss: float, grads: Sequence) -> None:
-        """Called with each micro-batch's loss and raw gradients (before accumulation)."""
+    def micro_batch(self, loss: float, grads: Sequence, loss_scale: float = 1.0) -> None:
+        """Called with each micro-batch's loss and raw gradients (before accumulation), which the backward
+        computed for the loss times ``loss_scale``."""
         if self.local_loss:
             self._micro_losses.append(loss)
         if self.local_norm:
-            self._micro_norms.append(tensor_norms([grads[i] for i in self.local_norm]))
+            self._micro_norms.append(tensor_norms([grads[i] for i in self.local_norm]) / loss_scale)
 
     def record(self, step_grads: Sequence, params: Sequence, loss: float, max_logits: np.ndarray | None) -> dict:
         """The step's values; collective (every rank calls it, rank 0 reports). ``step_grads`` are the

@@ -141,10 +141,12 @@ def global_norm(grads: Sequence[Tensor]) -> float:
     return float(np.sqrt(np.sum(np.square(tensor_norms(grads)))))
 
 
-def clip_grad_norm(grads: Sequence[Tensor], max_norm: float) -> tuple[tuple[Tensor, ...], float]:
+def clip_grad_norm(grads: Sequence[Tensor], max_norm: float, norms: np.ndarray | None = None
+                   ) -> tuple[tuple[Tensor, ...], float]:
     """Scale all gradients together so their global L2 norm is at most ``max_norm``; returns the norm
-    before clipping (what the step log reports)."""
-    total_norm = global_norm(grads)
+    before clipping (what the step log reports). ``norms``: each gradient's norm when the caller knows it
+    better than the local tensors do (a sharded gradient's norm is over all its chunks)."""
+    total_norm = global_norm(grads) if norms is None else float(np.sqrt(np.sum(np.square(norms))))
     scale = max_norm / (total_norm + 1e-6)
     if scale < 1.0:
         grads = tuple(g * scale for g in grads)

@@ -26,7 +26,9 @@ from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.model import build_model
 from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
-from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm, tensor_norms
+from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm
+from training.parallel.mesh import DeviceMesh, ParallelDims
+from training.parallel.parallelize import parallelize
 from training.profiling import build_profiler, profile_root
 from training.reporting import Reporter
 
@@ -70,8 +72,9 @@ class Trainer:
         self.world = world
         self.collectives = Collectives(world)
         self.output_dir = Path(output_dir)
-        self.accumulation = config.accumulation_steps(world.size)
-        self.dp = config.data_parallel_size(world.size)
+        self.mesh = DeviceMesh(ParallelDims.from_config(config.parallelism, world.size), world.rank)
+        self.accumulation = self.mesh.dims.check_batch(config.training)
+        self.dp = self.mesh.dims.dp
         self.resolved_yaml = dump_config(config)
         # named by content: a later invocation in the same run dir (a resume) must not overwrite it
         self.resolved_config_path = (self.output_dir / f"config-{config_sha256(self.resolved_yaml)[:12]}.yaml").resolve()
@@ -84,11 +87,11 @@ class Trainer:
         self.model = build_model(config.model)
         self.model.dropout_masks.reset(config.training.seed, world.rank)  # each rank its own dropout masks
         self.model.set_train(True)  # dropout on
-        self.params = self.model.trainable_params()
+        self.parallel = parallelize(self.model, self.mesh, config, self.accumulation)
+        self.params = self.parallel.model_params
         self.lr_schedule = build_lr_schedule(_lr_section(config), config.training.steps)
-        self.optimizer = build_optimizer(config.optimizer.to_dict(),
-                                         [(p.name, p) for p in self.params], self.lr_schedule)
-        self.grad_fn = ms.value_and_grad(self.model, None, self.params)
+        self.optimizer = build_optimizer(config.optimizer.to_dict(), self.parallel.optimizer_params, self.lr_schedule)
+        self.grad_fn = ms.value_and_grad(self._scaled_loss, None, self.params, has_aux=True)
         self.monitor = TrainStateMonitor(config.monitor.train_state, [p.name for p in self.params], self.collectives)
         self.model.track_max_attention_logits(config.monitor.train_state.max_attention_logit)
         self.health = HealthMonitor(config.monitor.health_checkpoint)
@@ -117,7 +120,8 @@ class Trainer:
 
     # ---- state -------------------------------------------------------------------------------
     def _model_arrays(self) -> dict[str, np.ndarray]:
-        return {p.name: p.asnumpy() for p in self.model.get_parameters()}
+        """Every model tensor whole (collective: sharded ones are gathered)."""
+        return self.parallel.gather_state({p.name: p.asnumpy() for p in self.model.get_parameters()})
 
     def _load_weights(self, path: Path, weights: dict[str, np.ndarray], stored: dict[str, str] | None = None
                       ) -> None:
@@ -128,9 +132,11 @@ class Trainer:
             if param.name not in weights:
                 raise CheckpointError(f"{path}: tensor {param.name} is missing")
             array = weights[param.name]
-            if array.shape != param.shape:
+            expected = self.parallel.full_shape(param)
+            if array.shape != expected:
                 raise CheckpointError(f"{path}: tensor {param.name} has shape {list(array.shape)}, "
-                                      f"the model expects {list(param.shape)}")
+                                      f"the model expects {list(expected)}")
+            array = self.parallel.own_chunks({param.name: array}, self.parallel.params_are_chunks)[param.name]
             wanted = numpy_dtype(param.dtype)
             was = (stored or {}).get(param.name, str(array.dtype))
             if array.dtype != wanted or was == "BFloat16":
@@ -142,6 +148,7 @@ class Trainer:
             raise CheckpointError(f"{path}: tensors not in the model: {', '.join(extra[:5])}")
         for (was, now), count in sorted(converted.items()):
             self.reporter.info(f"[kiln] {count} tensor(s) stored as {was} loaded as the model's {now}")
+        self.parallel.refresh_chunks()
         self.resumed_from = str(path)
 
     def _masters_as_weights(self, loaded) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -181,7 +188,7 @@ class Trainer:
         if not loaded.optim:
             raise CheckpointError(f"{path}: no optimizer state (saved with no_save_optim?); "
                                   f"set checkpoint.no_load_optim to load the weights only")
-        self.optimizer.load_state_arrays(loaded.optim)
+        self.optimizer.load_state_arrays(self.parallel.own_chunks(loaded.optim, holds_chunks=True))
         common = loaded.common
         if loaded.state is None:
             self.reporter.info(f"[kiln] {path} has no {KILN_STATE} (saved by MindFormers?): the random generators "
@@ -226,28 +233,34 @@ class Trainer:
     def _micro_batch(self, micro: int) -> tuple[Tensor | None, ...]:
         """The model's positional inputs: input_ids, labels, loss_mask, position_ids, attention_mask
         (the last two None when the model's own positions and causal mask are right)."""
-        indices = micro_batch_indices(self.consumed_samples, micro, self.world.rank, self.dp,
+        indices = micro_batch_indices(self.consumed_samples, micro, self.mesh.data_shard_index, self.dp,
                                       self.config.training.local_batch_size)
         batch = stack_model_inputs([self.dataset[i % len(self.dataset)] for i in indices], self.use_positions)
         return tuple(None if batch.get(key) is None else Tensor(batch[key])
                      for key in ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask"))
 
+    def _scaled_loss(self, *inputs):
+        """The micro-batch loss, and the same loss scaled for its backward (``DataParallel.loss_scale``), whose
+        gradients then sum over micro-batches and ranks into the global batch's mean."""
+        loss = self.model(*inputs)
+        return loss * self.parallel.loss_scale(), loss
+
     def train_step(self) -> dict:
         started = time.perf_counter()
         grads_sum, local_loss, components = None, 0.0, {}
         for micro in range(self.accumulation):
-            loss, grads = self.grad_fn(*self._micro_batch(micro))
+            (_, loss), grads = self.grad_fn(*self._micro_batch(micro))
             micro_loss = float(loss.asnumpy())
             local_loss += micro_loss / self.accumulation
             for name, value in self.model.loss_components().items():  # MTP depths, load balancing
                 components[name] = components.get(name, 0.0) + value / self.accumulation
-            self.monitor.micro_batch(micro_loss, grads)
+            self.monitor.micro_batch(micro_loss, grads, self.parallel.loss_scale())
             grads_sum = grads if grads_sum is None else tuple(a + b for a, b in zip(grads_sum, grads))
-        grads = tuple(g / self.accumulation for g in grads_sum) if self.accumulation > 1 else grads_sum
-        grads = self.collectives.average_gradients(grads)
+        grads = self.parallel.reduce_gradients(grads_sum)
         unclipped = grads  # what device_norm and the health check judge
-        embedding_norm = float(tensor_norms([grads[self.embedding_index]])[0])
-        grads, grad_norm = clip_grad_norm(grads, self.config.training.max_norm)
+        norms = self.parallel.tensor_norms(grads)
+        embedding_norm = float(norms[self.embedding_index])
+        grads, grad_norm = clip_grad_norm(grads, self.config.training.max_norm, norms)
         # Every rank decides alike: the loss is summed over ranks (a NaN anywhere is NaN everywhere) and
         # the norm is of the all-reduced gradients, which every rank holds identically.
         # the same all-reduce tells every rank whether each rank's async checkpoint writer is done
@@ -261,6 +274,7 @@ class Trainer:
         else:
             self.saver.before_update()  # an async save still copying the parameters must finish first
             self.optimizer.step(grads)
+            self.parallel.after_update()
         # MoE: tokens per expert summed over ranks; expert biases move only when the update was applied
         tokens_per_expert = self.model.after_step(self.collectives, applied=not skipped)
         if components:
@@ -322,7 +336,8 @@ class Trainer:
                 "samples_per_s": metrics["samples_per_s"], "ckpt_status": status,
                 "consumed_samples": self.consumed_samples}
         self.saver.save(step=self.step, model=self._model_arrays(),
-                        optim=None if cfg.checkpoint.no_save_optim else self.optimizer.state_arrays(),
+                        optim=None if cfg.checkpoint.no_save_optim else self.parallel.gather_state(
+                            self.optimizer.state_arrays()),
                         common=common, state=state, lineage=lineage)
         self._report_saved()
 

@@ -1,0 +1,25 @@
+"""The parallelize step of the trainer's recipe (mesh → model → parallelize → optimizer → checkpoints): the
+model's layers are cut for tensor parallelism first, then its state is sharded over the data-parallel ranks."""
+from __future__ import annotations
+
+from mindspore import nn
+
+from training.config import TrainConfig
+from training.parallel.fsdp import DataParallel
+from training.parallel.mesh import DeviceMesh
+
+
+def sharding_units(model: nn.Cell) -> list[nn.Cell]:
+    """What FSDP gathers as one: each decoder and MTP layer, and the model itself for the rest (embedding, final
+    norm, output layer), as MindFormers wraps them; outermost first."""
+    units = [model, *model.decoder.layers]
+    if model.mtp is not None:
+        units += list(model.mtp.layers)
+    return units
+
+
+def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulation: int) -> DataParallel:
+    p = config.parallelism
+    return DataParallel(model, mesh, p.data_parallel_shard_strategy,
+                        divide_before_reduction=p.disable_gradient_division, accumulation=accumulation,
+                        unit_cells=sharding_units(model))
