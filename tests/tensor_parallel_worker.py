@@ -74,13 +74,16 @@ def model_case(mesh, section: dict, sequence_parallel: bool, documents: bool = F
     replica = mesh.dims.coords(mesh.rank)["dp_replicate"]
     inputs = batch(section, replica, documents)
     reference = build_model(section, seed=SEED)
+    reference.track_max_attention_logits(True)
     reference_weights = {p.name: p.asnumpy() for p in reference.get_parameters()}
     want_loss, want_grads = loss_and_grads(reference, inputs)
     reference_counts = [layer.take_counts() for _, layer in reference.moe_layers()]
 
     model = build_model(section, seed=SEED)
     plan = apply_tensor_parallel(model, mesh, sequence_parallel)
+    model.track_max_attention_logits(True)
     got_loss, grads = loss_and_grads(model, inputs)
+    max_logits_error = relative_error(model.pop_max_attention_logits(), reference.pop_max_attention_logits())
     # what the lead's gradient reduction does: partial gradients of replicated weights summed over tp
     grads = {name: comm.all_reduce(g, group) if name in plan.grads_to_all_reduce_over_tp else g
              for name, g in grads.items()}
@@ -97,6 +100,7 @@ def model_case(mesh, section: dict, sequence_parallel: bool, documents: bool = F
             "parameters": len(errors), "reference_parameters": len(want_grads),
             "sharded": list(plan.sharded), "tp_reduced": list(plan.grads_to_all_reduce_over_tp),
             "own_chunks": own_chunks, "layouts_cover_parameters": sorted(plan.layouts) == sorted(reference_weights),
+            "max_logits_error": max_logits_error,
             "expert_counts_match": all(np.array_equal(c, r) for c, r in zip(counts, reference_counts)),
             "loss_components": model.loss_components(), "reference_components": reference.loss_components()}
 
@@ -137,6 +141,7 @@ def main():
         "qwen3_sp_tied_bias_documents": model_case(
             mesh, {**qwen3, "tie_word_embeddings": True, "attention_bias": True}, sequence_parallel=True,
             documents=True),
+        "deepseek_v3": model_case(mesh, deepseek, sequence_parallel=False),
         "deepseek_v3_sp": model_case(mesh, deepseek, sequence_parallel=True),
         "cross_entropy": cross_entropy_case(mesh),
     }

@@ -174,11 +174,14 @@ def additive_mask(attention_mask: Tensor, repeats: int = 1) -> Tensor:
 class MaxLogitTracker:
     """Running per-head maximum of an attention layer's scaled QKᵀ over unmasked positions (masked
     scores sit near float32 min, and every query sees at least itself), for MaxLogits monitoring.
-    A plain object, not a Cell attribute tensor, so it stays out of the graph and the gradients."""
+    A plain object, not a Cell attribute tensor, so it stays out of the graph and the gradients. Under
+    tensor parallelism ``heads_comm`` gathers the other ranks' heads when popping (a collective: every rank
+    pops)."""
 
     def __init__(self):
         self.enabled = False
         self.running_max: Tensor | None = None
+        self.heads_comm = None
 
     def update(self, scores: Tensor) -> None:
         """scores: [batch, groups, heads_per_group, ...] → max per head (group-major, as HF numbers heads)."""
@@ -186,9 +189,11 @@ class MaxLogitTracker:
         self.running_max = heads if self.running_max is None else ops.maximum(self.running_max, heads)
 
     def pop(self) -> np.ndarray | None:
-        out = None if self.running_max is None else self.running_max.asnumpy()
+        out = self.running_max
         self.running_max = None
-        return out
+        if out is None:
+            return None
+        return (out if self.heads_comm is None else self.heads_comm(out)).asnumpy()
 
 
 _bmm = ops.BatchMatMul()

@@ -15,7 +15,8 @@ in every process, so each rank's shards are exactly the single-process weights' 
 - sets what modules need to know: local head/group counts (``num_heads``, ``num_groups``) and MLP widths
   (``ffn``), the collectives around column-parallel (``input_comm``) and row-parallel (``output_comm``)
   linears, the vocabulary range of the embedding, MLA's rope-key collective, the MoE loss statistics'
-  sum over sequence shards, and the model's vocab-parallel cross-entropy (max, sum of exponentials and
+  sum over sequence shards, the gather of every head's max attention logit (``pop_max_attention_logits``
+  returns all heads, so every rank must call it), and the model's vocab-parallel cross-entropy (max, sum of exponentials and
   label logit all-reduced over tp; the full logits never exist on one rank).
 
 Activations between blocks: with ``sequence_parallel`` (MindFormers' only mode when tp > 1) each rank
@@ -198,6 +199,7 @@ def _parallelize(model: GPTModel, sharder: _Sharder, enter, leave, sequence_para
             sharder.column_parallel(attention.linear_kvb, enter)
             attention.rope_key_comm = enter
         attention.num_heads //= tp
+        attention.logit_tracker.heads_comm = partial(comm.all_gather, dim=0, group=group)
         sharder.row_parallel(attention.linear_proj, leave)
         if isinstance(layer.mlp, MLP):
             sharder.column_parallel(layer.mlp.linear_fc1, enter)
