@@ -16,8 +16,8 @@ in every process, so each rank's shards are exactly the single-process weights' 
   (``ffn``), the collectives around column-parallel (``input_comm``) and row-parallel (``output_comm``)
   linears, the vocabulary range of the embedding, MLA's rope-key collective, the MoE loss statistics'
   sum over sequence shards, the gather of every head's max attention logit (``pop_max_attention_logits``
-  returns all heads, so every rank must call it), and the model's vocab-parallel cross-entropy (max, sum of exponentials and
-  label logit all-reduced over tp; the full logits never exist on one rank).
+  returns all heads, so every rank must call it), and the model's vocab-parallel cross-entropy (max, sum of
+  exponentials and label logit all-reduced over tp; the full logits never exist on one rank).
 
 Activations between blocks: with ``sequence_parallel`` (MindFormers' only mode when tp > 1) each rank
 holds ``seq / tp`` consecutive positions of every sample ([batch, seq/tp, hidden]: dim 1); column-parallel
@@ -36,7 +36,9 @@ the optimizer and FSDP after this); a gradient norm counts a sharded tensor's sq
 replicated one's once; under sequence parallelism MoE ``tokens_per_expert`` counts this rank's tokens, so
 ``GPTModel.after_step`` must sum them over the ranks holding distinct tokens (dp × tp); dropout masks must
 differ between sequence shards (per-rank streams do) but would have to agree across tp on the replicated
-activations of plain TP, which is why plain TP refuses hidden dropout.
+activations of plain TP, which is why plain TP refuses hidden dropout. FSDP applied afterwards sees the
+tp-local shapes: its dim-0 chunks of a tp chunk are still an even grid of the global tensor (dim 0 cut into
+tp · dp_shard for a column-parallel weight, dim 0 into dp_shard × dim 1 into tp for a row-parallel one).
 """
 from __future__ import annotations
 
@@ -50,7 +52,6 @@ from training.config import ConfigError
 from training.model.attention import SelfAttention
 from training.model.gpt import GPTModel
 from training.model.layers import Linear
-from training.model.mla import MLASelfAttention
 from training.model.moe import MoELayer
 from training.model.transformer import MLP
 from training.parallel import comm
