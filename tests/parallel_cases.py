@@ -108,7 +108,8 @@ def check_host_helpers(group, results: dict) -> None:
     comm.barrier(group)
     # bit-exact arrays of awkward dtypes and sizes, each owned by one member
     specs = {"f16_odd": ((3,), np.float16), "i64": ((2, 2), np.int64), "nan": ((2,), np.float32)}
-    values = {"f16_odd": np.array([1.5, -0.0, 65504], np.float16), "i64": np.arange(4, dtype=np.int64).reshape(2, 2) - 2**40,
+    values = {"f16_odd": np.array([1.5, -0.0, 65504], np.float16),
+              "i64": np.arange(4, dtype=np.int64).reshape(2, 2) - 2**40,
               "nan": np.array([np.nan, -1.0], np.float32)}
     owners = {"f16_odd": 0, "i64": group.size - 1, "nan": group.size - 1}
     own = {name: values[name] for name, owner in owners.items() if owner == group.rank}

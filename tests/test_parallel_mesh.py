@@ -46,8 +46,8 @@ def test_mindformers_examples():
 @pytest.mark.parametrize("parallelism, world, message", [
     (config(tp=2), 3, "parallelism: tensor_parallel 2 × pipeline_parallel 1 × context_parallel 1 = 2 does not "
                       "divide the 3 workers"),
-    (config(tp=2, pp=2, cp=2), 4, "parallelism: tensor_parallel 2 × pipeline_parallel 2 × context_parallel 2 = 8 does not "
-                                  "divide the 4 workers"),
+    (config(tp=2, pp=2, cp=2), 4, "parallelism: tensor_parallel 2 × pipeline_parallel 2 × context_parallel 2 = 8 "
+                                  "does not divide the 4 workers"),
     (config(tp=2, shard=3), 8, "parallelism.data_parallel_shard 3 does not divide the data-parallel degree 4 = 8 "
                                "workers / (tensor_parallel 2 × pipeline_parallel 1 × context_parallel 1)"),
     (config(tp=2, ep=3), 4, "parallelism.expert_parallel 3 does not divide data-parallel shards 2 × "
@@ -71,7 +71,8 @@ def test_batch_sizes_must_split_over_the_data_parallel_ranks():
 
 
 SHAPES = [ParallelDims(1), ParallelDims(8, dp_replicate=2, dp_shard=2, tp=2),
-          ParallelDims(16, pp=2, dp_replicate=2, cp=2, tp=2, ep=4), ParallelDims(24, pp=2, dp_shard=3, cp=2, tp=2, ep=2),
+          ParallelDims(16, pp=2, dp_replicate=2, cp=2, tp=2, ep=4),
+          ParallelDims(24, pp=2, dp_shard=3, cp=2, tp=2, ep=2),
           ParallelDims(12, dp_replicate=3, dp_shard=2, tp=2, ep=4)]
 
 
@@ -118,3 +119,18 @@ def test_rank_and_coordinate_errors():
         dims.rank_of(pp=0, dp_replicate=0, dp_shard=0, cp=0, tp=2)
     with pytest.raises(ValueError, match="not the world size 6"):
         ParallelDims(6, dp_shard=2, tp=2)
+
+
+def test_refining_a_tensor_parallel_layout_keeps_one_even_grid_of_the_global_tensor():
+    from training.parallel.layout import TensorLayout
+
+    full = np.arange(8 * 6).reshape(8, 6)
+    tp_of_rank, fsdp_of_rank = (0, 1, 0, 1), (0, 0, 1, 1)  # world 4 = dp_shard 2 x tp 2, tp innermost
+    for tp_dim in (0, 1):  # a column-parallel (rows) and a row-parallel (columns) weight
+        tp_layout = TensorLayout.split(full.shape, tp_dim, tp_of_rank, 2)
+        refined = tp_layout.refine(0, 2, fsdp_of_rank)
+        for rank in range(4):
+            local = full[tp_layout.chunk_slices(tp_layout.chunk_of_rank[rank])]
+            fsdp_chunk = np.split(local, 2)[fsdp_of_rank[rank]]  # what FSDP keeps of this rank's tp shard
+            np.testing.assert_array_equal(full[refined.chunk_slices(refined.chunk_of_rank[rank])], fsdp_chunk)
+        assert sorted(refined.chunk_of_rank) == [0, 1, 2, 3]

@@ -46,11 +46,16 @@ from training.parallel.mesh import Group, World, world_group
 # Backends: forward-only collectives on a group of two or more ranks
 
 
-def _chunk_of(x: Tensor, dim: int, index: int, parts: int, what: str, group: Group) -> Tensor:
-    if x.shape[dim] % parts:
+def _part_size(x: Tensor, dim: int, group: Group, what: str) -> int:
+    """The length along ``dim`` of each of ``group.size`` equal parts of ``x``."""
+    if x.shape[dim] % group.size:
         raise ValueError(f"{what} over group {group.name!r} (size {group.size}): dim {dim} of shape "
-                         f"{tuple(x.shape)} does not split into {parts} equal parts")
-    size = x.shape[dim] // parts
+                         f"{tuple(x.shape)} does not split into {group.size} equal parts")
+    return x.shape[dim] // group.size
+
+
+def _part(x: Tensor, dim: int, index: int, group: Group, what: str) -> Tensor:
+    size = _part_size(x, dim, group, what)
     return ops.narrow(x, dim, index * size, size).contiguous()
 
 
@@ -86,7 +91,7 @@ class _CpuBackend(_Backend):
         return ops.cat(self.gather_list(x, group), dim)
 
     def reduce_scatter(self, x: Tensor, dim: int, group: Group) -> Tensor:
-        return _chunk_of(self.all_reduce(x, group), dim, group.rank, group.size, "reduce_scatter", group)
+        return _part(self.all_reduce(x, group), dim, group.rank, group, "reduce_scatter")
 
     def all_to_all_equal(self, blocks: Tensor, group: Group) -> Tensor:
         gathered = self.gather_list(blocks, group)
@@ -120,9 +125,8 @@ class _AscendBackend(_Backend):
         return ops.moveaxis(out, 0, dim).contiguous()
 
     def reduce_scatter(self, x: Tensor, dim: int, group: Group) -> Tensor:
-        _chunk_of(x, dim, 0, group.size, "reduce_scatter", group)  # the same error as on CPU
         rows = ops.moveaxis(x, dim, 0).contiguous()
-        out = ops.zeros((rows.shape[0] // group.size, *rows.shape[1:]), x.dtype)
+        out = ops.zeros((_part_size(x, dim, group, "reduce_scatter"), *rows.shape[1:]), x.dtype)
         dist.reduce_scatter_tensor(out, rows, group=group.backend_name)
         return ops.moveaxis(out, 0, dim).contiguous()
 
@@ -156,7 +160,9 @@ def _backend() -> _Backend:
 class _WithBackward(nn.Cell):
     """``forward`` with the hand-written ``backward`` as its gradient: MindSpore's own backward of its
     collectives is missing on CPU (AllGather's needs ReduceScatter, which has no CPU kernel), and Megatron's
-    pairs (identity forward, all-reduce backward) have none at all."""
+    pairs (identity forward, all-reduce backward) have none at all. MindSpore never differentiates the
+    bodies, so the slicing and axis moves in them are safe from 2.10's wrong CPU gradient of a permuted
+    split view."""
 
     def __init__(self, forward: Callable[[Tensor], Tensor], backward: Callable[[Tensor], Tensor]):
         super().__init__()
@@ -219,7 +225,7 @@ def scatter_to_group(x: Tensor, dim: int, group: Group) -> Tensor:
     """This rank's slice of an ``x`` every rank holds whole (e.g. its sequence shard)."""
     if group.size == 1:
         return x
-    own = lambda t: _chunk_of(t, dim, group.rank, group.size, "scatter_to_group", group)  # noqa: E731
+    own = lambda t: _part(t, dim, group.rank, group, "scatter_to_group")  # noqa: E731
     return _differentiable(x, own, lambda g: _gather(g, dim, group))
 
 
@@ -245,7 +251,7 @@ def send_recv(x: Tensor, pair: Group, sender: int) -> Tensor:
 
 
 def _exchange_blocks(x: Tensor, split_dim: int, concat_dim: int, group: Group) -> Tensor:
-    blocks = ops.stack([_chunk_of(x, split_dim, k, group.size, "all_to_all", group) for k in range(group.size)])
+    blocks = ops.stack([_part(x, split_dim, k, group, "all_to_all") for k in range(group.size)])
     received = _backend().all_to_all_equal(blocks, group)  # received[j]: rank j's block for this rank
     return ops.cat([received[j] for j in range(group.size)], concat_dim)
 
