@@ -82,6 +82,11 @@ class _Backend:
 class _CpuBackend(_Backend):
     """Built from all-reduce, list all-gather and broadcast, the collectives MindSpore 2.10 runs on CPU."""
 
+    def barrier(self, group: Group) -> None:
+        # mint.distributed.barrier returns at once on CPU (measured under msrun: a rank passed it while another
+        # slept 4 s before its call); an all-reduce completes only once every member has contributed
+        self.all_reduce(Tensor(np.ones(1, np.float32)), group).asnumpy()
+
     def gather_list(self, x: Tensor, group: Group) -> list[Tensor]:
         parts = [ops.zeros_like(x) for _ in group.ranks]
         dist.all_gather(parts, x.contiguous(), group=group.backend_name)

@@ -59,6 +59,25 @@ class TensorLayout:
             chunk //= parts
         return tuple(reversed(coords))
 
+    def chunk_index(self, coordinates: tuple[int, ...]) -> int:
+        """The index of the chunk at ``coordinates`` (the inverse of ``chunk_coordinates``)."""
+        index = 0
+        for coordinate, parts in zip(coordinates, self.fragmentations):
+            index = index * parts + coordinate
+        return index
+
+    def refine(self, dim: int, parts: int, part_of_rank: tuple[int, ...]) -> "TensorLayout":
+        """Each chunk cut again along ``dim`` into ``parts``, rank r keeping part ``part_of_rank[r]`` of its chunk:
+        FSDP's dim-0 chunks of a tensor-parallel shard are still one even grid of the global tensor."""
+        fragmentations = tuple(f * parts if d == dim else f for d, f in enumerate(self.fragmentations))
+        grid = TensorLayout(self.global_shape, fragmentations, (0,) * len(self.chunk_of_rank))
+        chunk_of_rank = []
+        for chunk, part in zip(self.chunk_of_rank, part_of_rank):
+            coordinates = list(self.chunk_coordinates(chunk))
+            coordinates[dim] = coordinates[dim] * parts + part
+            chunk_of_rank.append(grid.chunk_index(tuple(coordinates)))
+        return TensorLayout(self.global_shape, fragmentations, tuple(chunk_of_rank))
+
     def chunk_slices(self, chunk: int) -> tuple[slice, ...]:
         """Where chunk ``chunk`` lies in the global tensor."""
         return tuple(slice(c * n, (c + 1) * n) for c, n in zip(self.chunk_coordinates(chunk), self.local_shape))
