@@ -1,12 +1,10 @@
-"""Data-parallel training cases run under msrun by tests/test_fsdp.py: one launch, several layouts.
+"""Parallel training cases run under msrun by tests/test_fsdp.py: one launch, several layouts.
 
-``python -m ... fsdp_cases.py OUT SHARD`` trains the micro Qwen3 for a few steps in each case and, on rank 0,
-writes ``OUT/<case>/weights.npz`` (the full final weights, chunks gathered) beside the case's metrics.jsonl.
+``python fsdp_cases.py OUT SHARD`` trains the micro Qwen3 for a few steps in each case, each case saving its
+final checkpoint (sharded as the case lays its tensors out) under ``OUT/<case>/checkpoints``.
 """
 import sys
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import MICRO_CONFIG, PROJECT_ROOT  # noqa: E402
@@ -16,35 +14,43 @@ from training.reporting import Reporter  # noqa: E402
 from training.trainer import Trainer, configure_runtime  # noqa: E402
 
 STEPS = 3
-# name -> parallelism overrides; the world is 4 workers, so dp = 4
+# name -> overrides ({out}: the cases' directory); the world is 4 workers. zero3 also saves at step 2, and two runs
+# resume from that sharded checkpoint into other layouts
 CASES = {
     "replicated": ["parallelism.data_parallel_shard=1"],
     "zero1": ["parallelism.data_parallel_shard_strategy=optim"],
     "zero2": ["parallelism.data_parallel_shard_strategy=optim_grads"],
-    "zero3": ["parallelism.data_parallel_shard_strategy=optim_grads_params"],
+    "zero3": ["parallelism.data_parallel_shard_strategy=optim_grads_params", "checkpoint.save_interleaved_steps=2"],
     "hsdp_zero3": ["parallelism.data_parallel_shard=2"],
     "zero3_divide_after": ["parallelism.disable_gradient_division=false"],
+    "tp2_sp_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"],
+    "tp2_sp_zero1": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
+                     "parallelism.data_parallel_shard_strategy=optim"],
+    "zero1_from_zero3": ["parallelism.data_parallel_shard_strategy=optim",
+                         "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002"],
+    "tp2_sp_zero3_from_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
+                                "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002"],
 }
 
 
-def case_config(shard: str, overrides: list[str]):
+def case_config(shard: str, overrides: list[str], save_path: Path | None = None):
+    save = [f"checkpoint.save_path={save_path}", "checkpoint.save_interleaved_steps=1000"] if save_path else [
+        "checkpoint.enable_save=false"]
+    # AdamW's eps at 1e-5: a gradient that cancels to ~1e-9 is reduction-order noise, and with a tiny eps Adam
+    # turns its sign into a step of ~lr (seen: one embedding entry 5e-4 apart after tensor parallelism's sums)
     return load_config(PROJECT_ROOT / MICRO_CONFIG, [
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
-        "train_dataset.dataloader.config.pad=3", "checkpoint.enable_save=false", f"training.steps={STEPS}",
-        "training.local_batch_size=1", *overrides])
+        "train_dataset.dataloader.config.pad=3", f"training.steps={STEPS}", "training.local_batch_size=1",
+        "optimizer.eps=1e-5", *save, *overrides])
 
 
 def main(out: str, shard: str) -> None:
     configure_runtime(case_config(shard, []))  # once: MindSpore's device cannot be set again
     world = init_world()
     for name, overrides in CASES.items():
-        config = case_config(shard, overrides)
         run_dir = Path(out) / name
-        trainer = Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main))
-        trainer.train()
-        weights = trainer.parallel.full_weights()
-        if world.is_main:
-            np.savez(run_dir / "weights.npz", **weights)
+        config = case_config(shard, [o.format(out=out) for o in overrides], run_dir / "checkpoints")
+        Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main)).train()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """FSDP / HSDP (ZeRO-1, -2, -3) proven by equivalence: under msrun with 4 CPU workers, each layout's losses, grad
-norms and final weights equal one process reading the same global batches (gradient accumulation)."""
+norms and final weights equal one process reading the same global batches (gradient accumulation); a ZeRO-3
+checkpoint (each rank writing its chunks) resumes into other layouts, and into one process, as if never stopped."""
+import json
 import os
 import subprocess
 
@@ -7,9 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import PROJECT_ROOT, write_random_documents
-from fsdp_cases import CASES, case_config
+from fsdp_cases import CASES, STEPS, case_config
 from resources.msrun import free_port
 from training.parallel.mesh import World
+from training.checkpoint import load_checkpoint
 from training.launch import MsrunSettings, msrun_command, msrun_environment
 from training.reporting import Reporter, read_records
 from training.trainer import Trainer, configure_runtime
@@ -30,6 +33,7 @@ def runs(tmp_path_factory):
     reference = Trainer(config, World(0, 1), root / "single", Reporter(root / "single/metrics.jsonl", enabled=True))
     reference.train()
     expected = {p.name: p.asnumpy() for p in reference.model.get_parameters()}
+    assert len(expected) == 19  # the micro Qwen3: embedding, output layer, final norm, 8 tensors x 2 layers
     settings = MsrunSettings(worker_num=4, local_worker_num=4, master_port=free_port(),
                              log_dir=str(root / "msrun_log"), cluster_time_out=300)
     command = msrun_command(settings, [str(PROJECT_ROOT / "tests/fsdp_cases.py"), str(root / "cases"), str(shard)])
@@ -44,10 +48,26 @@ def runs(tmp_path_factory):
 def test_layout_trains_as_one_process(runs, case):
     root, single, expected = runs
     sharded = read_records(root / "cases" / case / "metrics.jsonl")
-    assert [m["step"] for m in sharded] == [m["step"] for m in single]
+    single = single[-len(sharded):]  # a resumed case starts after the checkpoint's step
+    assert [m["step"] for m in sharded] == [m["step"] for m in single] and sharded[-1]["step"] == single[-1]["step"]
     assert [m["loss"] for m in sharded] == pytest.approx([m["loss"] for m in single], rel=LOSS_RTOL)
     assert [m["grad_norm"] for m in sharded] == pytest.approx([m["grad_norm"] for m in single], rel=LOSS_RTOL)
-    weights = np.load(root / "cases" / case / "weights.npz")
-    assert sorted(weights.files) == sorted(expected)
+    # the final checkpoint, each rank having written its chunks, read back whole
+    weights = load_checkpoint(root / "cases" / case / f"checkpoints/iteration_{STEPS:08d}").model
+    assert sorted(weights) == sorted(expected)
     for name, value in expected.items():
         np.testing.assert_allclose(weights[name], value, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
+
+
+def test_a_zero3_checkpoint_of_four_ranks_resumes_in_one_process(runs, tmp_path):
+    root, single, expected = runs
+    checkpoint = root / "cases/zero3/checkpoints/iteration_00000002"
+    state = json.loads((checkpoint / "metadata.json").read_text())["state_dict_metadata"]
+    assert state["embedding.word_embeddings.weight"]["axis_fragmentations"] == [4, 1]  # each rank wrote a quarter
+    config = case_config(str(root / "data/random"), [f"checkpoint.load_path={checkpoint}"])
+    resumed = Trainer(config, World(0, 1), tmp_path, Reporter(tmp_path / "metrics.jsonl", enabled=True))
+    assert resumed.step == 2
+    resumed.train()
+    assert read_records(tmp_path / "metrics.jsonl")[0]["loss"] == pytest.approx(single[-1]["loss"], rel=LOSS_RTOL)
+    for param in resumed.model.get_parameters():
+        np.testing.assert_allclose(param.asnumpy(), expected[param.name], rtol=0, atol=WEIGHT_ATOL, err_msg=param.name)

@@ -120,8 +120,8 @@ class Trainer:
 
     # ---- state -------------------------------------------------------------------------------
     def _model_arrays(self) -> dict[str, np.ndarray]:
-        """Every model tensor whole (collective: sharded ones are gathered)."""
-        return self.parallel.gather_state({p.name: p.asnumpy() for p in self.model.get_parameters()})
+        """This rank's array of every model tensor (a chunk of those it holds cut)."""
+        return {p.name: p.asnumpy() for p in self.model.get_parameters()}
 
     def _load_weights(self, path: Path, weights: dict[str, np.ndarray], stored: dict[str, str] | None = None
                       ) -> None:
@@ -132,11 +132,9 @@ class Trainer:
             if param.name not in weights:
                 raise CheckpointError(f"{path}: tensor {param.name} is missing")
             array = weights[param.name]
-            expected = self.parallel.full_shape(param)
-            if array.shape != expected:
+            if array.shape != param.shape:
                 raise CheckpointError(f"{path}: tensor {param.name} has shape {list(array.shape)}, "
-                                      f"the model expects {list(expected)}")
-            array = self.parallel.own_chunks({param.name: array}, self.parallel.params_are_chunks)[param.name]
+                                      f"the model expects {list(param.shape)}")
             wanted = numpy_dtype(param.dtype)
             was = (stored or {}).get(param.name, str(array.dtype))
             if array.dtype != wanted or was == "BFloat16":
@@ -172,14 +170,15 @@ class Trainer:
         if is_hf_dir(path):
             from training.hf import hf_to_kiln_state  # the converter is only needed for this kind of load
 
-            self._load_weights(path, hf_to_kiln_state(path, self.config.model))
+            self._load_weights(path, self.parallel.own_chunks(hf_to_kiln_state(path, self.config.model)))
             self.reporter.info(f"[kiln] loaded Hugging Face weights from {path} (weights only); starting at step 0")
             return
         if ckpt.load_balanced:
             loaded = load_checkpoint_balanced(path, self.world, self.collectives, load_optim=not ckpt.no_load_optim,
-                                              readers=ckpt.load_worker_number)
+                                              readers=ckpt.load_worker_number, layouts=self.parallel.layouts())
         else:
-            loaded = load_checkpoint(path, rank=self.world.rank, load_optim=not ckpt.no_load_optim)
+            loaded = load_checkpoint(path, rank=self.world.rank, load_optim=not ckpt.no_load_optim,
+                                     layouts=self.parallel.layouts())
         self._load_weights(path, *((loaded.model, loaded.stored) if ckpt.no_load_optim
                                    else self._masters_as_weights(loaded)))
         if ckpt.no_load_optim:
@@ -188,7 +187,7 @@ class Trainer:
         if not loaded.optim:
             raise CheckpointError(f"{path}: no optimizer state (saved with no_save_optim?); "
                                   f"set checkpoint.no_load_optim to load the weights only")
-        self.optimizer.load_state_arrays(self.parallel.own_chunks(loaded.optim, holds_chunks=True))
+        self.optimizer.load_state_arrays(loaded.optim)
         common = loaded.common
         if loaded.state is None:
             self.reporter.info(f"[kiln] {path} has no {KILN_STATE} (saved by MindFormers?): the random generators "
@@ -336,9 +335,8 @@ class Trainer:
                 "samples_per_s": metrics["samples_per_s"], "ckpt_status": status,
                 "consumed_samples": self.consumed_samples}
         self.saver.save(step=self.step, model=self._model_arrays(),
-                        optim=None if cfg.checkpoint.no_save_optim else self.parallel.gather_state(
-                            self.optimizer.state_arrays()),
-                        common=common, state=state, lineage=lineage)
+                        optim=None if cfg.checkpoint.no_save_optim else self.optimizer.state_arrays(),
+                        common=common, state=state, lineage=lineage, layouts=self.parallel.layouts())
         self._report_saved()
 
     def _report_saved(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
@@ -26,6 +27,7 @@ from training.optim import tensor_norms
 from training.parallel import comm
 from training.parallel.layout import TensorLayout
 from training.parallel.mesh import DeviceMesh
+from training.parallel.tensor_parallel import TensorParallelPlan
 
 
 @dataclass
@@ -72,11 +74,18 @@ def gather_chunks(chunks: list[Tensor], full_shapes: list[tuple[int, ...]], grou
 class DataParallel:
     """The data-parallel strategy of one run: which tensors the optimizer updates, how gradients are
     reduced, what the checkpoint layouts are. With ``dp_shard == 1`` nothing is sharded (plain data
-    parallelism: gradients all-reduced, parameters replicated)."""
+    parallelism: gradients all-reduced, parameters replicated).
+
+    On a tensor-parallel model (``tensor_parallel``: what ``apply_tensor_parallel`` did), each rank's tensors
+    are its tp shards, which FSDP cuts again along their dim 0; the replicated weights tp lists have their
+    gradients summed over tp first."""
 
     def __init__(self, model: nn.Cell, mesh: DeviceMesh, strategy: str, divide_before_reduction: bool,
-                 accumulation: int, unit_cells: list[nn.Cell]):
+                 accumulation: int, unit_cells: list[nn.Cell], tensor_parallel: TensorParallelPlan | None = None):
         self.model, self.mesh = model, mesh
+        self.tp_group = mesh.group("tp")
+        self.tp_layouts = tensor_parallel.layouts if tensor_parallel else {}
+        self.tp_summed = set(tensor_parallel.grads_to_all_reduce_over_tp) if tensor_parallel else set()
         self.shard_group, self.replicate_group = mesh.group("dp_shard"), mesh.group("dp_replicate")
         self.dp_group = mesh.group("dp")
         self.strategy = strategy
@@ -138,6 +147,7 @@ class DataParallel:
     def reduce_gradients(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """The step's gradients (summed over micro-batches, each scaled by ``loss_scale``), reduced over the
         data-parallel ranks into what the optimizer updates: a chunk for sharded tensors, else whole."""
+        grads = self._sum_over_tp(grads)
         out: list[Tensor | None] = [None] * len(grads)
         whole, cut, replicate_cut = [], [], []
         for i, (param, grad) in enumerate(zip(self.model_params, grads)):
@@ -165,6 +175,15 @@ class DataParallel:
             out = [g * (1.0 / self.dp) for g in out]
         return tuple(out)
 
+    def _sum_over_tp(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """Replicated weights that each tp rank applied to its part of the data (sequence shards, its heads)
+        have the sum of the tp ranks' gradients as theirs."""
+        summed = [i for i, p in enumerate(self.model_params) if p.name in self.tp_summed]
+        out = list(grads)
+        for i, reduced in zip(summed, self._all_reduce([grads[i] for i in summed], self.tp_group)):
+            out[i] = reduced
+        return tuple(out)
+
     def _own_rows(self, tensor: Tensor) -> Tensor:
         rows = tensor.shape[0] // self.shard_group.size
         return tensor[self.shard_group.rank * rows:(self.shard_group.rank + 1) * rows]
@@ -189,11 +208,14 @@ class DataParallel:
 
     def tensor_norms(self, grads: tuple[Tensor, ...]) -> np.ndarray:
         """The L2 norm of each reduced gradient over its whole tensor: a chunk's squared norm is summed over
-        ``dp_shard`` (one all-reduce of the vector), a whole tensor's is its own."""
+        the group that cut it (``dp_shard``, then tp), a tensor held whole is counted once."""
         squares = np.square(tensor_norms(grads))
-        sharded = np.array([name in self.sharded for name, _ in self.optimizer_params], dtype=bool)
-        if sharded.any():
-            squares[sharded] = comm.all_reduce_array(squares[sharded], self.shard_group)
+        names = [name for name, _ in self.optimizer_params]
+        for group, cut in ((self.shard_group, [n in self.sharded for n in names]),
+                           (self.tp_group, [n in self.tp_layouts and self.tp_layouts[n].is_sharded for n in names])):
+            cut = np.array(cut, dtype=bool)
+            if cut.any() and group.size > 1:
+                squares[cut] = comm.all_reduce_array(squares[cut], group)
         return np.sqrt(squares)
 
     def after_update(self) -> None:
@@ -206,44 +228,30 @@ class DataParallel:
         for name, full in zip(names, fulls):
             ops.assign(self.full[name], full.astype(self.full[name].dtype))
 
-    def full_weights(self) -> dict[str, np.ndarray]:
-        """Every parameter of the model whole (collective under ZeRO-3, whose chunks are gathered)."""
-        weights = {p.name: p.asnumpy() for p in self.model.get_parameters()}
-        if self.strategy == "optim_grads_params" and self.sharded:
-            names = list(self.sharded)
-            fulls = gather_chunks([self.sharded[n].shard for n in names], [self.sharded[n].full_shape for n in names],
-                                  self.shard_group)
-            weights.update({name: full.asnumpy() for name, full in zip(names, fulls)})
-        return weights
-
     # ---- checkpoints ---------------------------------------------------------------------------------
-    def _sharded_param_of(self, key: str) -> str | None:
-        """The sharded parameter a state tensor is cut like: the parameter itself, or its optimizer state
-        (``adam_m.<name>``, ``adam_v.<name>``, ``main_param.<name>``)."""
-        if key in self.sharded:
-            return key
-        _, _, name = key.partition(".")
-        return name if name in self.sharded else None
+    def layouts(self) -> dict[str, TensorLayout]:
+        """The layout of every tensor of the model and its optimizer state that is cut: by tensor parallelism,
+        then (``self.sharded``) along dim 0 over ``dp_shard``, each rank keeping the part of its ``dp_shard``
+        coordinate, replicas across ``dp_replicate``. FSDP cuts the optimizer state of a sharded parameter,
+        and the parameter itself only under ZeRO-3. A master copy (``main_param.<name>``) of a parameter that
+        trains in float32 here is laid out as the parameter, which it becomes when a low-precision checkpoint
+        loads (trainer._masters_as_weights)."""
+        world = self.mesh.dims.world
+        shard_of_rank = tuple(self.mesh.dims.coords(r)["dp_shard"] for r in range(world))
+        out = {}
+        for name, param in self.full.items():
+            base = self.tp_layouts.get(name) or TensorLayout.replicated(tuple(param.shape), world)
+            state = base.refine(0, self.shard_group.size, shard_of_rank) if name in self.sharded else base
+            weight = state if self.params_are_chunks else base
+            out.update({name: weight, f"adam_m.{name}": state, f"adam_v.{name}": state,
+                        f"main_param.{name}": weight if param.dtype == ms.float32 else state})
+        return {key: layout for key, layout in out.items() if layout.is_sharded}
 
-    def gather_state(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Whole tensors from this rank's (collective): the chunks of sharded ones are gathered."""
-        keys = sorted(k for k in arrays if self._sharded_param_of(k) is not None
-                      and arrays[k].shape != self.sharded[self._sharded_param_of(k)].full_shape)
-        if not keys:
-            return dict(arrays)
-        fulls = gather_chunks([Tensor(arrays[k]) for k in keys],
-                              [self.sharded[self._sharded_param_of(k)].full_shape for k in keys], self.shard_group)
-        return {**arrays, **{k: full.asnumpy() for k, full in zip(keys, fulls)}}
-
-    def own_chunks(self, arrays: dict[str, np.ndarray], holds_chunks: bool) -> dict[str, np.ndarray]:
-        """This rank's part of whole tensors: its dim-0 chunk of every sharded one when ``holds_chunks``
-        (optimizer state, and ZeRO-3's parameters), the tensor itself otherwise."""
-        return {k: self._own_rows_array(a) if holds_chunks and self._sharded_param_of(k) is not None else a
+    def own_chunks(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """This rank's part of whole parameters (a Hugging Face import), as the model holds them."""
+        layouts, rank = self.layouts(), self.mesh.rank
+        return {k: a[layouts[k].chunk_slices(layouts[k].chunk_of_rank[rank])] if k in layouts else a
                 for k, a in arrays.items()}
-
-    def full_shape(self, param: Parameter) -> tuple[int, ...]:
-        """The whole shape of a model parameter (of which ZeRO-3's model holds a chunk)."""
-        return self.sharded[param.name].full_shape if param.name in self.sharded else tuple(param.shape)
 
     @property
     def params_are_chunks(self) -> bool:
@@ -259,10 +267,3 @@ class DataParallel:
     def _own_rows_array(self, array: np.ndarray) -> np.ndarray:
         rows = array.shape[0] // self.shard_group.size
         return array[self.shard_group.rank * rows:(self.shard_group.rank + 1) * rows]
-
-    def layouts(self) -> dict[str, TensorLayout]:
-        """Every sharded tensor's layout: dim 0 cut over ``dp_shard``, each rank holding the chunk of its
-        ``dp_shard`` coordinate, replicas across ``dp_replicate``."""
-        chunk_of_rank = tuple(self.mesh.dims.coords(r)["dp_shard"] for r in range(self.mesh.dims.world))
-        return {name: TensorLayout.split(s.full_shape, 0, chunk_of_rank, self.shard_group.size)
-                for name, s in self.sharded.items()}

@@ -23,6 +23,7 @@ index in a group is its flattened coordinate on those axes.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from dataclasses import dataclass
@@ -226,6 +227,11 @@ def world_group(world: World) -> Group:
     return Group("world", tuple(range(world.size)), world.rank, backend_name)
 
 
+# MindSpore's communicators of this process by member ranks: a process may build several meshes (one per training
+# run), and MindSpore refuses a group name created twice; the name comes from the members, the same on each
+_COMMUNICATORS: dict[tuple[int, ...], str] = {}
+
+
 class DeviceMesh:
     """One rank's named groups over ``dims``; every communicator it needs is created here, once.
 
@@ -234,12 +240,11 @@ class DeviceMesh:
     can leave the process's communication unusable; members need not create it in step with each other
     (it returns before the others have called it), nor with ranks outside it. So each rank creates only its
     own groups. Groups with the same members (e.g. "dp" and "loss" when cp = 1) share one communicator,
-    named after the first group that needs it and its lowest rank — the same name on every member.
+    named after its members — the same name on every member, and in every mesh of the process.
     """
 
     def __init__(self, dims: ParallelDims, rank: int):
         self.dims, self.rank = dims, rank
-        self._backend_names: dict[tuple[int, ...], Optional[str]] = {}
         self._groups = {name: self._make_group(name, dims.group_ranks(name, rank)) for name in GROUP_NAMES}
 
     def group(self, name: str) -> Group:
@@ -264,17 +269,17 @@ class DeviceMesh:
         return self.dims.data_shard_count
 
     def _make_group(self, name: str, ranks: tuple[int, ...]) -> Group:
-        if ranks not in self._backend_names:
-            self._backend_names[ranks] = self._communicator(name, ranks)
-        return Group(name, ranks, ranks.index(self.rank), self._backend_names[ranks])
+        return Group(name, ranks, ranks.index(self.rank), self._communicator(ranks))
 
-    def _communicator(self, name: str, ranks: tuple[int, ...]) -> Optional[str]:
+    def _communicator(self, ranks: tuple[int, ...]) -> Optional[str]:
         if len(ranks) == 1:
             return None  # MindSpore refuses a group of one; nothing to communicate
         if len(ranks) == self.dims.world:
             return world_group(World(self.rank, self.dims.world)).backend_name
-        from mindspore.communication import create_group
+        if ranks not in _COMMUNICATORS:  # one per member set and process, whichever mesh asks first
+            from mindspore.communication import create_group
 
-        backend_name = f"kiln_{name}_{ranks[0]}" if name != "pair" else f"kiln_pair_{ranks[0]}_{ranks[1]}"
-        create_group(backend_name, list(ranks))
-        return backend_name
+            # named by a digest of the members: short whatever the group's size (HCCL caps name length)
+            _COMMUNICATORS[ranks] = "kiln_" + hashlib.sha1(",".join(map(str, ranks)).encode()).hexdigest()[:16]
+            create_group(_COMMUNICATORS[ranks], list(ranks))
+        return _COMMUNICATORS[ranks]

@@ -7,6 +7,7 @@ from mindspore import nn
 from training.config import TrainConfig
 from training.parallel.fsdp import DataParallel
 from training.parallel.mesh import DeviceMesh
+from training.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def sharding_units(model: nn.Cell) -> list[nn.Cell]:
@@ -20,6 +21,7 @@ def sharding_units(model: nn.Cell) -> list[nn.Cell]:
 
 def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulation: int) -> DataParallel:
     p = config.parallelism
+    tensor_parallel = apply_tensor_parallel(model, mesh, p.sequence_parallel) if mesh.dims.tp > 1 else None
     return DataParallel(model, mesh, p.data_parallel_shard_strategy,
                         divide_before_reduction=p.disable_gradient_division, accumulation=accumulation,
-                        unit_cells=sharding_units(model))
+                        unit_cells=sharding_units(model), tensor_parallel=tensor_parallel)
