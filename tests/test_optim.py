@@ -211,7 +211,7 @@ def test_clip_grad_norm():
 def test_tiny_model_memorizes_a_batch():
     config = Qwen3Config.from_dict(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, seq_length=32,
-                                        max_position_embeddings=32))
+                                        max_position_embeddings=32, compute_dtype="float32", hidden_dropout=0.0))
     model = GPTModel(config, seed=0)
     params = model.trainable_params()
     opt = AdamW([(p.name, p) for p in params], lr_schedule=ConstantWarmUpLR(learning_rate=3e-3, total_steps=30))
