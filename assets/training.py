@@ -25,6 +25,7 @@ from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest, training_data_path
 from training.lineage import FileHashes, audit_checkpoint, audit_report, lineage_inputs
+from training.parallel.mesh import ParallelDims
 from training.profiling import profile_root
 from training.reporting import CHECKPOINT_MESSAGE, drop_partial_line, read_records
 
@@ -192,7 +193,9 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     write_text_atomic(config_file, yaml.safe_dump(rendered, sort_keys=False))
     try:
         train_config = load_config(config_file)
-        train_config.accumulation_steps(msrun.worker_num)
+        # the parallel degrees must factorise msrun's workers, and the batch split over them, before launch
+        dims = ParallelDims.from_config(train_config.parallelism, msrun.worker_num)
+        dims.check_batch(train_config.training)
         # model: as the workers will build it, before msrun takes the devices; imported here, as the model
         # package imports MindSpore, which loading the definitions does not need
         from training.model import validate_model_section
@@ -203,6 +206,10 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         raise dg.Failure(f"training config {config.config_path}: {exc}") from None
     lineage_file = run_dir / "lineage_inputs.json"
     write_json_atomic(lineage_file, lineage_inputs(storage.manifest_path(), storage.root))
+    parallelism = train_config.parallelism
+    mesh = (f"{dims.describe()}; FSDP {parallelism.data_parallel_shard_strategy}"
+            + (", sequence parallel" if dims.tp > 1 else ""))
+    context.log.info(f"mesh: {mesh}")
     if train_config.checkpoint.load_path:
         what = ("starting from the weights of" if train_config.checkpoint.no_load_optim
                 else "resuming from the newest complete checkpoint in")
@@ -233,6 +240,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     metadata = {
         "run_dir": dg.MetadataValue.path(str(run_dir)), "config_sha256": dg.MetadataValue.text(sha256_file(config_file)),
         "msrun_command": dg.MetadataValue.text(" ".join(command)), "workers": msrun.worker_num,
+        "mesh": dg.MetadataValue.text(mesh),
         "checkpoints_saved": len(saved), "final_checkpoint": dg.MetadataValue.path(str(final) if final else ""),
         # the blend manifest's, as training used them (train_dataset.dataloader.config)
         **{name: getattr(train_config.train_dataset.dataloader.config, name)

@@ -14,6 +14,8 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
 - Pipes: the trainer-side cost of one step report streamed to Dagster vs. the same report without Pipes.
 - checkpoints: the training-thread stall of an async save vs. a sync save (target <= 0.10), and its write
   throughput vs. dd to the same directory (target >= 0.5).
+- parallelism: per-rank bytes of weights, gradients and optimizer state, and step time, of ZeRO-1/2/3 vs.
+  replicated data parallelism at 1, 2 and 4 msrun workers (ZeRO-3 at N ranks ~ 1/N of DP's).
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import blend_settings, checkpoint_io, data_index, model_flops, monitoring, pipes_streaming
+from benchmarks import (blend_settings, checkpoint_io, data_index, model_flops, monitoring, parallel_memory,
+                        pipes_streaming)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -232,6 +235,7 @@ def main(argv=None) -> int:
             monitoring.run(report)
             pipes_streaming.run(report)
             checkpoint_io.run(report)
+            parallel_memory.run(report, shard)
     return 0
 
 

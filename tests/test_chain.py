@@ -39,6 +39,9 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         chain = materialize_chain(instance, res, training_config())
         run = chain.metadata("training_run")
         assert run["first_step"] == 1 and run["final_step"] == 6
+        # MindFormers' default data_parallel_shard -1: the two workers shard the model (ZeRO-3)
+        assert run["mesh"] == ("2 workers = pp 1 × dp_replicate 1 × dp_shard 2 × cp 1 × tp 1; "
+                               "FSDP optim_grads_params")
         assert run["final_loss"] < run["first_loss"]
         assert sorted(instance.get_dynamic_partitions("checkpoints")) == [
             "micro/iteration_00000003", "micro/iteration_00000006"]
@@ -139,5 +142,15 @@ def test_failing_worker_fails_the_asset_with_its_log_tail(tmp_path, micro_source
             dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, resources=res,
                            run_config=config_for("training_run", training_config(
                                overrides=[f"checkpoint.load_path={tmp_path}/missing"])))
-    assert "msrun exited with code" in failure.value.description
-    assert "checkpoint.load_path" in failure.value.description and "no such directory" in failure.value.description
+        assert "msrun exited with code" in failure.value.description
+        assert "checkpoint.load_path" in failure.value.description and "no such directory" in failure.value.description
+        # degrees that do not factorise msrun's workers fail before msrun starts
+        def logs():
+            return {p.name: p.stat().st_mtime_ns for p in (tmp_path / "runs/micro/msrun_logs").glob("*")}
+        logs_before = logs()
+        with pytest.raises(dg.Failure, match=r"tensor_parallel 3 × pipeline_parallel 1 × context_parallel 1 = 3 "
+                                             r"does not divide the 2 workers"):
+            dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, resources=res,
+                           run_config=config_for("training_run", training_config(
+                               overrides=["parallelism.tensor_parallel=3", "parallelism.sequence_parallel=true"])))
+        assert logs() == logs_before

@@ -725,12 +725,6 @@ class TrainConfig(Section):
             return sizes[SPLITS.index(split)]
         return self.training.steps * self.training.global_batch_size if split == "train" else None
 
-    def data_parallel_size(self, world_size: int) -> int:
-        """dp = world / (tp·pp·cp), the ranks reading different samples (training.parallel.mesh.ParallelDims)."""
-        from training.parallel.mesh import ParallelDims  # it imports this module
-
-        return ParallelDims.from_config(self.parallelism, world_size).dp
-
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per step; the batch sizes must split evenly over the data-parallel ranks."""
         from training.parallel.mesh import ParallelDims  # it imports this module

@@ -135,6 +135,10 @@ class ParallelDims:
         """Ranks reading different samples: dp_replicate · dp_shard."""
         return self.dp_replicate * self.dp_shard
 
+    def describe(self) -> str:
+        """The factorisation in one line, e.g. "4 workers = pp 1 × dp_replicate 2 × dp_shard 2 × cp 1 × tp 1"."""
+        return f"{self.world} workers = " + " × ".join(f"{axis} {size}" for axis, size in zip(AXES, self.axis_sizes))
+
     def check_batch(self, training: TrainingConfig) -> int:
         """The micro-batches per step (gradient accumulation steps): global_batch_size / (local_batch_size ·
         dp), which must be a whole number."""

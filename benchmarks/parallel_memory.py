@@ -1,0 +1,106 @@
+"""Per-rank memory and step time of each data-parallel strategy at 1, 2 and 4 ranks (msrun on CPU).
+
+For configs/qwen3_tiny.yaml widened (hidden 256, 4 layers), each of replicated data parallelism (DP), ZeRO-1,
+ZeRO-2 and ZeRO-3 trains a few steps per world size; rank 0 reports the bytes it holds of weights, of gradients
+(the larger of what the backward hands back and what the reduction leaves), and of optimizer state, against
+DP's at the same world size (ZeRO-3 at N ranks should hold about 1/N of each), and the median step time
+against DP's. ZeRO-2's reduce-scatter runs after the backward here, so its gradients are whole until then, as
+ZeRO-1's; only ZeRO-3's backward yields chunks. Run as a script by msrun:
+``python benchmarks/parallel_memory.py OUT SHARD``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+STRATEGIES = {"DP": ["parallelism.data_parallel_shard=1"],
+              "ZeRO-1": ["parallelism.data_parallel_shard_strategy=optim"],
+              "ZeRO-2": ["parallelism.data_parallel_shard_strategy=optim_grads"],
+              "ZeRO-3": ["parallelism.data_parallel_shard_strategy=optim_grads_params"]}
+WIDER = ["model.hidden_size=256", "model.intermediate_size=768", "model.num_hidden_layers=4", "model.head_dim=64",
+         "model.num_attention_heads=4", "model.num_key_value_heads=2", "training.local_batch_size=1",
+         "training.global_batch_size=4"]
+STEPS = 4
+
+
+def _config(shard: str, overrides: list[str]):
+    sys.path.insert(0, str(PROJECT_ROOT))
+    from benchmarks import blend_settings
+    from resources.tokenizer import SPECIAL_IDS
+    from training.config import load_config
+
+    return load_config(PROJECT_ROOT / "configs/qwen3_tiny.yaml", [
+        f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
+        f"train_dataset.dataloader.config.eod={SPECIAL_IDS['eos']}",
+        f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(), *WIDER,
+        f"training.steps={STEPS}", "checkpoint.enable_save=false", *overrides])
+
+
+def _measure(trainer) -> dict:
+    """Train a few steps; the bytes this rank holds and the step times."""
+    reduce = trainer.parallel.reduce_gradients
+    held = {}
+
+    def keep(grads):
+        reduced = reduce(grads)
+        held["gradients"] = max(sum(int(g.nbytes) for g in gs) for gs in (grads, reduced))
+        return reduced
+    trainer.parallel.reduce_gradients = keep
+    times = []
+    for _ in range(STEPS):
+        started = time.perf_counter()
+        trainer.train_step()
+        times.append(time.perf_counter() - started)
+    return {"weights": sum(int(p.nbytes) for p in trainer.params), "gradients": held["gradients"],
+            "optimizer": sum(a.nbytes for a in trainer.optimizer.state_arrays().values()),
+            "step_s": statistics.median(times[1:])}
+
+
+def worker(out: str, shard: str) -> None:
+    """One msrun worker (or a single process): every strategy in turn."""
+    sys.path.insert(0, str(PROJECT_ROOT))
+    from training.parallel.mesh import init_world
+    from training.reporting import Reporter
+    from training.trainer import Trainer, configure_runtime
+
+    configure_runtime(_config(shard, []))
+    world = init_world()
+    figures = {}
+    for name, overrides in STRATEGIES.items():
+        trainer = Trainer(_config(shard, overrides), world, Path(out) / name, Reporter(None, enabled=False))
+        figures[name] = _measure(trainer)
+    if world.is_main:
+        (Path(out) / f"world{world.size}.json").write_text(json.dumps(figures))
+
+
+def run(report, shard: Path) -> None:
+    from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-parallel-") as tmp:
+        for world in (1, 2, 4):
+            if world == 1:
+                subprocess.run([sys.executable, __file__, tmp, str(shard)], check=True, cwd=PROJECT_ROOT)
+            else:
+                settings = MsrunSettings(worker_num=world, local_worker_num=world, master_port=free_port(),
+                                         log_dir=str(Path(tmp) / f"log{world}"), cluster_time_out=300)
+                subprocess.run(msrun_command(settings, [__file__, tmp, str(shard)]), check=True, cwd=PROJECT_ROOT,
+                               env=msrun_environment(os.environ), stdout=subprocess.DEVNULL)
+            figures = json.loads((Path(tmp) / f"world{world}.json").read_text())
+            dp = figures["DP"]
+            for name, f in figures.items():
+                for kind in ("weights", "gradients", "optimizer"):
+                    report(f"{name} {kind}, {world} rank(s)", f[kind] / 2**20, "MiB per rank", f[kind] / dp[kind],
+                           "DP's")
+                report(f"{name} step, {world} rank(s)", f["step_s"] * 1000, "ms", f["step_s"] / dp["step_s"],
+                       "DP's step")
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:])
