@@ -14,31 +14,31 @@ from training.reporting import Reporter  # noqa: E402
 from training.trainer import Trainer, configure_runtime  # noqa: E402
 
 STEPS = 3
-# name -> overrides ({out}: the cases' directory); the world is 4 workers. zero3 also saves at step 2, and two runs
-# resume from that sharded checkpoint into other layouts
+# name -> overrides ({out}: the cases' directory); the world is 4 workers. zero3 also saves at step 2, and a run
+# resumes from that sharded checkpoint into another layout (tensor parallel, ZeRO-1)
 CASES = {
     "replicated": ["parallelism.data_parallel_shard=1"],
     "zero1": ["parallelism.data_parallel_shard_strategy=optim"],
     "zero2": ["parallelism.data_parallel_shard_strategy=optim_grads"],
     "zero3": ["parallelism.data_parallel_shard_strategy=optim_grads_params", "checkpoint.save_interleaved_steps=2"],
-    "hsdp_zero3": ["parallelism.data_parallel_shard=2"],
-    "zero3_divide_after": ["parallelism.disable_gradient_division=false"],
+    "hsdp_zero3_divide_after": ["parallelism.data_parallel_shard=2", "parallelism.disable_gradient_division=false"],
     "tp2_sp_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"],
-    "tp2_sp_zero1": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
-                     "parallelism.data_parallel_shard_strategy=optim"],
-    "zero1_from_zero3": ["parallelism.data_parallel_shard_strategy=optim",
-                         "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002"],
-    "tp2_sp_zero3_from_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
+    "tp2_sp_zero1_from_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
+                                "parallelism.data_parallel_shard_strategy=optim",
                                 "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002"],
 }
+# ZeRO-3 on DeepSeek-V3 (MLA, MoE with expert biases and a balancing loss, MTP), against its own reference; its
+# tensor parallelism is proven in tests/test_tensor_parallel.py (a step here takes ~25 s on 4 CPU workers)
+DEEPSEEK = "tests/configs/deepseek_v3_micro.yaml"
+DEEPSEEK_CASES = {"deepseek_zero3": []}
 
 
-def case_config(shard: str, overrides: list[str], save_path: Path | None = None):
+def case_config(shard: str, overrides: list[str], save_path: Path | None = None, model_config: str = MICRO_CONFIG):
     save = [f"checkpoint.save_path={save_path}", "checkpoint.save_interleaved_steps=1000"] if save_path else [
         "checkpoint.enable_save=false"]
     # AdamW's eps at 1e-5: a gradient that cancels to ~1e-9 is reduction-order noise, and with a tiny eps Adam
     # turns its sign into a step of ~lr (seen: one embedding entry 5e-4 apart after tensor parallelism's sums)
-    return load_config(PROJECT_ROOT / MICRO_CONFIG, [
+    return load_config(PROJECT_ROOT / model_config, [
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
         "train_dataset.dataloader.config.pad=3", f"training.steps={STEPS}", "training.local_batch_size=1",
         "optimizer.eps=1e-5", *save, *overrides])
@@ -47,9 +47,11 @@ def case_config(shard: str, overrides: list[str], save_path: Path | None = None)
 def main(out: str, shard: str) -> None:
     configure_runtime(case_config(shard, []))  # once: MindSpore's device cannot be set again
     world = init_world()
-    for name, overrides in CASES.items():
+    cases = [(name, overrides, MICRO_CONFIG) for name, overrides in CASES.items()]
+    cases += [(name, overrides, DEEPSEEK) for name, overrides in DEEPSEEK_CASES.items()]
+    for name, overrides, model_config in cases:
         run_dir = Path(out) / name
-        config = case_config(shard, [o.format(out=out) for o in overrides], run_dir / "checkpoints")
+        config = case_config(shard, [o.format(out=out) for o in overrides], run_dir / "checkpoints", model_config)
         Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main)).train()
 
 

@@ -4,12 +4,13 @@ checkpoint (each rank writing its chunks) resumes into other layouts, and into o
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import PROJECT_ROOT, write_random_documents
-from fsdp_cases import CASES, STEPS, case_config
+from conftest import MICRO_CONFIG, PROJECT_ROOT, write_random_documents
+from fsdp_cases import CASES, DEEPSEEK, DEEPSEEK_CASES, STEPS, case_config
 from resources.msrun import free_port
 from training.parallel.mesh import World
 from training.checkpoint import load_checkpoint
@@ -24,16 +25,22 @@ LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 2e-6
 
 
+def single_process(root, shard, model_config):
+    """One process reading the cases' global batches (gradient accumulation): its step records and weights."""
+    run_dir = root / f"single-{Path(model_config).stem}"
+    config = case_config(str(shard), [], model_config=model_config)
+    configure_runtime(config)
+    reference = Trainer(config, World(0, 1), run_dir, Reporter(run_dir / "metrics.jsonl", enabled=True))
+    reference.train()
+    return read_records(run_dir / "metrics.jsonl"), {p.name: p.asnumpy() for p in reference.model.get_parameters()}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     shard = write_random_documents(root / "data/random")
-    config = case_config(str(shard), [])
-    configure_runtime(config)
-    reference = Trainer(config, World(0, 1), root / "single", Reporter(root / "single/metrics.jsonl", enabled=True))
-    reference.train()
-    expected = {p.name: p.asnumpy() for p in reference.model.get_parameters()}
-    assert len(expected) == 19  # the micro Qwen3: embedding, output layer, final norm, 8 tensors x 2 layers
+    references = {config: single_process(root, shard, config) for config in (MICRO_CONFIG, DEEPSEEK)}
+    assert len(references[MICRO_CONFIG][1]) == 19  # embedding, output layer, final norm, 8 tensors x 2 layers
     settings = MsrunSettings(worker_num=4, local_worker_num=4, master_port=free_port(),
                              log_dir=str(root / "msrun_log"), cluster_time_out=300)
     command = msrun_command(settings, [str(PROJECT_ROOT / "tests/fsdp_cases.py"), str(root / "cases"), str(shard)])
@@ -41,12 +48,13 @@ def runs(tmp_path_factory):
                           timeout=900)
     logs = "\n".join(p.read_text()[-3000:] for p in sorted((root / "msrun_log").glob("worker_*.log")))
     assert done.returncode == 0, logs
-    return root, read_records(root / "single/metrics.jsonl"), expected
+    return root, references
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *DEEPSEEK_CASES])
 def test_layout_trains_as_one_process(runs, case):
-    root, single, expected = runs
+    root, references = runs
+    single, expected = references[DEEPSEEK if case in DEEPSEEK_CASES else MICRO_CONFIG]
     sharded = read_records(root / "cases" / case / "metrics.jsonl")
     single = single[-len(sharded):]  # a resumed case starts after the checkpoint's step
     assert [m["step"] for m in sharded] == [m["step"] for m in single] and sharded[-1]["step"] == single[-1]["step"]
@@ -60,7 +68,8 @@ def test_layout_trains_as_one_process(runs, case):
 
 
 def test_a_zero3_checkpoint_of_four_ranks_resumes_in_one_process(runs, tmp_path):
-    root, single, expected = runs
+    root, references = runs
+    single, expected = references[MICRO_CONFIG]
     checkpoint = root / "cases/zero3/checkpoints/iteration_00000002"
     state = json.loads((checkpoint / "metadata.json").read_text())["state_dict_metadata"]
     assert state["embedding.word_embeddings.weight"]["axis_fragmentations"] == [4, 1]  # each rank wrote a quarter
