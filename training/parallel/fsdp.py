@@ -34,7 +34,6 @@ from training.parallel.tensor_parallel import TensorParallelPlan
 class _Sharded:
     """A parameter cut along dim 0 over ``dp_shard``: ``shard`` is this rank's chunk, the one the optimizer
     updates (for ZeRO-3 also the one the model holds)."""
-    name: str
     full_shape: tuple[int, ...]
     shard: Parameter
 
@@ -98,13 +97,13 @@ class DataParallel:
         self.sharded: dict[str, _Sharded] = {}
         for param in trainable:
             if shards > 1 and param.shape and param.shape[0] % shards == 0:
-                rows = param.shape[0] // shards
-                start = self.shard_group.rank * rows
-                chunk = Parameter(Tensor(param.asnumpy()[start:start + rows]), name=param.name)
-                self.sharded[param.name] = _Sharded(param.name, tuple(param.shape), chunk)
+                chunk = Parameter(Tensor(self._own_rows(param.asnumpy())), name=param.name)
+                self.sharded[param.name] = _Sharded(tuple(param.shape), chunk)
         self.full = {p.name: p for p in trainable}
         if strategy == "optim_grads_params":
             self._shard_model(unit_cells)
+        # what value_and_grad differentiates: the model's own tensors (its chunks under ZeRO-3)
+        self.model_params: list[Parameter] = list(model.trainable_params())
 
     # ---- ZeRO-3: the model holds chunks ------------------------------------------------------------
     def _shard_model(self, unit_cells: list[nn.Cell]) -> None:
@@ -116,7 +115,7 @@ class DataParallel:
             for param in unit.get_parameters():
                 owner[param.name] = unit
         slots: dict[int, list] = {id(u): [] for u in unit_cells}
-        for cell_name, cell in self.model.cells_and_names():
+        for _, cell in self.model.cells_and_names():
             for attr, param in list(cell._params.items()):
                 if param is None or param.name not in self.sharded:
                     continue
@@ -130,11 +129,6 @@ class DataParallel:
                     unit.logits = _UnitGather(unit.logits, slots[id(unit)], self.shard_group)
 
     # ---- what the trainer differentiates and updates -------------------------------------------------
-    @property
-    def model_params(self) -> list[Parameter]:
-        """The tensors value_and_grad differentiates: the model's own (chunks under ZeRO-3)."""
-        return list(self.model.trainable_params())
-
     @property
     def optimizer_params(self) -> list[tuple[str, Parameter]]:
         """(name, tensor) the optimizer updates: the chunk of every sharded parameter, the rest whole."""
@@ -150,7 +144,7 @@ class DataParallel:
         grads = self._sum_over_tp(grads)
         out: list[Tensor | None] = [None] * len(grads)
         whole, cut, replicate_cut = [], [], []
-        for i, (param, grad) in enumerate(zip(self.model_params, grads)):
+        for i, param in enumerate(self.model_params):
             if param.name not in self.sharded:
                 whole.append(i)
             elif self.strategy == "optim_grads_params":
@@ -184,7 +178,8 @@ class DataParallel:
             out[i] = reduced
         return tuple(out)
 
-    def _own_rows(self, tensor: Tensor) -> Tensor:
+    def _own_rows(self, tensor):
+        """This rank's dim-0 chunk of a whole tensor (MindSpore or numpy)."""
         rows = tensor.shape[0] // self.shard_group.size
         return tensor[self.shard_group.rank * rows:(self.shard_group.rank + 1) * rows]
 
@@ -262,8 +257,4 @@ class DataParallel:
         if self.params_are_chunks:
             return
         for name, sharded in self.sharded.items():
-            sharded.shard.set_data(Tensor(self._own_rows_array(self.full[name].asnumpy())))
-
-    def _own_rows_array(self, array: np.ndarray) -> np.ndarray:
-        rows = array.shape[0] // self.shard_group.size
-        return array[self.shard_group.rank * rows:(self.shard_group.rank + 1) * rows]
+            sharded.shard.set_data(Tensor(self._own_rows(self.full[name].asnumpy())))
