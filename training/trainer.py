@@ -20,14 +20,13 @@ from training.atomic import write_text_atomic
 from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, capture_rng_state, complete_steps,
                                  is_hf_dir, iteration_dir, load_checkpoint, load_checkpoint_balanced, numpy_dtype,
                                  resolve_load_path, restore_rng_state)
-from training.parallel.comm import Collectives
-from training.parallel.mesh import World
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.model import build_model
 from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
 from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm
-from training.parallel.mesh import DeviceMesh, ParallelDims
+from training.parallel.comm import Collectives
+from training.parallel.mesh import DeviceMesh, ParallelDims, World
 from training.parallel.parallelize import parallelize
 from training.profiling import build_profiler, profile_root
 from training.reporting import Reporter
@@ -87,6 +86,12 @@ class Trainer:
         self.model = build_model(config.model)
         self.model.dropout_masks.reset(config.training.seed, world.rank)  # each rank its own dropout masks
         self.model.set_train(True)  # dropout on
+        # the data's sequence length, then the model's size and FLOPs, counted before parallelize leaves each rank
+        # only its shards (the dataset draws from its own seeded generators: building it here moves no stream)
+        self.dataset = build_dataset(config, num_samples=config.split_samples("train"))
+        self.seq_length = seq_length_of(config, self.dataset)
+        self.num_parameters = self.model.num_parameters()
+        self.flops_per_token = self.model.flops_per_token(self.seq_length)
         self.parallel = parallelize(self.model, self.mesh, config, self.accumulation)
         self.params = self.parallel.model_params
         self.lr_schedule = build_lr_schedule(_lr_section(config), config.training.steps)
@@ -102,8 +107,6 @@ class Trainer:
         self.nan_policy = SkipStepOnNaN(config.training.use_skip_step_on_nan,
                                         config.training.max_consecutive_skipped_steps)
 
-        self.dataset = build_dataset(config, num_samples=config.split_samples("train"))
-        self.seq_length = seq_length_of(config, self.dataset)
         loader = config.train_dataset.dataloader
         self.use_positions = isinstance(loader, BlendedMegatronLoaderConfig) and loader.config.reset_position_ids
         self.step = 0
@@ -293,7 +296,7 @@ class Trainer:
                 "tokens_seen": self.consumed_samples * self.seq_length, "step_time_s": elapsed,
                 "tokens_per_s": tokens / elapsed,
                 "samples_per_s": self.config.training.global_batch_size / elapsed,
-                "tflops_per_device": self.model.flops_per_token(self.seq_length) * tokens
+                "tflops_per_device": self.flops_per_token * tokens
                 / elapsed / 1e12 / self.world.size, "embedding_grad_norm": embedding_norm,
                 **components, **self.moe_monitor.record(self.step, tokens_per_expert),
                 **({"abnormal": abnormal} if abnormal else {}), **monitored}
@@ -363,8 +366,7 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.resolved_config_path, self.resolved_yaml)
         start_step = self.step
-        n_params = sum(int(np.prod(p.shape)) for p in self.params)
-        self.reporter.info(f"[kiln] training {cfg.model['model_type']} ({n_params:,} parameters) on "
+        self.reporter.info(f"[kiln] training {cfg.model['model_type']} ({self.num_parameters:,} parameters) on "
                            f"{self.world.size} worker(s), dp={self.dp}, accumulation={self.accumulation}, "
                            f"steps {start_step}->{cfg.training.steps}")
         if cfg.profiler.enable_profiling:
