@@ -47,9 +47,12 @@ _MS_DTYPE_NAMES = {"float32": "Float32", "float16": "Float16", "int64": "Int64",
 _NUMPY_BY_MS_NAME = {ms_name: np.dtype(np_name) for np_name, ms_name in _MS_DTYPE_NAMES.items()}
 # what the reader returns for each stored dtype: bfloat16 (MindFormers' default) widened to float32
 _NUMPY_DTYPES = {**_NUMPY_BY_MS_NAME, "BFloat16": np.dtype("float32")}
-# safetensors' dtype codes by MindSpore name: how a file without metadata.json describes its tensors
-_MS_NAMES_BY_CODE = {"F32": "Float32", "F16": "Float16", "BF16": "BFloat16", "I64": "Int64", "I32": "Int32",
-                     "U16": "UInt16", "U8": "UInt8", "BOOL": "Bool"}
+# safetensors' dtype codes of the numpy dtypes Kiln saves
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32", "uint16": "U16",
+                       "uint8": "U8", "bool": "BOOL"}
+# MindSpore's name by safetensors' code: how a file without metadata.json describes its tensors
+_MS_NAMES_BY_CODE = {**{code: _MS_DTYPE_NAMES[np_name] for np_name, code in _SAFETENSORS_DTYPES.items()},
+                     "BF16": "BFloat16"}
 _SHARD_FILE_RE = re.compile(r"(?:^|-)(?:model|opt)-(\d{7})-(\d{7})\.safetensors$")
 # what a resume needs from common.json
 COMMON_REQUIRED = ("global_step", "consumed_samples", "global_batch_size")
@@ -77,10 +80,6 @@ def shard_file_name(prefix: str | None, kind: str, rank: int, world_size: int) -
     stem = f"{kind}-{rank:07d}-{world_size:07d}.safetensors"
     return f"{prefix}-{stem}" if prefix else stem
 
-
-# safetensors' dtype codes
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32", "uint16": "U16",
-                       "uint8": "U8", "bool": "BOOL"}
 
 
 def _write_safetensors_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
