@@ -1,6 +1,7 @@
 import pytest
 
 from training.config import ConfigError, TrainConfig, apply_overrides, load_config
+from training.parallel.mesh import ParallelDims
 
 MINIMAL = {
     "model": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "compute_dtype": "float32"},
@@ -60,9 +61,10 @@ def test_unsupported_non_default_is_an_error():
 
 def test_batch_sizes_must_divide():
     cfg = parse(training={"global_batch_size": 8, "local_batch_size": 2})
-    assert cfg.accumulation_steps(world_size=2) == 2
+    assert ParallelDims.from_config(cfg.parallelism, 2).check_batch(cfg.training) == 2
+    smaller = parse(training={"global_batch_size": 6, "local_batch_size": 2})
     with pytest.raises(ConfigError, match="global_batch_size=6 is not divisible by .*local_batch_size=2 × data_parallel=4"):
-        parse(training={"global_batch_size": 6, "local_batch_size": 2}).accumulation_steps(world_size=4)
+        ParallelDims.from_config(smaller.parallelism, 4).check_batch(smaller.training)
 
 
 def test_missing_required_model_fields():

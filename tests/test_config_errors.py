@@ -3,6 +3,7 @@ import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT
 from training.config import ConfigError, load_config
+from training.parallel.mesh import ParallelDims
 
 VALID = ["train_dataset.dataloader.config.data_path=[1.0, /data/a]", "train_dataset.dataloader.config.eod=2",
          "checkpoint.save_path=/tmp/kiln-checkpoints"]
@@ -76,10 +77,10 @@ def test_data_sources_without_data_path(overrides, message):
 
 def test_batch_sizes_are_checked_against_the_world():
     config = load("training.local_batch_size=2", "training.global_batch_size=6")
-    assert config.accumulation_steps(1) == 3
+    assert ParallelDims.from_config(config.parallelism, 1).check_batch(config.training) == 3
     with pytest.raises(ConfigError, match=r"training\.global_batch_size=6 is not divisible by "
                                           r"training\.local_batch_size=2 × data_parallel=2"):
-        config.accumulation_steps(2)
+        ParallelDims.from_config(config.parallelism, 2).check_batch(config.training)
 
 
 def test_a_bad_override_names_itself():

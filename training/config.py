@@ -725,12 +725,6 @@ class TrainConfig(Section):
             return sizes[SPLITS.index(split)]
         return self.training.steps * self.training.global_batch_size if split == "train" else None
 
-    def accumulation_steps(self, world_size: int) -> int:
-        """Micro-batches per step; the batch sizes must split evenly over the data-parallel ranks."""
-        from training.parallel.mesh import ParallelDims  # it imports this module
-
-        return ParallelDims.from_config(self.parallelism, world_size).check_batch(self.training)
-
 
 def set_field(data: dict, dotted_key: str, value: Any) -> dict:
     """Set ``a.b.c`` in a nested dict, creating sections on the way."""

@@ -349,16 +349,6 @@ class Collectives:
         """Sum a MindSpore tensor over every rank (differentiable)."""
         return all_reduce(tensor, self.group)
 
-    def average_gradients(self, grads: tuple) -> tuple:
-        """Mean of each gradient over ranks, as one AllReduce of one flat buffer: a collective's
-        fixed cost (a CPU round trip through the scheduler, an HCCL launch) dominates for small
-        tensors, and a model has dozens of them."""
-        if self.world.size == 1:
-            return grads
-        flat = _backend().all_reduce(ops.cat([g.reshape(-1) for g in grads]), self.group) * (1.0 / self.world.size)
-        pieces = ops.split(flat, [int(g.size) for g in grads])
-        return tuple(piece.reshape(g.shape) for piece, g in zip(pieces, grads))
-
     def all_reduce_array(self, values: np.ndarray) -> np.ndarray:
         """Sum a small float64/float32 numpy array over ranks (metrics, flags)."""
         return all_reduce_array(values, self.group)
