@@ -207,8 +207,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     lineage_file = run_dir / "lineage_inputs.json"
     write_json_atomic(lineage_file, lineage_inputs(storage.manifest_path(), storage.root))
     parallelism = train_config.parallelism
-    mesh = (f"{dims.describe()}; FSDP {parallelism.data_parallel_shard_strategy}"
-            + (", sequence parallel" if dims.tp > 1 else ""))
+    sharding = f"FSDP {parallelism.data_parallel_shard_strategy}" if dims.dp_shard > 1 else "parameters replicated"
+    mesh = f"{dims.describe()}; {sharding}" + (", sequence parallel" if dims.tp > 1 else "")
     context.log.info(f"mesh: {mesh}")
     if train_config.checkpoint.load_path:
         what = ("starting from the weights of" if train_config.checkpoint.no_load_optim
