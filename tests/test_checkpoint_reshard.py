@@ -182,7 +182,9 @@ def test_metadata_json_follows_mindformers_schema(tmp_path):
     assert proj["chunk"] == [{"global_offset": [k], "local_shape": [4, 6]} for k in range(4)]
     assert proj["properties"] == {"dtype": "Float16", "replica_id": [0, 0, 0, 0], "allow_shape_mismatch": False,
                                   "allow_to_save": True}
-    assert proj["layout"] is None
+    # MindSpore's Layout: replicas, then dp rows, then tp columns; each position's rank holds that chunk
+    assert proj["layout"] == {"device_matrix": [1, 2, 2], "tensor_map": [1, 0], "interleaved_parallel": False,
+                              "alias_name": ["replica", "dim0", "dim1"], "rank_list": [0, 1, 2, 3]}
     # the grid is row-major: chunk 1 is dp row 0, tp column 1, held by rank 1 only
     assert meta["storage_data"][f"('{PROJ}', (1,))"] == [
         {"file_name": "checkpoint-model-0000001-0000004.safetensors", "storage_rank": 1, "rank_group": [1]}]
@@ -192,8 +194,9 @@ def test_metadata_json_follows_mindformers_schema(tmp_path):
     assert meta["storage_data"][f"('{NORM}', (1,))"] == [
         {"file_name": f"checkpoint-model-000000{r}-0000004.safetensors", "storage_rank": r, "rank_group": [2, 3]}
         for r in (2, 3)]
+    assert norm["layout"]["device_matrix"] == [2, 2] and norm["layout"]["rank_list"] == [0, 2, 1, 3]
     step = meta["state_dict_metadata"][STEP]
-    assert step["axis_fragmentations"] == [1] and step["properties"]["replica_id"] == 0
+    assert step["axis_fragmentations"] == [1] and step["properties"]["replica_id"] == 0 and step["layout"] is None
     assert [e["storage_rank"] for e in meta["storage_data"][f"('{STEP}', (0,))"]] == [0, 1, 2, 3]
     assert len(meta["storage_data"]) == sum(len(e["chunk"]) for e in meta["state_dict_metadata"].values())
 
@@ -206,6 +209,49 @@ def test_metadata_json_follows_mindformers_schema(tmp_path):
     assert meta["storage_data"][f"('{STEP}', (0,))"] == [
         {"file_name": "checkpoint-opt-0000001-0000004.safetensors", "storage_rank": 1, "rank_group": [0, 1, 2, 3]}]
     assert all(len(entries) == 1 for entries in meta["storage_data"].values())
+
+
+def mindspore_slices(layout: dict, shape: list[int], position: int) -> tuple[slice, ...]:
+    """The region of a tensor held by the device at ``position`` of a MindSpore layout: the position's
+    coordinates in the device matrix (row-major), and per tensor dim the coordinate of the device axis its
+    tensor_map names, counted from the last axis (-1: uncut)."""
+    matrix, coordinates = layout["device_matrix"], []
+    for size in reversed(matrix):
+        coordinates.insert(0, position % size)
+        position //= size
+    slices = []
+    for dim, axis in enumerate(layout["tensor_map"]):
+        parts = 1 if axis == -1 else matrix[len(matrix) - 1 - axis]
+        part = 0 if axis == -1 else coordinates[len(matrix) - 1 - axis]
+        slices.append(slice(part * shape[dim] // parts, (part + 1) * shape[dim] // parts))
+    return tuple(slices)
+
+
+@pytest.mark.parametrize("source", ["FSDP2", "TP2", "TP2xFSDP2"])
+def test_metadata_layouts_address_the_chunk_each_rank_wrote(tmp_path, source):
+    """MindFormers' loader finds a source rank's region from ``layout`` alone (reference §3.6): read as MindSpore
+    reads it, each rank of the rank list must be given exactly the array it wrote; MindSpore builds the same
+    Layout from it."""
+    from mindspore.parallel import Layout
+
+    path = save_under(tmp_path, source, remove_redundancy=False)
+    meta = json.loads((path / "metadata.json").read_text())
+    model, _ = full_tensors()
+    world_size = layouts_of(source)[0]
+    files = {rank: load_file(path / f"checkpoint-model-{rank:07d}-{world_size:07d}.safetensors")
+             for rank in range(world_size)}
+    for name, full in model.items():
+        layout = meta["state_dict_metadata"][name]["layout"]
+        if layout is None:  # held whole by every rank
+            assert meta["state_dict_metadata"][name]["axis_fragmentations"] == [1] * full.ndim
+            continue
+        for position, rank in enumerate(layout["rank_list"]):
+            np.testing.assert_array_equal(files[rank][name], full[mindspore_slices(layout, list(full.shape),
+                                                                                   position)], err_msg=name)
+        names = ["None" if axis == -1 else layout["alias_name"][len(layout["alias_name"]) - 1 - axis]
+                 for axis in layout["tensor_map"]]
+        rebuilt = Layout(tuple(layout["device_matrix"]), tuple(layout["alias_name"]), layout["rank_list"])(*names)
+        assert {k: list(v) if isinstance(v, tuple) else v for k, v in rebuilt.to_dict().items()} == layout
 
 
 def test_a_rank_reads_only_the_files_holding_its_chunks(tmp_path):

@@ -166,7 +166,7 @@ class SavePlan:
             layout = (layouts or {}).get(name) or TensorLayout.replicated(arrays[kind[name]][name].shape, world_size)
             _check_layout(name, layout, arrays[kind[name]][name], world_size)
             full[name] = layout
-        holders = {(name, k): ranks for name, layout in full.items() for k, ranks in enumerate(_holders(layout))}
+        holders = {(name, k): ranks for name, layout in full.items() for k, ranks in enumerate(layout.holders())}
         if remove_redundancy:
             writers = {}
             for k in arrays:
@@ -199,8 +199,8 @@ class SavePlan:
         """MindFormers' metadata.json: every tensor's global shape, shard grid and distinct chunks, and in
         storage_data, for each chunk, every file holding a copy, the rank that wrote it and the chunk's
         holders. ``replica_id`` of a sharded tensor is MindFormers' per-rank list: rank r's index among the
-        holders of its chunk; an unsharded tensor has 0. ``layout`` (MindSpore's device matrix and tensor
-        map) stays null: the grid and storage_data describe every chunk."""
+        holders of its chunk; an unsharded tensor has 0. ``layout``: MindSpore's device matrix, tensor map and
+        rank list of a sharded tensor, which MindFormers' loader reshards from; null for an unsharded one."""
         state, storage = {}, {}
         for name, layout in self.layouts.items():
             if self.dtype[name].name not in _MS_DTYPE_NAMES:
@@ -212,7 +212,7 @@ class SavePlan:
                                "allow_shape_mismatch": False, "allow_to_save": True},
                 "global_shape": list(layout.global_shape),
                 "axis_fragmentations": list(layout.fragmentations),
-                "layout": None,
+                "layout": layout.mindspore_layout(),
                 "chunk": [{"global_offset": [k], "local_shape": list(layout.local_shape)}
                           for k in range(layout.num_chunks)],
             }
@@ -221,15 +221,6 @@ class SavePlan:
                     {"file_name": self.files[(self.kind[name], r)], "storage_rank": r,
                      "rank_group": self.holders[(name, k)]} for r in self.writers[(name, k)]]
         return {"state_dict_metadata": state, "storage_data": storage}
-
-
-def _holders(layout: TensorLayout) -> list[list[int]]:
-    """Each chunk's holders, ascending: ``TensorLayout.holders`` of every chunk in one pass over the ranks
-    (a plan is built at every save, and a world of N ranks has up to N chunks per tensor)."""
-    holders: list[list[int]] = [[] for _ in range(layout.num_chunks)]
-    for rank, chunk in enumerate(layout.chunk_of_rank):
-        holders[chunk].append(rank)
-    return holders
 
 
 def _replica_ids(layout: TensorLayout) -> list[int]:
@@ -255,6 +246,10 @@ def _check_layout(name: str, layout: TensorLayout, local: np.ndarray, world_size
     if orphans:
         raise CheckpointError(f"tensor {name}: chunks {orphans} of its layout are held by no rank, "
                               f"so no file would hold them")
+    try:
+        layout.mindspore_layout()
+    except ValueError as exc:
+        raise CheckpointError(f"tensor {name}: {exc}") from None
 
 
 def _host_copies(files: dict[str, dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:

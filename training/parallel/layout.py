@@ -82,6 +82,30 @@ class TensorLayout:
         """Where chunk ``chunk`` lies in the global tensor."""
         return tuple(slice(c * n, (c + 1) * n) for c, n in zip(self.chunk_coordinates(chunk), self.local_shape))
 
-    def holders(self, chunk: int) -> tuple[int, ...]:
-        """The ranks holding chunk ``chunk`` (its replicas), ascending."""
-        return tuple(r for r, k in enumerate(self.chunk_of_rank) if k == chunk)
+    def holders(self) -> list[list[int]]:
+        """Each chunk's holders (its replicas), ascending, in one pass over the ranks (a plan is built at every
+        save, and a world of N ranks has up to N chunks per tensor)."""
+        holders: list[list[int]] = [[] for _ in range(self.num_chunks)]
+        for rank, chunk in enumerate(self.chunk_of_rank):
+            holders[chunk].append(rank)
+        return holders
+
+    def mindspore_layout(self) -> dict | None:
+        """This layout as MindSpore's ``Layout.to_dict()``, the ``layout`` of MindFormers' metadata.json, which its
+        resharding loader reads (reference §2.4, §3.6); None for a tensor held whole. The device matrix is the
+        replicas, then one axis per cut dim; ``rank_list`` names the rank at each of its positions (row-major),
+        so any assignment of chunks to ranks is described exactly. ``tensor_map`` counts device axes from the
+        last, as MindSpore does; -1 is an uncut dim."""
+        if not self.is_sharded:
+            return None
+        holders = self.holders()
+        replicas = len(holders[0])
+        if any(len(ranks) != replicas for ranks in holders):
+            raise ValueError(f"chunks of {self.global_shape} have unequal numbers of holders "
+                             f"{[len(ranks) for ranks in holders]}: no device matrix describes them")
+        cut = [d for d, parts in enumerate(self.fragmentations) if parts > 1]
+        return {"device_matrix": [replicas, *(self.fragmentations[d] for d in cut)],
+                "tensor_map": [len(cut) - 1 - cut.index(d) if d in cut else -1 for d in range(len(self.global_shape))],
+                "interleaved_parallel": False,
+                "alias_name": ["replica", *(f"dim{d}" for d in cut)],
+                "rank_list": [holders[k][replica] for replica in range(replicas) for k in range(self.num_chunks)]}
