@@ -8,7 +8,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.data import blend_manifest, read_shard_sidecar, source_partitions, token_shards
-from assets.training import audit_evaluation, checkpoint, checkpoint_dir, checkpoint_partitions
+from assets.training import audit_evaluation, checkpoint, checkpoint_dir
 from resources.storage import KilnStorage
 from training.data.hashing import sha256_file
 from training.data.indexed import IndexedDataset, IndexedDatasetError
@@ -88,10 +88,15 @@ def manifest_shards_match(storage: KilnStorage) -> dg.AssetCheckResult:
     return _result(problems, {"files_checked": checked})
 
 
-@dg.asset_check(asset=checkpoint.key, name="audit", partitions_def=checkpoint_partitions,
-                description="`kiln audit` of the checkpoint: every file complete with its sha256, and the "
-                            "run config, manifest, shards, tokenizer and raw files it trained on unchanged.")
+@dg.asset_check(asset=checkpoint.key, name="audit",
+                description="`kiln audit` of a checkpoint: every file complete with its sha256, and the run "
+                            "config, manifest, shards, tokenizer and raw files it trained on unchanged. "
+                            "`training_run` records one per saved checkpoint (each also in that checkpoint's "
+                            "`audit` metadata); executed from here, it audits the newest recorded checkpoint.")
 def checkpoint_audit(context: dg.AssetCheckExecutionContext, storage: KilnStorage) -> dg.AssetCheckResult:
-    # training_run logs this check for every checkpoint it saves; this re-runs it from the UI
-    evaluation = audit_evaluation(checkpoint_dir(storage, context.partition_key), context.partition_key)
+    newest = context.instance.get_latest_materialization_event(checkpoint.key)
+    if newest is None:
+        return dg.AssetCheckResult(passed=False, metadata={"error": "no checkpoint recorded yet"})
+    partition = newest.dagster_event.partition
+    evaluation = audit_evaluation(checkpoint_dir(storage, partition), partition)
     return dg.AssetCheckResult(passed=evaluation.passed, metadata=evaluation.metadata)

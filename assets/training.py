@@ -15,12 +15,12 @@ import dagster as dg
 import yaml
 from pydantic import Field
 
-from assets.data import EAGER_AFTER_CHECKS, blend_manifest, combined_hash, files_table
+from assets.data import EAGER_AFTER_CHECKS, blend_manifest, combined_hash
 from assets.versions import versioned_asset
 from resources.msrun import MsrunResource
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.atomic import write_json_atomic, write_text_atomic
-from training.checkpoint import latest_complete_checkpoint
+from training.checkpoint import LINEAGE, is_complete, latest_complete_checkpoint
 from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest, training_data_path
@@ -129,30 +129,59 @@ def checkpoint_dir(storage: KilnStorage, partition: str) -> Path:
     return storage.run_dir(run_name) / "checkpoints" / iteration
 
 
+AUDIT_PROBLEMS_SHOWN = 20  # the rest is one `kiln audit <dir>` away: an event stays small at any corpus size
+
+
 def audit_evaluation(checkpoint_dir: Path, partition: str, hashes: FileHashes | None = None
                      ) -> dg.AssetCheckEvaluation:
-    """`kiln audit` of one checkpoint as the `audit` check of its partition. An audit that cannot run (an
-    unreadable lineage.json, a malformed record, a file that cannot be read) is a failed check saying why,
-    never an exception: this runs while training does."""
+    """`kiln audit` of one checkpoint as an evaluation of the checkpoint asset's `audit` check, naming the
+    checkpoint in its metadata. The check is not partitioned: Dagster rebuilds a partitioned check's status
+    with a query per partition on every page load, which at thousands of checkpoints takes the UI tens of
+    seconds; each checkpoint's own result is in its materialization's `audit` entry instead. Only the
+    problems are listed (at most AUDIT_PROBLEMS_SHOWN), never every file verified. An audit that cannot run
+    (an unreadable lineage.json, a malformed record, a file that cannot be read) is a failed check saying
+    why, never an exception: this runs while training does."""
+    metadata: dict = {"checkpoint": dg.MetadataValue.text(partition)}
     try:
-        lineage, checks = audit_checkpoint(checkpoint_dir, hashes=hashes)
-        report = audit_report(checkpoint_dir, lineage, checks)
+        _, checks = audit_checkpoint(checkpoint_dir, hashes=hashes)
     except Exception as exc:  # noqa: BLE001 -- reported as the check's result
-        return dg.AssetCheckEvaluation(asset_key=checkpoint.key, check_name="audit", partition=partition,
-                                       passed=False, metadata={"error": dg.MetadataValue.text(
-                                           f"the audit could not run: {type(exc).__name__}: {exc}")})
+        metadata["error"] = dg.MetadataValue.text(f"the audit could not run: {type(exc).__name__}: {exc}")
+        return dg.AssetCheckEvaluation(asset_key=checkpoint.key, check_name="audit", passed=False, metadata=metadata)
     bad = [c for c in checks if c.status != "ok"]
-    return dg.AssetCheckEvaluation(
-        asset_key=checkpoint.key, check_name="audit", partition=partition, passed=not bad,
-        metadata={"verified": len(checks) - len(bad), "failed": len(bad),
-                  "report": dg.MetadataValue.md(f"```\n{report}\n```")})
+    metadata.update({"verified": len(checks) - len(bad), "failed": len(bad)})
+    if bad:
+        more = len(bad) - AUDIT_PROBLEMS_SHOWN
+        lines = [c.line().strip() for c in bad[:AUDIT_PROBLEMS_SHOWN]] + ([f"... and {more} more"] if more > 0 else [])
+        metadata["problems"] = dg.MetadataValue.md("```\n" + "\n".join(lines) + f"\n```\n`kiln audit {checkpoint_dir}`"
+                                                   " prints every link")
+    return dg.AssetCheckEvaluation(asset_key=checkpoint.key, check_name="audit", passed=not bad, metadata=metadata)
 
 
-def _checkpoint_event(message: dict, run_name: str, code_version: str) -> tuple[str, dg.AssetMaterialization]:
-    key = f"{run_name}/{Path(message['path']).name}"
+def audit_summary(evaluation: dg.AssetCheckEvaluation) -> str:
+    """One line for the checkpoint's own materialization: its audit, visible on its partition."""
+    if "error" in evaluation.metadata:
+        return evaluation.metadata["error"].value
+    verified, failed = (evaluation.metadata[k].value for k in ("verified", "failed"))
+    return f"passed: {verified} file(s) verified" if evaluation.passed else \
+        f"FAILED: {failed} link(s) changed or missing, {verified} verified (see the audit check)"
+
+
+def forget_rotated_checkpoints(instance: dg.DagsterInstance, storage: KilnStorage, run_name: str) -> list[str]:
+    """Delete the partitions of ``run_name``'s checkpoints that are no longer complete on disk (``save_max``
+    rotation removed them), so the UI offers no action on a checkpoint that is gone. Their materializations
+    and audits stay in the event log."""
+    gone = [key for key in instance.get_dynamic_partitions(checkpoint_partitions.name)
+            if key.startswith(f"{run_name}/") and not is_complete(checkpoint_dir(storage, key))]
+    for key in gone:
+        instance.delete_dynamic_partition(checkpoint_partitions.name, key)
+    return gone
+
+
+def _checkpoint_event(message: dict, key: str, run_name: str, code_version: str, audit: str
+                      ) -> dg.AssetMaterialization:
     files = message["files"]
     data_version = combined_hash([f["sha256"] for f in files])
-    return key, dg.AssetMaterialization(
+    return dg.AssetMaterialization(
         asset_key="checkpoint", partition=key,
         description=f"step {message['step']} of run `{run_name}`",
         metadata={
@@ -163,8 +192,10 @@ def _checkpoint_event(message: dict, run_name: str, code_version: str) -> tuple[
             "grad_norm": dg.MetadataValue.float(message["grad_norm"]),
             "tokens_per_s": dg.MetadataValue.float(message["tokens_per_s"]),
             "samples_per_s": dg.MetadataValue.float(message["samples_per_s"]),
-            "ckpt_status": message["ckpt_status"],
-            "bytes": sum(f["bytes"] for f in files), "files": files_table(files, ["name", "bytes", "sha256"]),
+            "ckpt_status": message["ckpt_status"], "audit": dg.MetadataValue.text(audit),
+            # every file with its sha256 is in lineage.json: one row per rank's file would grow every event
+            "bytes": sum(f["bytes"] for f in files), "num_files": len(files),
+            "lineage": dg.MetadataValue.path(str(Path(message["path"]) / LINEAGE)),
         },
         tags={"dagster/data_version": data_version, "dagster/code_version": code_version},
     )
@@ -222,18 +253,23 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     def on_message(message: dict) -> None:
         if message.get("event") != CHECKPOINT_MESSAGE:
             return
-        key, event = _checkpoint_event(message, config.run_name, code_version)
+        key = f"{config.run_name}/{Path(message['path']).name}"
+        evaluation = audit_evaluation(Path(message["path"]), key, hashes)
         context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
-        context.log_event(event)
+        context.log_event(_checkpoint_event(message, key, config.run_name, code_version, audit_summary(evaluation)))
         saved.append(message)
-        context.log_event(audit_evaluation(Path(message["path"]), key, hashes))
+        context.log_event(evaluation)
+        forget_rotated_checkpoints(context.instance, storage, config.run_name)
 
     metrics_path = run_dir / "metrics.jsonl"
     drop_partial_line(metrics_path)  # the workers' reporter does the same: this run's records start here
     first_record = metrics_path.stat().st_size if metrics_path.exists() else 0
-    command = msrun.run(context, ["-m", "training.run", "--config", str(config_file), "--output-dir", str(run_dir),
-                                  "--lineage", str(lineage_file)],
-                        log_dir=run_dir / "msrun_logs", on_custom_message=on_message)
+    try:
+        command = msrun.run(context, ["-m", "training.run", "--config", str(config_file), "--output-dir",
+                                      str(run_dir), "--lineage", str(lineage_file)],
+                            log_dir=run_dir / "msrun_logs", on_custom_message=on_message)
+    finally:  # a message retried after msrun exited may have recorded a checkpoint rotated meanwhile
+        forget_rotated_checkpoints(context.instance, storage, config.run_name)
     steps = read_records(metrics_path, first_record)
     final = latest_complete_checkpoint(Path(train_config.checkpoint.save_path))
     final_files = json.loads((final / "lineage.json").read_text())["checkpoint"]["files"] if final else []

@@ -1,5 +1,6 @@
 """End to end: every asset of the chain, msrun with 2 CPU workers, checkpoints, resume and audit."""
 import json
+import re
 import shutil
 
 import dagster as dg
@@ -57,7 +58,10 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         assert {kinds[k] for k in [("tokenizer", "sha256"), ("token_shards", "tokenizer_sha256"),
                                    ("blend_manifest", "sha256")]} == {"TextMetadataValue"}
         assert {kinds[k] for k in [("raw_corpus", "files"), ("token_shards", "shards"), ("token_shards", "raw_files"),
-                                   ("blend_manifest", "sources"), ("checkpoint", "files")]} == {"TableMetadataValue"}
+                                   ("blend_manifest", "sources")]} == {"TableMetadataValue"}
+        # each checkpoint's audit on its own partition: the check itself is unpartitioned (one status, fast UI)
+        audits = [m.metadata["audit"].value for m in chain.materializations["checkpoint"]]
+        assert len(audits) == 2 and all(re.fullmatch(r"passed: \d+ file\(s\) verified", a) for a in audits), audits
         assert {kinds[k] for k in [("blend_manifest", "summary"), ("training_run", "loss_curve")]} == {
             "MarkdownMetadataValue"}
         assert {kinds[k] for k in [("checkpoint", "loss"), ("checkpoint", "tokens_per_s"),
@@ -95,19 +99,25 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
             return add_partitions(self, name, keys)
         monkeypatch.setattr(type(instance), "add_dynamic_partitions", flaky_add)
         monkeypatch.setattr("assets.training.audit_checkpoint", lambda *a, **k: 1 / 0)
+        # save_max 2: rotation deletes iterations 3 and 6 from disk, and so their partitions
         again = dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, resources=res,
-                               run_config=config_for("training_run", training_config(overrides=["training.steps=12"])))
+                               run_config=config_for("training_run", training_config(
+                                   overrides=["training.steps=12", "checkpoint.save_max=2"])))
         monkeypatch.undo()
         (event,) = [m for m in again.asset_materializations_for_node("training_run")
                     if m.asset_key == dg.AssetKey("training_run")]
         resumed = {k: v.value for k, v in event.metadata.items()}
         assert resumed["first_step"] == 7 and resumed["final_step"] == 12
         assert refusals == [["micro/iteration_00000009"]]
-        assert {"micro/iteration_00000009", "micro/iteration_00000012"} <= set(
-            instance.get_dynamic_partitions("checkpoints"))
+        assert sorted(instance.get_dynamic_partitions("checkpoints")) == [
+            "micro/iteration_00000009", "micro/iteration_00000012"]
+        assert not (tmp_path / "runs/micro/checkpoints/iteration_00000006").exists()
+        # a rotated checkpoint's history stays in the event log
+        assert instance.fetch_materializations(dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey("checkpoint"), asset_partitions=["micro/iteration_00000003"]), limit=5).records
         audits = [e for e in again.get_asset_check_evaluations() if e.check_name == "audit"]
-        assert sorted((e.partition, e.passed) for e in audits) == [
-            ("micro/iteration_00000009", False), ("micro/iteration_00000012", False)]
+        assert sorted((e.partition, e.metadata["checkpoint"].value, e.passed) for e in audits) == [
+            (None, "micro/iteration_00000009", False), (None, "micro/iteration_00000012", False)]
         assert all("the audit could not run: ZeroDivisionError" in e.metadata["error"].value for e in audits)
         checkpoint_dir = tmp_path / "runs/micro/checkpoints/iteration_00000012"
         lineage = json.loads((checkpoint_dir / "lineage.json").read_text())

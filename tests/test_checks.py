@@ -1,9 +1,13 @@
 """Blocking checks: a corrupt shard stops the blend; a changed shard fails the manifest check; audits."""
+import json
+import shutil
+
 import dagster as dg
 import pytest
 
 import assets.data
-from assets.training import audit_evaluation, checkpoint_dir
+from assets.training import (AUDIT_PROBLEMS_SHOWN, audit_evaluation, audit_summary, checkpoint_dir,
+                             forget_rotated_checkpoints)
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, build_definitions, resources
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
@@ -99,12 +103,61 @@ def test_changed_or_missing_shard_fails_the_manifest_check(data_chain):
     assert f"{shard}.idx is missing" in problems
 
 
-def test_checkpoint_audit_names_the_partition_and_fails_without_lineage(tmp_path):
+def test_checkpoint_audit_names_the_checkpoint_and_fails_without_lineage(tmp_path):
     storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"))
     directory = checkpoint_dir(storage, "tiny/iteration_00000003")
     assert directory == tmp_path / "runs/tiny/checkpoints/iteration_00000003"
     directory.mkdir(parents=True)
     evaluation = audit_evaluation(directory, "tiny/iteration_00000003")
-    assert (evaluation.check_name, evaluation.partition, evaluation.passed) == ("audit", "tiny/iteration_00000003",
-                                                                                False)
+    assert (evaluation.check_name, evaluation.partition, evaluation.passed) == ("audit", None, False)
+    assert evaluation.metadata["checkpoint"].value == "tiny/iteration_00000003"
     assert "lineage.json" in evaluation.metadata["error"].value
+    assert audit_summary(evaluation).startswith("the audit could not run: ValueError")
+
+
+def test_a_failed_audit_lists_a_bounded_number_of_problems(tmp_path):
+    directory = tmp_path / "run/checkpoints/iteration_00000001"
+    directory.mkdir(parents=True)
+    files = [{"name": f"model-{i:07d}-0000050.safetensors", "sha256": "0" * 64} for i in range(50)]
+    (directory / "lineage.json").write_text(json.dumps({"checkpoint": {"step": 1, "files": files, "common": {}},
+                                                        "run": {"config_path": str(tmp_path / "none.yaml"),
+                                                                "config_sha256": "1" * 64}}))
+    evaluation = audit_evaluation(directory, "run/iteration_00000001")
+    assert not evaluation.passed and evaluation.metadata["failed"].value == 52  # 50 files, common.json, config
+    problems = evaluation.metadata["problems"].value
+    assert problems.count("missing") == AUDIT_PROBLEMS_SHOWN and "... and 32 more" in problems
+    assert f"kiln audit {directory}" in problems
+    assert audit_summary(evaluation) == "FAILED: 52 link(s) changed or missing, 0 verified (see the audit check)"
+
+
+def _record_checkpoint(instance, storage, key, on_disk=True):
+    directory = checkpoint_dir(storage, key)
+    if on_disk:
+        directory.mkdir(parents=True)
+        (directory / "common.json").write_text("{}")
+    instance.add_dynamic_partitions("checkpoints", [key])
+    instance.report_runless_asset_event(dg.AssetMaterialization("checkpoint", partition=key))
+
+
+def test_rotated_checkpoints_stop_being_partitions_and_the_check_audits_the_newest(tmp_path):
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"))
+    with dg.instance_for_test() as instance:
+        _record_checkpoint(instance, storage, "other/iteration_00000001", on_disk=False)  # not this run's
+        for step in (1, 2, 3):
+            _record_checkpoint(instance, storage, f"run/iteration_{step:08d}")
+        shutil.rmtree(checkpoint_dir(storage, "run/iteration_00000001"))  # as save_max rotation does
+        assert forget_rotated_checkpoints(instance, storage, "run") == ["run/iteration_00000001"]
+        assert sorted(instance.get_dynamic_partitions("checkpoints")) == [
+            "other/iteration_00000001", "run/iteration_00000002", "run/iteration_00000003"]
+        history = instance.fetch_materializations(dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey("checkpoint"), asset_partitions=["run/iteration_00000001"]), limit=5)
+        assert len(history.records) == 1  # its history stays
+
+        # "Execute check" in the UI: the unpartitioned check audits the newest recorded checkpoint
+        result = dg.materialize([*ALL_ASSETS, *ALL_CHECKS], instance=instance, resources=resources(storage=storage),
+                                selection=dg.AssetSelection.checks(dg.AssetCheckKey(dg.AssetKey("checkpoint"),
+                                                                                    "audit")),
+                                raise_on_error=False)
+        evaluation = _check(result, "audit")
+        assert not evaluation.passed and evaluation.metadata["checkpoint"].value == "run/iteration_00000003"
+        assert "iteration_00000003/lineage.json: unreadable lineage" in evaluation.metadata["error"].value
