@@ -25,7 +25,8 @@ from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audi
 
 DATA_VERSION = "dagster/data_version"
 CODE_VERSION = "dagster/code_version"
-SEARCHED_MATERIALIZATIONS = 200  # per asset (partition), newest first
+SEARCH_PAGE = 500  # materializations fetched per query, newest first
+SEARCH_LIMIT = 20_000  # per link: older materializations than these are reported "outside the searched history"
 # assets.data and pipelines.definitions read the sources config when imported: the functions that need them
 # import them, so that main() reports a missing or bad sources config (SourcesConfigError) instead of a traceback
 
@@ -34,7 +35,7 @@ SEARCHED_MATERIALIZATIONS = 200  # per asset (partition), newest first
 class Recorded:
     asset: str                 # e.g. token_shards[stdlib_code]
     data_version: str          # implied by lineage.json
-    status: str                # recorded | superseded | NOT RECORDED
+    status: str                # recorded | superseded | NOT RECORDED | outside the searched history
     run_id: str | None = None
     code_version: str | None = None
     latest_data_version: str | None = None
@@ -43,6 +44,10 @@ class Recorded:
     def line(self) -> str:
         if self.status == "NOT RECORDED":
             return f"  NOT RECORDED  {self.asset}: no materialization with data version {self.data_version[:16]}"
+        if self.status == OUTSIDE:
+            return (f"  not found     {self.asset}: data version {self.data_version[:16]} is not among its newest "
+                    f"{SEARCH_LIMIT:,} materializations, which is as far as the cross-check searches "
+                    f"(outside the searched history)")
         text = (f"  {self.status:<12}  {self.asset}: run {self.run_id}, code version {self.code_version}, "
                 f"data version {self.data_version[:16]}")
         if self.status == "superseded":
@@ -104,20 +109,42 @@ def content_version(materialization: dg.AssetMaterialization, partition: str | N
     return entry.value if entry is not None else (materialization.tags or {}).get(DATA_VERSION)
 
 
+OUTSIDE = "outside the searched history"
+
+
+def find_materialization(instance: dg.DagsterInstance, key: str, partition: str | None, version: str
+                         ) -> tuple[dg.EventLogRecord | None, str | None, bool]:
+    """(the newest materialization of ``key``[``partition``] with content ``version``, the newest one's
+    content, whether the whole history was searched). Pages back through the history, SEARCH_PAGE records
+    at a time, up to SEARCH_LIMIT: a link is found however many materializations came after it, and an
+    instance with more than that says so instead of "not recorded"."""
+    records_filter = dg.AssetRecordsFilter(asset_key=dg.AssetKey(key),
+                                           asset_partitions=[partition] if partition else None)
+    latest, searched, cursor = None, 0, None
+    while searched < SEARCH_LIMIT:
+        page = instance.fetch_materializations(records_filter, limit=min(SEARCH_PAGE, SEARCH_LIMIT - searched),
+                                               cursor=cursor)
+        for record in page.records:
+            content = content_version(record.asset_materialization, partition)
+            latest = content if searched == 0 else latest
+            searched += 1
+            if content == version:
+                return record, latest, True
+        if not page.has_more:
+            return None, latest, True
+        cursor = page.cursor
+    return None, latest, False
+
+
 def cross_check(instance: dg.DagsterInstance, checkpoint_dir: Path, lineage: dict) -> list[Recorded]:
     results = []
     code_now = current_code_versions()
     for key, partition, version in expected_versions(checkpoint_dir, lineage):
-        records = instance.fetch_materializations(
-            dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None),
-            limit=SEARCHED_MATERIALIZATIONS).records
         name = f"{key}[{partition}]" if partition else key
-        versions = [(r, content_version(r.asset_materialization, partition)) for r in records]
-        match = next((r for r, v in versions if v == version), None)
-        if match is None:
-            results.append(Recorded(name, version, "NOT RECORDED"))
+        record, latest, searched_all = find_materialization(instance, key, partition, version)
+        if record is None:
+            results.append(Recorded(name, version, "NOT RECORDED" if searched_all else OUTSIDE))
             continue
-        record, latest = match, versions[0][1]
         found = record.asset_materialization.tags or {}
         results.append(Recorded(name, version, "recorded" if latest == version else "superseded",
                                 run_id=record.run_id, code_version=found.get(CODE_VERSION),
@@ -128,8 +155,14 @@ def cross_check(instance: dg.DagsterInstance, checkpoint_dir: Path, lineage: dic
 def cross_check_report(results: list[Recorded], instance_description: str) -> str:
     lines = [f"Dagster cross-check against {instance_description}:"] + [r.line() for r in results]
     missing = [r.asset for r in results if r.status == "NOT RECORDED"]
-    lines.append(f"NOT RECORDED in the instance: {', '.join(missing)}" if missing
-                 else f"OK: all {len(results)} links recorded")
+    unsearched = [r.asset for r in results if r.status == OUTSIDE]
+    if missing:
+        lines.append(f"NOT RECORDED in the instance: {', '.join(missing)}")
+    if unsearched:
+        lines.append(f"outside the searched history (older than the newest {SEARCH_LIMIT:,} materializations): "
+                     f"{', '.join(unsearched)}")
+    if not missing and not unsearched:
+        lines.append(f"OK: all {len(results)} links recorded")
     return "\n".join(lines)
 
 

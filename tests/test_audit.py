@@ -196,3 +196,40 @@ def test_copied_checkpoint_verifies_the_config_its_lineage_carries(tmp_path, cap
     assert kiln(["audit", str(checkpoint)]) == 1
     assert "MISMATCH  run config  lineage.json run.config (config file not found) changed since training" in \
         capsys.readouterr().out
+
+
+def test_the_cross_check_finds_a_link_however_many_materializations_came_after(tmp_path, monkeypatch):
+    import dagster as dg
+
+    import pipelines.audit
+    from pipelines.audit import cross_check, cross_check_report, expected_versions
+
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {}\n")
+    checkpoint = write_checkpoint(tmp_path / "runs", "run", 1,
+                                  lineage_inputs(write_manifest(tmp_path, (3, 1)), tmp_path), config)
+    lineage = json.loads((checkpoint / "lineage.json").read_text())
+    (manifest_version,) = [v for key, _, v in expected_versions(checkpoint, lineage) if key == "blend_manifest"]
+    # materializations after the link over several pages (the cross-check once stopped at the newest 200)
+    versions = [manifest_version] + [f"{i:064x}" for i in range(45)]
+
+    @dg.op
+    def record_blends(context):  # one run logging them all: a run per event would take 50 ms each
+        for version in versions:
+            context.log_event(dg.AssetMaterialization("blend_manifest", tags={"dagster/data_version": version}))
+
+    with dg.instance_for_test() as instance:
+        assert dg.GraphDefinition("blends", node_defs=[record_blends]).to_job().execute_in_process(
+            instance=instance).success
+        monkeypatch.setattr(pipelines.audit, "SEARCH_PAGE", 10)
+        (blend,) = [r for r in cross_check(instance, checkpoint, lineage) if r.asset == "blend_manifest"]
+        assert (blend.status, blend.latest_data_version) == ("superseded", f"{44:064x}")
+
+        # an instance with more history than the cross-check searches: said so, never "NOT RECORDED"
+        monkeypatch.setattr(pipelines.audit, "SEARCH_LIMIT", 45)
+        results = cross_check(instance, checkpoint, lineage)
+        (blend,) = [r for r in results if r.asset == "blend_manifest"]
+        assert blend.status == "outside the searched history"
+        report = cross_check_report(results, "the test instance")
+        assert "outside the searched history (older than the newest 45 materializations): blend_manifest" in report
+        assert "NOT RECORDED in the instance: raw_corpus[a]" in report
