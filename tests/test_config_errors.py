@@ -2,7 +2,7 @@
 import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT
-from training.config import ConfigError, load_config
+from training.config import ConfigError, TrainConfig, load_config
 from training.parallel.mesh import ParallelDims
 
 VALID = ["train_dataset.dataloader.config.data_path=[1.0, /data/a]", "train_dataset.dataloader.config.eod=2",
@@ -88,3 +88,31 @@ def test_a_bad_override_names_itself():
         load("training.steps")
     with pytest.raises(ConfigError, match=r"training\.steps\.x is not a section|training\.steps is not a section"):
         load("training.steps.x=1")
+
+
+def test_every_problem_is_reported_at_once_unknown_keys_first():
+    # a misspelt save_path leaves the real one unset: the typos come first (in file order), then the rest
+    with pytest.raises(ConfigError) as raised:
+        load_config(PROJECT_ROOT / MICRO_CONFIG, [*VALID[:2], "checkpoint.save_pth=/tmp/kiln-checkpoints",
+                                                  "training.steps=many", "optimizer.eps=-1", "swap.enable=true",
+                                                  "monitor.train_stat.local_norm=true"])
+    assert raised.value.problems == [
+        "checkpoint.save_pth: unknown key; did you mean 'save_path'?",
+        "monitor.train_stat: unknown key; did you mean 'train_state'?",
+        "training.steps: expected int, got 'many'",
+        "checkpoint.save_path must be set when checkpoint.enable_save is true",
+        "optimizer.eps must be > 0",
+        "swap.enable = True is not supported yet (activation swap is not implemented)",
+    ]
+    message = str(raised.value)
+    assert message.startswith(f"{PROJECT_ROOT / MICRO_CONFIG}: 6 problems:\n  - checkpoint.save_pth: unknown key")
+
+
+def test_a_missing_required_section_is_named_with_the_other_problems():
+    with pytest.raises(ConfigError) as raised:
+        TrainConfig.from_dict({"model": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM"},
+                               "train_dataset": {"dataloader": {"type": "MindDataset", "dataset_files": "x",
+                                                                "eod": 2}},
+                               "trainin": {}})
+    assert raised.value.problems == ["trainin: unknown top-level section; did you mean 'training'?",
+                                     "lr_scheduler: required, but missing"]

@@ -20,7 +20,31 @@ import yaml
 
 
 class ConfigError(ValueError):
-    """A training config problem; the message names the dotted path of the offending field."""
+    """One or more training config problems; each message names the dotted path of its field.
+
+    A config is checked whole: ``problems`` lists everything wrong with it, unknown keys (the likelier typos,
+    whose misspelt value the other problems may stem from) first."""
+
+    def __init__(self, *problems: str, unknown: typing.Sequence[str] = ()):
+        self.unknown = list(unknown)
+        self.problems = self.unknown + [p for p in problems if p not in self.unknown]
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        if len(self.problems) == 1:
+            return self.problems[0]
+        return f"{len(self.problems)} problems:\n" + "\n".join(f"  - {p}" for p in self.problems)
+
+    @classmethod
+    def merged(cls, errors: typing.Iterable["ConfigError"]) -> "ConfigError":
+        errors = list(errors)
+        return cls(*(p for e in errors for p in e.problems), unknown=[u for e in errors for u in e.unknown])
+
+    def located(self, where: str) -> "ConfigError":
+        """The same problems, said to be in ``where`` (a file)."""
+        located = ConfigError.merged([self])
+        located.args = (f"{where}: {self._render()}",)
+        return located
 
 
 # PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string; MindFormers users write it that way.
@@ -87,7 +111,8 @@ def unknown_key_error(key: str, valid: typing.Iterable[str], path: str) -> Confi
     valid = sorted(valid)
     near = difflib.get_close_matches(key, valid, n=1)
     hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(valid)}"
-    return ConfigError(f"{path}.{key}: unknown key{hint}" if path else f"{key}: unknown top-level section{hint}")
+    return ConfigError(unknown=[f"{path}.{key}: unknown key{hint}" if path else
+                                f"{key}: unknown top-level section{hint}"])
 
 
 class Section:
@@ -106,28 +131,43 @@ class Section:
         if not isinstance(data, dict):
             raise ConfigError(f"{path or '<root>'}: expected a mapping, got {data!r}")
         hints = typing.get_type_hints(cls)
-        names = {f.name for f in dataclasses.fields(cls)}
+        fields = dataclasses.fields(cls)
+        names = {f.name for f in fields}
+        errors: list[ConfigError] = []  # every problem of the section and the sections inside it
         kwargs = {}
         for key, value in data.items():
             if key not in names:
-                raise unknown_key_error(str(key), names, path)
-            kwargs[key] = _coerce(value, hints[key], _join(path, key))
-        try:
+                errors.append(unknown_key_error(str(key), names, path))
+                continue
+            try:
+                kwargs[key] = _coerce(value, hints[key], _join(path, key))
+            except ConfigError as exc:
+                errors.append(exc)
+        missing = [f.name for f in fields if f.name not in data
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        errors += [ConfigError(f"{_join(path, name)}: required, but missing") for name in missing]
+        # the value checks relate fields to each other: they run only when every given field has its value
+        if all(key in kwargs for key in data if key in names) and not missing:
             section = cls(**kwargs)
-        except TypeError as exc:  # a required field is missing
-            raise ConfigError(f"{path or '<root>'}: {exc}") from None
-        section.check(path)  # first, so an invalid value hears what the valid ones are
-        section._check_unsupported(path)
+            try:
+                section.check(path)
+            except ConfigError as exc:
+                errors.append(exc)
+            errors += section._unsupported(path)
+        if errors:
+            raise ConfigError.merged(errors)
         return section
 
-    def _check_unsupported(self, path: str) -> None:
+    def _unsupported(self, path: str) -> list[ConfigError]:
         fields = {f.name: f for f in dataclasses.fields(self)}
+        errors = []
         for name, reason in self.UNSUPPORTED.items():
             f = fields[name]
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             value = getattr(self, name)
             if value != default and value not in self.SAME_AS_DEFAULT.get(name, ()):
-                raise ConfigError(f"{_join(path, name)} = {value!r} is not supported yet ({reason})")
+                errors.append(ConfigError(f"{_join(path, name)} = {value!r} is not supported yet ({reason})"))
+        return errors
 
     def check(self, path: str) -> None:
         """Per-section value checks; override."""
@@ -768,7 +808,7 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Train
     try:
         return TrainConfig.from_dict(data)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise exc.located(str(path)) from None
 
 
 def dump_config(config: TrainConfig) -> str:
