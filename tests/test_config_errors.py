@@ -116,3 +116,15 @@ def test_a_missing_required_section_is_named_with_the_other_problems():
                                "trainin": {}})
     assert raised.value.problems == ["trainin: unknown top-level section; did you mean 'training'?",
                                      "lr_scheduler: required, but missing"]
+
+
+def test_a_binary_or_unreadable_config_file_is_one_line_naming_it(tmp_path, capsys):
+    from training.run import main as run
+
+    binary = tmp_path / "model.safetensors"
+    binary.write_bytes(b"\x89\xfe\x00\x01" * 16)
+    assert run(["--config", str(binary)]) == 2
+    assert capsys.readouterr().err == (f"config error: {binary}: not a text file (byte 0 is not UTF-8); "
+                                       f"expected a training YAML\n")
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}: cannot read the config \(Is a directory\)$"):
+        load_config(tmp_path)

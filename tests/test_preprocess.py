@@ -275,3 +275,23 @@ def test_command_prints_a_summary_and_names_a_bad_line(tmp_path, tokenizer_model
                  "--output-prefix", str(tmp_path / "bad")]) == 2
     assert capsys.readouterr().err.startswith(f"kiln preprocess: {bad}:2: invalid JSON")
     assert not list(tmp_path.glob("bad_*"))
+
+
+def test_a_file_that_is_not_a_sentencepiece_model_is_one_line_naming_it(tmp_path, capsys):
+    from training.cli import main as kiln
+
+    path = _write_jsonl(tmp_path / "a.jsonl", ["alpha"])
+    not_a_model = tmp_path / "tokenizer.json"
+    not_a_model.write_text('{"model": {"type": "BPE"}}')  # a Hugging Face tokenizer file, say
+    for command in (["preprocess", "--input", str(path), "--output-prefix", str(tmp_path / "p")],
+                    ["dataset", "inspect", "--config", "tests/configs/qwen3_micro.yaml", "--num", "1",
+                     *[arg for setting in ("train_dataset.dataloader.config.mock=true", "model.vocab_size=8192",
+                                           "train_dataset.dataloader.config.data_path=null",
+                                           "train_dataset.dataloader.config.eod=2", "checkpoint.enable_save=false")
+                       for arg in ("--set", setting)]]):
+        assert kiln([*command, "--tokenizer-model", str(not_a_model)]) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [f"kiln {command[0] if command[0] == 'preprocess' else 'dataset inspect'}: "
+                                    f"{not_a_model}: not a sentencepiece model (a .model file written by "
+                                    f"sentencepiece's trainer, e.g. data/tokenizer/kiln.model)"]
+    assert not list(tmp_path.glob("p_*"))

@@ -9,13 +9,15 @@ from pathlib import Path
 
 
 CROSS_CHECK_COMMAND = "python -m pipelines.audit"  # the Dagster side lives with the Dagster code, in pipelines/
+LINEAGE_STORE_HELP = ("where the checkpoint's lineage inputs entry (<sha256>.json) is, e.g. copied along with it "
+                      "(default: <runs root>/lineage next to the checkpoint, then where it was trained)")
 
 
 def _audit(args) -> int:
     from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
 
     try:
-        lineage, checks = audit_checkpoint(args.checkpoint, args.data_root)
+        lineage, checks = audit_checkpoint(args.checkpoint, args.data_root, lineage_store=args.lineage_store)
     except (ValueError, KeyError) as exc:
         print(f"kiln audit: {exc}", file=sys.stderr)
         return 2
@@ -66,19 +68,18 @@ def _preprocess(args) -> int:
 
 def _dataset_inspect(args) -> int:
     from training.config import ConfigError, load_config
+    from training.data.encoding import load_sentencepiece
     from training.data.inspect import inspect_samples, render
 
-    try:
+    try:  # the tokenizer first: a wrong file is found before the samples are built
+        processor = load_sentencepiece(args.tokenizer_model) if args.tokenizer_model else None
         config = load_config(args.config, args.overrides)
         tokens, sources = inspect_samples(config, args.split, args.num)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"kiln dataset inspect: {exc}", file=sys.stderr)
         return 2
     decode = None
-    if args.tokenizer_model:
-        import sentencepiece
-
-        processor = sentencepiece.SentencePieceProcessor(model_file=args.tokenizer_model)
+    if processor is not None:
         decode = lambda ids: processor.decode([i for i in ids if 0 <= i < processor.vocab_size()])  # noqa: E731
     print(render(tokens, sources, config.training.global_batch_size, decode))
     if args.dump:
@@ -157,11 +158,14 @@ def main(argv=None) -> int:
                                             "3: nothing changed but some files were not found.")
     audit.add_argument("checkpoint", help="an iteration_XXXXXXXX checkpoint directory")
     audit.add_argument("--data-root", help="where the data root is now (default: as recorded)")
+    audit.add_argument("--lineage-store", metavar="DIR", help=LINEAGE_STORE_HELP)
     audit.add_argument("--json", action="store_true", help="machine-readable output")
     audit.set_defaults(handler=_audit)
 
     lineage = commands.add_parser("lineage", help="reverse lineage: the checkpoints that consumed a file",
-                                  description="Reads every runs/<run>/checkpoints/iteration_*/lineage.json.")
+                                  description="Reads each run's checkpoints/lineage_index.jsonl and each lineage "
+                                              "store entry it names once (a checkpoint the index misses: its "
+                                              "lineage.json).")
     lineage.add_argument("--consumers", required=True, metavar="FILE_SHARD_OR_SOURCE",
                          help="a raw file or shard path (relative to the data root, or ending in it), a shard "
                               "prefix, or a source name")

@@ -798,6 +798,10 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Train
         data = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8); expected a training YAML") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config ({exc.strerror})") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -9,6 +9,7 @@ array, ready to append to a `.bin`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import sentencepiece
@@ -17,6 +18,18 @@ from training.data.corpus import parse_jsonl_chunk
 
 # Document lengths are bucketed by bit length: bucket b holds lengths in [2**(b-1), 2**b).
 HISTOGRAM_BUCKETS = 32
+
+
+def load_sentencepiece(path: str | Path) -> sentencepiece.SentencePieceProcessor:
+    """The sentencepiece model at ``path``; a missing or foreign file is an error naming it, not
+    sentencepiece's RuntimeError."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: tokenizer model not found")
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except RuntimeError:  # "INTERNAL: could not parse ModelProto from <path>"
+        raise ValueError(f"{path}: not a sentencepiece model (a .model file written by sentencepiece's trainer, "
+                         f"e.g. data/tokenizer/kiln.model)") from None
 
 
 @dataclass(frozen=True)

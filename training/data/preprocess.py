@@ -41,7 +41,7 @@ from training.data.corpus import (
     jsonl_ranges,
     normalize_keys,
 )
-from training.data.encoding import HISTOGRAM_BUCKETS, Encoded, Encoder, EncoderSpec, JsonlRange
+from training.data.encoding import HISTOGRAM_BUCKETS, Encoded, Encoder, EncoderSpec, JsonlRange, load_sentencepiece
 from training.data.indexed import IndexedDatasetWriter, dtype_for_vocab
 
 # Task size: about 16 tasks per worker keeps every worker busy to the end; the bounds keep the
@@ -254,9 +254,7 @@ def tokenize_to_indexed(
                                          or max_shard_tokens < 1):
         raise ValueError(f"max_shard_tokens must be a positive integer or None, got {max_shard_tokens!r}")
     model_file = str(tokenizer_model)
-    if not Path(model_file).is_file():
-        raise FileNotFoundError(f"{model_file}: tokenizer model not found")
-    processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    processor = load_sentencepiece(model_file)
     for wanted, piece, piece_id in ((append_eod, "eos", processor.eos_id()), (prepend_bos, "bos", processor.bos_id())):
         if wanted and piece_id < 0:
             raise ValueError(f"{model_file}: the model has no {piece} piece ({piece}_id = -1), so none can be added")
