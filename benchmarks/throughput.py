@@ -1,0 +1,324 @@
+"""python -m benchmarks.throughput [--rounds N] [--configs ...] — one full training step (forward, backward,
+global-norm clip, AdamW) of Kiln's real Trainer against the same shape in PyTorch, on the same cores.
+
+For each config (default: configs/qwen3_bench.yaml, configs/qwen3_tiny.yaml, configs/deepseek_v3_bench.yaml, all
+on Megatron's mock data at seq 512) one warm process per variant:
+- kiln: ``Trainer.train_step`` as `training.run` would run it (its ``training.fast_step`` choice included);
+- torch eager / torch compile: transformers' model of the same config (``training.hf.kiln_to_hf_config``, the
+  `interop` extra) with torch.optim.AdamW and clip_grad_norm_, the same batch size and sequence length;
+- matmul peak: MindSpore's compiled (``mindspore.jit``) fp32 matmul on every linear GEMM of the step (forward
+  x·Wᵀ, input gradient dY·W, weight gradient dYᵀ·x, at batch × seq tokens), with synchronous dispatch.
+The variants take turns, the order rotating each round (the machine is shared, its speed drifts), and each ratio
+is the median over rounds of that round's pair (tokens/s ÷ the torch eager tokens/s of the same round). Model
+FLOP/s use the Kiln model's ``flops_per_token`` for every variant. With ``--profile`` the Kiln worker also
+profiles one step with MindSpore's profiler and prints its op-type table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ("configs/qwen3_bench.yaml", "configs/qwen3_tiny.yaml", "configs/deepseek_v3_bench.yaml")
+# torch.compile of the DeepSeek-V3 MoE takes minutes to compile on 2 cores; it is measured against eager only
+VARIANTS = {"qwen3": ("kiln", "torch eager", "torch compile", "matmul peak"),
+            "deepseek_v3": ("kiln", "torch eager", "matmul peak")}
+SEQ_LENGTH = 512
+MOCK_EOD = 4095  # the mock documents hold ids up to 4094 (training/data/gpt_dataset.py MockIndexedDataset)
+
+
+def load(config_path: str, overrides: list[str] = ()):
+    """The config on mock data at SEQ_LENGTH, never saving; the tiny configs' data paths are dropped."""
+    from training.config import load_config
+
+    data = "train_dataset.dataloader.config"
+    return load_config(PROJECT_ROOT / config_path, [
+        f"{data}.data_path=null", f"{data}.mock=true", f"{data}.seq_length={SEQ_LENGTH}",
+        f"model.seq_length={SEQ_LENGTH}", f"{data}.eod={MOCK_EOD}", f"{data}.pad={MOCK_EOD}",
+        "checkpoint.enable_save=false", *overrides])
+
+
+# ---- the workers: each runs in its own process and answers "steps N" with the seconds N steps took ----
+
+class KilnWorker:
+    def __init__(self, config_path: str, overrides: list[str]):
+        import tempfile
+
+        from training.parallel.mesh import World
+        from training.reporting import Reporter
+        from training.trainer import Trainer, configure_runtime
+
+        config = load(config_path, overrides)
+        configure_runtime(config)
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kiln-throughput-"))
+        self.trainer = Trainer(config, World(rank=0, size=1), self.run_dir, Reporter(None, enabled=False))
+        self.tokens_per_step = config.training.global_batch_size * self.trainer.seq_length
+        self.flops_per_token = self.trainer.flops_per_token
+        self.info = {"params": self.trainer.num_parameters, "flops_per_token": self.flops_per_token,
+                     "tokens_per_step": self.tokens_per_step, "fast_step": getattr(self.trainer, "step_mode", "eager (no fast path)")}
+        self.losses = []
+
+    def steps(self, n: int) -> float:
+        started = time.perf_counter()
+        for _ in range(n):
+            self.losses.append(self.trainer.train_step()["loss"])
+        return time.perf_counter() - started
+
+    def profile(self) -> list[tuple[str, float, int]]:
+        """(op type, ms, calls) of one step under MindSpore's CPU profiler, slowest first."""
+        import csv
+
+        from mindspore.profiler import ProfilerActivity, profile
+
+        out = self.run_dir / "profile"
+        with profile(activities=[ProfilerActivity.CPU], on_trace_ready=_trace_handler(out)):
+            self.steps(1)
+        rows = {}
+        for table in out.rglob("cpu_op_type_info*.csv"):
+            with open(table) as f:
+                for row in csv.DictReader(f):
+                    name = row.get("op_type")
+                    ms = float(row.get("total_time(ms)") or row.get("execution_time(ms)") or 0.0)
+                    calls = int(float(row.get("execution_frequency(per-step)") or row.get("count") or 0))
+                    if name:
+                        rows[name] = (rows.get(name, (0.0, 0))[0] + ms, rows.get(name, (0.0, 0))[1] + calls)
+        return sorted(((name, ms, calls) for name, (ms, calls) in rows.items()), key=lambda r: -r[1])
+
+
+def _trace_handler(out: Path):
+    from mindspore.profiler import tensorboard_trace_handler
+
+    return tensorboard_trace_handler(str(out))
+
+
+class TorchWorker:
+    def __init__(self, config_path: str, overrides: list[str], compiled: bool):
+        import torch
+        import transformers
+
+        from training.hf import kiln_to_hf_config
+
+        config = load(config_path, overrides)
+        torch.manual_seed(0)
+        torch.set_num_threads(os.cpu_count() or 1)
+        hf = kiln_to_hf_config(config.model)
+        hf_config = transformers.AutoConfig.for_model(**hf)
+        hf_config._attn_implementation = "sdpa"
+        self.model = transformers.AutoModelForCausalLM.from_config(hf_config)
+        self.model.train()
+        decay = [p for p in self.model.parameters() if p.ndim > 1]
+        no_decay = [p for p in self.model.parameters() if p.ndim <= 1]
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opt.weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=config.lr_scheduler.learning_rate, betas=tuple(opt.betas), eps=opt.eps)
+        self.max_norm = config.training.max_norm
+        batch = config.training.global_batch_size
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, config.model["vocab_size"], (batch, SEQ_LENGTH), generator=generator)
+        self.forward = torch.compile(self.model) if compiled else self.model
+        self.losses = []
+
+    def steps(self, n: int) -> float:
+        import torch
+
+        started = time.perf_counter()
+        for _ in range(n):
+            loss = self.forward(input_ids=self.ids, labels=self.ids).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.losses.append(float(loss))
+        return time.perf_counter() - started
+
+
+class MatmulWorker:
+    """MindSpore's compiled fp32 matmul on the step's linear GEMMs; ``steps(n)`` runs all of them n times."""
+
+    def __init__(self, config_path: str, overrides: list[str]):
+        import mindspore as ms
+        import numpy as np
+        from mindspore import Tensor, ops
+
+        from training.model import build_model
+
+        config = load(config_path, overrides)
+        ms.set_context(mode=ms.PYNATIVE_MODE)
+        ms.set_device("CPU")
+        model = build_model(config.model)
+        tokens = config.training.global_batch_size * SEQ_LENGTH
+        rng = np.random.default_rng(0)
+        shapes = sorted({tuple(p.shape) for name, p in model.parameters_and_names()
+                         if len(p.shape) == 2 and "word_embeddings" not in name and "router" not in name})
+        self.gemms, self.flops = [], 0
+        for out_features, in_features in shapes:
+            x = Tensor(rng.standard_normal((tokens, in_features), dtype=np.float32))
+            w = Tensor(rng.standard_normal((out_features, in_features), dtype=np.float32))
+            dy = Tensor(rng.standard_normal((tokens, out_features), dtype=np.float32))
+            # forward x·Wᵀ, input gradient dY·W, weight gradient dYᵀ·x
+            self.gemms += [(ops.MatMul(transpose_b=True), x, w), (ops.MatMul(), dy, w),
+                           (ops.MatMul(transpose_a=True), dy, x)]
+            self.flops += 3 * 2 * tokens * in_features * out_features
+        self.info = {"gemm_shapes": [list(s) for s in shapes], "flops_per_pass": self.flops}
+        self.runs = [ms.jit(self._runner(matmul)) for matmul, _, _ in self.gemms]
+        self.steps(1)  # compiles
+
+    @staticmethod
+    def _runner(matmul):
+        def run(a, b):
+            return matmul(a, b)
+        return run
+
+    def steps(self, n: int) -> float:
+        started = time.perf_counter()
+        for _ in range(n):
+            for run, (_, a, b) in zip(self.runs, self.gemms):
+                run(a, b).asnumpy()
+        return time.perf_counter() - started
+
+
+def worker_main(kind: str, config_path: str, overrides: list[str]) -> int:
+    if kind == "kiln":
+        worker = KilnWorker(config_path, overrides)
+    elif kind.startswith("torch"):
+        worker = TorchWorker(config_path, overrides, compiled=kind == "torch compile")
+    else:
+        worker = MatmulWorker(config_path, overrides)
+    started = time.perf_counter()
+    worker.steps(1)  # kernel compilation, graph compilation, torch.compile
+    info = {**getattr(worker, "info", {}), "first_step_s": time.perf_counter() - started}
+    print(json.dumps({"ready": info}), flush=True)
+    for line in sys.stdin:
+        command, *args = line.split()
+        if command == "steps":
+            print(json.dumps({"seconds": worker.steps(int(args[0])), "losses": getattr(worker, "losses", [])[-1:]}),
+                  flush=True)
+        elif command == "profile":
+            print(json.dumps({"profile": worker.profile()}), flush=True)
+        elif command == "rss":
+            import resource
+
+            print(json.dumps({"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}), flush=True)
+        else:
+            return 0
+    return 0
+
+
+class Worker:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, kind: str, config_path: str, overrides: list[str], env: dict | None = None):
+        self.kind = kind
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.throughput", "--worker", kind, "--configs", config_path,
+             *(f"--set={o}" for o in overrides)], cwd=PROJECT_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env={**os.environ, "GLOG_v": "3", **(env or {})})
+        self.info = self._answer()["ready"]
+
+    def _answer(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise RuntimeError(f"the {self.kind} worker exited with code {self.process.wait()}")
+
+    def ask(self, command: str) -> dict:
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def compare(report, config_path: str, rounds: int, steps_per_round: int, overrides: list[str] = (),
+            profile: bool = False) -> dict[str, float]:
+    """Runs every variant of ``config_path`` round by round; prints and returns each paired ratio."""
+    model_type = load(config_path, overrides).model["model_type"]
+    name = Path(config_path).stem
+    kinds = VARIANTS[model_type]
+    print(f"-- throughput {name}: {', '.join(kinds)}; {rounds} rounds of {steps_per_round} steps", flush=True)
+    workers = {}
+    try:
+        for kind in kinds:  # started one at a time: compilation runs alone
+            # the peak is the compiled matmul without PyNative's dispatch spin (reference §5)
+            env = {"MS_DEV_HOST_BLOCKING_RUN": "1"} if kind == "matmul peak" else None
+            workers[kind] = Worker(kind, config_path, list(overrides), env)
+            print(f"   {kind}: first step {workers[kind].info['first_step_s']:.1f} s", flush=True)
+        kiln = workers["kiln"].info
+        print(f"   kiln fast step: {kiln['fast_step']}", flush=True)
+        seconds = {kind: [] for kind in kinds}
+        for round_ in range(rounds):
+            order = list(kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)])
+            for kind in order:
+                seconds[kind].append(workers[kind].ask(f"steps {steps_per_round}")["seconds"])
+        rss = {kind: worker.ask("rss")["rss_gb"] for kind, worker in workers.items()}
+        table = workers["kiln"].ask("profile")["profile"] if profile else None
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+    tokens = kiln["tokens_per_step"] * steps_per_round
+    flops = kiln["flops_per_token"] * tokens
+    peak_flops = workers["matmul peak"].info["flops_per_pass"] * steps_per_round
+    peak = statistics.median(peak_flops / s for s in seconds["matmul peak"])
+    report(f"{name} matmul peak (jit, step GEMMs)", peak / 1e9, "GFLOP/s")
+    ratios = {}
+    for kind in kinds:
+        if kind == "matmul peak":
+            continue
+        rates = [tokens / s for s in seconds[kind]]
+        report(f"{name} {kind} ({kiln['params'] / 1e6:.1f}M)", statistics.median(rates), "tokens/s")
+        report(f"{name} {kind} model FLOP/s", statistics.median(flops / s for s in seconds[kind]) / 1e9, "GFLOP/s",
+               statistics.median(flops / s / peak_round for s, peak_round in
+                                 zip(seconds[kind], (peak_flops / p for p in seconds["matmul peak"]))),
+               "the round's compiled matmul peak, median")
+        if kind != "torch eager":
+            ratios[kind] = statistics.median(e / k for e, k in zip(seconds["torch eager"], seconds[kind]))
+            report(f"{name} {kind} vs torch eager", ratios[kind], "×", None)
+    if "torch compile" in kinds:
+        ratios["kiln vs compile"] = statistics.median(c / k for c, k in zip(seconds["torch compile"], seconds["kiln"]))
+        report(f"{name} kiln vs torch compile", ratios["kiln vs compile"], "×")
+    print(f"   peak RSS GB: " + ", ".join(f"{kind} {gb:.2f}" for kind, gb in rss.items()), flush=True)
+    if table:
+        total = sum(ms for _, ms, _ in table)
+        print(f"   kiln one step, MindSpore profiler op types (ms, calls; total {total:.0f} ms):", flush=True)
+        for op, ms, calls in table[:15]:
+            print(f"     {op:<40} {ms:>9.1f} {calls:>6}", flush=True)
+    return ratios
+
+
+def run(report, rounds: int = 5, steps_per_round: int = 2, configs=CONFIGS, profile: bool = True) -> None:
+    for config_path in configs:
+        compare(report, config_path, rounds, steps_per_round, profile=profile)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps-per-round", type=int, default=2)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field of every config (e.g. --set training.fast_step=false)")
+    parser.add_argument("--profile", action="store_true", help="print the Kiln step's per-op profile")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, args.configs[0], args.overrides)
+    from benchmarks.__main__ import report
+
+    for config_path in args.configs:
+        compare(report, config_path, args.rounds, args.steps_per_round, args.overrides, args.profile)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
