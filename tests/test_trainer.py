@@ -359,3 +359,31 @@ def test_float16_params_resume_exactly_with_their_fp32_masters(tmp_path, shard):
     assert losses(tmp_path / "half_resumed")[3] == losses(tmp_path / "half")[3]
     for a, b in zip(full.params, resumed.params):
         np.testing.assert_array_equal(a.asnumpy(), b.asnumpy())
+
+
+def test_a_shard_with_ids_beyond_the_vocabulary_is_refused_naming_it_and_the_field(tmp_path):
+    from conftest import write_random_documents
+    from training.data.indexed import IndexedDatasetError
+
+    # the micro model has 512 ids; this shard was tokenized with a 1024-piece vocabulary
+    shard = write_random_documents(tmp_path / "big_vocab", low=4, high=1024)
+    with pytest.raises(IndexedDatasetError) as raised:
+        make_trainer(tmp_path, shard, "run")
+    message = str(raised.value)
+    assert message.startswith(f"train_dataset.dataloader.config.data_path: {shard}.bin: token ids up to 1023, "
+                              f"but model.vocab_size is 512 (first outside [0, 512): ")
+    assert message.endswith("or set model.vocab_size to at least 1024")
+    assert not (tmp_path / "run/checkpoints").exists()
+
+
+def test_a_shard_changed_after_the_check_fails_at_the_sample_naming_the_file(tmp_path, shard):
+    trainer = make_trainer(tmp_path, shard, "run", "training.steps=2")
+    # another process rewrites the shard in place once training has checked it: every token becomes 600
+    tokens = np.memmap(f"{shard}.bin", mode="r+", dtype=np.uint16)
+    tokens[:] = 600
+    tokens.flush()
+    with pytest.raises(ValueError, match=rf"^{shard}\.bin: sample \d+ holds token id 600, outside \[0, 512\) "
+                                         rf"\(model\.vocab_size\), though every id was inside when the dataset "
+                                         rf"was built: the file changed since"):
+        trainer.train()
+    assert not (tmp_path / "run/checkpoints").exists()

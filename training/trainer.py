@@ -88,7 +88,8 @@ class Trainer:
         self.model.set_train(True)  # dropout on
         # the data's sequence length, then the model's size and FLOPs, counted before parallelize leaves each rank
         # only its shards (the dataset draws from its own seeded generators: building it here moves no stream)
-        self.dataset = build_dataset(config, num_samples=config.split_samples("train"))
+        self.dataset = build_dataset(config, num_samples=config.split_samples("train"),
+                                     vocab_size=self.model.config.vocab_size)
         self.seq_length = seq_length_of(config, self.dataset)
         self.num_parameters = self.model.num_parameters()
         self.flops_per_token = self.model.flops_per_token(self.seq_length)

@@ -34,7 +34,7 @@ import numpy as np
 
 from training.atomic import write_atomic
 from training.data.hashing import sha256_file
-from training.data.indexed import IndexedDataset
+from training.data.indexed import IndexedDataset, IndexedDatasetError
 
 logger = logging.getLogger(__name__)
 
@@ -372,9 +372,11 @@ class GPTDataset:
         pad_id: int = -1,
         cache_dir: str | os.PathLike | None = None,
         drop_last_partial_validation_sequence: bool = True,
+        vocab_size: int | None = None,
         **sample_options,
     ) -> None:
         self.indexed = indexed
+        self.vocab_size = vocab_size  # when set, every sample's ids are checked against it as it is read
         self.seq_length = _positive_int("seq_length", seq_length)
         self.num_samples = None if num_samples is None else _positive_int("num_samples", num_samples)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
@@ -487,6 +489,12 @@ class GPTDataset:
             parts += [get(document) for document in documents[begin_position + 1 : end_position].tolist()]
             parts.append(get(int(documents[end_position]), 0, end_offset + extra))
         tokens = np.concatenate(parts, dtype=np.int64)
+        if self.vocab_size is not None and (tokens.max() >= self.vocab_size or tokens.min() < 0):
+            bad = tokens[(tokens >= self.vocab_size) | (tokens < 0)][0]
+            raise IndexedDatasetError(
+                f"{self.indexed.bin_path}: sample {idx} holds token id {bad}, outside [0, {self.vocab_size}) "
+                f"(model.vocab_size), though every id was inside when the dataset was built: the file changed "
+                f"since (compare it with the blend manifest's sha256: kiln audit)")
         missing = self.seq_length + extra - tokens.size
         if missing > 0:
             tokens = np.append(tokens, np.full(missing, self.pad_id, dtype=np.int64))
@@ -804,6 +812,7 @@ def build_blended_dataset(
     builder_threads: int = 1,
     mmap_bin: bool = True,
     where: str = "data_path",
+    vocab_size: int | None = None,
     **options,
 ) -> BlendedDataset:
     """Split `split_index` (0 train, 1 valid, 2 test) of a Megatron blend, one GPTDataset per source,
@@ -814,7 +823,8 @@ def build_blended_dataset(
     together, marginally more than `num_samples` (the greedy order of its first positions does not
     depend on its length). Without weights, one source is asked for `num_samples`, and several are
     each read for one epoch and blended exhaustively, in proportion to their sizes. `data_path`
-    None is Megatron's mock data (MockIndexedDataset). The per-source datasets are built by
+    None is Megatron's mock data (MockIndexedDataset). With `vocab_size`, every token id of every source is
+    checked to be below it first, and each sample again as it is read. The per-source datasets are built by
     `builder_threads` threads (num_dataset_builder_threads); `mmap_bin` memory-maps the .bin files
     (mmap_bin_files), else tokens are read from them per sample. `options` are GPTDataset's further
     keyword options; errors about the list name it as `where`.
@@ -825,6 +835,11 @@ def build_blended_dataset(
     else:
         prefixes, weights = parse_data_path(data_path, where)
         sources = [IndexedDataset(prefix, mmap_bin=mmap_bin) for prefix in prefixes]
+        for source in sources if vocab_size is not None else ():
+            try:
+                source.check_token_ids(vocab_size, "model.vocab_size")
+            except IndexedDatasetError as exc:
+                raise IndexedDatasetError(f"{where}: {exc}") from None
     if weights is not None:
         weights = _normalize(weights)
         sizes = [math.ceil(num_samples * weight * _BLEND_SURPLUS) for weight in weights]
@@ -833,7 +848,8 @@ def build_blended_dataset(
 
     def build(source, size) -> GPTDataset:
         return GPTDataset(source, seq_length=seq_length, num_samples=size, seed=seed, split=split,
-                          split_index=split_index, eod_id=eod_id, pad_id=pad_id, cache_dir=cache_dir, **options)
+                          split_index=split_index, eod_id=eod_id, pad_id=pad_id, cache_dir=cache_dir,
+                          vocab_size=None if data_path is None else vocab_size, **options)
 
     with ThreadPoolExecutor(_positive_int("builder_threads", builder_threads)) as pool:
         datasets = list(pool.map(build, sources, sizes))

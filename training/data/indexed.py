@@ -46,6 +46,7 @@ _CODE_FOR_DTYPE = {dtype: code for code, dtype in _DTYPE_CODES.items()}
 _INT32_MAX = np.iinfo(np.int32).max
 # Pointer validation works in blocks so checking a 100M-sequence index needs no 100M-sized temporaries.
 _VALIDATE_BLOCK = 1 << 20
+_SCAN_BLOCK = 1 << 23  # tokens per block when scanning a .bin (check_token_ids)
 
 
 class IndexedDatasetError(ValueError):
@@ -375,3 +376,28 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return self._num_tokens
+
+    def check_token_ids(self, vocab_size: int, field: str) -> None:
+        """Every token id is in [0, ``vocab_size``) (``field`` names the setting it comes from), else an error
+        naming this shard, the first sequence holding an id outside and the largest id. The .bin is read in
+        blocks of _SCAN_BLOCK tokens, so memory stays bounded whatever its size."""
+        unsigned = np.issubdtype(self._dtype, np.unsignedinteger)
+        if self._num_tokens == 0 or (unsigned and np.iinfo(self._dtype).max < vocab_size):
+            return  # the dtype cannot hold an id outside
+        tokens = np.memmap(self.bin_path, mode="r", dtype=self._dtype)
+        first, largest = None, 0
+        for start in range(0, self._num_tokens, _SCAN_BLOCK):
+            block = tokens[start : start + _SCAN_BLOCK]
+            block_max = block.max()
+            if first is None and (block_max >= vocab_size or (not unsigned and block.min() < 0)):
+                first = start + int(np.argmax((block >= vocab_size) | (block < 0)))
+            largest = max(largest, block_max)
+        if first is None:
+            return
+        sequence = int(np.searchsorted(self._pointers, first * self._dtype.itemsize, side="right")) - 1
+        offset = first - int(self._pointers[sequence]) // self._dtype.itemsize
+        fix = (f"was it tokenized with a larger vocabulary? Re-tokenize it with the model's tokenizer, or set "
+               f"{field} to at least {largest + 1}" if largest >= vocab_size else "negative ids are never valid")
+        raise self._fail(self.bin_path, f"token ids up to {largest}, but {field} is {vocab_size} (first outside "
+                                        f"[0, {vocab_size}): {tokens[first]} at token {offset} of sequence "
+                                        f"{sequence}): {fix}")

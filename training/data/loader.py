@@ -14,9 +14,10 @@ from training.data.gpt_dataset import block_causal_mask_from_actual_seq_len, bui
 from training.data.mindrecord import build_mindrecord_train_dataset
 
 
-def build_dataset(config: TrainConfig, num_samples: int, split: str = "train"):
+def build_dataset(config: TrainConfig, num_samples: int, split: str = "train", vocab_size: int | None = None):
     """``num_samples`` samples of ``split`` in the order training reads them (sample i of step s is
-    global sample s·global_batch_size + i)."""
+    global sample s·global_batch_size + i). With ``vocab_size`` (the model's), a Megatron source holding a
+    larger token id is an error naming it, before training rather than in the embedding's Gather."""
     loader = config.train_dataset.dataloader
     if isinstance(loader, MindDatasetLoaderConfig):
         if split != "train":
@@ -31,6 +32,7 @@ def build_dataset(config: TrainConfig, num_samples: int, split: str = "train"):
     return build_blended_dataset(
         blend, seq_length=c.seq_length, num_samples=num_samples, seed=c.seed, split=split_ratios,
         split_index=split_index, eod_id=c.eod, pad_id=c.pad, cache_dir=c.path_to_cache, where=where,
+        vocab_size=vocab_size,
         builder_threads=c.num_dataset_builder_threads,
         # unset reads the .bin files without mmap, as in MindFormers (its loader passes None to Megatron's
         # IndexedDataset, whose `if mmap:` then picks the file reader)
