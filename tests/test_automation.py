@@ -80,6 +80,39 @@ def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_p
         assert after_shards.get_num_requested(dg.AssetKey("training_run")) == 0  # not unless KILN_AUTO_TRAIN=1
 
 
+
+def test_the_sensor_cursor_holds_digests_per_source_and_rehashes_only_changed_files(tmp_path, monkeypatch):
+    import pipelines.sensors
+
+    corpus = tmp_path / "user"
+    corpus.mkdir()
+    sources = tmp_path / "sources.yaml"
+    sources.write_text(f"sources:\n  stdlib_code: {{files: ['{corpus}/*.jsonl']}}\n")
+    storage = KilnStorage(data_root=str(tmp_path / "data"), sources_config=str(sources))
+    hashed, sha256_file = [], pipelines.sensors.sha256_file
+    monkeypatch.setattr(pipelines.sensors, "sha256_file", lambda path: hashed.append(path.name) or sha256_file(path))
+
+    def write(count):
+        for i in range(count):
+            (corpus / f"part{i:04d}.jsonl").write_text('{"text": "x"}\n')
+
+    instance = dg.DagsterInstance.ephemeral()
+
+    def tick(cursor):
+        return _sensor_tick(instance, storage, cursor)
+
+    write(3)
+    _, small = tick(None)
+    write(300)
+    requested, cursor = tick(small)
+    assert requested == ["stdlib_code"] and len(hashed) == 303
+    assert len(cursor) == len(small) < 400  # the same size at 3 files and at 300
+    hashed.clear()
+    assert tick(cursor) == ([], cursor) and hashed == []  # nothing moved: nothing read
+    (corpus / "part0007.jsonl").write_text('{"text": "changed"}\n')
+    requested, _ = tick(cursor)
+    assert requested == ["stdlib_code"] and hashed == ["part0007.jsonl"]
+
 def test_sensors_run_by_default_and_the_pool_follows_the_devices():
     defs = build_definitions(resources())
     assert {s.name: s.default_status for s in defs.sensors} == {
