@@ -37,7 +37,7 @@ def test_the_base_config_is_valid():
     ("context.device_target=TPU", r"context\.device_target must be Ascend, GPU or CPU"),
     ("context.max_device_memory=lots", r"context\.max_device_memory must look like '59GB'"),
     ("train_dataset.dataloader.config.split=a,b", r"train_dataset\.dataloader\.config\.split must be"),
-    ("train_dataset.dataloader.config.data_path=[]", r"train_dataset\.dataloader\.config\.data_path must be a non-empty"),
+    ("train_dataset.dataloader.config.data_path=[[]]", r"train_dataset\.dataloader\.config\.data_path: expected"),
     ("train_dataset.dataloader.config.data_path=null", r"train_dataset\.dataloader\.config: no data: set data_path"),
     ("train_dataset.dataloader.config.train_data_path=[/data/t]",
      r"train_dataset\.dataloader\.config: data_path and train_data_path exclude each other"),
@@ -128,3 +128,16 @@ def test_a_binary_or_unreadable_config_file_is_one_line_naming_it(tmp_path, caps
                                        f"expected a training YAML\n")
     with pytest.raises(ConfigError, match=rf"^{tmp_path}: cannot read the config \(Is a directory\)$"):
         load_config(tmp_path)
+
+
+@pytest.mark.parametrize("config", ["configs/qwen3_tiny.yaml", "configs/deepseek_v3_tiny.yaml"])
+def test_a_shipped_config_run_as_shipped_says_in_one_line_what_to_train_with(config, capsys):
+    from training.run import main as run
+
+    assert run(["--config", config, "--mode", "1"]) == 2
+    assert capsys.readouterr().err == (
+        f"config error: {config}: train_dataset.dataloader.config.data_path is empty: this config leaves its data "
+        f"and checkpoint paths to the training_run asset, which fills them from the blend manifest; train with the "
+        f"copy it renders, runs/<run_name>/config.yaml (after `make demo`: python -m training.run --config "
+        f"runs/qwen3_tiny/config.yaml --set checkpoint.load_path=runs/qwen3_tiny/checkpoints), or set data_path, "
+        f"seq_length, eod and checkpoint.save_path\n")

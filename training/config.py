@@ -327,12 +327,6 @@ class ParallelismConfig(Section):
                 f"{self.data_parallel_shard_strategy!r}")
         require(self.reshard_after_forward_policy in ("default", "always", "never"),
                  f"{path}.reshard_after_forward_policy must be default/always/never")
-        # MindSpore has no hook to free a gathered weight that autograd saved for the backward and gather it
-        # again there: each unit's weights stay gathered until its backward, which is what "never" asks for
-        require(self.reshard_after_forward_policy != "always",
-                f"{path}.reshard_after_forward_policy = 'always' is not supported: Kiln's FSDP keeps a unit's "
-                f"gathered weights until its backward (MindSpore cannot free and re-gather them); use 'default' "
-                f"or 'never', which behave alike here")
         require(self.context_parallel_method in ("colossal", "ulysses", "hybrid"),
                  f"{path}.context_parallel_method must be colossal/ulysses/hybrid")
         require(self.pipeline_parallel_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
@@ -809,10 +803,25 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> Train
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     data = apply_overrides(data, overrides)
+    if _left_to_training_run(data):
+        raise ConfigError(
+            f"{path}: {_DATA_CONFIG}.data_path is empty: this config leaves its data and checkpoint paths to the "
+            f"training_run asset, which fills them from the blend manifest; train with the copy it renders, "
+            f"runs/<run_name>/config.yaml (after `make demo`: python -m training.run --config "
+            f"runs/qwen3_tiny/config.yaml --set checkpoint.load_path=runs/qwen3_tiny/checkpoints), or set "
+            f"data_path, seq_length, eod and checkpoint.save_path")
     try:
         return TrainConfig.from_dict(data)
     except ConfigError as exc:
         raise exc.located(str(path)) from None
+
+
+def _left_to_training_run(data: dict) -> bool:
+    """The shipped configs' ``data_path: []``: wired by training_run, not a config's mistake to list with others."""
+    node = data
+    for key in _DATA_CONFIG.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return isinstance(node, dict) and node.get("data_path") == []
 
 
 def dump_config(config: TrainConfig) -> str:
