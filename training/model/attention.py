@@ -5,8 +5,8 @@ import math
 
 from mindspore import Tensor, nn, ops
 
-from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, _bmm, _bmm_transpose_b, apply_rotary,
-                                   cast, rms_norm)
+from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, Softmax, _bmm, _bmm_transpose_b,
+                                   apply_rotary, cast)
 
 
 class SelfAttention(nn.Cell):
@@ -32,6 +32,7 @@ class SelfAttention(nn.Cell):
         self.softmax_dtype = config.dtype("softmax_compute_dtype")
         self.linear_proj = Linear(init, self.num_heads * self.head_dim, config.hidden_size)
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.softmax = Softmax()
         self.logit_tracker = MaxLogitTracker()
 
     @staticmethod
@@ -45,7 +46,7 @@ class SelfAttention(nn.Cell):
         per_group, norm = self.heads_per_group, self.q_layernorm
         weights = ops.cat((ops.tile(norm.weight.expand_dims(0), (per_group, 1)),
                            self.k_layernorm.weight.expand_dims(0), ops.ones((1, self.head_dim), norm.weight.dtype)))
-        return rms_norm(qkv, weights, norm.eps, norm.dtype)
+        return norm.normalize(qkv, weights)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         """x: [batch, seq, hidden]; cos/sin from RotaryEmbedding.tables; mask: causal_mask(seq,
@@ -68,7 +69,7 @@ class SelfAttention(nn.Cell):
         scores = cast(_bmm_transpose_b(q, k), self.softmax_dtype) + cast(mask, self.softmax_dtype)
         if self.logit_tracker.enabled:
             self.logit_tracker.update(scores.reshape(batch, groups, per_group, seq * seq))
-        probs = cast(ops.softmax(scores, axis=-1), v.dtype)
+        probs = cast(self.softmax(scores), v.dtype)
         out = _bmm(probs, v).reshape(batch, groups, per_group, seq, dim)
         out = out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, self.num_heads * dim)
         return self.linear_proj(out)

@@ -14,8 +14,8 @@ import math
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, _bmm, _bmm_transpose_b, apply_rotary,
-                                   cast)
+from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, Softmax, _bmm, _bmm_transpose_b,
+                                   apply_rotary, cast)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -67,6 +67,7 @@ class MLASelfAttention(nn.Cell):
         self.linear_kvb = Linear(init, self.kv_lora, heads * (self.nope + self.v_dim))
         self.linear_proj = Linear(init, heads * self.v_dim, config.hidden_size)
         self.scale = config.softmax_scale()
+        self.softmax = Softmax()
         self.softmax_dtype = config.dtype("softmax_compute_dtype")
         self.logit_tracker = MaxLogitTracker()
         # tensor parallelism: this rank's heads in ``num_heads``, and the collective that brings the shared
@@ -96,6 +97,6 @@ class MLASelfAttention(nn.Cell):
         scores = cast(_bmm_transpose_b(q, k), self.softmax_dtype) + cast(mask, self.softmax_dtype)
         if self.logit_tracker.enabled:
             self.logit_tracker.update(scores.reshape(batch, heads, 1, seq * seq))
-        probs = cast(ops.softmax(scores, axis=-1), v.dtype)
+        probs = cast(self.softmax(scores), v.dtype)
         out = _bmm(probs, v).transpose(0, 2, 1, 3).reshape(batch, seq, heads * self.v_dim)
         return self.linear_proj(out)
