@@ -24,7 +24,7 @@ from training.checkpoint import LINEAGE, is_complete, latest_complete_checkpoint
 from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest, training_data_path
-from training.lineage import FileHashes, audit_checkpoint, audit_report, lineage_inputs
+from training.lineage import FileHashes, audit_checkpoint, lineage_inputs, store_lineage_inputs
 from training.parallel.mesh import ParallelDims
 from training.profiling import profile_root
 from training.reporting import CHECKPOINT_MESSAGE, drop_partial_line, read_records
@@ -236,7 +236,9 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     except ConfigError as exc:
         raise dg.Failure(f"training config {config.config_path}: {exc}") from None
     lineage_file = run_dir / "lineage_inputs.json"
-    write_json_atomic(lineage_file, lineage_inputs(storage.manifest_path(), storage.root))
+    # the upstream chain goes to the lineage store once; every checkpoint's lineage.json points at it
+    write_json_atomic(lineage_file, store_lineage_inputs(storage.runs_root,
+                                                         lineage_inputs(storage.manifest_path(), storage.root)))
     parallelism = train_config.parallelism
     sharding = f"FSDP {parallelism.data_parallel_shard_strategy}" if dims.dp_shard > 1 else "parameters replicated"
     mesh = f"{dims.describe()}; {sharding}" + (", sequence parallel" if dims.tp > 1 else "")

@@ -1,6 +1,6 @@
 """The Dagster side of the audit: a checkpoint's lineage.json checked against an instance's records.
 
-    python -m pipelines.audit CHECKPOINT [--dagster-home DIR] [--data-root DIR] [--json]
+    python -m pipelines.audit CHECKPOINT [--dagster-home DIR] [--data-root DIR] [--lineage-store DIR] [--json]
 
 runs ``kiln audit``'s file audit, then, for every link of the chain, looks the data version the lineage
 implies (the same hashes the assets report) up among that asset's recorded materializations: which run
@@ -20,6 +20,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.sources import SourcesConfigError
+from training.cli import LINEAGE_STORE_HELP
 from training.data.hashing import sha256_file
 from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
 
@@ -179,6 +180,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dagster-home", default=os.environ.get("DAGSTER_HOME"),
                         help="the Dagster instance's home directory (default: $DAGSTER_HOME)")
     parser.add_argument("--data-root", help="where the data root is now (default: as recorded)")
+    parser.add_argument("--lineage-store", metavar="DIR", help=LINEAGE_STORE_HELP)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
 
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
         return fail(f"--dagster-home {args.dagster_home} is not a directory")
     checkpoint = Path(args.checkpoint)
     try:
-        lineage, checks = audit_checkpoint(checkpoint, args.data_root)
+        lineage, checks = audit_checkpoint(checkpoint, args.data_root, lineage_store=args.lineage_store)
     except (ValueError, KeyError) as exc:
         return fail(str(exc))
     try:

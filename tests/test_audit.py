@@ -3,6 +3,7 @@ Dagster cross-check (`python -m pipelines.audit`) on hand-built lineages (tests/
 real chain against a Dagster instance)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from pipelines.audit import main as audit_with_dagster
 from training.cli import main as kiln
 from training.data.hashing import sha256_file
 from training.data.manifest import build_manifest
-from training.lineage import lineage_inputs
+from training.lineage import lineage_inputs, record_in_index, store_lineage_inputs
 
 
 def write_manifest(root, weights):
@@ -64,9 +65,13 @@ def test_consumers_lists_every_checkpoint_with_its_share(tmp_path, capsys):
     runs = tmp_path / "runs"
     blend_a = lineage_inputs(write_manifest(tmp_path / "data1", (3, 1)), tmp_path / "data1")
     blend_b = lineage_inputs(write_manifest(tmp_path / "data2", (1, 1)), tmp_path / "data2")
-    for step in (2, 4):
-        write_checkpoint(runs, "first", step, blend_a, config)
-    write_checkpoint(runs, "second", 10, blend_b, config)
+    pointer = store_lineage_inputs(runs, blend_a)
+    assert store_lineage_inputs(runs, blend_a) == pointer  # stored once, shared
+    assert [p.name for p in (runs / "lineage").iterdir()] == [f"{pointer['inputs']['sha256']}.json"]
+    for step in (2, 4):  # as training saves them: a pointer in lineage.json and a line in the index
+        write_checkpoint(runs, "first", step, pointer, config)
+        record_in_index(runs / "first/checkpoints", step, pointer)
+    write_checkpoint(runs, "second", 10, blend_b, config)  # a lineage from before the store: records inline
 
     def consumers(target):
         assert kiln(["lineage", "--consumers", target, "--runs-root", str(runs), "--json"]) == 0
@@ -81,9 +86,38 @@ def test_consumers_lists_every_checkpoint_with_its_share(tmp_path, capsys):
     assert kiln(["lineage", "--consumers", "shards/a0.bin", "--runs-root", str(runs)]) == 0
     assert "run second step 10: shards/a0.bin, 50.0% of the run's tokens" in capsys.readouterr().out
 
+    # indexed checkpoints are not read one by one (only the store entry is); a rotated one is not listed
     (runs / "first/checkpoints/iteration_00000002/lineage.json").write_text("{")
+    shutil.rmtree(runs / "first/checkpoints/iteration_00000004")
+    assert consumers("b") == [("first", 2, 0.25), ("second", 10, 0.5)]
+    (runs / "second/checkpoints/iteration_00000010/lineage.json").write_text("{")
     assert kiln(["lineage", "--consumers", "b", "--runs-root", str(runs)]) == 2
-    assert "first/checkpoints/iteration_00000002/lineage.json: unreadable lineage" in capsys.readouterr().err
+    assert "second/checkpoints/iteration_00000010/lineage.json: unreadable lineage" in capsys.readouterr().err
+
+
+def test_a_copied_checkpoint_audits_with_the_store_entry_copied_along(tmp_path, capsys):
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {}\n")
+    runs = tmp_path / "runs"
+    pointer = store_lineage_inputs(runs, lineage_inputs(write_manifest(tmp_path / "data", (3, 1)), tmp_path / "data"))
+    checkpoint = write_checkpoint(runs, "run", 1, pointer, config)
+    entry = runs / "lineage" / f"{pointer['inputs']['sha256']}.json"
+    assert kiln(["audit", str(checkpoint)]) == 3  # in place: the entry is found; the fake shards are not on disk
+    assert "missing   raw file    raw/a/part-00000.jsonl" in capsys.readouterr().out
+
+    copy = tmp_path / "elsewhere" / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    moved = tmp_path / "moved_store"
+    shutil.move(runs / "lineage", moved)
+    assert kiln(["audit", str(copy)]) == 3  # its own files and config still verified
+    out = capsys.readouterr().out
+    assert f"missing   inputs      lineage store entry {entry.name}" in out and "pass --lineage-store DIR" in out
+    assert "raw file" not in out
+    assert kiln(["audit", str(copy), "--lineage-store", str(moved)]) == 3
+    assert "missing   raw file    raw/a/part-00000.jsonl" in capsys.readouterr().out
+    (moved / entry.name).write_text((moved / entry.name).read_text().replace("part-00000", "part-00009"))
+    assert kiln(["audit", str(copy), "--lineage-store", str(moved)]) == 2
+    assert "lineage store entry changed" in capsys.readouterr().err
 
 
 def test_kiln_audit_verifies_the_files_and_names_the_dagster_cross_check(tmp_path, capsys):

@@ -27,6 +27,7 @@ import numpy as np
 
 from training.atomic import write_atomic, write_json_atomic, write_text_atomic
 from training.data.hashing import sha256_file
+from training.lineage import record_in_index
 from training.parallel.layout import TensorLayout
 from training.safetensors_io import SafetensorsFile, SafetensorsFileError, widen_bfloat16
 
@@ -448,6 +449,7 @@ def _finalize(save_path: Path, step: int, target: Path, metadata: dict, common: 
               for name in (LINEAGE, COMMON)]
     os.replace(staging, target)  # no directory by that name: save() refused a complete one, removed any other
     write_text_atomic(save_path / TRACKER, f"{step}\n")
+    record_in_index(save_path, step, lineage)
     _rotate(save_path, save_max)
     return SavedCheckpoint(step=step, path=target, files=sorted(files, key=lambda f: f["name"]))
 

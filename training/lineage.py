@@ -1,22 +1,37 @@
 """Lineage sidecars and the audit that re-verifies them (DESIGN.md 6).
 
-Every checkpoint carries ``lineage.json``: the run (resolved config and its sha256), the blend manifest,
-every shard, the tokenizer and every raw file, each with its sha256. Paths are stored relative to the
-data root, so an audit also works after the data root moved (``--data-root``). The audit needs nothing
-but the checkpoint directory and whatever files still exist.
+Every checkpoint carries ``lineage.json``: the run (resolved config and its sha256) and its own files,
+and the upstream chain it trained on, the blend manifest, every shard, the tokenizer and every raw file,
+each with its sha256. The upstream part is the same for every checkpoint trained on one blend and grows
+with the corpus (300 KB at 1,000 raw files), so it is stored once, content-addressed, in the lineage store
+``<runs root>/lineage/<sha256>.json``; each lineage.json points at it by hash (``inputs``). Paths are
+stored relative to the data root, so an audit also works after the data root moved (``--data-root``).
+The audit needs the checkpoint directory, the store entry it points to (found next to the run, at the
+store recorded at training time, or given with ``--lineage-store``: copy it along with a checkpoint) and
+whatever files still exist. Lineages written before the store (upstream records inline) read as before.
+
+``kiln lineage --consumers`` reads, per run, ``checkpoints/lineage_index.jsonl`` (one line per saved
+checkpoint: its step and the hash of its inputs) and each distinct store entry once, instead of every
+checkpoint's lineage.json.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import yaml
 
+from training.atomic import write_atomic
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest
 
-LINEAGE_VERSION = 1
+LINEAGE_VERSION = 2  # 2: upstream records in the lineage store, lineage.json points at them (1: inline)
+STORE_DIR = "lineage"  # under the runs root
+INDEX = "lineage_index.jsonl"  # in a run's save path, next to its iteration_* directories
+UPSTREAM_KEYS = ("data_root", "manifest", "shards", "tokenizer", "raw_files")
 
 
 def lineage_inputs(manifest_path: str | Path, data_root: str | Path) -> dict:
@@ -47,6 +62,83 @@ def lineage_inputs(manifest_path: str | Path, data_root: str | Path) -> dict:
         "tokenizer": {"path": manifest["tokenizer"]["path"], "sha256": manifest["tokenizer"]["sha256"]},
         "raw_files": raw_files,
     }
+
+
+def store_lineage_inputs(runs_root: str | Path, inputs: dict) -> dict:
+    """Write ``inputs`` to the lineage store once (a file named by the sha256 of its bytes; an entry already
+    there is the same bytes, so it is left alone) and return the pointer a checkpoint's lineage.json holds."""
+    data = json.dumps(inputs, sort_keys=True, separators=(",", ":")).encode()
+    digest = hashlib.sha256(data).hexdigest()
+    store = Path(runs_root).resolve() / STORE_DIR
+    entry = store / f"{digest}.json"
+    if not entry.is_file():
+        store.mkdir(parents=True, exist_ok=True)
+        write_atomic(entry, lambda stream: stream.write(data))
+    return {"kiln_lineage_version": LINEAGE_VERSION, "inputs": {"sha256": digest, "store": str(store)}}
+
+
+class LineageInputsMissing(ValueError):
+    pass
+
+
+def _store_candidates(checkpoint_dir: Path, pointer: dict, lineage_store: str | Path | None) -> list[Path]:
+    """Where a checkpoint's inputs entry may be: the store given, the store of the runs root the checkpoint
+    sits in (``<runs root>/<run>/checkpoints/iteration_N``), the store recorded when it was trained."""
+    stores = [Path(lineage_store)] if lineage_store else []
+    stores += [checkpoint_dir.resolve().parent.parent.parent / STORE_DIR, Path(pointer["store"])]
+    return [store / f"{pointer['sha256']}.json" for store in stores]
+
+
+def load_inputs_entry(checkpoint_dir: Path, pointer: dict, lineage_store: str | Path | None = None) -> dict:
+    """The store entry ``pointer`` names, its sha256 verified; LineageInputsMissing when it is nowhere."""
+    candidates = _store_candidates(checkpoint_dir, pointer, lineage_store)
+    for entry in candidates:
+        if entry.is_file():
+            actual = sha256_file(entry)
+            if actual != pointer["sha256"]:
+                raise ValueError(f"{entry}: lineage store entry changed (sha256 {actual[:16]}…, its name and "
+                                 f"{checkpoint_dir}/lineage.json say {pointer['sha256'][:16]}…)")
+            return json.loads(entry.read_text())
+    raise LineageInputsMissing(
+        f"the lineage inputs {pointer['sha256'][:16]}… of {checkpoint_dir} are not in "
+        f"{', '.join(str(c.parent) for c in candidates)}: copy {pointer['sha256']}.json from the lineage store of "
+        f"the runs root it was trained in and pass --lineage-store DIR")
+
+
+def read_lineage(checkpoint_dir: Path, lineage_store: str | Path | None = None) -> tuple[dict, str | None]:
+    """A checkpoint's lineage.json with its upstream records in place (loaded from the store when it points
+    there), and why they are missing when the store entry cannot be found (None when they are not)."""
+    lineage_path = checkpoint_dir / "lineage.json"
+    try:
+        lineage = json.loads(lineage_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{lineage_path}: unreadable lineage ({exc})") from None
+    pointer = lineage.get("inputs")
+    if pointer is None:  # inline upstream records, or a run trained outside Dagster without any
+        return lineage, None
+    try:
+        return {**load_inputs_entry(checkpoint_dir, pointer, lineage_store), **lineage}, None
+    except LineageInputsMissing as exc:
+        return lineage, str(exc)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{checkpoint_dir}: unreadable lineage inputs ({exc})") from None
+
+
+def record_in_index(save_path: Path, step: int, lineage: dict) -> None:
+    """Append the checkpoint's step and inputs hash to its save path's index (rank 0, once the checkpoint is
+    complete). A line cut by a crash is dropped by the next append and skipped by readers; a checkpoint the
+    index misses is read from its lineage.json."""
+    pointer = lineage.get("inputs")
+    if pointer is None:
+        return
+    from training.reporting import drop_partial_line
+
+    index = Path(save_path) / INDEX
+    drop_partial_line(index)
+    with open(index, "a") as stream:
+        stream.write(json.dumps({"step": step, "inputs": pointer["sha256"], "store": pointer["store"]}) + "\n")
+        stream.flush()
+        os.fsync(stream.fileno())
 
 
 @dataclass
@@ -99,15 +191,14 @@ def _embedded_config_check(run: dict) -> Check:
 
 
 def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = None,
-                     hashes: FileHashes | None = None) -> tuple[dict, list[Check]]:
+                     hashes: FileHashes | None = None, lineage_store: str | Path | None = None
+                     ) -> tuple[dict, list[Check]]:
     """Re-hash every file the checkpoint's lineage names, in chain order from the checkpoint back to raw
-    (through ``hashes``, when given, so unchanged files already hashed there are not read again)."""
+    (through ``hashes``, when given, so unchanged files already hashed there are not read again). Inputs
+    that cannot be found in the lineage store are one missing link: the checkpoint's own files and config
+    are still verified."""
     checkpoint_dir = Path(checkpoint_dir)
-    lineage_path = checkpoint_dir / "lineage.json"
-    try:
-        lineage = json.loads(lineage_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{lineage_path}: unreadable lineage ({exc})") from None
+    lineage, inputs_missing = read_lineage(checkpoint_dir, lineage_store)
     root = Path(data_root or lineage.get("data_root", "."))
     checks = [_check("checkpoint", checkpoint_dir / f["name"], f["name"], f["sha256"], hashes)
               for f in lineage["checkpoint"]["files"]]
@@ -123,6 +214,10 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
     if config_check.status == "missing" and "config" in run:
         config_check = _embedded_config_check(run)  # e.g. the checkpoint was copied to another machine
     checks.append(config_check)
+    if inputs_missing:  # the manifest, shards, tokenizer and raw files are listed in the entry alone
+        pointer = lineage["inputs"]
+        checks.append(Check("inputs", f"lineage store entry {pointer['sha256']}.json", pointer["sha256"], None,
+                            "missing"))
     # a run trained outside Dagster on hand-picked shards has no upstream links to check
     for link, key in (("manifest", "manifest"), ("shard", "shards"), ("tokenizer", "tokenizer"),
                       ("raw file", "raw_files")):
@@ -141,6 +236,10 @@ def audit_report(checkpoint_dir: Path, lineage: dict, checks: list[Check]) -> st
     lines += [c.line() for c in checks]
     bad = [c for c in checks if c.status == "MISMATCH"]
     missing = [c for c in checks if c.status == "missing"]
+    if any(c.link == "inputs" for c in missing):
+        lines.append(f"  (its upstream links are in the lineage store entry {lineage['inputs']['sha256']}.json, not "
+                     f"found next to its runs root nor in {lineage['inputs']['store']}: copy it from there and pass "
+                     f"--lineage-store DIR)")
     if bad:
         first = bad[0]
         lines.append(f"FAILED: {first.link} {first.path} changed since training "
@@ -178,31 +277,61 @@ def _matches(record: dict, target: str) -> bool:
         target.endswith("/" + path)
 
 
+def _consumed(inputs: dict, target: str) -> tuple[str, float | None] | None:
+    """What in a checkpoint's upstream records names ``target`` (a raw file or shard path, a shard prefix or a
+    source name), and its share of the run's tokens; None when nothing does."""
+    records = [r for key in ("raw_files", "shards") for r in inputs.get(key) or [] if _matches(r, target)]
+    if not records:
+        return None
+    if {r["source"] == target for r in records} == {True}:  # a whole source: the sum over its shards
+        shares = [r.get("token_share") for r in inputs.get("shards") or [] if r["source"] == target
+                  and r["path"].endswith(".bin")]  # .bin and .idx name the same tokens
+        matched = f"source {target}"
+    else:
+        shares, matched = [records[0].get("token_share")], records[0]["path"]
+    return matched, None if None in shares else sum(shares)
+
+
+def _read_index(save_path: Path) -> dict[int, dict]:
+    """step -> index line of a save path's lineage index (a line cut by a crash is skipped)."""
+    index = save_path / INDEX
+    lines = index.read_text().splitlines() if index.is_file() else []
+    entries = {}
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        entries[entry["step"]] = entry
+    return entries
+
+
 def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
     """Every checkpoint under ``runs_root`` whose lineage names ``target``: a raw file or shard path (as
-    recorded, relative to the data root, or ending in it), a shard prefix, or a source name."""
+    recorded, relative to the data root, or ending in it), a shard prefix, or a source name. Each run's
+    lineage index says which store entry each checkpoint trained on, and each entry is read once; only a
+    checkpoint the index does not list (saved by a Kiln before the index) has its lineage.json read."""
     consumers = []
-    for lineage_path in sorted(Path(runs_root).glob("*/checkpoints/iteration_*/lineage.json")):
-        try:
-            lineage = json.loads(lineage_path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{lineage_path}: unreadable lineage ({exc})") from None
-        records = [r for key in ("raw_files", "shards") for r in lineage.get(key) or [] if _matches(r, target)]
-        if not records:
-            continue
-        by_source = {r["source"] == target for r in records}
-        if by_source == {True}:  # a whole source: the sum over its shards (.bin and .idx name the same tokens)
-            shares = [r.get("token_share") for r in lineage.get("shards") or [] if r["source"] == target
-                      and r["path"].endswith(".bin")]
-            matched = f"source {target}"
-        else:
-            first = records[0]
-            shares = [first.get("token_share")]
-            matched = first["path"]
-        share = None if None in shares else sum(shares)
-        checkpoint_dir = lineage_path.parent
-        consumers.append(Consumer(run=checkpoint_dir.parent.parent.name, step=lineage["checkpoint"]["step"],
-                                  checkpoint=str(checkpoint_dir), matched=matched, token_share=share))
+    by_entry: dict[str, tuple[str, float | None] | None] = {}
+    for save_path in sorted(Path(runs_root).glob("*/checkpoints")):
+        indexed = _read_index(save_path)
+        for checkpoint_dir in sorted(save_path.glob("iteration_*")):
+            if not (checkpoint_dir / "common.json").is_file():  # incomplete: not a checkpoint yet
+                continue
+            step = int(checkpoint_dir.name.removeprefix("iteration_"))
+            entry = indexed.get(step)
+            if entry is None:
+                lineage, _ = read_lineage(checkpoint_dir)
+                found = _consumed(lineage, target)
+                step = lineage["checkpoint"]["step"]
+            else:
+                if entry["inputs"] not in by_entry:
+                    pointer = {"sha256": entry["inputs"], "store": entry["store"]}
+                    by_entry[entry["inputs"]] = _consumed(load_inputs_entry(checkpoint_dir, pointer), target)
+                found = by_entry[entry["inputs"]]
+            if found is not None:
+                consumers.append(Consumer(run=save_path.parent.name, step=step, checkpoint=str(checkpoint_dir),
+                                          matched=found[0], token_share=found[1]))
     return consumers
 
 
