@@ -31,7 +31,9 @@ from training.data.preprocess import tokenize_to_indexed
 SOURCES_CONFIG = Path(os.environ.get("KILN_SOURCES", PROJECT_ROOT / "configs" / "sources.yaml"))
 SOURCES = load_sources(SOURCES_CONFIG)
 source_partitions = dg.StaticPartitionsDefinition(sorted(SOURCES))
-SHARD_SIDECAR = ".kiln.json"  # `shards/<source>/<source>.kiln.json`: the source's shards and what they came from
+# `raw/<source>/<source>.kiln.json`: every raw file; `shards/<source>/<source>.kiln.json`: the source's shards and
+# what they came from
+SIDECAR = ".kiln.json"
 SHARD_STATS = ("key", "docs", "tokens", "bin_sha256", "idx_sha256", "bin_bytes", "idx_bytes")  # copied per shard
 # automation re-builds an asset only once every blocking check of its inputs passed: a corrupt shard found by
 # `shards_are_well_formed` must stop the automatic re-blend as it stops the blend in the same run
@@ -40,11 +42,16 @@ EAGER_AFTER_CHECKS = dg.AutomationCondition.eager() & dg.AutomationCondition.all
 def combined_hash(hashes: list[str]) -> str:
     return hashlib.sha256("".join(hashes).encode()).hexdigest()
 
+TABLE_ROWS = 20  # rows of a per-file table in an event; every row is in the on-disk sidecar the event names
+
 def files_table(rows: list[dict], columns: list[str]) -> dg.MetadataValue:
+    """The first TABLE_ROWS rows: an event is stored whole and sent whole to the UI, so a row per file in every
+    materialization grows the instance and the Events tab with the corpus (1 MB per event at 5,000 files)."""
     types = {"bytes": "int", "docs": "int", "tokens": "int", "bin_bytes": "int", "idx_bytes": "int",
              "empty_docs": "int", "skipped": "int"}
     schema = dg.TableSchema(columns=[dg.TableColumn(c, types.get(c, "string")) for c in columns])
-    return dg.MetadataValue.table([dg.TableRecord({c: row[c] for c in columns}) for row in rows], schema=schema)
+    return dg.MetadataValue.table([dg.TableRecord({c: row[c] for c in columns}) for row in rows[:TABLE_ROWS]],
+                                  schema=schema)
 
 def _source_spec(storage: KilnStorage, source: str):
     sources = load_sources(storage.sources_config)
@@ -76,15 +83,17 @@ def _ingest_source(storage: KilnStorage, source: str) -> dg.MaterializeResult:
                 # validate before copying: errors name the user's file:line
                 scan_corpus(src, spec.json_keys, spec.on_bad_line)
                 shutil.copyfile(src, staging / f"part-{i:05d}{src.suffix}")
-        rows = [{"path": p.name, **scan_corpus(p, spec.json_keys, spec.on_bad_line)} for p in _part_files(staging)]
+        rows = [{"path": str((target / p.name).relative_to(storage.root)),
+                 **scan_corpus(p, spec.json_keys, spec.on_bad_line)} for p in _part_files(staging)]
+        write_json_atomic(staging / f"{source}{SIDECAR}", {"source": source, "files": rows})
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     replace_dir(staging, target)
-    rows = [{**row, "path": str((target / row["path"]).relative_to(storage.root))} for row in rows]
     return dg.MaterializeResult(
         metadata={
             "dir": dg.MetadataValue.path(str(target)),
+            "sidecar": dg.MetadataValue.path(str(target / f"{source}{SIDECAR}")),  # every file, with its sha256
             "files": files_table(rows, ["path", "bytes", "docs", "empty_docs", "skipped", "sha256"]),
             "num_files": len(rows), "docs": sum(r["docs"] for r in rows), "bytes": sum(r["bytes"] for r in rows),
             "empty_docs": sum(r["empty_docs"] for r in rows), "skipped": sum(r["skipped"] for r in rows),
@@ -152,8 +161,10 @@ def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
     # .model and .vocab are a pair: both are written into a staging directory that replaces the tokenizer's
     staging = final.parent.with_name(f".{final.parent.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)
+    trained_on = [str(p.relative_to(storage.root)) for _, p in inputs]
     try:
         stats = tokenizer_settings.train(documents(), staging / final.name)
+        write_json_atomic(staging / TRAINED_ON, trained_on)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -168,10 +179,12 @@ def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
             "model_type": tokenizer_settings.model_type, "special_ids": dg.MetadataValue.json(special),
             "sample_lines": stats["sample_lines"], "sample_chars": stats["sample_chars"],
             "seed": tokenizer_settings.seed,
-            "trained_on": dg.MetadataValue.json([str(p.relative_to(storage.root)) for _, p in inputs]),
+            "trained_on": dg.MetadataValue.path(str(final.parent / TRAINED_ON)), "trained_on_files": len(trained_on),
         },
         data_version=dg.DataVersion(digest),
     )
+
+TRAINED_ON = "trained_on.json"  # next to the tokenizer model: the raw files its sample was drawn from
 
 def shard_dir(storage: KilnStorage, source: str) -> Path:
     """`shards/<source>/`: every shard of the source, its sidecar and its quarantine file."""
@@ -207,7 +220,7 @@ def _tokenize_source(storage: KilnStorage, source: str, log) -> dg.MaterializeRe
             "raw_files": [{"path": str(p.relative_to(storage.root)), "sha256": sha256_file(p),
                            "bytes": p.stat().st_size} for p in inputs],
         }
-        write_json_atomic(staging / f"{source}{SHARD_SIDECAR}", sidecar)
+        write_json_atomic(staging / f"{source}{SIDECAR}", sidecar)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -221,7 +234,8 @@ def _tokenize_source(storage: KilnStorage, source: str, log) -> dg.MaterializeRe
         "shards": files_table(shards, ["prefix", "key", "docs", "tokens", "bin_bytes", "idx_bytes", "bin_sha256",
                                        "idx_sha256"]),
         "tokenizer_sha256": dg.MetadataValue.text(sidecar["tokenizer"]["sha256"]),
-        "raw_files": files_table(sidecar["raw_files"], ["path", "bytes", "sha256"]),
+        "sidecar": dg.MetadataValue.path(str(target / f"{source}{SIDECAR}")),  # every shard and raw file
+        "num_raw_files": len(sidecar["raw_files"]),
         "empty_docs": stats["empty_docs"], "skipped": stats["skipped"],
         "skipped_by_reason": dg.MetadataValue.json(stats["skipped_by_reason"]),
         "length_histogram": _histogram_table(stats["length_histogram"]),
@@ -257,7 +271,7 @@ class BlendConfig(dg.Config):
     seed: int = 1234
 
 def read_shard_sidecar(storage: KilnStorage, source: str) -> dict:
-    path = shard_dir(storage, source) / f"{source}{SHARD_SIDECAR}"
+    path = shard_dir(storage, source) / f"{source}{SIDECAR}"
     if not path.exists():
         raise dg.Failure(f"no shards for source {source!r} ({path} missing); materialize token_shards[{source}]")
     return json.loads(path.read_text())

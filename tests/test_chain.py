@@ -54,10 +54,11 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
                  for name, value in events[-1].metadata.items()}
         assert {kinds[k] for k in [("raw_corpus", "dir"), ("token_shards", "dir"), ("tokenizer", "model_path"),
                                    ("blend_manifest", "manifest_path"), ("training_run", "run_dir"),
-                                   ("checkpoint", "path")]} == {"PathMetadataValue"}
+                                   ("checkpoint", "path"), ("raw_corpus", "sidecar"), ("token_shards", "sidecar"),
+                                   ("checkpoint", "lineage"), ("tokenizer", "trained_on")]} == {"PathMetadataValue"}
         assert {kinds[k] for k in [("tokenizer", "sha256"), ("token_shards", "tokenizer_sha256"),
                                    ("blend_manifest", "sha256")]} == {"TextMetadataValue"}
-        assert {kinds[k] for k in [("raw_corpus", "files"), ("token_shards", "shards"), ("token_shards", "raw_files"),
+        assert {kinds[k] for k in [("raw_corpus", "files"), ("token_shards", "shards"),
                                    ("blend_manifest", "sources")]} == {"TableMetadataValue"}
         # each checkpoint's audit on its own partition: the check itself is unpartitioned (one status, fast UI)
         audits = [m.metadata["audit"].value for m in chain.materializations["checkpoint"]]
@@ -123,7 +124,12 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         lineage = json.loads((checkpoint_dir / "lineage.json").read_text())
         assert lineage["run"]["resumed_from"].endswith("iteration_00000006")
 
+    # the upstream chain stored once for the whole run, each checkpoint pointing at it; the index lists them
+    (entry,) = (tmp_path / "runs/lineage").iterdir()
+    assert lineage["inputs"]["sha256"] == entry.stem and "raw_files" not in lineage
     capsys.readouterr()
+    assert kiln(["lineage", "--consumers", "stdlib_docs", "--runs-root", str(tmp_path / "runs"), "--json"]) == 0
+    assert [c["step"] for c in json.loads(capsys.readouterr().out)["consumers"]] == [9, 12]  # 3 and 6 rotated
     assert kiln(["audit", str(checkpoint_dir)]) == 0
     out = capsys.readouterr().out
     assert "ok        tokenizer" in out and "ok        raw file" in out and "OK:" in out

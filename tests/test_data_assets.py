@@ -3,6 +3,7 @@ import json
 
 import dagster as dg
 
+import assets.data
 from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
@@ -36,7 +37,8 @@ def _materialize(instance, resources, key, partition=None):
     return {k: v.value for k, v in event.metadata.items()}
 
 
-def test_token_shards_records_every_shard_and_the_skipped_records(tmp_path):
+def test_token_shards_records_every_shard_and_the_skipped_records(tmp_path, monkeypatch):
+    monkeypatch.setattr(assets.data, "TABLE_ROWS", 2)  # events list the first rows; the sidecars list every one
     corpus, sources = _write_sources(tmp_path)
     storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
                           sources_config=str(sources))
@@ -56,8 +58,14 @@ def test_token_shards_records_every_shard_and_the_skipped_records(tmp_path):
     assert [(q["line"], q["reason"]) for q in quarantine] == [(11, "missing_key"), (21, "not_a_string")]
     assert quarantine[0]["file"].endswith("raw/stdlib_code/part-00000.jsonl")
 
-    rows = [row.data for row in shards["shards"].records]
+    assert [row.data for row in shards["shards"].records] == [
+        {k: row[k] for k in row if k != "dtype"} for row in json.loads(open(shards["sidecar"]).read())["shards"][:2]]
+    rows = json.loads(open(shards["sidecar"]).read())["shards"]
     assert shards["num_shards"] == len(rows) > 2
+    assert shards["num_raw_files"] == 1 and "raw_files" not in shards
+    raw_files = json.loads(open(raw["sidecar"]).read())["files"]
+    assert raw["num_files"] == len(raw_files) == 1 and len(raw["files"].records) == 1
+    assert raw_files[0]["path"] == "raw/stdlib_code/part-00000.jsonl" and raw_files[0]["docs"] == 298
     assert {row["key"] for row in rows} == {"title", "body"}
     assert all(row["tokens"] <= 1500 for row in rows)
     assert sum(row["tokens"] for row in rows) == shards["tokens"]
