@@ -177,6 +177,19 @@ def forget_rotated_checkpoints(instance: dg.DagsterInstance, storage: KilnStorag
     return gone
 
 
+def record_checkpoint(context: dg.OpExecutionContext, storage: KilnStorage, message: dict, run_name: str,
+                      code_version: str, hashes: FileHashes) -> None:
+    """Record rank 0's message for a saved checkpoint: its audit, its partition, its materialization (the
+    audit's summary included), the audit check's evaluation; then forget the checkpoints rotation removed.
+    (benchmarks/lineage_scale.py records generated checkpoints through this same function.)"""
+    key = f"{run_name}/{Path(message['path']).name}"
+    evaluation = audit_evaluation(Path(message["path"]), key, hashes)
+    context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
+    context.log_event(_checkpoint_event(message, key, run_name, code_version, audit_summary(evaluation)))
+    context.log_event(evaluation)
+    forget_rotated_checkpoints(context.instance, storage, run_name)
+
+
 def _checkpoint_event(message: dict, key: str, run_name: str, code_version: str, audit: str
                       ) -> dg.AssetMaterialization:
     files = message["files"]
@@ -255,13 +268,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     def on_message(message: dict) -> None:
         if message.get("event") != CHECKPOINT_MESSAGE:
             return
-        key = f"{config.run_name}/{Path(message['path']).name}"
-        evaluation = audit_evaluation(Path(message["path"]), key, hashes)
-        context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
-        context.log_event(_checkpoint_event(message, key, config.run_name, code_version, audit_summary(evaluation)))
+        record_checkpoint(context, storage, message, config.run_name, code_version, hashes)
         saved.append(message)
-        context.log_event(evaluation)
-        forget_rotated_checkpoints(context.instance, storage, config.run_name)
 
     metrics_path = run_dir / "metrics.jsonl"
     drop_partial_line(metrics_path)  # the workers' reporter does the same: this run's records start here
