@@ -9,10 +9,13 @@ interrupt (UI cancel) sends SIGINT â€” msrun's own handler kills every worker â€
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from contextlib import contextmanager
@@ -24,6 +27,7 @@ from pydantic import Field
 
 from resources.devices import DevicesBusy, lease_devices
 from resources.storage import PROJECT_ROOT
+from training.reporting import is_report_line
 from training.launch import (MsrunSettings, SettingError, check_visible_devices, free_port, msrun_command,
                              msrun_environment)
 
@@ -32,6 +36,25 @@ def tail(path: Path, lines: int) -> str:
     if not path.exists():
         return f"({path} does not exist)"
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+# a MindSpore log line, from C++ ("[INFO] DISTRIBUTED(pid,thread,python):...") or Python ("[WARNING] ME(pid:thread,...")
+_MINDSPORE_LOG_LINE = re.compile(r"^\[(DEBUG|INFO|WARNING|ERROR)\] [A-Z_]+\(\d+[,:]")
+_GLOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")  # GLOG_v 0..3
+
+
+def echo_msrun_output(stream, out, glog_v: int) -> None:
+    """Copy msrun's output (its own lines and its tail of worker 0's log) to ``out``, line by line, without
+    two kinds: MindSpore C++ lines below GLOG_v (its RPC threads print '[INFO] DISTRIBUTED ... Event base
+    dispatch success!' at exit whatever GLOG_v says), and rank 0's report lines, which reach the Dagster
+    log through Pipes (a console showing both would show every step twice). The worker logs keep both."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        level = _MINDSPORE_LOG_LINE.match(line)
+        if (level and _GLOG_LEVELS.index(level.group(1)) < glog_v) or is_report_line(line):
+            continue
+        out.write(line)
+        out.flush()
 
 
 class _MessageHandler:
@@ -191,8 +214,12 @@ class MsrunResource(dg.ConfigurableResource):
         with self.devices(context) as visible_devices, dg.open_pipes_session(
                 context=context, context_injector=dg.PipesTempFileContextInjector(),
                 message_reader=dg.PipesTempFileMessageReader()) as session:
-            proc = subprocess.Popen(cmd, env=self.environment(session.get_bootstrap_env_vars(), visible_devices),
-                                    cwd=PROJECT_ROOT, start_new_session=True)
+            env = self.environment(session.get_bootstrap_env_vars(), visible_devices)
+            proc = subprocess.Popen(cmd, env=env, cwd=PROJECT_ROOT, start_new_session=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            echo = threading.Thread(target=echo_msrun_output, args=(proc.stdout, sys.stdout, int(env["GLOG_v"])),
+                                    daemon=True)
+            echo.start()
             try:
                 while proc.poll() is None:
                     time.sleep(0.5)
@@ -203,7 +230,9 @@ class MsrunResource(dg.ConfigurableResource):
                 self._stop(proc)
                 raise
             finally:
-                self._kill_group(proc)  # reaps msrun's `tail -f` helpers
+                self._kill_group(proc)  # reaps msrun's `tail -f` helpers, which hold the output pipe open
+                echo.join(timeout=self.termination_timeout_s)  # EOF once the tails are gone
+                proc.stdout.close()
             # the message reader may still hold the last messages until the session closes
         messages.drain(session)
         if proc.returncode != 0:

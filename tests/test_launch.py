@@ -209,3 +209,23 @@ def test_a_failing_message_callback_is_logged_retried_once_then_fails_the_step()
     with pytest.raises(dg.Failure, match="training finished.*\ncheckpoint bad: RuntimeError: database is locked$"):
         handler.retry_failed()
     assert calls == ["flaky", "ok", "bad", "flaky", "bad"]
+
+
+def test_msrun_echo_drops_mindspores_info_lines_and_rank_0s_reports_which_pipes_carries():
+    import io
+
+    from resources.msrun import echo_msrun_output
+
+    output = (
+        "Start worker process with rank id:0, log file:logs/worker_0.log.\n"
+        "{ step:[    1/    6], consumed_samples: 4, global_batch_size: 4, loss:   6.262437 }\n"
+        "[kiln] saved checkpoint /runs/r/checkpoints/iteration_00000003\n"
+        "[WARNING] ME(24788:1,MainProcess):2026-12-05-00:37:56.677.000 [mindspore/log.py:1] a warning\n"
+        "Traceback (most recent call last):\n"
+        "[INFO] DISTRIBUTED(24788,7eff61ffb6c0,python):2026-12-05-00:37:56.677.423 [mindspore/ccsrc/cluster/rpc/"
+        "core/communicator/tcp_client.cc:367] Start] Event base dispatch success!\n"
+        "[ERROR] ME(24788:1,MainProcess):2026-12-05-00:37:57.000.000 [mindspore/_api.py:365] Worker exited\n")
+    for glog_v, kept in [(3, [0, 4, 6]), (2, [0, 3, 4, 6]), (1, [0, 3, 4, 5, 6])]:
+        echoed = io.StringIO()
+        echo_msrun_output(io.BytesIO(output.encode()), echoed, glog_v)
+        assert echoed.getvalue().splitlines() == [output.splitlines()[i] for i in kept]

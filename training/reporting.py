@@ -12,6 +12,23 @@ from contextlib import ExitStack
 from pathlib import Path
 
 CHECKPOINT_MESSAGE = "checkpoint"
+# every line rank 0 reports starts with one of these (Reporter.info/warning: "[kiln] ", steps: "{ step:[")
+_REPORT_PREFIXES = ("[kiln] ", "{ step:[")
+
+
+METRICS_MESSAGE = "metrics"
+
+
+def scalar_metrics(metrics: dict) -> dict[str, float]:
+    """The numbers of a step's record (loss, lr, grad_norm, throughput, loss terms...), without the step
+    itself, flags, and the per-parameter or per-layer collections of the monitor."""
+    return {k: float(v) for k, v in metrics.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def is_report_line(line: str) -> bool:
+    """A line of rank 0's reports (as echoed from its log), which a Dagster launch also gets through Pipes."""
+    return line.startswith(_REPORT_PREFIXES)
 
 
 def drop_partial_line(path: Path) -> None:
@@ -47,11 +64,19 @@ def read_records(path: Path, offset: int = 0) -> list[dict]:
 
 
 class Reporter:
-    def __init__(self, metrics_path: Path | None, enabled: bool):
+    """Rank 0's reports. Every ``log_interval`` steps, a Dagster launch also gets the step's scalars as a
+    ``metrics`` message (training_run records them as an observation: a live curve in the UI); ``sinks`` get
+    every step's record (TensorBoard) and are closed with the reporter."""
+
+    def __init__(self, metrics_path: Path | None, enabled: bool, log_interval: int = 1, sinks=()):
         self.enabled = enabled
+        self.log_interval = log_interval
         self._stack = ExitStack()
         self._pipes = None
         self._metrics = None
+        self._sinks = list(sinks)
+        for sink in self._sinks:
+            self._stack.callback(sink.close)
         if not enabled:
             return
         if metrics_path is not None:
@@ -84,6 +109,11 @@ class Reporter:
         if self._metrics:
             self._metrics.write(json.dumps(metrics) + "\n")
         self.info(line)
+        for sink in self._sinks:
+            sink(metrics)
+        if self._pipes and metrics["step"] % self.log_interval == 0:
+            self._pipes.report_custom_message({"event": METRICS_MESSAGE, "step": metrics["step"],
+                                               **scalar_metrics(metrics)})
 
     def checkpoint(self, payload: dict) -> None:
         if self.enabled and self._pipes:
