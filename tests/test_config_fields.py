@@ -51,6 +51,7 @@ READ = {
         "embedding_local_norm_threshold", "global_norm_skip_threshold", "global_norm_skip_time")},
     **{f"monitor.moe_monitor.{name}": "training/monitor.py" for name in (
         "save_tokens_per_expert_interval", "target_layers")},
+    **{f"monitor.tensorboard.{name}": "training/monitor.py" for name in ("output_dir", "log_interval", "queue_size")},
     "context.max_device_memory": "training/trainer.py",
     "context.device_target": "training/trainer.py",
     "parallelism.data_parallel_shard": "training/parallel/mesh.py",

@@ -591,12 +591,15 @@ class HealthCheckpointConfig(Section):
 
 @dataclass
 class TensorboardConfig(Section):
+    """TensorBoard event files (training/monitor.py TensorBoardWriter), written when ``output_dir`` is set.
+    ``log_interval`` is also how often a Dagster launch records the step's scalars as an observation."""
     output_dir: str = ""
     log_interval: int = 1
     queue_size: int = 1000
 
-    _NO_TENSORBOARD = "TensorBoard output is not implemented; metrics go to metrics.jsonl"
-    UNSUPPORTED = {"output_dir": _NO_TENSORBOARD, "log_interval": _NO_TENSORBOARD, "queue_size": _NO_TENSORBOARD}
+    def check(self, path):
+        require(self.log_interval >= 1, f"{path}.log_interval must be >= 1, got {self.log_interval}")
+        require(self.queue_size >= 1, f"{path}.queue_size must be >= 1, got {self.queue_size}")
 
 
 @dataclass

@@ -17,6 +17,12 @@ Nothing is computed for an option that is off.
 
 ``monitor.moe_monitor``: tokens per expert per MoE layer (``MoeMonitor``).
 
+``monitor.tensorboard`` (``TensorBoardWriter``): every ``log_interval`` steps, each scalar of the step's record
+against the step and again as ``<name>_vs_samples`` against consumed_samples (MindFormers' "<name> vs samples",
+which tensorboardX stores under this name), under MindFormers' names where it
+has one (loss, learning-rate, grad-norm, iteration-time, throughput, batch-size); the resolved config as text
+at step 0. MindFormers writes from the last rank; Kiln's rank 0 holds the same, already reduced, values.
+
 ``monitor.health_checkpoint`` (declared but unused by MindFormers' PyNative trainer; Kiln follows the
 graph-mode trainer's checkpoint marking, without its stop/skip actions): a step is abnormal when
   * the embedding table's step gradient norm is >= ``embedding_local_norm_threshold``, or
@@ -34,8 +40,9 @@ from typing import Sequence
 
 import numpy as np
 
-from training.config import ConfigError
+from training.config import ConfigError, TensorboardConfig
 from training.optim import tensor_norms
+from training.reporting import scalar_metrics
 
 EMBEDDING_PARAM = "embedding.word_embeddings.weight"
 NORMAL, ABNORMAL = 0, 1
@@ -195,3 +202,34 @@ class HealthMonitor:
         status = ABNORMAL if self.abnormal_since_save else NORMAL
         self.abnormal_since_save = []
         return status
+
+
+# Kiln's step-record keys -> the names MindFormers publishes to TensorBoard; the others keep their own name
+_TENSORBOARD_NAMES = {"loss": "loss", "lr": "learning-rate", "grad_norm": "grad-norm", "step_time_s": "iteration-time",
+                      "tflops_per_device": "throughput", "global_batch_size": "batch-size"}
+
+
+class TensorBoardWriter:
+    """``monitor.tensorboard``: event files in ``output_dir``, written by tensorboardX's SummaryWriter (its
+    queue holds ``queue_size`` events before a flush). Called with every step's record."""
+
+    def __init__(self, config: TensorboardConfig, global_batch_size: int, resolved_yaml: str):
+        from tensorboardX import SummaryWriter  # only when asked for: the engine runs without it otherwise
+
+        self.interval = config.log_interval
+        self.global_batch_size = global_batch_size
+        self.writer = SummaryWriter(logdir=config.output_dir, max_queue=config.queue_size)
+        self.writer.add_text("config", "```yaml\n" + resolved_yaml + "\n```", global_step=0)
+
+    def __call__(self, metrics: dict) -> None:
+        step = metrics["step"]
+        if step % self.interval:
+            return
+        samples = metrics["consumed_samples"]
+        for key, value in {**scalar_metrics(metrics), "global_batch_size": self.global_batch_size}.items():
+            name = _TENSORBOARD_NAMES.get(key, key.replace("_", "-"))
+            self.writer.add_scalar(name, value, global_step=step)
+            self.writer.add_scalar(f"{name}_vs_samples", value, global_step=samples)
+
+    def close(self) -> None:
+        self.writer.close()

@@ -65,9 +65,11 @@ def main(argv=None) -> int:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     if "ASCEND_RT_VISIBLE_DEVICES" in os.environ and config.context.device_target != "Ascend":
-        print(f"[kiln] note: ASCEND_RT_VISIBLE_DEVICES is set but context.device_target is "
+        print(f"note: ASCEND_RT_VISIBLE_DEVICES is set but context.device_target is "
               f"{config.context.device_target}", file=sys.stderr)
 
+    from training.config import dump_config
+    from training.monitor import TensorBoardWriter
     from training.parallel.mesh import init_world
     from training.reporting import Reporter
     from training.trainer import Trainer, configure_runtime, load_lineage_inputs
@@ -75,7 +77,11 @@ def main(argv=None) -> int:
     configure_runtime(config)
     world = init_world()
     output_dir = Path(args.output_dir or Path(args.config).parent)
-    reporter = Reporter(output_dir / "metrics.jsonl", enabled=world.is_main)
+    tensorboard = config.monitor.tensorboard
+    sinks = ([TensorBoardWriter(tensorboard, config.training.global_batch_size, dump_config(config))]
+             if tensorboard.output_dir and world.is_main else [])
+    reporter = Reporter(output_dir / "metrics.jsonl", enabled=world.is_main, log_interval=tensorboard.log_interval,
+                        sinks=sinks)
     if config.parallelism.sequence_parallel and config.parallelism.tensor_parallel == 1:
         reporter.info("[kiln] parallelism.sequence_parallel: true has no effect at tensor_parallel 1 (it splits "
                       "activations across the tensor-parallel group), as in MindFormers")
