@@ -282,3 +282,57 @@ def test_rng_state_round_trips_through_json():
     np.testing.assert_array_equal(ms.get_rng_state().asnumpy(), ms_expected)
     with pytest.raises(CheckpointError, match="somewhere/kiln_state.json: field rng has no generator states"):
         restore_rng_state({"seed": 1}, "somewhere/kiln_state.json")
+
+
+def die_while_saving(root, step, at):
+    """Save ``step`` in a forked process that dies (os._exit: no exception, no cleanup) at ``at``: after the
+    first safetensors file, or after the checkpoint's rename but before the tracker names it."""
+    import os
+
+    import training.checkpoint as checkpoint
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if at == "between files":
+                real = checkpoint._write_safetensors_atomic
+
+                def first_file_only(path, tensors):
+                    real(path, tensors)
+                    os._exit(9)
+                checkpoint._write_safetensors_atomic = first_file_only
+            else:
+                real = checkpoint.write_text_atomic
+
+                def no_tracker(path, text):
+                    if path.name == TRACKER:
+                        os._exit(9)
+                    real(path, text)
+                checkpoint.write_text_atomic = no_tracker
+            save(root, step)
+        finally:
+            os._exit(0)  # only if it did not die where asked
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 9
+
+
+def test_a_process_killed_between_checkpoint_files_leaves_the_tracked_checkpoint_to_resume(tmp_path):
+    save(tmp_path, 2)
+    die_while_saving(tmp_path, 4, "between files")
+    assert sorted(p.name for p in (tmp_path / ".iteration_00000004.partial").iterdir()) == [MODEL_FILE]
+    assert not iteration_dir(tmp_path, 4).exists() and tracked_step(tmp_path) == 2
+    assert_loaded(load_checkpoint(resolve_load_path(tmp_path)), 2)
+    save(tmp_path, 4)  # the resumed run saves the step again; the staging directory goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iteration_00000002", "iteration_00000004", TRACKER]
+
+
+def test_a_process_killed_before_the_tracker_resumes_from_the_checkpoint_it_completed(tmp_path):
+    """The rename completes a checkpoint, the tracker is written after it: a resume takes the newest complete
+    checkpoint, not the tracker's older one (whose run would then be refused for the step saved ahead of it)."""
+    save(tmp_path, 2)
+    die_while_saving(tmp_path, 4, "before tracker")
+    assert tracked_step(tmp_path) == 2 and (iteration_dir(tmp_path, 4) / "common.json").exists()
+    assert resolve_load_path(tmp_path) == iteration_dir(tmp_path, 4)
+    assert_loaded(load_checkpoint(resolve_load_path(tmp_path)), 4)
+    save(tmp_path, 6)
+    assert tracked_step(tmp_path) == 6

@@ -547,8 +547,9 @@ def is_hf_dir(path: Path) -> bool:
 
 
 def resolve_load_path(load_path: str | Path) -> Path:
-    """``load_path`` is a save root (→ the tracker's step), an ``iteration_*`` directory, or a Hugging Face
-    directory (weights only). Anything else, an empty directory included, is an error, never a fresh start."""
+    """``load_path`` is a save root (→ the tracker's step, or a newer complete one), an ``iteration_*``
+    directory, or a Hugging Face directory (weights only). Anything else, an empty directory included, is an
+    error, never a fresh start."""
     path = Path(load_path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint.load_path {path}: no such directory")
@@ -557,7 +558,9 @@ def resolve_load_path(load_path: str | Path) -> Path:
     if is_hf_dir(path):
         return path
     if (path / TRACKER).exists():
-        step = tracked_step(path)
+        # the tracker is written after the rename that completes a checkpoint: a complete one newer than it
+        # is a save whose process died in between, and the step to resume from
+        step = max([tracked_step(path), *complete_steps(path)])
         path = iteration_dir(path, step)
         if not path.is_dir():
             raise CheckpointError(f"{path}: named by {TRACKER} but missing")
