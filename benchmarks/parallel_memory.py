@@ -5,7 +5,8 @@ ZeRO-2 and ZeRO-3 trains a few steps per world size; rank 0 reports the bytes it
 (the larger of what the backward hands back and what the reduction leaves), and of optimizer state, against
 DP's at the same world size (ZeRO-3 at N ranks should hold about 1/N of each), and the median step time
 against DP's. ZeRO-2's reduce-scatter runs after the backward here, so its gradients are whole until then, as
-ZeRO-1's; only ZeRO-3's backward yields chunks. Run as a script by msrun:
+ZeRO-1's; only ZeRO-3's backward yields chunks. "ZeRO-3 never" keeps each unit's gathered weights until its
+backward instead of gathering them again there: its step time shows what re-gathering costs. Run as a script by msrun:
 ``python benchmarks/parallel_memory.py OUT SHARD``.
 """
 from __future__ import annotations
@@ -23,7 +24,10 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = {"DP": ["parallelism.data_parallel_shard=1"],
               "ZeRO-1": ["parallelism.data_parallel_shard_strategy=optim"],
               "ZeRO-2": ["parallelism.data_parallel_shard_strategy=optim_grads"],
-              "ZeRO-3": ["parallelism.data_parallel_shard_strategy=optim_grads_params"]}
+              "ZeRO-3": ["parallelism.data_parallel_shard_strategy=optim_grads_params"],
+              # weights kept gathered from forward to backward: one all-gather per unit less, more memory at the peak
+              "ZeRO-3 never": ["parallelism.data_parallel_shard_strategy=optim_grads_params",
+                               "parallelism.reshard_after_forward_policy=never"]}
 WIDER = ["model.hidden_size=256", "model.intermediate_size=768", "model.num_hidden_layers=4", "model.head_dim=64",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "training.local_batch_size=1",
          "training.global_batch_size=4"]

@@ -21,7 +21,9 @@ CASES = {
     "zero1": ["parallelism.data_parallel_shard_strategy=optim"],
     "zero2": ["parallelism.data_parallel_shard_strategy=optim_grads"],
     "zero3": ["parallelism.data_parallel_shard_strategy=optim_grads_params", "checkpoint.save_interleaved_steps=2"],
-    "hsdp_zero3_divide_after": ["parallelism.data_parallel_shard=2", "parallelism.disable_gradient_division=false"],
+    # every other ZeRO-3 case re-gathers in backward (MindFormers' default policy); this one keeps the gathered weights
+    "hsdp_zero3_divide_after": ["parallelism.data_parallel_shard=2", "parallelism.disable_gradient_division=false",
+                                "parallelism.reshard_after_forward_policy=never"],
     "tp2_sp_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"],
     "tp2_sp_zero1_from_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
                                 "parallelism.data_parallel_shard_strategy=optim",

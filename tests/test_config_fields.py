@@ -56,7 +56,7 @@ READ = {
     "context.device_target": "training/trainer.py",
     "parallelism.data_parallel_shard": "training/parallel/mesh.py",
     **{f"parallelism.{name}": "training/parallel/parallelize.py" for name in (
-        "data_parallel_shard_strategy", "disable_gradient_division")},
+        "data_parallel_shard_strategy", "disable_gradient_division", "reshard_after_forward_policy")},
     "parallelism.sequence_parallel": "training/run.py",
     "parallelism.tensor_parallel": "training/parallel/mesh.py",
     **{f"profiler.{name}": "training/profiling.py" for name in (
@@ -65,9 +65,7 @@ READ = {
 }
 
 # dotted field path -> a value other than the one its section's check() accepts
-SINGLE_VALUED = {"context.mode": 0, "train_dataset.dataloader.datasets_type": "MockGPTDataset",
-                 # "default" and "never" behave alike (training/parallel/fsdp.py keeps gathered weights until backward)
-                 "parallelism.reshard_after_forward_policy": "always"}
+SINGLE_VALUED = {"context.mode": 0, "train_dataset.dataloader.datasets_type": "MockGPTDataset"}
 
 BLENDED = {
     "model": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "compute_dtype": "float32"},

@@ -12,7 +12,8 @@ import pytest
 from conftest import MICRO_CONFIG, PROJECT_ROOT, write_random_documents
 from fsdp_cases import CASES, DEEPSEEK, DEEPSEEK_CASES, STEPS, case_config
 from resources.msrun import free_port
-from training.parallel.mesh import World
+from training.parallel import fsdp
+from training.parallel.mesh import World, world_group
 from training.checkpoint import load_checkpoint
 from training.launch import MsrunSettings, msrun_command, msrun_environment
 from training.reporting import Reporter, read_records
@@ -80,3 +81,37 @@ def test_a_zero3_checkpoint_of_four_ranks_resumes_in_one_process(runs, tmp_path)
     assert read_records(tmp_path / "metrics.jsonl")[0]["loss"] == pytest.approx(single[-1]["loss"], rel=LOSS_RTOL)
     for param in resumed.model.get_parameters():
         np.testing.assert_allclose(param.asnumpy(), expected[param.name], rtol=0, atol=WEIGHT_ATOL, err_msg=param.name)
+
+
+def test_resharding_after_forward_gathers_again_in_backward_with_the_same_gradients(monkeypatch):
+    """One process (a group of one: the gather is the identity, the hooks are not): with resharding, autograd
+    keeps a marker for each gathered weight and the backward gathers the unit again, once; the gradients are
+    those of keeping the weights."""
+    import mindspore as ms
+    from mindspore import Parameter, Tensor, mint, nn
+
+    class Unit(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            rng = np.random.default_rng(0)
+            self.weight = Parameter(Tensor(rng.normal(size=(6, 4)).astype(np.float32)), name="weight")
+            self.gate = Parameter(Tensor(rng.normal(size=(6,)).astype(np.float32)), name="gate")
+
+        def construct(self, x):
+            return (mint.tanh(mint.nn.functional.linear(x, self.weight)) * self.gate).sum()
+
+    gathers = []
+    real_gather = fsdp.gather_chunks
+    monkeypatch.setattr(fsdp, "gather_chunks", lambda *a: gathers.append(1) or real_gather(*a))
+    x = Tensor(np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32))
+    results = {}
+    for reshard in (False, True):
+        unit, gathers[:] = Unit(), []
+        slots = [(unit, name, fsdp._Sharded(tuple(p.shape), p)) for name, p in unit._params.items()]
+        unit.construct = fsdp._UnitGather(unit.construct, slots, world_group(World(0, 1)), reshard)
+        loss, grads = ms.value_and_grad(unit, grad_position=None, weights=unit.trainable_params())(x)
+        results[reshard] = [loss.asnumpy(), *(g.asnumpy() for g in grads)], len(gathers)
+    (kept, kept_gathers), (resharded, resharded_gathers) = results[False], results[True]
+    assert (kept_gathers, resharded_gathers) == (1, 2)
+    for a, b in zip(kept, resharded):
+        np.testing.assert_array_equal(a, b)

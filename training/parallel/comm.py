@@ -167,7 +167,8 @@ class _WithBackward(nn.Cell):
     collectives is missing on CPU (AllGather's needs ReduceScatter, which has no CPU kernel), and Megatron's
     pairs (identity forward, all-reduce backward) have none at all. MindSpore never differentiates the
     bodies, so the slicing and axis moves in them are safe from 2.10's wrong CPU gradient of a permuted
-    split view."""
+    split view. ``backward`` reads only the output gradient, never the saved input or output (FSDP's
+    saved-tensor hooks drop those)."""
 
     def __init__(self, forward: Callable[[Tensor], Tensor], backward: Callable[[Tensor], Tensor]):
         super().__init__()

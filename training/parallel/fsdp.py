@@ -43,14 +43,31 @@ class _UnitGather:
     full tensor to the layer that owns it for the duration of the call, then drop them.
 
     The full tensors are set as instance attributes over the (chunk) Parameters, which instance lookup
-    finds first; autograd sees gather → layer ops, so the chunk's gradient is the gather's backward."""
+    finds first; autograd sees gather → layer ops, so the chunk's gradient is the gather's backward.
 
-    def __init__(self, forward, slots: list[tuple[nn.Cell, str, _Sharded]], group):
+    With ``reshard_after_forward`` autograd keeps no gathered tensor until the backward (saved-tensor hooks,
+    ``_RegatherInBackward``): the unit gathers its weights again when its backward first needs one and drops
+    them after the last. Without it, every unit's full weights live from its forward to its backward."""
+
+    def __init__(self, forward, slots: list[tuple[nn.Cell, str, _Sharded]], group, reshard_after_forward: bool):
         self.forward, self.slots, self.group = forward, slots, group
+        self.reshard_after_forward = reshard_after_forward
+
+    def _gather(self) -> list[Tensor]:
+        return gather_chunks([s.shard for _, _, s in self.slots], [s.full_shape for _, _, s in self.slots],
+                             self.group)
 
     def __call__(self, *args, **kwargs):
-        fulls = gather_chunks([s.shard for _, _, s in self.slots], [s.full_shape for _, _, s in self.slots],
-                              self.group)
+        if not self.reshard_after_forward:
+            return self._call(self._gather(), args, kwargs)
+        hooks = _RegatherInBackward(self._gather)
+        with ms.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            try:
+                return self._call(hooks.gather_for_forward(), args, kwargs)
+            finally:
+                hooks.current = None  # the forward is done with them: the backward gathers its own
+
+    def _call(self, fulls: list[Tensor], args, kwargs):
         for (cell, attr, _), full in zip(self.slots, fulls):
             cell.__dict__[attr] = full
         try:
@@ -58,6 +75,64 @@ class _UnitGather:
         finally:
             for cell, attr, _ in self.slots:
                 del cell.__dict__[attr]
+
+
+class _Regathered:
+    """What autograd keeps of a full weight: its index in the unit's gather."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+class _Unread:
+    """What autograd keeps of a tensor the all-gather saved: the collective's backward never reads its saved
+    input or output (``comm``'s backward is a function of the output gradient alone), so only the shape."""
+
+    def __init__(self, tensor: Tensor):
+        self.shape, self.dtype = tensor.shape, tensor.dtype
+
+
+class _RegatherInBackward:
+    """The saved-tensor hooks of one call of a unit. A full weight is recognised by its values, not its
+    identity: MindSpore 2.10 hands the pack hook a copy of the tensor an op saves (measured: same values, another
+    buffer). A tensor equal to a full weight is stored as a marker and comes back as an equal one, gathered
+    again; the comparison is elementwise over a weight, small beside the matmuls using it."""
+
+    def __init__(self, gather):
+        self.gather = gather
+        self.gathering = False
+        self.current: list[Tensor] | None = None
+        self.pending = 0  # markers not yet unpacked: the backward is done with the unit's weights at 0
+
+    def gather_for_forward(self) -> list[Tensor]:
+        self.gathering = True
+        try:
+            self.current = self.gather()
+        finally:
+            self.gathering = False
+        return self.current
+
+    def pack(self, tensor):
+        if self.gathering:
+            return _Unread(tensor)
+        for index, full in enumerate(self.current):
+            if tensor.shape == full.shape and tensor.dtype == full.dtype and bool((tensor == full).all()):
+                self.pending += 1
+                return _Regathered(index)
+        return tensor
+
+    def unpack(self, packed):
+        if isinstance(packed, _Unread):
+            return ops.broadcast_to(Tensor(0, packed.dtype), packed.shape)  # no memory behind it
+        if not isinstance(packed, _Regathered):
+            return packed
+        if self.current is None:
+            self.current = self.gather()
+        full = self.current[packed.index]
+        self.pending -= 1
+        if self.pending == 0:
+            self.current = None
+        return full
 
 
 def gather_chunks(chunks: list[Tensor], full_shapes: list[tuple[int, ...]], group) -> list[Tensor]:
@@ -80,7 +155,8 @@ class DataParallel:
     gradients summed over tp first."""
 
     def __init__(self, model: nn.Cell, mesh: DeviceMesh, strategy: str, divide_before_reduction: bool,
-                 accumulation: int, unit_cells: list[nn.Cell], tensor_parallel: TensorParallelPlan | None = None):
+                 accumulation: int, unit_cells: list[nn.Cell], tensor_parallel: TensorParallelPlan | None = None,
+                 reshard_after_forward: bool = True):
         self.model, self.mesh = model, mesh
         self.tp_group = mesh.group("tp")
         self.tp_layouts = tensor_parallel.layouts if tensor_parallel else {}
@@ -101,12 +177,12 @@ class DataParallel:
                 self.sharded[param.name] = _Sharded(tuple(param.shape), chunk)
         self.full = {p.name: p for p in trainable}
         if strategy == "optim_grads_params":
-            self._shard_model(unit_cells)
+            self._shard_model(unit_cells, reshard_after_forward)
         # what value_and_grad differentiates: the model's own tensors (its chunks under ZeRO-3)
         self.model_params: list[Parameter] = list(model.trainable_params())
 
     # ---- ZeRO-3: the model holds chunks ------------------------------------------------------------
-    def _shard_model(self, unit_cells: list[nn.Cell]) -> None:
+    def _shard_model(self, unit_cells: list[nn.Cell], reshard_after_forward: bool) -> None:
         """Replace every sharded Parameter of the model by its chunk, and make each unit gather its chunks
         when it runs. ``unit_cells`` are the units in nesting order, outermost (the model) first: a
         parameter belongs to the innermost unit holding it."""
@@ -124,9 +200,9 @@ class DataParallel:
                 slots[id(owner[param.name])].append((cell, attr, sharded))
         for unit in unit_cells:
             if slots[id(unit)]:
-                unit.construct = _UnitGather(unit.construct, slots[id(unit)], self.shard_group)
+                unit.construct = _UnitGather(unit.construct, slots[id(unit)], self.shard_group, reshard_after_forward)
                 if unit is self.model and hasattr(unit, "logits"):
-                    unit.logits = _UnitGather(unit.logits, slots[id(unit)], self.shard_group)
+                    unit.logits = _UnitGather(unit.logits, slots[id(unit)], self.shard_group, reshard_after_forward)
 
     # ---- what the trainer differentiates and updates -------------------------------------------------
     @property

@@ -24,4 +24,6 @@ def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulat
     tensor_parallel = apply_tensor_parallel(model, mesh, p.sequence_parallel) if mesh.dims.tp > 1 else None
     return DataParallel(model, mesh, p.data_parallel_shard_strategy,
                         divide_before_reduction=p.disable_gradient_division, accumulation=accumulation,
-                        unit_cells=sharding_units(model), tensor_parallel=tensor_parallel)
+                        unit_cells=sharding_units(model), tensor_parallel=tensor_parallel,
+                        # MindFormers' "default" reshards unless pipeline parallel, which Kiln does not have yet
+                        reshard_after_forward=p.reshard_after_forward_policy != "never")
