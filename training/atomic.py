@@ -24,8 +24,11 @@ def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:
+            # a failed write() (ENOSPC, EIO) names no file: say which one could not be written
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
 
 

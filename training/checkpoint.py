@@ -400,7 +400,7 @@ class CheckpointSaver:
         if totals[1] > 0:
             own = pending.writer.error
             raise CheckpointError(f"{pending.target}: async save failed on {int(totals[1])} rank(s)"
-                                  + (f"; on this rank: {own!r}" if own else "")) from own
+                                  + (f"; on this rank: {type(own).__name__}: {own}" if own else "")) from own
         if self.world.is_main:
             self.finalizer = _Job(f"kiln-finalize-{pending.target.name}", lambda: _finalize(
                 self.save_path, pending.step, pending.target, pending.metadata, pending.common, pending.state,
