@@ -27,7 +27,7 @@ from training.data.manifest import load_manifest, training_data_path
 from training.lineage import FileHashes, audit_checkpoint, lineage_inputs, store_lineage_inputs
 from training.parallel.mesh import ParallelDims
 from training.profiling import profile_root
-from training.reporting import CHECKPOINT_MESSAGE, drop_partial_line, read_records
+from training.reporting import CHECKPOINT_MESSAGE, METRICS_MESSAGE, drop_partial_line, read_records
 
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 checkpoint = dg.AssetSpec(
@@ -214,6 +214,15 @@ def _checkpoint_event(message: dict, key: str, run_name: str, code_version: str,
     )
 
 
+def step_observation(message: dict) -> dg.AssetObservation:
+    """A training step's scalars (rank 0 sends them every monitor.tensorboard.log_interval steps) as an
+    observation of training_run: its Plots tab draws loss, lr, grad_norm and throughput while the run trains."""
+    return dg.AssetObservation(
+        asset_key="training_run", description=f"step {message['step']}",
+        metadata={"step": message["step"], **{name: dg.MetadataValue.float(value) for name, value in message.items()
+                                              if name not in ("event", "step")}})
+
+
 # training starts on its own after a new blend only when asked to: a run can take the devices for days
 AUTO_TRAIN = os.environ.get("KILN_AUTO_TRAIN") == "1"
 TRAINING_POOL = "npu"
@@ -266,6 +275,9 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     hashes = FileHashes()  # the corpus is hashed once for every checkpoint's audit, not once per checkpoint
 
     def on_message(message: dict) -> None:
+        if message.get("event") == METRICS_MESSAGE:
+            context.log_event(step_observation(message))
+            return
         if message.get("event") != CHECKPOINT_MESSAGE:
             return
         record_checkpoint(context, storage, message, config.run_name, code_version, hashes)

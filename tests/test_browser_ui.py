@@ -4,6 +4,7 @@ Chromium is Debian's (tests/setup/chromium.sh, run by `make test`); Playwright o
 test skips, saying why, only where Chromium or Playwright is missing. Screenshots land in the test's
 output directory (printed).
 """
+import json
 import re
 import shutil
 import time
@@ -19,6 +20,7 @@ from dagster_dev import dagster_dev
 pytestmark = [pytest.mark.ui, pytest.mark.browser]
 CHROMIUM = Path("/usr/bin/chromium")
 RUN_NAME = "qwen3_tiny"  # TrainingRunConfig's default run_name: the UI launches with the defaults
+STEPS, SAVE_EVERY = 16, 8
 
 
 def _playwright():
@@ -47,6 +49,9 @@ def _training_yaml(tmp_path: Path) -> Path:
         data["train_dataset"]["dataloader"]["config"].pop(key, None)
     del data["model"]["seq_length"]
     data["model"]["max_position_embeddings"] = BlendConfig().seq_length
+    # long enough that the UI can be looked at while it trains
+    data["training"]["steps"] = STEPS
+    data["checkpoint"]["save_interleaved_steps"] = SAVE_EVERY
     path = tmp_path / "micro_from_manifest.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -66,6 +71,39 @@ def _dismiss_welcome(page):
 
 
 RUNS_QUERY = "{ runsOrError { ... on Runs { results { runId status } } } }"
+OBSERVATIONS_QUERY = """{ assetOrError(assetKey: {path: ["training_run"]}) { ... on Asset {
+    assetObservations(limit: 1000) { timestamp metadataEntries { label ... on FloatMetadataEntry { floatValue } } }
+    assetMaterializations(limit: 1) { timestamp } } } }"""
+
+
+def _training_events(client) -> tuple[list[dict], list[dict]]:
+    asset = client._execute(OBSERVATIONS_QUERY)["assetOrError"]
+    return asset.get("assetObservations", []), asset.get("assetMaterializations", [])
+
+
+def _run_status(client) -> list[str]:
+    return [r["status"] for r in client._execute(RUNS_QUERY)["runsOrError"]["results"]]
+
+
+def _wait_for_observations(client, count: int, timeout: float = 420) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if len(_training_events(client)[0]) >= count:
+            return
+        assert "FAILURE" not in _run_status(client)
+        time.sleep(1)
+    pytest.fail(f"training_run had no {count} step observations after {timeout} s")
+
+
+def _plot_painted_pixels(page, title: str) -> int:
+    """The Plots tab's chart under ``title``: how many of its canvas's pixels are drawn."""
+    label = page.get_by_text(title, exact=True).first
+    label.wait_for()
+    label.scroll_into_view_if_needed()
+    canvas = label.locator("xpath=ancestor::*[.//canvas][1]").locator("canvas").first
+    canvas.wait_for()
+    page.wait_for_timeout(1500)  # the chart animates its first draw
+    return canvas.evaluate(PAINTED_PIXELS)
 
 
 def _wait_for_the_run(client, timeout: float = 420) -> str:
@@ -112,24 +150,35 @@ def test_materialize_the_chain_in_the_browser(tmp_path, micro_sources):
         page.screenshot(path=shots / "02_all_partitions.png")
         page.get_by_role("button", name=re.compile(r"Launch backfill")).click()
         page.get_by_text(re.compile(r"Created backfill")).first.wait_for()
+
+        # while it trains: training_run's Plots tab draws the step curves from its per-step observations
+        _wait_for_observations(client, 2)
+        page.goto(f"{url}/assets/training_run?view=overview")
+        page.get_by_role("button", name=re.compile(r"Plots$")).click()
+        live = {title: _plot_painted_pixels(page, title) for title in ("loss", "lr", "grad_norm", "tokens_per_s")}
+        page.screenshot(path=shots / "03_training_run_live_plots.png")
+        print(f"live plots drawn with the run {_run_status(client)}, {len(_training_events(client)[0])} steps in")
+        assert all(painted > 200 for painted in live.values()), live
         _wait_for_the_run(client)
+        # one observation per step (log_interval 1), every one recorded before training_run's materialization
+        observations, (materialization,) = _training_events(client)
+        assert len(observations) == STEPS
+        assert max(float(o["timestamp"]) for o in observations) < float(materialization["timestamp"])
+        losses = [next(e["floatValue"] for e in o["metadataEntries"] if e["label"] == "loss")
+                  for o in sorted(observations, key=lambda o: float(o["timestamp"]))]
+        metrics = [json.loads(line) for line in (tmp_path / f"runs/{RUN_NAME}/metrics.jsonl").read_text().splitlines()]
+        assert losses == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
 
         # the checkpoint asset: a partition per saved step, and its metadata plotted over them
         page.goto(f"{url}/assets/checkpoint?view=partitions")
-        for step in (3, 6):
+        for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY):
             page.get_by_text(f"{RUN_NAME}/iteration_{step:08d}").first.wait_for()
-        page.screenshot(path=shots / "03_checkpoint_partitions.png")
+        page.screenshot(path=shots / "04_checkpoint_partitions.png")
         page.goto(f"{url}/assets/checkpoint?view=overview")
         page.get_by_role("button", name=re.compile(r"Plots$")).click()
-        loss = page.get_by_text("loss", exact=True).first
-        loss.wait_for()
-        loss.scroll_into_view_if_needed()
         # the plot under the "loss" title is drawn: its canvas has painted pixels (a line over the partitions)
-        canvas = loss.locator("xpath=ancestor::*[.//canvas][1]").locator("canvas").first
-        canvas.wait_for()
-        page.wait_for_timeout(1500)  # the chart animates its first draw
-        painted = canvas.evaluate(PAINTED_PIXELS)
-        page.screenshot(path=shots / "04_checkpoint_plots.png")
+        painted = _plot_painted_pixels(page, "loss")
+        page.screenshot(path=shots / "05_checkpoint_plots.png")
         assert painted > 200, f"the loss plot's canvas has {painted} painted pixels"
         browser.close()
-    assert (tmp_path / f"runs/{RUN_NAME}/checkpoints/iteration_00000006/common.json").exists()
+    assert (tmp_path / f"runs/{RUN_NAME}/checkpoints/iteration_{STEPS:08d}/common.json").exists()
