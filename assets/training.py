@@ -20,11 +20,11 @@ from assets.versions import versioned_asset
 from resources.msrun import MsrunResource
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.atomic import write_json_atomic, write_text_atomic
-from training.checkpoint import LINEAGE, is_complete, latest_complete_checkpoint
+from training.checkpoint import LINEAGE, latest_complete_checkpoint
 from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest, training_data_path
-from training.lineage import FileHashes, audit_checkpoint, lineage_inputs, store_lineage_inputs
+from training.lineage import AuditCache, audit_checkpoint, lineage_inputs, store_lineage_inputs
 from training.parallel.mesh import ParallelDims
 from training.profiling import profile_root
 from training.reporting import CHECKPOINT_MESSAGE, METRICS_MESSAGE, drop_partial_line, read_records
@@ -132,7 +132,7 @@ def checkpoint_dir(storage: KilnStorage, partition: str) -> Path:
 AUDIT_PROBLEMS_SHOWN = 20  # the rest is one `kiln audit <dir>` away: an event stays small at any corpus size
 
 
-def audit_evaluation(checkpoint_dir: Path, partition: str, hashes: FileHashes | None = None
+def audit_evaluation(checkpoint_dir: Path, partition: str, cache: AuditCache | None = None
                      ) -> dg.AssetCheckEvaluation:
     """`kiln audit` of one checkpoint as an evaluation of the checkpoint asset's `audit` check, naming the
     checkpoint in its metadata. The check is not partitioned: Dagster rebuilds a partitioned check's status
@@ -143,7 +143,7 @@ def audit_evaluation(checkpoint_dir: Path, partition: str, hashes: FileHashes | 
     why, never an exception: this runs while training does."""
     metadata: dict = {"checkpoint": dg.MetadataValue.text(partition)}
     try:
-        _, checks = audit_checkpoint(checkpoint_dir, hashes=hashes)
+        _, checks = audit_checkpoint(checkpoint_dir, cache=cache)
     except Exception as exc:  # noqa: BLE001 -- reported as the check's result
         metadata["error"] = dg.MetadataValue.text(f"the audit could not run: {type(exc).__name__}: {exc}")
         return dg.AssetCheckEvaluation(asset_key=checkpoint.key, check_name="audit", passed=False, metadata=metadata)
@@ -170,20 +170,23 @@ def forget_rotated_checkpoints(instance: dg.DagsterInstance, storage: KilnStorag
     """Delete the partitions of ``run_name``'s checkpoints that are no longer complete on disk (``save_max``
     rotation removed them), so the UI offers no action on a checkpoint that is gone. Their materializations
     and audits stay in the event log."""
+    save_path = storage.run_dir(run_name) / "checkpoints"
+    # a directory named iteration_N is complete (the save renames it into place): one listing, not a stat each
+    on_disk = set(os.listdir(save_path)) if save_path.is_dir() else set()
     gone = [key for key in instance.get_dynamic_partitions(checkpoint_partitions.name)
-            if key.startswith(f"{run_name}/") and not is_complete(checkpoint_dir(storage, key))]
+            if key.startswith(f"{run_name}/") and key.partition("/")[2] not in on_disk]
     for key in gone:
         instance.delete_dynamic_partition(checkpoint_partitions.name, key)
     return gone
 
 
 def record_checkpoint(context: dg.OpExecutionContext, storage: KilnStorage, message: dict, run_name: str,
-                      code_version: str, hashes: FileHashes) -> None:
+                      code_version: str, cache: AuditCache) -> None:
     """Record rank 0's message for a saved checkpoint: its audit, its partition, its materialization (the
     audit's summary included), the audit check's evaluation; then forget the checkpoints rotation removed.
     (benchmarks/lineage_scale.py records generated checkpoints through this same function.)"""
     key = f"{run_name}/{Path(message['path']).name}"
-    evaluation = audit_evaluation(Path(message["path"]), key, hashes)
+    evaluation = audit_evaluation(Path(message["path"]), key, cache)
     context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
     context.log_event(_checkpoint_event(message, key, run_name, code_version, audit_summary(evaluation)))
     context.log_event(evaluation)
@@ -272,7 +275,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
 
     saved: list[dict] = []
     code_version = context.assets_def.code_versions_by_key[context.asset_key]
-    hashes = FileHashes()  # the corpus is hashed once for every checkpoint's audit, not once per checkpoint
+    audit_cache = AuditCache()  # each checkpoint's audit hashes what its save added and reuses the rest
 
     def on_message(message: dict) -> None:
         if message.get("event") == METRICS_MESSAGE:
@@ -280,7 +283,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
             return
         if message.get("event") != CHECKPOINT_MESSAGE:
             return
-        record_checkpoint(context, storage, message, config.run_name, code_version, hashes)
+        record_checkpoint(context, storage, message, config.run_name, code_version, audit_cache)
         saved.append(message)
 
     metrics_path = run_dir / "metrics.jsonl"

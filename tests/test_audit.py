@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -15,7 +16,7 @@ from pipelines.audit import main as audit_with_dagster
 from training.cli import main as kiln
 from training.data.hashing import sha256_file
 from training.data.manifest import build_manifest
-from training.lineage import lineage_inputs, record_in_index, store_lineage_inputs
+from training.lineage import AuditCache, audit_checkpoint, lineage_inputs, record_in_index, store_lineage_inputs
 
 
 def write_manifest(root, weights):
@@ -267,3 +268,36 @@ def test_the_cross_check_finds_a_link_however_many_materializations_came_after(t
         report = cross_check_report(results, "the test instance")
         assert "outside the searched history (older than the newest 45 materializations): blend_manifest" in report
         assert "NOT RECORDED in the instance: raw_corpus[a]" in report
+
+
+def test_a_training_steps_audits_hash_what_each_save_adds_and_reuse_the_upstream(tmp_path, monkeypatch):
+    import training.lineage
+
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {}\n")
+    runs, data = tmp_path / "runs", tmp_path / "data"
+    pointer = store_lineage_inputs(runs, lineage_inputs(write_manifest(data, (3, 1)), data))
+    raw = data / "raw/a/part-00000.jsonl"
+    raw.parent.mkdir(parents=True)
+    raw.write_text("one\n")
+    checkpoints = [write_checkpoint(runs, "run", step, pointer, config) for step in (1, 2, 3)]
+    hashed = []
+    monkeypatch.setattr(training.lineage, "sha256_file",
+                        lambda path, real=training.lineage.sha256_file: hashed.append(Path(path).name) or real(path))
+    cache = AuditCache()
+
+    def raw_check(checkpoint):
+        _, checks = audit_checkpoint(checkpoint, cache=cache)
+        return next(c for c in checks if c.path == "raw/a/part-00000.jsonl")
+
+    first = raw_check(checkpoints[0])
+    assert "part-00000.jsonl" in hashed and first.status == "MISMATCH"  # the fake manifest's sha256 is "1" * 64
+    hashed.clear()
+    raw.write_text("two\n")
+    assert raw_check(checkpoints[1]) == first and "part-00000.jsonl" not in hashed  # the upstream reused
+    cache.recheck_s = 0  # past the window: verified again, and the change is seen
+    again = raw_check(checkpoints[2])
+    assert "part-00000.jsonl" in hashed and again.actual != first.actual
+    # the audit without a cache (kiln audit, the check run from the UI) verifies every link every time
+    _, checks = audit_checkpoint(checkpoints[0])
+    assert next(c for c in checks if c.path == "raw/a/part-00000.jsonl").actual == again.actual

@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -158,12 +160,21 @@ class Check:
                 f"(sha256 {self.expected[:16]}… → {self.actual[:16]}…)")
 
 
-class FileHashes:
-    """sha256 of files, each computed once while the file stays as it was (same inode, size and mtime): a
-    training step audits every checkpoint it saves against the same corpus, which need not be re-read."""
+UPSTREAM_RECHECK_S = 600.0
 
-    def __init__(self):
+
+class AuditCache:
+    """What a training step's audits of the checkpoints it saves share, so that each audit hashes what its
+    save added and reuses the rest. A file is hashed once while it stays as it was (same inode, size and
+    mtime). The upstream links (one lineage store entry: manifest, shards, tokenizer and raw files, thousands
+    of files on a real corpus, the same for every checkpoint of the run) are verified once and their checks
+    reused for ``recheck_s`` seconds, then verified again (a stat per file; re-read only if it changed).
+    ``kiln audit`` and the check executed from the UI use no cache: they verify every link."""
+
+    def __init__(self, recheck_s: float = UPSTREAM_RECHECK_S):
+        self.recheck_s = recheck_s
         self._known: dict[Path, tuple[tuple[int, int, int], str]] = {}
+        self._upstream: dict[str, tuple[float, list[Check]]] = {}
 
     def sha256(self, path: Path) -> str:
         stat = path.stat()
@@ -173,11 +184,17 @@ class FileHashes:
             known = self._known[path] = (identity, sha256_file(path))
         return known[1]
 
+    def upstream(self, inputs_sha256: str, verify: Callable[[], list[Check]]) -> list[Check]:
+        verified_at, checks = self._upstream.get(inputs_sha256, (None, []))
+        if verified_at is None or time.monotonic() - verified_at > self.recheck_s:
+            verified_at, checks = self._upstream[inputs_sha256] = (time.monotonic(), verify())
+        return checks
 
-def _check(link: str, path: Path, shown: str, expected: str, hashes: FileHashes | None) -> Check:
+
+def _check(link: str, path: Path, shown: str, expected: str, cache: AuditCache | None) -> Check:
     if not path.is_file():
         return Check(link, shown, expected, None, "missing")
-    actual = hashes.sha256(path) if hashes else sha256_file(path)
+    actual = cache.sha256(path) if cache else sha256_file(path)
     return Check(link, shown, expected, actual, "ok" if actual == expected else "MISMATCH")
 
 
@@ -191,16 +208,15 @@ def _embedded_config_check(run: dict) -> Check:
 
 
 def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = None,
-                     hashes: FileHashes | None = None, lineage_store: str | Path | None = None
+                     cache: AuditCache | None = None, lineage_store: str | Path | None = None
                      ) -> tuple[dict, list[Check]]:
     """Re-hash every file the checkpoint's lineage names, in chain order from the checkpoint back to raw
-    (through ``hashes``, when given, so unchanged files already hashed there are not read again). Inputs
-    that cannot be found in the lineage store are one missing link: the checkpoint's own files and config
-    are still verified."""
+    (through ``cache``, when given: see AuditCache). Inputs that cannot be found in the lineage store are one
+    missing link: the checkpoint's own files and config are still verified."""
     checkpoint_dir = Path(checkpoint_dir)
     lineage, inputs_missing = read_lineage(checkpoint_dir, lineage_store)
     root = Path(data_root or lineage.get("data_root", "."))
-    checks = [_check("checkpoint", checkpoint_dir / f["name"], f["name"], f["sha256"], hashes)
+    checks = [_check("checkpoint", checkpoint_dir / f["name"], f["name"], f["sha256"], cache)
               for f in lineage["checkpoint"]["files"]]
     common_path = checkpoint_dir / "common.json"
     if common_path.is_file():
@@ -210,7 +226,7 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
     else:
         checks.append(Check("checkpoint", "common.json", "as recorded", None, "missing"))
     run = lineage["run"]
-    config_check = _check("run config", Path(run["config_path"]), run["config_path"], run["config_sha256"], hashes)
+    config_check = _check("run config", Path(run["config_path"]), run["config_path"], run["config_sha256"], cache)
     if config_check.status == "missing" and "config" in run:
         config_check = _embedded_config_check(run)  # e.g. the checkpoint was copied to another machine
     checks.append(config_check)
@@ -218,13 +234,23 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
         pointer = lineage["inputs"]
         checks.append(Check("inputs", f"lineage store entry {pointer['sha256']}.json", pointer["sha256"], None,
                             "missing"))
+    pointer = lineage.get("inputs")
+    if cache is not None and pointer is not None and not inputs_missing and data_root is None:
+        checks += cache.upstream(pointer["sha256"], lambda: _upstream_checks(lineage, root, cache))
+    else:
+        checks += _upstream_checks(lineage, root, cache)
+    return lineage, checks
+
+
+def _upstream_checks(lineage: dict, root: Path, cache: AuditCache | None) -> list[Check]:
     # a run trained outside Dagster on hand-picked shards has no upstream links to check
+    checks = []
     for link, key in (("manifest", "manifest"), ("shard", "shards"), ("tokenizer", "tokenizer"),
                       ("raw file", "raw_files")):
         records = lineage.get(key) or []
         for record in [records] if isinstance(records, dict) else records:
-            checks.append(_check(link, root / record["path"], record["path"], record["sha256"], hashes))
-    return lineage, checks
+            checks.append(_check(link, root / record["path"], record["path"], record["sha256"], cache))
+    return checks
 
 
 def audit_report(checkpoint_dir: Path, lineage: dict, checks: list[Check]) -> str:
