@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from training.checkpoint import (CheckpointError, _write_safetensors_atomic, load_checkpoint,
-                                 load_checkpoint_balanced, save_checkpoint)
+                                 load_checkpoint_balanced, resolve_load_path, save_checkpoint)
 from training.parallel.layout import TensorLayout
 from training.parallel.mesh import World
 
@@ -252,6 +253,28 @@ def test_metadata_layouts_address_the_chunk_each_rank_wrote(tmp_path, source):
                  for axis in layout["tensor_map"]]
         rebuilt = Layout(tuple(layout["device_matrix"]), tuple(layout["alias_name"]), layout["rank_list"])(*names)
         assert {k: list(v) if isinstance(v, tuple) else v for k, v in rebuilt.to_dict().items()} == layout
+
+
+MINDFORMERS_TP2_DP2 = Path(__file__).parent / "fixtures/mindformers"
+
+
+def test_a_mindformers_sharded_checkpoint_loads_whole_and_into_kiln_layouts():
+    """A 4-rank (tp 2 x dp 2) checkpoint whose metadata.json, shards and file names MindFormers 2.1.0's own code
+    decided (tests/fixtures/mindformers/generate.py): bfloat16 weights, a dim cut over two mesh axes, a tensor
+    cut along both dims, replicated ones; read whole by one process and as FSDP2's chunks, bit for bit."""
+    expected = dict(np.load(MINDFORMERS_TP2_DP2 / "expected.npz"))
+    loaded = load_checkpoint(MINDFORMERS_TP2_DP2 / "tp2_dp2/iteration_00000004")
+    assert {**loaded.model, **loaded.optim}.keys() == expected.keys()
+    for name, value in {**loaded.model, **loaded.optim}.items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+    assert loaded.stored[EMB] == "BFloat16" and loaded.common["global_step"] == 4
+    layouts = {name: TensorLayout.split(value.shape, 0, (0, 1), 2) for name, value in expected.items()
+               if value.shape[0] % 2 == 0}
+    for rank in (0, 1):
+        chunks = load_checkpoint(resolve_load_path(MINDFORMERS_TP2_DP2 / "tp2_dp2"), rank=rank, layouts=layouts)
+        for name, value in {**chunks.model, **chunks.optim}.items():
+            want = expected[name] if name not in layouts else expected[name][layouts[name].chunk_slices(rank)]
+            np.testing.assert_array_equal(value, want, err_msg=name)
 
 
 def test_a_rank_reads_only_the_files_holding_its_chunks(tmp_path):
