@@ -1,17 +1,22 @@
-"""Resuming: a run killed with kill -9 under msrun resumes to the same losses; weight-only, changed batch
-size and Hugging Face loads; a checkpoint of one process resumes in two and vice versa."""
+"""Resuming: a run whose worker, launching step process or msrun is killed with kill -9 leaves no process
+and resumes to the same losses; weight-only, changed batch size and Hugging Face loads; a checkpoint of one
+process resumes in two and vice versa."""
 import json
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 
+import dagster as dg
 import numpy as np
 import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT, write_random_documents
-from resources.msrun import free_port
+from resources.msrun import MsrunResource, free_port
+from test_cancel import alive
 from test_trainer import losses, make_trainer
 from training.checkpoint import TRACKER, load_checkpoint, tracked_step
 from training.launch import MsrunSettings, msrun_command, msrun_environment
@@ -25,14 +30,19 @@ def run_overrides(shard, save_path, *extra):
             f"training.steps={STEPS}", "checkpoint.save_interleaved_steps=2", *extra]
 
 
-def start_msrun(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
-    settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(),
-                             log_dir=str(run_dir / "msrun_log"), cluster_time_out=300)
+def training_args(run_dir: Path, overrides: list[str]) -> list[str]:
     args = ["-m", "training.run", "--config", str(PROJECT_ROOT / MICRO_CONFIG), "--output-dir", str(run_dir)]
     for override in overrides:
         args += ["--set", override]
+    return args
+
+
+def start_msrun(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
+    settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(),
+                             log_dir=str(run_dir / "msrun_log"), cluster_time_out=300)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(msrun_command(settings, args), env=msrun_environment(os.environ), cwd=PROJECT_ROOT,
+    return subprocess.Popen(msrun_command(settings, training_args(run_dir, overrides)),
+                            env=msrun_environment(os.environ), cwd=PROJECT_ROOT,
                             stdout=open(run_dir / "msrun.out", "wb"), stderr=subprocess.STDOUT)
 
 
@@ -76,31 +86,103 @@ def reference(tmp_path_factory):
     return shard, losses(root / "run")
 
 
+def wait_for_steps(proc: subprocess.Popen | None, run_dir: Path, count: int) -> None:
+    deadline = time.monotonic() + 300
+    while logged_steps(run_dir) < count:
+        assert (proc is None or proc.poll() is None) and time.monotonic() < deadline, (
+            (run_dir / "msrun.out").read_text()[-3000:] if (run_dir / "msrun.out").exists() else run_dir)
+        time.sleep(0.05)
+
+
+def kill_9(victim: int, launch: int) -> set[int]:
+    """SIGKILL ``victim``; return every process of the launch rooted at ``launch``, taken just before."""
+    tree = {launch, *descendants(launch)}
+    os.kill(victim, signal.SIGKILL)
+    return tree
+
+
+def assert_all_end(tree: set[int], what: str) -> None:
+    """No process of a killed launch is left (workers, msrun's scheduler and `tail -f` helpers included)."""
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in tree):
+        assert time.monotonic() < deadline, f"{what}: still alive: {[p for p in tree if alive(p)]}"
+        time.sleep(0.1)
+
+
+# the process that starts msrun as MsrunResource does (its command: setpriv --pdeathsig=INT -- msrun ...), in the
+# place of the Dagster step process
+STEP_PROCESS = "import subprocess, sys; sys.exit(subprocess.Popen(sys.argv[1:], start_new_session=True).wait())"
+
+
+class LaunchConfig(dg.Config):
+    args: list[str]
+    log_dir: str
+
+
+@dg.asset
+def resumed_training(context: dg.AssetExecutionContext, config: LaunchConfig, msrun: MsrunResource) -> None:
+    msrun.run(context, config.args, Path(config.log_dir), on_custom_message=lambda message: None)
+
+
 @pytest.mark.msrun
-def test_kill_9_mid_run_then_resume_reproduces_every_later_loss(tmp_path, reference):
+def test_kill_9_of_a_worker_the_step_process_or_msrun_leaves_no_process_and_resumes_every_later_loss(
+        tmp_path, reference):
     shard, uninterrupted = reference
     save_path = tmp_path / "checkpoints"
-    # async, redundancy-free saves while running; the resume reads balanced across both ranks
+    # 1. one worker: async, redundancy-free saves while running; the resumes read balanced across both ranks
     killed = start_msrun(tmp_path / "killed", run_overrides(shard, save_path, "checkpoint.async_save=true",
                                                            "checkpoint.remove_redundancy=true"))
-    deadline = time.monotonic() + 300
-    while logged_steps(tmp_path / "killed") < 5:
-        assert killed.poll() is None and time.monotonic() < deadline, (tmp_path / "killed/msrun.out").read_text()[-3000:]
-        time.sleep(0.05)
-    victim = worker_pids(killed.pid)[-1]
-    os.kill(victim, signal.SIGKILL)
+    wait_for_steps(killed, tmp_path / "killed", 5)
+    tree = kill_9(worker_pids(killed.pid)[-1], killed.pid)
     assert killed.wait(timeout=300) != 0
+    assert_all_end(tree, "worker killed")
     resumed_from = tracked_step(save_path)
     assert resumed_from is not None and resumed_from in (4, 6), resumed_from
     assert logged_steps(tmp_path / "killed") < STEPS
     loaded = load_checkpoint(save_path / f"iteration_{resumed_from:08d}")  # complete: every tensor readable
     assert loaded.common["global_step"] == resumed_from and loaded.optim
+    resume = run_overrides(shard, save_path, f"checkpoint.load_path={save_path}", "checkpoint.load_balanced=true",
+                           "checkpoint.load_worker_number=2", "checkpoint.async_save=true")
 
-    run_msrun(tmp_path / "resumed", run_overrides(shard, save_path, f"checkpoint.load_path={save_path}",
-                                                  "checkpoint.load_balanced=true", "checkpoint.load_worker_number=2",
-                                                  "checkpoint.async_save=true"))
+    # 2. the step process that launched msrun: setpriv hands msrun a SIGINT, msrun kills its workers
+    run_dir = tmp_path / "step_process_killed"
+    port = free_port()
+    command = MsrunResource(worker_num=2, local_worker_num=2).command(training_args(run_dir, resume),
+                                                                       run_dir / "msrun_log", port)
+    run_dir.mkdir()
+    step = subprocess.Popen([sys.executable, "-c", STEP_PROCESS, *command], env=msrun_environment(os.environ),
+                            cwd=PROJECT_ROOT, stdout=open(run_dir / "msrun.out", "wb"), stderr=subprocess.STDOUT)
+    wait_for_steps(step, run_dir, 1)
+    assert_all_end(kill_9(step.pid, step.pid), "step process killed")
+    step.wait()
+
+    # 3. msrun itself, under the Dagster launcher: the workers die with it (PR_SET_PDEATHSIG), the launcher
+    # reaps msrun's `tail -f` helpers and fails the step naming the exit code
+    run_dir = tmp_path / "msrun_killed"
+    trees = []
+
+    def kill_msrun() -> None:
+        wait_for_steps(None, run_dir, 1)
+        (msrun,) = [pid for pid in descendants(os.getpid())
+                    if b"bin/msrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        trees.append(kill_9(msrun, msrun))
+    killer = threading.Thread(target=kill_msrun, daemon=True)
+    killer.start()
+    result = dg.materialize([resumed_training], raise_on_error=False, resources={
+        "msrun": MsrunResource(worker_num=2, local_worker_num=2)}, run_config={"ops": {"resumed_training": {
+            "config": {"args": training_args(run_dir, resume), "log_dir": str(run_dir / "msrun_log")}}}})
+    killer.join(timeout=60)
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert "msrun exited with code -9" in failure.event_specific_data.error.message
+    assert_all_end(trees[0], "msrun killed")
+
+    # none of them left an incomplete checkpoint to resume from; the last resume trains to the end
+    run_msrun(tmp_path / "resumed", resume)
     after = losses(tmp_path / "resumed")
     assert sorted(after) == list(range(resumed_from + 1, STEPS + 1))
+    partial = {**losses(tmp_path / "step_process_killed"), **losses(tmp_path / "msrun_killed")}
+    assert partial and {s: uninterrupted[s] for s in partial} == partial
     assert {s: uninterrupted[s] for s in after} == after  # bit for bit
     assert tracked_step(save_path) == STEPS  # the final async save was finalized before exit
     out = (tmp_path / "resumed/msrun.out").read_text()
