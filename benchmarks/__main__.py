@@ -16,6 +16,11 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   throughput vs. dd to the same directory (target >= 0.5).
 - parallelism: per-rank bytes of weights, gradients and optimizer state, and step time, of ZeRO-1/2/3 vs.
   replicated data parallelism at 1, 2 and 4 msrun workers (ZeRO-3 at N ranks ~ 1/N of DP's).
+- lineage at scale (benchmarks/lineage_scale.py, in a process of its own; about 30 min): with 10, 1,000 and
+  10,000 checkpoints recorded as training_run records them and a source of 10,000 raw files, every tab of
+  checkpoint, raw_corpus and token_shards in headless Chromium (target < 2 s and < 2x the 10-checkpoint
+  load), kiln lineage --consumers and kiln audit with and without the cross-check, the instance's growth
+  per checkpoint and the raw-files sensor's cursor.
 """
 from __future__ import annotations
 
@@ -31,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import (blend_settings, checkpoint_io, data_index, model_flops, monitoring, parallel_memory,
-                        pipes_streaming)
+from benchmarks import (blend_settings, checkpoint_io, data_index, lineage_scale, model_flops, monitoring,
+                        parallel_memory, pipes_streaming)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -236,6 +241,7 @@ def main(argv=None) -> int:
             pipes_streaming.run(report)
             checkpoint_io.run(report)
             parallel_memory.run(report, shard)
+            lineage_scale.run()
     return 0
 
 

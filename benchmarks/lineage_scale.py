@@ -1,0 +1,308 @@
+"""Lineage and the UI at the scale of a long run: 10 / 1,000 / 10,000 checkpoints, a source of 10,000 raw files.
+
+How the data is made and recorded (all in a temporary directory, DAGSTER_HOME included):
+- a file source ``stdlib_code`` of RAW_FILES small JSONL files (two generated documents each) next to the
+  built-in ``stdlib_docs``; ``raw_corpus``, ``tokenizer``, ``token_shards`` and ``blend_manifest`` are
+  materialized by Kiln's own assets into a persistent SQLite instance, ``raw_corpus`` and ``token_shards``
+  twice (two events each on their Events tab);
+- checkpoints: one small MindFormers-layout directory per step (a 4 KB safetensors-named file,
+  metadata.json, kiln_state.json, lineage.json pointing at the run's lineage store entry, common.json, and a
+  line in the lineage index), each handed to ``assets.training.record_checkpoint``, the function
+  ``training_run`` calls for rank 0's checkpoint message (audit, partition, materialization, audit check
+  evaluation, rotation sync), inside one Dagster run per level, as a training run records them. save_max is
+  not applied: every checkpoint stays a partition, the worst case for the UI.
+
+Measured at each level: every tab of ``checkpoint``, ``raw_corpus`` and ``token_shards`` in headless
+Chromium (Debian's, driven by Playwright, as tests/test_browser_ui.py does) against ``dagster-webserver`` on
+that instance: the time from navigation until the page's last GraphQL answer arrived (best of 2 loads),
+and its ratio to the same tab at the first level; ``kiln lineage --consumers``, ``kiln audit`` and
+``python -m pipelines.audit`` (wall time and peak RSS, from /usr/bin/time); the instance's bytes per
+checkpoint; and once, the raw-files sensor's cursor at RAW_FILES files.
+
+    python -m benchmarks.lineage_scale [--levels 10,1000,10000] [--raw-files 10000]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+RUN_NAME = "long"
+ASSET_TABS = {"checkpoint": ("overview", "partitions", "events", "checks", "lineage"),
+              "raw_corpus": ("overview", "partitions", "events", "lineage"),
+              "token_shards": ("overview", "partitions", "events", "checks", "lineage")}
+TARGET_SECONDS = 2.0
+QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the events are stored all the same
+
+
+def report(name: str, value: float, unit: str, ratio: float | None = None, reference: str = "") -> None:
+    suffix = f"  ({ratio:.2f} × {reference})" if ratio is not None else ""
+    print(f"{name:<44} {value:>12,.2f} {unit}{suffix}", flush=True)
+
+
+def _write_sources(work: Path, raw_files: int) -> Path:
+    corpus = work / "user_corpus"
+    corpus.mkdir(parents=True)
+    for i in range(raw_files):
+        docs = [{"text": f"def f{i}_{j}(x):\n    return x * {i} + {j}  # generated document {j} of file {i}\n"}
+                for j in range(2)]
+        (corpus / f"part{i:05d}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    sources = work / "sources.yaml"
+    sources.write_text(f"sources:\n  stdlib_code: {{files: ['{corpus}/*.jsonl'], weight: 0.5}}\n"
+                       "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 40000, weight: 0.5}\n")
+    return sources
+
+
+def _materialize_data(instance, storage) -> None:
+    import dagster as dg
+
+    from pipelines.definitions import ALL_ASSETS, resources
+    from resources.tokenizer import TokenizerSettings
+
+    res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=5_000))
+    steps = [("raw_corpus", "stdlib_code"), ("raw_corpus", "stdlib_docs"), ("tokenizer", None),
+             ("token_shards", "stdlib_code"), ("token_shards", "stdlib_docs"), ("raw_corpus", "stdlib_code"),
+             ("token_shards", "stdlib_code"), ("blend_manifest", None)]
+    for key, partition in steps:
+        ops = {"blend_manifest": {"config": {"seq_length": 32}}} if key == "blend_manifest" else {}
+        dg.materialize(ALL_ASSETS, selection=[key], partition_key=partition, instance=instance, resources=res,
+                       run_config={"ops": ops, **QUIET})
+
+
+class CheckpointWriter:
+    """Small checkpoint directories of run RUN_NAME, as the trainer lays them out, and their messages."""
+
+    def __init__(self, storage, pointer: dict):
+        from training.data.hashing import sha256_file
+
+        self.save_path = storage.run_dir(RUN_NAME) / "checkpoints"
+        self.save_path.mkdir(parents=True, exist_ok=True)
+        self.config = storage.run_dir(RUN_NAME) / "config.yaml"
+        self.config.write_text("training: {steps: 1000000}\n")
+        self.run = {"config_path": str(self.config), "config_sha256": sha256_file(self.config), "world_size": 1,
+                    "started_at": "2026-12-05T00:00:00Z", "resumed_from": None}
+        self.pointer = pointer
+        self.sha256_file = sha256_file
+
+    def write(self, step: int) -> dict:
+        from training.atomic import write_json_atomic
+        from training.checkpoint import COMMON, KILN_STATE, LINEAGE, METADATA, iteration_dir
+        from training.lineage import record_in_index
+
+        directory = iteration_dir(self.save_path, step)
+        directory.mkdir()
+        (directory / "model-0000000-0000001.safetensors").write_bytes(os.urandom(4096))
+        write_json_atomic(directory / METADATA, {"total_size": 4096, "step": step})
+        write_json_atomic(directory / KILN_STATE, {"loss": 3.0, "step": step})
+        common = {"global_step": step, "consumed_samples": 8 * step, "global_batch_size": 8}
+        files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": self.sha256_file(p)}
+                 for p in sorted(directory.iterdir())]
+        lineage = {**self.pointer, "run": self.run, "checkpoint": {"step": step, "files": files, "common": common}}
+        write_json_atomic(directory / LINEAGE, lineage)
+        write_json_atomic(directory / COMMON, common)
+        files += [{"name": n, "bytes": (directory / n).stat().st_size, "sha256": self.sha256_file(directory / n)}
+                  for n in (LINEAGE, COMMON)]
+        record_in_index(self.save_path, step, lineage)
+        return {"event": "checkpoint", "path": str(directory), "step": step, "loss": 3.0 - step * 1e-4, "lr": 1e-3,
+                "tokens_seen": 256 * step, "consumed_samples": 8 * step, "grad_norm": 1.0, "tokens_per_s": 900.0,
+                "samples_per_s": 3.5, "ckpt_status": "ok", "files": sorted(files, key=lambda f: f["name"])}
+
+
+def _record_checkpoints(instance, storage, writer: CheckpointWriter, steps: range) -> float:
+    """Write and record ``steps`` inside one Dagster run, through training_run's own code; seconds taken."""
+    import dagster as dg
+
+    from assets.training import record_checkpoint, training_run
+    from training.lineage import AuditCache
+
+    code_version = training_run.code_versions_by_key[training_run.key]
+
+    @dg.op
+    def record(context) -> None:
+        cache = AuditCache()
+        for step in steps:
+            record_checkpoint(context, storage, writer.write(step), RUN_NAME, code_version, cache)
+
+    started = time.perf_counter()
+    assert dg.GraphDefinition("record_checkpoints", node_defs=[record]).to_job().execute_in_process(
+        instance=instance, run_config=QUIET).success
+    return time.perf_counter() - started
+
+
+def _timed(command: list[str], env: dict) -> tuple[float, float, str]:
+    """(seconds, peak RSS in MB, stdout) of one command."""
+    done = subprocess.run(["/usr/bin/time", "-f", "%e %M", *command], cwd=PROJECT_ROOT, env=env,
+                          capture_output=True, text=True)
+    seconds, kilobytes = done.stderr.strip().splitlines()[-1].split()
+    return float(seconds), int(kilobytes) / 1024, done.stdout
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class Webserver:
+    """dagster-webserver on the instance, its own process group, stopped by its id."""
+
+    def __init__(self, env: dict, workspace: Path, log: Path):
+        from resources.msrun import free_port
+
+        self.port = free_port()
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen([str(BIN / "dagster-webserver"), "-w", str(workspace), "-h", "127.0.0.1",
+                                      "-p", str(self.port)], cwd=PROJECT_ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 180
+        import urllib.request
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/server_info", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"dagster-webserver did not come up; see {log}")
+                time.sleep(1)
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+def _page_load_seconds(page, url: str) -> float:
+    """Navigation to the page's last GraphQL answer (the UI polls later; those are not the load)."""
+    finished = []
+    listener = lambda request: finished.append(time.perf_counter()) if "graphql" in request.url else None  # noqa: E731
+    page.on("requestfinished", listener)
+    started = time.perf_counter()
+    page.goto(url, wait_until="networkidle", timeout=180_000)
+    page.remove_listener("requestfinished", listener)
+    return (max(finished) if finished else time.perf_counter()) - started
+
+
+def _ui_loads(url: str) -> dict[str, float]:
+    from playwright.sync_api import sync_playwright
+
+    loads = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page.goto(f"{url}/assets/checkpoint", wait_until="networkidle", timeout=180_000)  # warm-up, first-visit modal
+        for asset, tabs in ASSET_TABS.items():
+            for tab in tabs:
+                loads[f"{asset} {tab}"] = min(_page_load_seconds(page, f"{url}/assets/{asset}?view={tab}")
+                                              for _ in range(2))
+        browser.close()
+    return loads
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.lineage_scale", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levels", default="10,1000,10000", help="checkpoint counts to measure at")
+    parser.add_argument("--raw-files", type=int, default=10_000)
+    parser.add_argument("--work", help="keep the generated data here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    levels = [int(n) for n in args.levels.split(",")]
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-lineage-") as tmp:
+        work = Path(args.work or tmp)
+        home = work / "dagster_home"
+        home.mkdir(parents=True)
+        (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+        sources = _write_sources(work, args.raw_files)
+        env = {**os.environ, "DAGSTER_HOME": str(home), "KILN_SOURCES": str(sources),
+               "KILN_DATA_ROOT": str(work / "data"), "KILN_RUNS_ROOT": str(work / "runs"),
+               "KILN_AUTOMATION": "off", "PATH": f"{BIN}:{os.environ['PATH']}"}
+        os.environ.update(env)  # the definitions read the sources config when imported: below, not before
+        return _measure(work, home, env, levels, args.raw_files)
+
+
+def _measure(work: Path, home: Path, env: dict, levels: list[int], raw_files: int) -> int:
+    import dagster as dg
+
+    from pipelines.sensors import raw_files_sensor
+    from resources.storage import KilnStorage
+    from pipelines.audit import cross_check
+    from training.lineage import audit_checkpoint, lineage_inputs, store_lineage_inputs
+
+    storage = KilnStorage(data_root=str(work / "data"), runs_root=str(work / "runs"),
+                          sources_config=os.environ["KILN_SOURCES"])
+    workspace = work / "workspace.yaml"
+    workspace.write_text("load_from:\n  - python_module:\n      module_name: pipelines.definitions\n"
+                         f"      working_directory: {PROJECT_ROOT}\n      location_name: kiln\n")
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        started = time.perf_counter()
+        _materialize_data(instance, storage)
+        report(f"data chain on {raw_files:,} raw files", time.perf_counter() - started, "s")
+        context = dg.build_sensor_context(instance=instance, resources={"storage": storage})
+        first = raw_files_sensor(context)
+        context = dg.build_sensor_context(instance=instance, cursor=first.cursor, resources={"storage": storage})
+        started = time.perf_counter()
+        raw_files_sensor(context)
+        report(f"sensor cursor at {raw_files:,} raw files", len(first.cursor), "bytes")
+        report("sensor tick, nothing changed", time.perf_counter() - started, "s")
+        pointer = store_lineage_inputs(storage.runs_root, lineage_inputs(storage.manifest_path(), storage.root))
+        writer = CheckpointWriter(storage, pointer)
+        baseline, recorded, sizes = {}, 0, {}
+        for level in levels:
+            seconds = _record_checkpoints(instance, storage, writer, range(recorded + 1, level + 1))
+            report(f"recording checkpoints {recorded + 1:,}..{level:,}", seconds / (level - recorded) * 1e3,
+                   "ms/checkpoint")
+            recorded = level
+            sizes[level] = _dir_bytes(home)
+            report(f"[{level:,} ckpt] instance size", sizes[level] / 1e6, "MB")
+            newest = writer.save_path / f"iteration_{level:08d}"
+            for name, command in [
+                    ("kiln lineage --consumers", [str(BIN / "kiln"), "lineage", "--consumers", "stdlib_code",
+                                                  "--runs-root", str(work / "runs")]),
+                    ("kiln audit", [str(BIN / "kiln"), "audit", str(newest)]),
+                    ("pipelines.audit (cross-check)", [sys.executable, "-m", "pipelines.audit", str(newest),
+                                                       "--dagster-home", str(home)])]:
+                seconds, megabytes, out = _timed(command, env)
+                report(f"[{level:,} ckpt] {name}", seconds, f"s, {megabytes:,.0f} MB peak")
+                if name == "pipelines.audit (cross-check)" and "OK: all" not in out:
+                    print(out[-2000:])
+                    raise RuntimeError("the cross-check did not find every link")
+            started = time.perf_counter()
+            lineage, _ = audit_checkpoint(newest)
+            links = cross_check(instance, newest, lineage)
+            assert all(link.status in ("recorded", "superseded") for link in links), links
+            report(f"[{level:,} ckpt] audit + cross-check, imports done", time.perf_counter() - started, "s")
+            server = Webserver(env, workspace, work / f"webserver_{level}.log")
+            try:
+                loads = _ui_loads(server.url)
+            finally:
+                server.stop()
+            for tab, seconds in loads.items():
+                baseline.setdefault(tab, seconds)
+                mark = "" if seconds < TARGET_SECONDS and seconds < 2 * baseline[tab] else "  MISSES TARGET"
+                report(f"[{level:,} ckpt] UI {tab}", seconds, "s", seconds / baseline[tab],
+                       f"at {levels[0]:,} checkpoints{mark}")
+        if len(levels) > 1:
+            low, high = levels[-2], levels[-1]
+            report(f"instance growth {low:,}..{high:,} checkpoints", (sizes[high] - sizes[low]) / (high - low) / 1e3,
+                   "KB/checkpoint")
+    return 0
+
+
+def run() -> None:
+    """From `python -m benchmarks`: in a process of its own (the definitions read its sources config)."""
+    subprocess.run([sys.executable, "-m", "benchmarks.lineage_scale"], cwd=PROJECT_ROOT, check=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
