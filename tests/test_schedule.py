@@ -41,12 +41,14 @@ def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micr
                 ("token_shards", "stdlib_code"), ("token_shards", "stdlib_docs"), ("blend_manifest", None),
                 ("training_run", None), ("checkpoint", "nightly/iteration_00000003"),
                 ("checkpoint", "nightly/iteration_00000006")} <= done
-        checks = {(e.asset_key.to_user_string(), e.check_name, e.partition): e.passed
+        # the checkpoint audit is one unpartitioned check, each evaluation naming its checkpoint
+        checks = {(e.asset_key.to_user_string(), e.check_name, e.partition,
+                   e.metadata["checkpoint"].value if "checkpoint" in e.metadata else None): e.passed
                   for e in result.get_asset_check_evaluations()}
-        assert checks == {("token_shards", "shards_are_well_formed", None): True,
-                          ("blend_manifest", "manifest_shards_match", None): True,
-                          ("checkpoint", "audit", "nightly/iteration_00000003"): True,
-                          ("checkpoint", "audit", "nightly/iteration_00000006"): True}
+        assert checks == {("token_shards", "shards_are_well_formed", None, None): True,
+                          ("blend_manifest", "manifest_shards_match", None, None): True,
+                          ("checkpoint", "audit", None, "nightly/iteration_00000003"): True,
+                          ("checkpoint", "audit", None, "nightly/iteration_00000006"): True}
         # a run over several sources still says what each source held
         raw = instance.fetch_materializations(dg.AssetRecordsFilter(
             asset_key=dg.AssetKey("raw_corpus"), asset_partitions=["stdlib_docs"]), limit=1).records[0]
