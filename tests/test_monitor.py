@@ -167,3 +167,25 @@ def test_checkpoint_materialization_carries_plottable_metrics():
     assert numbers == {"step": 50, "loss": 5.5, "lr": 1e-3, "tokens_seen": 51200, "consumed_samples": 400,
                        "bytes": 10, "grad_norm": 0.75, "tokens_per_s": 612.5, "samples_per_s": 4.8,
                        "ckpt_status": 0}
+
+
+def test_step_scalars_reach_training_run_as_an_observation_every_log_interval(tmp_path):
+    from types import SimpleNamespace
+
+    from assets.training import step_observation
+    from training.reporting import Reporter
+
+    reporter = Reporter(tmp_path / "metrics.jsonl", enabled=True, log_interval=2)
+    sent = []
+    reporter._pipes = SimpleNamespace(report_custom_message=sent.append, log=SimpleNamespace(info=lambda line: None))
+    for step in range(1, 5):
+        # flags and the monitor's per-parameter collections are not curves
+        reporter.step({"step": step, "loss": 8.0 / step, "lr": 1e-3, "skipped": False, "consumed_samples": 8 * step,
+                       "device_norm": {"embedding.word_embeddings.weight": 0.5}}, f"step {step}")
+    assert sent == [{"event": "metrics", "step": s, "loss": 8.0 / s, "lr": 1e-3, "consumed_samples": 8.0 * s}
+                    for s in (2, 4)]
+    observation = step_observation(sent[1])
+    assert observation.asset_key.to_user_string() == "training_run"
+    assert {k: v.value for k, v in observation.metadata.items()} == {"step": 4, "loss": 2.0, "lr": 1e-3,
+                                                                      "consumed_samples": 32.0}
+    assert {type(v).__name__ for k, v in observation.metadata.items() if k != "step"} == {"FloatMetadataValue"}
