@@ -38,6 +38,12 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
     res = chain_resources(tmp_path, micro_sources)
     with dg.instance_for_test() as instance:
         chain = materialize_chain(instance, res, training_config())
+        # the console: each step line once (the Dagster log's, not also msrun's echo of worker 0), no MindSpore
+        # INFO lines (printed at worker exit whatever GLOG_v says)
+        console = capsys.readouterr()
+        lines = (console.out + console.err).splitlines()
+        assert [sum(f"{{ step:[    {step}/    6]" in line for line in lines) for step in range(1, 7)] == [1] * 6
+        assert not [line for line in lines if line.startswith("[INFO] ")]
         run = chain.metadata("training_run")
         assert run["first_step"] == 1 and run["final_step"] == 6
         # MindFormers' default data_parallel_shard -1: the two workers shard the model (ZeRO-3)
