@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,9 +27,20 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("configs/qwen3_bench.yaml", "configs/qwen3_tiny.yaml", "configs/deepseek_v3_bench.yaml")
+# variant -> (worker kind, its config overrides, its environment)
+VARIANTS = {
+    "kiln": ("kiln", [], {}),
+    # the step as it ran before fast_step: eager forward+backward, threaded dispatch
+    "kiln, fast_step off": ("kiln", ["fast_step.compile=false", "fast_step.host_blocking_dispatch=false"],
+                            {"MS_DEV_HOST_BLOCKING_RUN": "0"}),
+    "torch eager": ("torch eager", [], {}),
+    "torch compile": ("torch compile", [], {}),
+    # the peak is the compiled matmul without PyNative's dispatch spin (reference §5)
+    "matmul peak": ("matmul peak", [], {"MS_DEV_HOST_BLOCKING_RUN": "1"}),
+}
 # torch.compile of the DeepSeek-V3 MoE takes minutes to compile on 2 cores; it is measured against eager only
-VARIANTS = {"qwen3": ("kiln", "torch eager", "torch compile", "matmul peak"),
-            "deepseek_v3": ("kiln", "torch eager", "matmul peak")}
+MODEL_VARIANTS = {"qwen3": ("kiln", "kiln, fast_step off", "torch eager", "torch compile", "matmul peak"),
+                  "deepseek_v3": ("kiln", "torch eager", "matmul peak")}
 SEQ_LENGTH = 512
 MOCK_EOD = 4095  # the mock documents hold ids up to 4094 (training/data/gpt_dataset.py MockIndexedDataset)
 
@@ -50,18 +62,21 @@ class KilnWorker:
     def __init__(self, config_path: str, overrides: list[str]):
         import tempfile
 
+        from training.run import use_host_blocking_dispatch
+
+        config = load(config_path, overrides)
+        use_host_blocking_dispatch(config)  # as `training.run` does, before MindSpore loads
         from training.parallel.mesh import World
         from training.reporting import Reporter
         from training.trainer import Trainer, configure_runtime
 
-        config = load(config_path, overrides)
         configure_runtime(config)
         self.run_dir = Path(tempfile.mkdtemp(prefix="kiln-throughput-"))
         self.trainer = Trainer(config, World(rank=0, size=1), self.run_dir, Reporter(None, enabled=False))
         self.tokens_per_step = config.training.global_batch_size * self.trainer.seq_length
         self.flops_per_token = self.trainer.flops_per_token
         self.info = {"params": self.trainer.num_parameters, "flops_per_token": self.flops_per_token,
-                     "tokens_per_step": self.tokens_per_step, "fast_step": getattr(self.trainer, "step_mode", "eager (no fast path)")}
+                     "tokens_per_step": self.tokens_per_step, "fast_step": self.trainer.step_mode}
         self.losses = []
 
     def steps(self, n: int) -> float:
@@ -80,14 +95,11 @@ class KilnWorker:
         with profile(activities=[ProfilerActivity.CPU], on_trace_ready=_trace_handler(out)):
             self.steps(1)
         rows = {}
-        for table in out.rglob("cpu_op_type_info*.csv"):
+        for table in out.rglob("cpu_op_type_info*.csv"):  # op_type, type_occurrences, total_compute_time (ms)
             with open(table) as f:
                 for row in csv.DictReader(f):
-                    name = row.get("op_type")
-                    ms = float(row.get("total_time(ms)") or row.get("execution_time(ms)") or 0.0)
-                    calls = int(float(row.get("execution_frequency(per-step)") or row.get("count") or 0))
-                    if name:
-                        rows[name] = (rows.get(name, (0.0, 0))[0] + ms, rows.get(name, (0.0, 0))[1] + calls)
+                    ms, calls = rows.get(row["op_type"], (0.0, 0))
+                    rows[row["op_type"]] = (ms + float(row["total_compute_time"]), calls + int(row["type_occurrences"]))
         return sorted(((name, ms, calls) for name, (ms, calls) in rows.items()), key=lambda r: -r[1])
 
 
@@ -207,7 +219,9 @@ def worker_main(kind: str, config_path: str, overrides: list[str]) -> int:
 
             print(json.dumps({"rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}), flush=True)
         else:
-            return 0
+            break
+    if kind == "kiln":
+        shutil.rmtree(worker.run_dir, ignore_errors=True)
     return 0
 
 
@@ -243,14 +257,13 @@ def compare(report, config_path: str, rounds: int, steps_per_round: int, overrid
     """Runs every variant of ``config_path`` round by round; prints and returns each paired ratio."""
     model_type = load(config_path, overrides).model["model_type"]
     name = Path(config_path).stem
-    kinds = VARIANTS[model_type]
+    kinds = MODEL_VARIANTS[model_type]
     print(f"-- throughput {name}: {', '.join(kinds)}; {rounds} rounds of {steps_per_round} steps", flush=True)
     workers = {}
     try:
         for kind in kinds:  # started one at a time: compilation runs alone
-            # the peak is the compiled matmul without PyNative's dispatch spin (reference §5)
-            env = {"MS_DEV_HOST_BLOCKING_RUN": "1"} if kind == "matmul peak" else None
-            workers[kind] = Worker(kind, config_path, list(overrides), env)
+            worker_kind, extra, env = VARIANTS[kind]
+            workers[kind] = Worker(worker_kind, config_path, [*overrides, *extra], env)
             print(f"   {kind}: first step {workers[kind].info['first_step_s']:.1f} s", flush=True)
         kiln = workers["kiln"].info
         print(f"   kiln fast step: {kiln['fast_step']}", flush=True)

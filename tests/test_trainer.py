@@ -60,6 +60,41 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, shard):
     assert all(after_resume[s] == uninterrupted[s] for s in after_resume), (after_resume, uninterrupted)
 
 
+def test_the_compiled_step_resumes_bit_identically_and_matches_the_eager_losses(tmp_path, shard):
+    compiled = make_trainer(tmp_path, shard, "compiled", "fast_step.compile=true")
+    assert compiled.step_mode.startswith("forward+backward compiled"), compiled.step_mode
+    compiled.train()
+    resumed = make_trainer(tmp_path, shard, "resumed", "fast_step.compile=true",
+                           f"checkpoint.load_path={tmp_path / 'compiled/checkpoints/iteration_00000003'}")
+    resumed.train()
+    eager = make_trainer(tmp_path, shard, "eager")
+    assert eager.step_mode.startswith("forward+backward eager") and "fast_step.compile is false" in eager.step_mode
+    eager.train()
+    uninterrupted, after_resume = losses(tmp_path / "compiled"), losses(tmp_path / "resumed")
+    assert sorted(after_resume) == [4, 5, 6] and all(after_resume[s] == uninterrupted[s] for s in after_resume)
+    eager_losses = losses(tmp_path / "eager")
+    np.testing.assert_allclose([uninterrupted[s] for s in range(1, 7)], [eager_losses[s] for s in range(1, 7)],
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("config, overrides, reasons", [
+    ("tests/configs/deepseek_v3_micro.yaml", [], ["MoE: ", "MTP: "]),
+    (MICRO_CONFIG, ["model.hidden_dropout=0.1", "monitor.train_state.max_attention_logit=true"],
+     ["fast_step.compile is false", "model.hidden_dropout > 0", "max_attention_logit"]),
+])
+def test_a_step_that_cannot_compile_says_why(config, overrides, reasons):
+    from training.model import build_model
+    from training.parallel.mesh import ParallelDims
+    from training.trainer import compile_blockers
+
+    config = load_config(PROJECT_ROOT / config, ["train_dataset.dataloader.config.data_path=['x']",
+                                                 "train_dataset.dataloader.config.eod=2", "checkpoint.enable_save=false",
+                                                 *overrides])
+    blockers = compile_blockers(config, ParallelDims(world=2, tp=2), build_model(config.model))
+    assert len(blockers) == len(reasons) + 1 and "tensor parallel" in blockers[-1]
+    assert all(any(reason in blocker for blocker in blockers) for reason in reasons), blockers
+
+
 def saved_steps(run_dir):
     return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("iteration_*"))
 

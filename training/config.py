@@ -705,6 +705,19 @@ class SwapConfig(Section):
 
 
 @dataclass
+class FastStepConfig(Section):
+    """Kiln's own top-level ``fast_step`` section (MindFormers keeps unknown top-level keys and ignores them):
+    how the training step executes on MindSpore. Both change its speed, not what it computes (losses agree with
+    the eager step within fp32 rounding)."""
+    # forward + backward as one mindspore.jit graph where the model and parallel layout allow it (the trainer
+    # logs which, and why not)
+    compile: bool = True
+    # MS_DEV_HOST_BLOCKING_RUN=1 (set by `training.run` before MindSpore loads): single-threaded dispatch; the
+    # default dispatch thread busy-waits on a core, which halves matmul speed on a 2-core CPU
+    host_blocking_dispatch: bool = True
+
+
+@dataclass
 class TrainConfig(Section):
     model: dict
     lr_scheduler: LrSchedulerConfig
@@ -720,6 +733,7 @@ class TrainConfig(Section):
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     recompute_comm: RecomputeCommConfig = field(default_factory=RecomputeCommConfig)
     swap: SwapConfig = field(default_factory=SwapConfig)
+    fast_step: FastStepConfig = field(default_factory=FastStepConfig)
     callbacks: list[dict] = field(default_factory=list)
     lora_config: Optional[dict] = None
     inference: Optional[dict] = None

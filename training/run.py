@@ -46,6 +46,13 @@ def require_device_runtime(device_target: str) -> None:
                           f"runtime on this machine; set context.device_target to a device it has (e.g. CPU)")
 
 
+def use_host_blocking_dispatch(config) -> None:
+    """``fast_step.host_blocking_dispatch``: MindSpore reads MS_DEV_HOST_BLOCKING_RUN when it loads, so it is set
+    here, before the first import; a value already in the environment wins (set it to 0 to compare)."""
+    if config.fast_step.host_blocking_dispatch and "mindspore" not in sys.modules:
+        os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
+
+
 def main(argv=None) -> int:
     if "MS_ROLE" in os.environ:
         _die_with_parent()
@@ -59,6 +66,7 @@ def main(argv=None) -> int:
 
     try:
         config = load_config(args.config, args.overrides)
+        use_host_blocking_dispatch(config)
         require_device_runtime(config.context.device_target)
         validate_model_section(config, args.tokenizer_model)
     except ConfigError as exc:

@@ -7,6 +7,7 @@ Sample order is a pure function of the step: global step ``s`` consumes samples
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor
+from mindspore import Tensor, nn
 
 from training.atomic import write_text_atomic
 from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, capture_rng_state, complete_steps,
@@ -22,7 +23,7 @@ from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, c
                                  resolve_load_path, restore_rng_state)
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
-from training.model import build_model
+from training.model import GPTModel, build_model
 from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
 from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm
 from training.parallel.comm import Collectives
@@ -58,6 +59,44 @@ def configure_runtime(config: TrainConfig) -> None:
         ms.runtime.set_memory(max_size=config.context.max_device_memory)
     if config.training.deterministic:
         ms.set_context(deterministic="ON")
+
+
+def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -> list[str]:
+    """Why this run's forward + backward cannot be one compiled graph (fast_step.compile); empty when it can.
+    A graph is traced once, so whatever the step keeps on the host between calls would be frozen in it."""
+    reasons = []
+    if not config.fast_step.compile:
+        reasons.append("fast_step.compile is false")
+    if model.config.has_moe:
+        reasons.append("MoE: the router's dispatch orders tokens by expert on the host (a numpy argsort with "
+                       "per-step counts) and the tokens-per-expert counts that move the expert biases are host "
+                       "state")
+    if model.mtp is not None:
+        reasons.append("MTP: each depth's loss is kept on the model for the log line")
+    if model.config.hidden_dropout > 0:
+        reasons.append("model.hidden_dropout > 0: dropout masks come from Kiln's host-side mask stream (so a "
+                       "resume draws the same masks), which a graph would replay as constants")
+    if config.monitor.train_state.max_attention_logit:
+        reasons.append("monitor.train_state.max_attention_logit: the per-head maxima are gathered on the host")
+    if dims.tp > 1:
+        reasons.append("tensor parallel: the forward runs collectives between its matmuls")
+    if dims.dp_shard > 1 and config.parallelism.data_parallel_shard_strategy == "optim_grads_params":
+        reasons.append("ZeRO-3: each layer gathers its parameter chunks when it runs")
+    return reasons
+
+
+class ScaledLoss(nn.Cell):
+    """The micro-batch loss, and the same loss scaled for its backward (``DataParallel.loss_scale``), whose
+    gradients then sum over micro-batches and ranks into the global batch's mean."""
+
+    def __init__(self, model: nn.Cell, scale: float):
+        super().__init__(auto_prefix=False)  # the model's parameter names stay its own
+        self.model = model
+        self.scale = scale
+
+    def construct(self, *inputs):
+        loss = self.model(*inputs)
+        return loss * self.scale, loss
 
 
 def _lr_section(config: TrainConfig) -> dict:
@@ -97,7 +136,15 @@ class Trainer:
         self.params = self.parallel.model_params
         self.lr_schedule = build_lr_schedule(_lr_section(config), config.training.steps)
         self.optimizer = build_optimizer(config.optimizer.to_dict(), self.parallel.optimizer_params, self.lr_schedule)
-        self.grad_fn = ms.value_and_grad(self._scaled_loss, None, self.params, has_aux=True)
+        self.grad_fn = ms.value_and_grad(ScaledLoss(self.model, self.parallel.loss_scale()), None, self.params,
+                                         has_aux=True)
+        blockers = compile_blockers(config, self.mesh.dims, self.model)
+        if not blockers:
+            self.grad_fn = ms.jit(self.grad_fn)
+        dispatch = ("synchronous dispatch" if os.environ.get("MS_DEV_HOST_BLOCKING_RUN") == "1"
+                    else "threaded dispatch (fast_step.host_blocking_dispatch takes effect through training.run)")
+        self.step_mode = (f"forward+backward compiled (mindspore.jit), {dispatch}" if not blockers else
+                          f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
         self.monitor = TrainStateMonitor(config.monitor.train_state, [p.name for p in self.params], self.collectives)
         self.model.track_max_attention_logits(config.monitor.train_state.max_attention_logit)
         self.health = HealthMonitor(config.monitor.health_checkpoint)
@@ -242,12 +289,6 @@ class Trainer:
         return tuple(None if batch.get(key) is None else Tensor(batch[key])
                      for key in ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask"))
 
-    def _scaled_loss(self, *inputs):
-        """The micro-batch loss, and the same loss scaled for its backward (``DataParallel.loss_scale``), whose
-        gradients then sum over micro-batches and ranks into the global batch's mean."""
-        loss = self.model(*inputs)
-        return loss * self.parallel.loss_scale(), loss
-
     def train_step(self) -> dict:
         started = time.perf_counter()
         grads_sum, local_loss, components = None, 0.0, {}
@@ -370,6 +411,7 @@ class Trainer:
         self.reporter.info(f"[kiln] training {cfg.model['model_type']} ({self.num_parameters:,} parameters) on "
                            f"{self.world.size} worker(s), dp={self.dp}, accumulation={self.accumulation}, "
                            f"steps {start_step}->{cfg.training.steps}")
+        self.reporter.info(f"[kiln] training step: {self.step_mode}")
         if cfg.profiler.enable_profiling:
             self.reporter.info(f"[kiln] profiling steps {cfg.profiler.start_step}-{cfg.profiler.end_step} into "
                                f"{profile_root(cfg, self.output_dir)}/rank_<id>")
