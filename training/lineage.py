@@ -33,7 +33,6 @@ from training.data.manifest import load_manifest
 LINEAGE_VERSION = 2  # 2: upstream records in the lineage store, lineage.json points at them (1: inline)
 STORE_DIR = "lineage"  # under the runs root
 INDEX = "lineage_index.jsonl"  # in a run's save path, next to its iteration_* directories
-UPSTREAM_KEYS = ("data_root", "manifest", "shards", "tokenizer", "raw_files")
 
 
 def lineage_inputs(manifest_path: str | Path, data_root: str | Path) -> dict:
@@ -107,9 +106,9 @@ def load_inputs_entry(checkpoint_dir: Path, pointer: dict, lineage_store: str | 
         f"the runs root it was trained in and pass --lineage-store DIR")
 
 
-def read_lineage(checkpoint_dir: Path, lineage_store: str | Path | None = None) -> tuple[dict, str | None]:
+def read_lineage(checkpoint_dir: Path, lineage_store: str | Path | None = None) -> tuple[dict, bool]:
     """A checkpoint's lineage.json with its upstream records in place (loaded from the store when it points
-    there), and why they are missing when the store entry cannot be found (None when they are not)."""
+    there), and whether they are missing (the store entry it points to is nowhere to be found)."""
     lineage_path = checkpoint_dir / "lineage.json"
     try:
         lineage = json.loads(lineage_path.read_text())
@@ -117,11 +116,11 @@ def read_lineage(checkpoint_dir: Path, lineage_store: str | Path | None = None) 
         raise ValueError(f"{lineage_path}: unreadable lineage ({exc})") from None
     pointer = lineage.get("inputs")
     if pointer is None:  # inline upstream records, or a run trained outside Dagster without any
-        return lineage, None
+        return lineage, False
     try:
-        return {**load_inputs_entry(checkpoint_dir, pointer, lineage_store), **lineage}, None
-    except LineageInputsMissing as exc:
-        return lineage, str(exc)
+        return {**load_inputs_entry(checkpoint_dir, pointer, lineage_store), **lineage}, False
+    except LineageInputsMissing:
+        return lineage, True
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{checkpoint_dir}: unreadable lineage inputs ({exc})") from None
 
