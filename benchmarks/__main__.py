@@ -8,6 +8,10 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   code with Kiln's default tokenizer;
 - training: the trainer's tokens/s and FLOP/s vs. this machine's fp32 matmul peak in MindSpore;
 - model FLOPs: tokens/s and FLOP/s of configs/qwen3_tiny.yaml and configs/deepseek_v3_tiny.yaml vs. that peak;
+- throughput (benchmarks/throughput.py): one training step of configs/qwen3_bench.yaml, qwen3_tiny and
+  deepseek_v3_bench in Kiln's Trainer vs. transformers' model + AdamW in PyTorch eager and torch.compile, and
+  MindSpore's compiled matmul on the step's GEMMs, round by round, paired (targets: Qwen3 bench >= 1.0x eager and
+  >= 0.95x torch.compile, tiny >= 0.5x eager, >= 0.75 of the compiled matmul peak);
 - data index: GPTDataset index build for 1M documents, the 10M-sample blend vs a scalar loop, and
   sample fetching vs. the training consumption rate just measured;
 - monitoring: the training step with every `monitor.train_state` option on vs. off.
@@ -37,7 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import (blend_settings, checkpoint_io, data_index, lineage_scale, model_flops, monitoring,
-                        parallel_memory, pipes_streaming)
+                        parallel_memory, pipes_streaming, throughput)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -235,6 +239,8 @@ def main(argv=None) -> int:
             tokens_per_s = bench_training(shard, args.steps)
             # each tiny model config (Qwen3 dense, DeepSeek-V3 MoE+MLA+MTP) against the same-run matmul peak
             model_flops.run(report, shard, args.steps, runtime_ready=True)
+            # the step against PyTorch on the same shapes, each variant in a process of its own
+            throughput.run(report)
             # sample fetching against what training consumes at the same number of tokens per sample
             data_index.run(report, consume_samples_per_s=tokens_per_s / data_index.SEQ_LENGTH)
             monitoring.run(report)
