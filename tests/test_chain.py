@@ -12,6 +12,7 @@ from pipelines.definitions import ALL_ASSETS, build_definitions, resources
 from resources.msrun import MsrunResource
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
+from test_tensorboard import assert_tensorboard_matches
 from training.cli import main as kiln
 from training.run import main as train_main
 
@@ -84,8 +85,14 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         run_dir = tmp_path / "runs/micro"
         single = tmp_path / "single_process"
         assert train_main(["--config", str(run_dir / "config.yaml"), "--output-dir", str(single),
-                           "--set", "checkpoint.enable_save=false"]) == 0
+                           "--set", "checkpoint.enable_save=false",
+                           "--set", f"monitor.tensorboard.output_dir={single / 'tensorboard'}",
+                           "--set", "monitor.tensorboard.log_interval=2"]) == 0
         assert metric_losses(single) == pytest.approx(metric_losses(run_dir), rel=1e-5)
+        # and wrote TensorBoard events as it trained: every 2nd step's scalars, as tensorboard's reader reads them
+        assert_tensorboard_matches(single / "tensorboard", [json.loads(line) for line in
+                                                            (single / "metrics.jsonl").read_text().splitlines()],
+                                   interval=2, global_batch_size=4)
         # and a checkpoint written by 2 workers resumes in 1 process (metadata.json names where each tensor is)
         resumed = tmp_path / "single_process_resumed"
         assert train_main(["--config", str(run_dir / "config.yaml"), "--output-dir", str(resumed),

@@ -1,40 +1,57 @@
-"""monitor.tensorboard: event files written during training hold every scalar of the step records, by step and
-by consumed samples, every log_interval steps, as TensorBoard's own reader reads them."""
+"""monitor.tensorboard: event files hold every scalar of the step records, by step and by consumed samples,
+every log_interval steps, as TensorBoard's own reader reads them. End to end (training.run writing them while
+it trains): test_chain's single-process run calls assert_tensorboard_matches."""
 import json
+from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import MICRO_CONFIG, PROJECT_ROOT
-from training.run import main as train_main
+from training.config import TensorboardConfig
+from training.monitor import TensorBoardWriter
+from training.reporting import Reporter
+
+# the record's keys under MindFormers' names where it has one, else their own (dashed)
+NAMES = {"loss": "loss", "learning-rate": "lr", "grad-norm": "grad_norm", "iteration-time": "step_time_s",
+         "throughput": "tflops_per_device", "tokens-per-s": "tokens_per_s", "samples-per-s": "samples_per_s",
+         "consumed-samples": "consumed_samples", "tokens-seen": "tokens_seen"}
 
 
-def test_tensorboard_holds_every_logged_scalar_by_step_and_by_samples(tmp_path, shard):
-    events = tmp_path / "tensorboard"
-    assert train_main(["--config", str(PROJECT_ROOT / MICRO_CONFIG), "--output-dir", str(tmp_path / "run"),
-                       *[arg for setting in (
-                           f"train_dataset.dataloader.config.data_path=[{shard}]", "train_dataset.dataloader.config.eod=2",
-                           "checkpoint.enable_save=false", "training.steps=2", f"monitor.tensorboard.output_dir={events}",
-                           "monitor.tensorboard.log_interval=2", "monitor.tensorboard.queue_size=3")
-                         for arg in ("--set", setting)]]) == 0
-    records = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    logged = [r for r in records if r["step"] % 2 == 0]
-    assert [r["step"] for r in logged] == [2]
-
+def assert_tensorboard_matches(events: Path, records: list[dict], interval: int, global_batch_size: int) -> None:
+    """The event files in ``events`` hold, for every ``interval``-th record, each scalar against its step and
+    against its consumed samples, and the resolved config at step 0."""
+    logged = [r for r in records if r["step"] % interval == 0]
+    assert logged
     reader = EventAccumulator(str(events), size_guidance={"scalars": 0, "tensors": 0})
     reader.Reload()
-    # MindFormers' names where it has one, the record's own key (dashed) for the rest
-    by_name = {"loss": "loss", "learning-rate": "lr", "grad-norm": "grad_norm", "iteration-time": "step_time_s",
-               "throughput": "tflops_per_device", "tokens-per-s": "tokens_per_s", "samples-per-s": "samples_per_s",
-               "consumed-samples": "consumed_samples", "tokens-seen": "tokens_seen"}
     tags = set(reader.Tags()["scalars"])
-    assert {*by_name, "batch-size"} <= tags and {f"{name}_vs_samples" for name in by_name} <= tags
-    for name, key in by_name.items():
+    assert {*NAMES, "batch-size"} <= tags and {f"{name}_vs_samples" for name in NAMES} <= tags
+    for name, key in NAMES.items():
         assert [(e.step, e.value) for e in reader.Scalars(name)] == [
             (r["step"], pytest.approx(r[key], rel=1e-6)) for r in logged]
         assert [(e.step, e.value) for e in reader.Scalars(f"{name}_vs_samples")] == [
             (r["consumed_samples"], pytest.approx(r[key], rel=1e-6)) for r in logged]
-    assert [e.value for e in reader.Scalars("batch-size")] == [4]
-    # the resolved config, as text at step 0
+    assert [e.value for e in reader.Scalars("batch-size")] == [global_batch_size] * len(logged)
     (config,) = reader.Tensors("config/text_summary")
-    assert config.step == 0 and b"global_batch_size: 4" in config.tensor_proto.string_val[0]
+    assert config.step == 0 and f"global_batch_size: {global_batch_size}".encode() in config.tensor_proto.string_val[0]
+
+
+def test_every_log_interval_th_record_is_written_with_each_scalar(tmp_path):
+    events = tmp_path / "tensorboard"
+    writer = TensorBoardWriter(TensorboardConfig(output_dir=str(events), log_interval=2, queue_size=3), 8,
+                               "training:\n  global_batch_size: 8\n")
+    reporter = Reporter(tmp_path / "metrics.jsonl", enabled=True, log_interval=2, sinks=[writer])
+    for step in range(1, 6):
+        # a step record as the trainer makes it; flags and the monitor's collections are not scalars to plot
+        reporter.step({"step": step, "loss": 8.0 - step / 3, "lr": 1e-3 * step, "skipped": False,
+                       "grad_norm": 1.5 / step, "consumed_samples": 8 * step, "tokens_seen": 256 * step,
+                       "step_time_s": 0.25, "tokens_per_s": 1024.0, "samples_per_s": 32.0,
+                       "tflops_per_device": 1e-4, "mtp_1_loss": 9.0 - step,
+                       "device_norm": {"embedding.word_embeddings.weight": 0.5}}, f"step {step}")
+    reporter.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert_tensorboard_matches(events, records, interval=2, global_batch_size=8)
+    reader = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    reader.Reload()
+    assert [(e.step, e.value) for e in reader.Scalars("mtp-1-loss")] == [(2, 7.0), (4, 5.0)]
+    assert not {tag for tag in reader.Tags()["scalars"] if "norm" in tag} - {"grad-norm", "grad-norm_vs_samples"}
