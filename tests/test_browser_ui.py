@@ -174,6 +174,10 @@ def test_materialize_the_chain_in_the_browser(tmp_path, micro_sources):
         for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY):
             page.get_by_text(f"{RUN_NAME}/iteration_{step:08d}").first.wait_for()
         page.screenshot(path=shots / "04_checkpoint_partitions.png")
+        # each checkpoint's audit result is on its own partition (the audit check itself is unpartitioned)
+        page.goto(f"{url}/assets/checkpoint?view=partitions&partition={RUN_NAME}%2Fiteration_{STEPS:08d}")
+        page.get_by_text(re.compile(r"^passed: \d+ file\(s\) verified$")).first.wait_for()
+        page.screenshot(path=shots / "04b_checkpoint_audit.png")
         page.goto(f"{url}/assets/checkpoint?view=overview")
         page.get_by_role("button", name=re.compile(r"Plots$")).click()
         # the plot under the "loss" title is drawn: its canvas has painted pixels (a line over the partitions)
