@@ -54,6 +54,8 @@ READ = {
     **{f"monitor.tensorboard.{name}": "training/monitor.py" for name in ("output_dir", "log_interval", "queue_size")},
     "context.max_device_memory": "training/trainer.py",
     "context.device_target": "training/trainer.py",
+    "fast_step.compile": "training/trainer.py",
+    "fast_step.host_blocking_dispatch": "training/run.py",
     "parallelism.data_parallel_shard": "training/parallel/mesh.py",
     **{f"parallelism.{name}": "training/parallel/parallelize.py" for name in (
         "data_parallel_shard_strategy", "disable_gradient_division", "reshard_after_forward_policy")},
