@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from resources.devices import DevicesBusy, lease_devices
 from resources.storage import PROJECT_ROOT
 from training.reporting import is_report_line
 from training.launch import (MsrunSettings, SettingError, check_visible_devices, free_port, msrun_command,
-                             msrun_environment)
+                             msrun_environment, under_parent_death_signal)
 
 
 def tail(path: Path, lines: int) -> str:
@@ -170,9 +169,7 @@ class MsrunResource(dg.ConfigurableResource):
 
     def command(self, script_args: list[str], log_dir: Path, master_port: int) -> list[str]:
         """The same msrun command as ``python -m training.launch`` builds, under setpriv when available."""
-        msrun = msrun_command(self.settings(log_dir, master_port), script_args)
-        setpriv = shutil.which("setpriv")
-        return [setpriv, "--pdeathsig=INT", "--", *msrun] if setpriv else msrun
+        return under_parent_death_signal(msrun_command(self.settings(log_dir, master_port), script_args))
 
     def environment(self, extra: dict[str, str], visible_devices: Optional[str] = None) -> dict[str, str]:
         try:

@@ -2,7 +2,9 @@
 import os
 import shlex
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -101,16 +103,18 @@ def test_help_documents_every_form(capsys):
     assert "MASTER_PORT 8118, NODE_RANK 0, LOG_DIR output/msrun_log, CLUSTER_TIME_OUT 7200" in text
 
 
-def test_launcher_execs_msrun_with_this_interpreter_first_on_path(monkeypatch, capsys):
-    """The launcher becomes msrun (so msrun's exit code is its own); execvpe is replaced to see what it runs."""
+def test_launcher_runs_msrun_with_this_interpreter_first_on_path(monkeypatch, capsys):
+    """The launcher runs msrun and exits with its code (run_msrun is replaced to see what it runs)."""
     calls = []
-    monkeypatch.setattr(os, "execvpe", lambda file, args, env: calls.append((file, args, env)))
+    monkeypatch.setattr(launch, "run_msrun", lambda args, env: calls.append((args, env)) or -9)
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,5")
     monkeypatch.setenv("PATH", "/usr/bin")
     monkeypatch.delenv("PYTHONPATH", raising=False)
-    launch.main([TRAIN, "2", "8200", "logs", "True", "60"])
-    ((file, args, env),) = calls
-    assert file == MSRUN and args == expected(2, 2, "127.0.0.1", 8200, 0, "logs", 60)
+    with pytest.raises(SystemExit) as exited:
+        launch.main([TRAIN, "2", "8200", "logs", "True", "60"])
+    assert exited.value.code == 128 + 9  # killed by SIGKILL, as a shell reports it
+    ((args, env),) = calls
+    assert args == expected(2, 2, "127.0.0.1", 8200, 0, "logs", 60)
     assert env["PATH"] == f"{Path(sys.executable).parent}{os.pathsep}/usr/bin"
     assert shutil.which("python", path=env["PATH"]) == str(Path(sys.executable).parent / "python")
     assert env["PYTHONPATH"] == str(launch.PROJECT_ROOT)
@@ -119,7 +123,7 @@ def test_launcher_execs_msrun_with_this_interpreter_first_on_path(monkeypatch, c
 
 
 def test_launcher_refuses_malformed_visible_devices(monkeypatch):
-    monkeypatch.setattr(os, "execvpe", lambda *_: pytest.fail("msrun must not start"))
+    monkeypatch.setattr(launch, "run_msrun", lambda *_: pytest.fail("msrun must not start"))
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "0;1")
     with pytest.raises(SystemExit, match="ASCEND_RT_VISIBLE_DEVICES: must be comma-separated device ids"):
         launch.main([TRAIN, "2"])
@@ -229,3 +233,29 @@ def test_msrun_echo_drops_mindspores_info_lines_and_rank_0s_reports_which_pipes_
         echoed = io.StringIO()
         echo_msrun_output(io.BytesIO(output.encode()), echoed, glog_v)
         assert echoed.getvalue().splitlines() == [output.splitlines()[i] for i in kept]
+
+
+def test_a_msrun_killed_with_sigkill_leaves_none_of_its_processes(tmp_path):
+    """run_msrun on a stand-in for msrun: a shell that starts a `tail -f` helper in its group, as msrun's join
+    mode does, then waits. SIGKILL to it: the exit code says so and the helper is gone too."""
+    import threading
+
+    from test_cancel import alive
+
+    stand_in = ["sh", "-c", f"tail -f /dev/null & echo $! > {tmp_path / 'tail.pid'}; "
+                            f"echo $$ > {tmp_path / 'msrun.pid'}; exec sleep 600"]
+    pids = {}
+
+    def kill_msrun():
+        while not (tmp_path / "msrun.pid").exists() or not (tmp_path / "msrun.pid").read_text().endswith("\n"):
+            time.sleep(0.01)
+        pids.update({name: int((tmp_path / f"{name}.pid").read_text()) for name in ("tail", "msrun")})
+        os.kill(pids["msrun"], signal.SIGKILL)
+    killer = threading.Thread(target=kill_msrun)
+    killer.start()
+    assert launch.run_msrun(stand_in, os.environ) == -signal.SIGKILL
+    killer.join()
+    deadline = time.monotonic() + 10
+    while alive(pids["tail"]):  # SIGKILLed by run_msrun; reaped by init
+        assert time.monotonic() < deadline, "the tail -f helper outlived msrun"
+        time.sleep(0.01)

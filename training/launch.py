@@ -19,8 +19,8 @@ logs to LOG_DIR/worker_i.log. Differences from MindFormers:
     leaves no orphans, and with JOIN False msrun exits as soon as it has spawned them. For a detached
     job, run the launcher itself in the background (nohup ... &).
   - WORKER_NUM 1 is refused, as in MindFormers: run the command directly with python.
-ASCEND_RT_VISIBLE_DEVICES is passed on to the workers unchanged. The launcher replaces itself with
-msrun, so its exit code is msrun's.
+ASCEND_RT_VISIBLE_DEVICES is passed on to the workers unchanged. The launcher waits for msrun and exits
+with its code (128 + N when signal N killed it), leaving none of its processes behind (``run_msrun``).
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +125,32 @@ def msrun_command(settings: MsrunSettings, script_args: list[str]) -> list[str]:
         # msrun resolves `python` on PATH for every worker; msrun_environment puts this interpreter first
         "python", *script_args,
     ]
+
+
+def under_parent_death_signal(command: list[str]) -> list[str]:
+    """``command`` under ``setpriv --pdeathsig=INT`` when available: it gets SIGINT when its parent dies (msrun's
+    handler then kills every worker), so killing the launching process leaves no msrun running."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig=INT", "--", *command] if setpriv else command
+
+
+def run_msrun(command: list[str], env: Mapping[str, str]) -> int:
+    """Run msrun's ``command`` to its end; return its exit code (negative: the signal that killed it). It runs
+    in a process group of its own under the parent-death signal; Ctrl-C here is handed to it (its handler stops
+    the workers); once it has exited, whatever is left in its group is killed: msrun's ``tail -f`` helpers,
+    which outlive a msrun killed with SIGKILL (its workers die with it by themselves, training/run.py)."""
+    proc = subprocess.Popen(under_parent_death_signal(command), env=dict(env), start_new_session=True)
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                proc.send_signal(signal.SIGINT)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def msrun_environment(base: Mapping[str, str], visible_devices: Optional[str] = None) -> dict[str, str]:
@@ -229,7 +257,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     except SettingError as exc:
         sys.exit(f"python -m training.launch: {exc}")
     print(f"[kiln] {shlex.join(command)}", file=sys.stderr, flush=True)
-    os.execvpe(command[0], command, env)  # msrun's exit code becomes the launcher's
+    code = run_msrun(command, env)
+    sys.exit(code if code >= 0 else 128 - code)
 
 
 if __name__ == "__main__":
