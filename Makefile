@@ -38,7 +38,9 @@ postgres:
 	bash tests/setup/postgres.sh
 
 test: $(STAMP) chromium postgres
-	$(BIN)/python -m pytest -q -rs tests  # -rs: every skipped test prints its reason
+	# -rs: every skipped test prints its reason; -n 2 --dist loadfile: two workers, each file whole on one (the
+	# msrun files share one launch per file through module fixtures), the msrun files first (tests/conftest.py)
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile tests
 
 ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m pipelines.pools
