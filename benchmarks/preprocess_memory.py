@@ -7,6 +7,9 @@ its process tree (the command and its forked workers) is sampled every 0.2 s and
 RSS is its peak (an upper bound: forked workers share pages that the sum counts twice); file-backed RSS
 (mapped files, which the kernel may drop) is printed beside it. The claim checked is
 preprocess.py's: memory does not depend on the corpus size, so the ratio of the two peaks stays near 1.
+
+Measured here (23.5 GiB RAM, 2 shared cores, Kiln's 4096-piece tokenizer): 6.19 GiB of JSONL, 2.08G tokens in
+1753 s, peak anonymous RSS 374 MiB (0.016 x RAM; file-backed 38 MiB) vs 372 MiB on 0.59 GiB: 1.01 x.
 """
 from __future__ import annotations
 
