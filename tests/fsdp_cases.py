@@ -29,10 +29,11 @@ CASES = {
                                 "parallelism.data_parallel_shard_strategy=optim",
                                 "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002"],
 }
-# ZeRO-3 on DeepSeek-V3 (MLA, MoE with expert biases and a balancing loss, MTP), against its own reference; its
-# tensor parallelism is proven in tests/test_tensor_parallel.py (a step here takes ~25 s on 4 CPU workers)
+# DeepSeek-V3 (MLA, MoE with expert biases and a balancing loss, MTP) against its own reference: ZeRO-3, and tensor +
+# sequence parallel inside ZeRO-3 (its plain tensor parallelism is also in tests/test_tensor_parallel.py)
 DEEPSEEK = "tests/configs/deepseek_v3_micro.yaml"
-DEEPSEEK_CASES = {"deepseek_zero3": []}
+DEEPSEEK_CASES = {"deepseek_zero3": [],
+                  "deepseek_tp2_sp_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]}
 
 
 def case_config(shard: str, overrides: list[str], save_path: Path | None = None, model_config: str = MICRO_CONFIG):
