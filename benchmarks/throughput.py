@@ -147,7 +147,7 @@ class TorchWorker:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.losses.append(float(loss))
+            self.losses.append(loss.item())
         return time.perf_counter() - started
 
 
