@@ -20,7 +20,7 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   throughput vs. dd to the same directory (target >= 0.5).
 - parallelism: per-rank bytes of weights, gradients and optimizer state, and step time, of ZeRO-1/2/3 vs.
   replicated data parallelism at 1, 2 and 4 msrun workers (ZeRO-3 at N ranks ~ 1/N of DP's).
-- lineage at scale (benchmarks/lineage_scale.py, in a process of its own; about 30 min): with 10, 1,000 and
+- lineage at scale (benchmarks/lineage_scale.py, in a process of its own; about an hour): with 10, 1,000 and
   10,000 checkpoints recorded as training_run records them and a source of 10,000 raw files, every tab of
   checkpoint, raw_corpus and token_shards in headless Chromium (target < 2 s and < 2x the 10-checkpoint
   load), kiln lineage --consumers and kiln audit with and without the cross-check, the instance's growth
