@@ -62,11 +62,12 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     from training.config import ConfigError, load_config
-    from training.model import validate_model_section
 
     try:
         config = load_config(args.config, args.overrides)
         use_host_blocking_dispatch(config)
+        from training.model import validate_model_section  # loads MindSpore
+
         require_device_runtime(config.context.device_target)
         validate_model_section(config, args.tokenizer_model)
     except ConfigError as exc:
