@@ -161,11 +161,11 @@ def test_checkpoint_materialization_carries_plottable_metrics():
                "tokens_seen": 51200, "consumed_samples": 400, "grad_norm": 0.75, "tokens_per_s": 612.5,
                "samples_per_s": 4.8, "ckpt_status": 0,
                "files": [{"name": "common.json", "bytes": 10, "sha256": "ab" * 32}]}
-    key, event = _checkpoint_event(message, "x", "train-v1")
-    assert key == "x/iteration_00000050"
+    event = _checkpoint_event(message, "x/iteration_00000050", "x", "train-v1", "passed")
+    assert event.partition == "x/iteration_00000050"
     numbers = {k: v.value for k, v in event.metadata.items() if isinstance(v.value, (int, float))}
     assert numbers == {"step": 50, "loss": 5.5, "lr": 1e-3, "tokens_seen": 51200, "consumed_samples": 400,
-                       "bytes": 10, "grad_norm": 0.75, "tokens_per_s": 612.5, "samples_per_s": 4.8,
+                       "bytes": 10, "num_files": 1, "grad_norm": 0.75, "tokens_per_s": 612.5, "samples_per_s": 4.8,
                        "ckpt_status": 0}
 
 
