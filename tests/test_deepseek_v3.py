@@ -3,19 +3,16 @@ YaRN, group-limited sigmoid routing, shared experts, MTP, sequence aux loss), ex
 config errors, and training under msrun with 2 workers."""
 import json
 import math
-import os
-import subprocess
 
 import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import Tensor
 
-from conftest import PROJECT_ROOT
+from conftest import PROJECT_ROOT, run_under_msrun
 from training.parallel.comm import Collectives
 from training.parallel.mesh import World
 from training.config import ConfigError
-from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
 from training.model import DeepseekV3Config, build_model
 from training.model.gpt import GPTModel
 from training.model.layers import Init
@@ -299,7 +296,7 @@ def test_every_trainable_parameter_gets_a_gradient():
 
 def test_expert_bias_steers_the_choice_but_not_the_gate():
     model = tiny_model(n_group=1, topk_group=1, num_experts_per_tok=1, norm_topk_prob=False)
-    router, moe = model.decoder.layers[1].mlp.router, model.decoder.layers[1].mlp
+    router = model.decoder.layers[1].mlp.router
     tokens = Tensor(np.random.RandomState(0).randn(10, 32).astype(np.float32))
     bias = np.zeros(8, np.float32)
     bias[5] = 10.0
@@ -427,10 +424,7 @@ def test_trains_under_msrun_with_two_workers(tmp_path):
                  "lr_scheduler.learning_rate=1.0e-2", "checkpoint.save_interleaved_steps=6"]
     script = ["-m", "training.run", "--config", str(PROJECT_ROOT / "tests/configs/deepseek_v3_micro.yaml"),
               "--output-dir", str(run_dir), *[a for o in overrides for a in ("--set", o)]]
-    settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(), log_dir=str(tmp_path / "logs"))
-    done = subprocess.run(msrun_command(settings, script), env=msrun_environment(dict(os.environ)),
-                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_under_msrun(script, tmp_path / "logs", workers=2, timeout=600)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 7))
     assert metrics[-1]["lm_loss"] < metrics[0]["lm_loss"] - 0.5

@@ -2,20 +2,16 @@
 norms and final weights equal one process reading the same global batches (gradient accumulation); a ZeRO-3
 checkpoint (each rank writing its chunks) resumes into other layouts, and into one process, as if never stopped."""
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import MICRO_CONFIG, PROJECT_ROOT, write_random_documents
+from conftest import MICRO_CONFIG, run_under_msrun, write_random_documents
 from fsdp_cases import CASES, DEEPSEEK, DEEPSEEK_CASES, STEPS, case_config
-from resources.msrun import free_port
 from training.parallel import fsdp
 from training.parallel.mesh import World, world_group
 from training.checkpoint import load_checkpoint
-from training.launch import MsrunSettings, msrun_command, msrun_environment
 from training.reporting import Reporter, read_records
 from training.trainer import Trainer, configure_runtime
 
@@ -42,13 +38,7 @@ def runs(tmp_path_factory):
     shard = write_random_documents(root / "data/random")
     references = {config: single_process(root, shard, config) for config in (MICRO_CONFIG, DEEPSEEK)}
     assert len(references[MICRO_CONFIG][1]) == 19  # embedding, output layer, final norm, 8 tensors x 2 layers
-    settings = MsrunSettings(worker_num=4, local_worker_num=4, master_port=free_port(),
-                             log_dir=str(root / "msrun_log"), cluster_time_out=300)
-    command = msrun_command(settings, [str(PROJECT_ROOT / "tests/fsdp_cases.py"), str(root / "cases"), str(shard)])
-    done = subprocess.run(command, env=msrun_environment(os.environ), cwd=PROJECT_ROOT, capture_output=True,
-                          timeout=900)
-    logs = "\n".join(p.read_text()[-3000:] for p in sorted((root / "msrun_log").glob("worker_*.log")))
-    assert done.returncode == 0, logs
+    run_under_msrun(["tests/fsdp_cases.py", root / "cases", shard], root / "msrun_log", workers=4)
     return root, references
 
 

@@ -1,17 +1,14 @@
 """training.parallel.comm under msrun on CPU: every collective, forward and backward, against numpy on every
 kind of group (tests/parallel_cases.py does the work, one msrun launch per world shape)."""
 import json
-import os
-import subprocess
 
 import numpy as np
 import pytest
 
-from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
 from training.parallel import comm
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
 
-from conftest import PROJECT_ROOT
+from conftest import run_under_msrun
 
 COLLECTIVES = ("all_reduce", "copy_to_group", "reduce_from_group", "all_gather", "reduce_scatter",
                "scatter_to_group", "broadcast", "all_to_all", "all_to_all_single")
@@ -39,12 +36,8 @@ def test_a_world_of_one_communicates_nothing():
 @pytest.mark.msrun
 @pytest.mark.parametrize("workers, degrees", [(4, "1,1,2,1,2"), (2, "1,1,1,1,2")], ids=["dp_shard2xtp2", "tp2"])
 def test_every_collective_matches_numpy_forward_and_backward(tmp_path, workers, degrees):
-    settings = MsrunSettings(worker_num=workers, local_worker_num=workers, master_port=free_port(),
-                             log_dir=str(tmp_path / "msrun_log"), cluster_time_out=120)
-    done = subprocess.run(msrun_command(settings, ["tests/parallel_cases.py", str(tmp_path), degrees]),
-                          env=msrun_environment(os.environ), cwd=PROJECT_ROOT, capture_output=True, timeout=600)
+    run_under_msrun(["tests/parallel_cases.py", tmp_path, degrees], tmp_path / "msrun_log", workers, timeout=600)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(workers)]
-    assert done.returncode == 0, [r["results"].get("exception") for r in reports] or done.stdout.decode()[-3000:]
     expected_groups = {4: {"world": [[0, 1, 2, 3]] * 4, "tp": [[0, 1], [0, 1], [2, 3], [2, 3]],
                            "dp_shard": [[0, 2], [1, 3], [0, 2], [1, 3]], "dp": [[0, 2], [1, 3], [0, 2], [1, 3]],
                            "cp": [[0], [1], [2], [3]]},

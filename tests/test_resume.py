@@ -14,7 +14,7 @@ import dagster as dg
 import numpy as np
 import pytest
 
-from conftest import MICRO_CONFIG, PROJECT_ROOT, write_random_documents
+from conftest import MICRO_CONFIG, PROJECT_ROOT, run_under_msrun, write_random_documents
 from resources.msrun import MsrunResource, free_port
 from test_cancel import alive
 from test_trainer import losses, make_trainer
@@ -46,7 +46,7 @@ def start_msrun(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
                             stdout=open(run_dir / "msrun.out", "wb"), stderr=subprocess.STDOUT)
 
 
-def run_msrun(run_dir: Path, overrides: list[str]) -> None:
+def train_under_msrun(run_dir: Path, overrides: list[str]) -> None:
     proc = start_msrun(run_dir, overrides)
     assert proc.wait(timeout=600) == 0, (run_dir / "msrun.out").read_text()[-3000:]
 
@@ -82,7 +82,7 @@ def reference(tmp_path_factory):
     """An uninterrupted 2-worker run of STEPS steps, and its data."""
     root = tmp_path_factory.mktemp("reference")
     shard = write_random_documents(root / "data/shards/random")
-    run_msrun(root / "run", run_overrides(shard, root / "run/checkpoints"))
+    train_under_msrun(root / "run", run_overrides(shard, root / "run/checkpoints"))
     return shard, losses(root / "run")
 
 
@@ -178,7 +178,7 @@ def test_kill_9_of_a_worker_the_step_process_or_msrun_leaves_no_process_and_resu
     assert_all_end(trees[0], "msrun killed")
 
     # none of them left an incomplete checkpoint to resume from; the last resume trains to the end
-    run_msrun(tmp_path / "resumed", resume)
+    train_under_msrun(tmp_path / "resumed", resume)
     after = losses(tmp_path / "resumed")
     assert sorted(after) == list(range(resumed_from + 1, STEPS + 1))
     partial = {**losses(tmp_path / "step_process_killed"), **losses(tmp_path / "msrun_killed")}
@@ -195,7 +195,7 @@ def test_one_process_checkpoint_resumes_in_two_workers(tmp_path, reference):
     single = make_trainer(tmp_path, shard, "single", "training.steps=2")
     single.train()
     checkpoint = tmp_path / "single/checkpoints/iteration_00000002"
-    run_msrun(tmp_path / "two", run_overrides(shard, tmp_path / "two/checkpoints", f"checkpoint.load_path={checkpoint}"))
+    train_under_msrun(tmp_path / "two", run_overrides(shard, tmp_path / "two/checkpoints", f"checkpoint.load_path={checkpoint}"))
     after = losses(tmp_path / "two")
     assert sorted(after) == list(range(3, STEPS + 1))
     # one process accumulates what two workers average: equal up to float32 summation order
@@ -288,11 +288,7 @@ def test_balanced_load_reads_disjoint_subsets_and_equals_a_plain_load(tmp_path):
                             prefix="checkpoint", save_max=1, world=world, collectives=Collectives(world))
     script = tmp_path / "balanced_load.py"
     script.write_text(BALANCED_LOAD_SCRIPT)
-    settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(),
-                             log_dir=str(tmp_path / "msrun_log"), cluster_time_out=300)
-    done = subprocess.run(msrun_command(settings, [str(script), str(saved.path), str(tmp_path)]),
-                          env=msrun_environment(os.environ), cwd=PROJECT_ROOT, capture_output=True, timeout=600)
-    assert done.returncode == 0, done.stdout.decode()[-3000:]
+    run_under_msrun([script, saved.path, tmp_path], tmp_path / "msrun_log", workers=2, timeout=600)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["identical"] for r in ranks)
     read = [set(r["read"]) for r in ranks]

@@ -4,15 +4,11 @@ loss and every parameter's gradient, and the vocab-parallel cross-entropy gives 
 logit gradients (tests/tensor_parallel_worker.py runs every case in one launch); without msrun, the
 configurations tensor parallelism cannot split are refused naming their fields."""
 import json
-import os
-import subprocess
 
 import pytest
 
-from conftest import PROJECT_ROOT
-from resources.msrun import free_port
+from conftest import run_under_msrun
 from training.config import ConfigError
-from training.launch import MsrunSettings, msrun_command, msrun_environment
 from training.model import DeepseekV3Config, GPTModel, Qwen3Config
 from training.parallel.mesh import Group, ParallelDims
 from training.parallel.tensor_parallel import apply_tensor_parallel
@@ -25,12 +21,7 @@ MODEL_CASES = ("qwen3", "qwen3_sp", "qwen3_sp_tied_bias_documents", "deepseek_v3
 
 
 def run_workers(tmp_path, workers: int, dp_replicate: int) -> list[dict]:
-    settings = MsrunSettings(worker_num=workers, local_worker_num=workers, master_port=free_port(),
-                             log_dir=str(tmp_path / "msrun_log"), cluster_time_out=300)
-    script = [str(PROJECT_ROOT / "tests/tensor_parallel_worker.py"), str(tmp_path), str(dp_replicate)]
-    done = subprocess.run(msrun_command(settings, script), env=msrun_environment(os.environ), cwd=PROJECT_ROOT,
-                          capture_output=True, timeout=900)
-    assert done.returncode == 0, done.stdout.decode()[-3000:]
+    run_under_msrun(["tests/tensor_parallel_worker.py", tmp_path, dp_replicate], tmp_path / "msrun_log", workers)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(workers)]
 
 
