@@ -27,12 +27,14 @@ def config_for(key: str, run_config: dict) -> dict:
 
 
 def materialize_chain(instance: dg.DagsterInstance, resources: dict, run_config: dict | None = None,
-                      log=print) -> ChainResult:
-    """raw_corpus[*] → tokenizer → token_shards[*] → blend_manifest → training_run (+ checkpoints)."""
+                      log=print, through: str = "training_run") -> ChainResult:
+    """raw_corpus[*] → tokenizer → token_shards[*] → blend_manifest → training_run (+ checkpoints), stopping after
+    the asset ``through``."""
     result = ChainResult()
     plan = [("raw_corpus", source_partitions.get_partition_keys()), ("tokenizer", [None]),
             ("token_shards", source_partitions.get_partition_keys()), ("blend_manifest", [None]),
             ("training_run", [None])]
+    plan = plan[:[key for key, _ in plan].index(through) + 1]
     for key, partitions in plan:
         for partition in partitions:
             log(f"==> materializing {key}" + (f"[{partition}]" if partition else ""))

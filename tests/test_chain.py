@@ -162,11 +162,7 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
 def test_failing_worker_fails_the_asset_with_its_log_tail(tmp_path, micro_sources):
     res = chain_resources(tmp_path, micro_sources)
     with dg.instance_for_test() as instance:
-        for key, partitions in [("raw_corpus", ["stdlib_code", "stdlib_docs"]), ("tokenizer", [None]),
-                                ("token_shards", ["stdlib_code", "stdlib_docs"]), ("blend_manifest", [None])]:
-            for p in partitions:
-                dg.materialize(ALL_ASSETS, selection=[key], partition_key=p, instance=instance, resources=res,
-                               run_config=config_for(key, training_config()))
+        materialize_chain(instance, res, training_config(), through="blend_manifest")
         with pytest.raises(dg.Failure) as failure:
             dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, resources=res,
                            run_config=config_for("training_run", training_config(

@@ -9,7 +9,7 @@ import sentencepiece
 import yaml
 
 from conftest import MICRO_CONFIG
-from pipelines.chain import config_for
+from pipelines.chain import config_for, materialize_chain
 from pipelines.definitions import ALL_ASSETS
 from resources.msrun import MsrunResource
 from test_chain import chain_resources, training_config
@@ -56,7 +56,7 @@ def test_a_bad_model_field_is_named_before_launch(tmp_path, model, message):
 def test_samples_longer_than_the_model_s_positions_are_refused_naming_both(tmp_path):
     path = micro_config(tmp_path)
     config = load_config(path, [f"{DATA}.seq_length=48", "model.seq_length=48", "model.max_position_embeddings=40"])
-    with pytest.raises(ConfigError, match=rf"model\.seq_length \(48\) exceeds model\.max_position_embeddings \(40\)"):
+    with pytest.raises(ConfigError, match=r"model\.seq_length \(48\) exceeds model\.max_position_embeddings \(40\)"):
         validate_model_section(config)
     # model.seq_length unset: it is the samples' length, bounded by the positions
     data = yaml.safe_load(path.read_text())
@@ -64,7 +64,7 @@ def test_samples_longer_than_the_model_s_positions_are_refused_naming_both(tmp_p
     path.write_text(yaml.safe_dump(data))
     config = load_config(path, [f"{DATA}.seq_length=80"])
     assert config.model["seq_length"] == 80
-    with pytest.raises(ConfigError, match=rf"model\.seq_length \(80\) exceeds model\.max_position_embeddings \(64\)"):
+    with pytest.raises(ConfigError, match=r"model\.seq_length \(80\) exceeds model\.max_position_embeddings \(64\)"):
         validate_model_section(config)
 
 
@@ -92,11 +92,7 @@ def test_the_training_run_asset_refuses_a_model_smaller_than_the_tokenizer_befor
     launched = []
     monkeypatch.setattr(MsrunResource, "run", lambda *args, **kwargs: launched.append(args))
     with dg.instance_for_test() as instance:
-        for key, partitions in [("raw_corpus", ["stdlib_code", "stdlib_docs"]), ("tokenizer", [None]),
-                                ("token_shards", ["stdlib_code", "stdlib_docs"]), ("blend_manifest", [None])]:
-            for p in partitions:
-                dg.materialize(ALL_ASSETS, selection=[key], partition_key=p, instance=instance, resources=res,
-                               run_config=config_for(key, training_config()))
+        materialize_chain(instance, res, training_config(), through="blend_manifest")
         with pytest.raises(dg.Failure) as failure:
             dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, resources=res,
                            run_config=config_for("training_run", training_config(overrides=["model.vocab_size=500"])))
