@@ -151,6 +151,7 @@ class SavePlan:
     holders: dict[tuple[str, int], list[int]]  # (tensor, chunk) -> the ranks holding it, ascending
     writers: dict[tuple[str, int], list[int]]  # (tensor, chunk) -> the ranks writing a copy of it
     files: dict[tuple[str, int], str]  # (kind, rank) -> file name, for every rank writing that kind
+    mindspore_layouts: dict[str, dict | None]  # tensor -> its metadata.json ``layout`` (TensorLayout.mindspore_layout)
 
     @classmethod
     def build(cls, arrays: dict[str, dict[str, np.ndarray]], layouts: dict[str, TensorLayout] | None,
@@ -162,10 +163,10 @@ class SavePlan:
         model and optimizer files apart."""
         kind = {name: k for k, tensors in arrays.items() for name in tensors}
         dtype = {name: tensors[name].dtype for tensors in arrays.values() for name in tensors}
-        full = {}
+        full, mindspore_layouts = {}, {}
         for name in kind:
             layout = (layouts or {}).get(name) or TensorLayout.replicated(arrays[kind[name]][name].shape, world_size)
-            _check_layout(name, layout, arrays[kind[name]][name], world_size)
+            mindspore_layouts[name] = _checked_mindspore_layout(name, layout, arrays[kind[name]][name], world_size)
             full[name] = layout
         holders = {(name, k): ranks for name, layout in full.items() for k, ranks in enumerate(layout.holders())}
         if remove_redundancy:
@@ -185,7 +186,8 @@ class SavePlan:
                 # a redundancy-free save numbers its files among the ranks writing one, as MindFormers does
                 files[(k, rank)] = (shard_file_name(prefix, k, index, len(writing)) if remove_redundancy
                                     else shard_file_name(prefix, k, rank, world_size))
-        return cls(layouts=full, kind=kind, dtype=dtype, holders=holders, writers=writers, files=files)
+        return cls(layouts=full, kind=kind, dtype=dtype, holders=holders, writers=writers, files=files,
+                   mindspore_layouts=mindspore_layouts)
 
     def own_files(self, arrays: dict[str, dict[str, np.ndarray]], rank: int) -> dict[str, dict[str, np.ndarray]]:
         """file name -> the tensors ``rank`` writes into it (its own chunk of each, so one entry per tensor)."""
@@ -213,7 +215,7 @@ class SavePlan:
                                "allow_shape_mismatch": False, "allow_to_save": True},
                 "global_shape": list(layout.global_shape),
                 "axis_fragmentations": list(layout.fragmentations),
-                "layout": layout.mindspore_layout(),
+                "layout": self.mindspore_layouts[name],
                 "chunk": [{"global_offset": [k], "local_shape": list(layout.local_shape)}
                           for k in range(layout.num_chunks)],
             }
@@ -234,8 +236,9 @@ def _replica_ids(layout: TensorLayout) -> list[int]:
     return ids
 
 
-def _check_layout(name: str, layout: TensorLayout, local: np.ndarray, world_size: int) -> None:
-    """The rank's array is its chunk of the layout, and every chunk has a holder to write it."""
+def _checked_mindspore_layout(name: str, layout: TensorLayout, local: np.ndarray, world_size: int) -> dict | None:
+    """The layout as metadata.json records it, once checked: the rank's array is its chunk of the layout, every
+    chunk has a holder to write it, and MindSpore's device matrix can describe it."""
     if len(layout.chunk_of_rank) != world_size:
         raise CheckpointError(f"tensor {name}: its layout places {len(layout.chunk_of_rank)} ranks, the world "
                               f"has {world_size}")
@@ -248,7 +251,7 @@ def _check_layout(name: str, layout: TensorLayout, local: np.ndarray, world_size
         raise CheckpointError(f"tensor {name}: chunks {orphans} of its layout are held by no rank, "
                               f"so no file would hold them")
     try:
-        layout.mindspore_layout()
+        return layout.mindspore_layout()
     except ValueError as exc:
         raise CheckpointError(f"tensor {name}: {exc}") from None
 
