@@ -36,10 +36,11 @@ def run_under_msrun(args: list[str], log_dir: Path, workers: int, *, timeout: fl
 
 
 def pytest_collection_modifyitems(items):
-    """Files that launch msrun run first. `make test` runs the files on two pytest-xdist workers, each file whole
-    on one of them; the longest files, started last, would leave a core idle at the end."""
-    launches_msrun = {item.path for item in items if item.get_closest_marker("msrun")}
-    items.sort(key=lambda item: item.path not in launches_msrun)  # stable: each file's tests keep their order
+    """The slow files (those that launch msrun, a Dagster webserver or a browser) run first. `make test` runs the
+    files on two pytest-xdist workers, each file whole on one of them; a long file started last would leave a core
+    idle at the end."""
+    slow = {item.path for item in items if any(item.get_closest_marker(m) for m in ("msrun", "ui", "browser"))}
+    items.sort(key=lambda item: item.path not in slow)  # stable: each file's tests keep their order
 
 
 @pytest.fixture
