@@ -142,16 +142,23 @@ class GPTModel(nn.Cell):
                 param.set_dtype(config.dtype("params_dtype"))
 
     # ---- forward -----------------------------------------------------------------------------
-    def _decode(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None):
-        seq = input_ids.shape[1]
+    def _tables(self, seq: int, position_ids: Tensor | None, attention_mask: Tensor | None):
+        """The rotary tables and the additive mask of a [batch, seq] micro-batch (every pipeline stage makes its
+        own: only hidden states travel between stages)."""
         if seq > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {seq} exceeds model.max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
         cos, sin = self.rotary.tables(seq, position_ids)
-        hidden = cast(self.embedding_dropout(self.embedding(input_ids)), self.compute_dtype)
         mask = (causal_mask(seq, self.mask_repeats) if attention_mask is None
                 else additive_mask(attention_mask, self.mask_repeats))
-        return self.decoder(hidden, cos, sin, mask), cos, sin, mask
+        return cos, sin, mask
+
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        return cast(self.embedding_dropout(self.embedding(input_ids)), self.compute_dtype)
+
+    def _decode(self, input_ids: Tensor, position_ids: Tensor | None, attention_mask: Tensor | None):
+        cos, sin, mask = self._tables(input_ids.shape[1], position_ids, attention_mask)
+        return self.decoder(self._embed(input_ids), cos, sin, mask), cos, sin, mask
 
     def _output(self, hidden: Tensor) -> Tensor:
         if self.output_input_comm is not None:
@@ -177,26 +184,32 @@ class GPTModel(nn.Cell):
     def construct(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor, position_ids: Tensor | None = None,
                   attention_mask: Tensor | None = None) -> Tensor:
         hidden, cos, sin, mask = self._decode(input_ids, position_ids, attention_mask)
-        loss = self._masked_mean_loss(self._output(hidden), labels, loss_mask)
         if self.mtp is None and not self.config.has_moe:
-            return loss
-        components = {"lm_loss": loss}
-        if self.mtp is not None:
-            # depth k predicts token i+k+1 from position i: inputs, labels and mask move left once per depth
-            depth_losses, ids = [], input_ids
-            for k, layer in enumerate(self.mtp.layers):
-                ids, labels, loss_mask = roll_left(ids), roll_left(labels), roll_left(loss_mask)
-                hidden = layer(cast(self.embedding_dropout(self.embedding(ids)), self.compute_dtype), hidden, cos, sin,
-                               mask)
-                depth_losses.append(self._masked_mean_loss(self._output(hidden), labels, loss_mask))
-                components[f"mtp_{k + 1}_loss"] = depth_losses[-1]
-            loss = loss + self.config.mtp_loss_scale * sum(depth_losses) / len(depth_losses)
+            return self._masked_mean_loss(self._output(hidden), labels, loss_mask)
+        loss, components = self.head_loss(hidden, input_ids, labels, loss_mask, cos, sin, mask)
         aux_losses = [moe.aux_loss for _, moe in self.moe_layers() if moe.aux_loss is not None]
         if aux_losses:
             components["load_balancing_loss"] = sum(aux_losses)
             loss = loss + components["load_balancing_loss"]
         self._last_components = {name: ops.stop_gradient(value) for name, value in components.items()}
         return loss
+
+    def head_loss(self, hidden: Tensor, input_ids: Tensor, labels: Tensor, loss_mask: Tensor, cos: Tensor,
+                  sin: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of the decoder's output ``hidden`` (after its final norm): the LM loss plus the MTP depths'
+        scaled mean, and the parts (lm_loss, mtp_{k}_loss); the load-balancing losses are the caller's."""
+        loss = self._masked_mean_loss(self._output(hidden), labels, loss_mask)
+        components = {"lm_loss": loss}
+        if self.mtp is not None:
+            # depth k predicts token i+k+1 from position i: inputs, labels and mask move left once per depth
+            depth_losses, ids = [], input_ids
+            for k, layer in enumerate(self.mtp.layers):
+                ids, labels, loss_mask = roll_left(ids), roll_left(labels), roll_left(loss_mask)
+                hidden = layer(self._embed(ids), hidden, cos, sin, mask)
+                depth_losses.append(self._masked_mean_loss(self._output(hidden), labels, loss_mask))
+                components[f"mtp_{k + 1}_loss"] = depth_losses[-1]
+            loss = loss + self.config.mtp_loss_scale * sum(depth_losses) / len(depth_losses)
+        return loss, components
 
     def loss_components(self) -> dict[str, float]:
         """The parts of the last ``construct`` loss: lm_loss, mtp_{k}_loss per depth, load_balancing_loss
