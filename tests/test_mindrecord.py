@@ -12,6 +12,7 @@ from training.data.indexed import IndexedDataset, IndexedDatasetWriter
 from training.data.mindrecord import (
     MultiSourceMindRecordDataset,
     build_mindrecord_train_dataset,
+    check_token_ids,
     convert_to_mindrecord,
     read_mindrecord_samples,
 )
@@ -357,3 +358,37 @@ def test_sources_of_different_lengths_are_rejected(converted, corpora, tmp_path)
     with pytest.raises(ValueError, match=r"different lengths .*dataset_files\[1\]: 33"):
         build_mindrecord_train_dataset(_config(dataset_files=[converted["a"], str(tmp_path / "long.mindrecord")]),
                                        num_samples=5, seed=1, pad_id=PAD, eod_id=EOD)
+
+
+def test_token_ids_beyond_the_model_vocabulary_are_refused_naming_the_file_record_and_field(corpora, tmp_path):
+    """Checked when the dataset is built, through the trainer's own call (build_dataset with model.vocab_size)."""
+    from conftest import MICRO_CONFIG, PROJECT_ROOT
+    from training.config import load_config
+    from training.data.loader import build_dataset
+
+    # one source, a directory of two files read in name order: A's ids (< 500) first, then B's (> 20000)
+    directory = tmp_path / "source"
+    convert_to_mindrecord(corpora["a"], directory / "x.mindrecord", seq_length=SEQ, eod_id=EOD, num_samples=5)
+    convert_to_mindrecord(corpora["b"], directory / "y.mindrecord", seq_length=SEQ, eod_id=EOD, num_samples=5)
+    config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
+        f"train_dataset.dataloader={{type: MindDataset, eod: {EOD}, pad: {PAD}, dataset_files: ['{directory}']}}",
+        "checkpoint.enable_save=false"])
+    with pytest.raises(ValueError) as raised:
+        build_dataset(config, num_samples=8, vocab_size=1000)
+    first = read_mindrecord_samples(directory / "y.mindrecord", "y")[0]
+    token = int(np.argmax((first >= 1000) | (first < 0)))
+    largest = int(read_mindrecord_samples(directory / "y.mindrecord", "y").max())
+    assert str(raised.value) == (
+        f"train_dataset.dataloader.dataset_files[0]: {directory / 'y.mindrecord'}: token ids up to {largest}, but "
+        f"model.vocab_size is 1000 (first outside [0, 1000): {first[token]} at token {token} of record 0): was it "
+        f"tokenized with a larger vocabulary? Re-tokenize it with the model's tokenizer, or set model.vocab_size to "
+        f"at least {largest + 1}")
+    assert len(build_dataset(config, num_samples=8, vocab_size=largest + 1)) == 8
+    # a stored pad id is masked when read, so a negative one is no error; any other negative id is
+    records = read_mindrecord_samples(directory / "x.mindrecord", "x")
+    records[2, 3] = -1
+    check_token_ids(records, "x.mindrecord", vocab_size=1000, pad_id=-1, where="x")
+    with pytest.raises(ValueError, match=r"^x: x\.mindrecord: token ids up to \d+, but model\.vocab_size is 1000 "
+                                         r"\(first outside \[0, 1000\): -1 at token 3 of record 2\): negative ids "
+                                         r"other than the pad id \(7\) are never valid$"):
+        check_token_ids(records, "x.mindrecord", vocab_size=1000, pad_id=PAD, where="x")

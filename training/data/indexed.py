@@ -49,6 +49,14 @@ _VALIDATE_BLOCK = 1 << 20
 _SCAN_BLOCK = 1 << 23  # tokens per block when scanning a .bin (check_token_ids)
 
 
+def token_id_fix(largest: int, vocab_size: int, field: str, negative: str) -> str:
+    """What to do about token ids outside [0, ``vocab_size``): ``negative`` says why a negative id is wrong."""
+    if largest < vocab_size:
+        return negative
+    return (f"was it tokenized with a larger vocabulary? Re-tokenize it with the model's tokenizer, or set {field} "
+            f"to at least {largest + 1}")
+
+
 class IndexedDatasetError(ValueError):
     """An indexed dataset file is missing, malformed or inconsistent with its partner file."""
 
@@ -396,8 +404,7 @@ class IndexedDataset:
             return
         sequence = int(np.searchsorted(self._pointers, first * self._dtype.itemsize, side="right")) - 1
         offset = first - int(self._pointers[sequence]) // self._dtype.itemsize
-        fix = (f"was it tokenized with a larger vocabulary? Re-tokenize it with the model's tokenizer, or set "
-               f"{field} to at least {largest + 1}" if largest >= vocab_size else "negative ids are never valid")
+        fix = token_id_fix(largest, vocab_size, field, "negative ids are never valid")
         raise self._fail(self.bin_path, f"token ids up to {largest}, but {field} is {vocab_size} (first outside "
                                         f"[0, {vocab_size}): {tokens[first]} at token {offset} of sequence "
                                         f"{sequence}): {fix}")

@@ -16,15 +16,16 @@ from training.data.mindrecord import build_mindrecord_train_dataset
 
 def build_dataset(config: TrainConfig, num_samples: int, split: str = "train", vocab_size: int | None = None):
     """``num_samples`` samples of ``split`` in the order training reads them (sample i of step s is
-    global sample s·global_batch_size + i). With ``vocab_size`` (the model's), a Megatron source holding a
-    larger token id is an error naming it, before training rather than in the embedding's Gather."""
+    global sample s·global_batch_size + i). With ``vocab_size`` (the model's), a source (Megatron or
+    MindRecord) holding a larger token id is an error naming it, before training rather than in the embedding's
+    Gather."""
     loader = config.train_dataset.dataloader
     if isinstance(loader, MindDatasetLoaderConfig):
         if split != "train":
             raise ValueError(f"train_dataset.dataloader: a MindDataset has no {split!r} split")
         reader_keys = {k: v for k, v in loader.to_dict().items() if k not in ("seed", "eod", "pad")}
         return build_mindrecord_train_dataset(reader_keys, num_samples=num_samples, seed=loader.seed,
-                                              pad_id=loader.pad, eod_id=loader.eod)
+                                              pad_id=loader.pad, eod_id=loader.eod, vocab_size=vocab_size)
     assert isinstance(loader, BlendedMegatronLoaderConfig)
     c = loader.config
     split_index = SPLITS.index(split)

@@ -31,7 +31,7 @@ from mindspore.mindrecord import FileReader, FileWriter
 from training.data import gpt_dataset
 from training.data.gpt_dataset import GPTDataset, split_document_range
 from training.data.hashing import sha256_file
-from training.data.indexed import IndexedDataset
+from training.data.indexed import IndexedDataset, token_id_fix
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ DEFAULT_EOD_PAD_LENGTH = 128
 DEFAULT_SHUFFLE_BUFFER_SIZE = 320
 # MindFormers accepts ratios that sum to 1 within this tolerance.
 _RATIO_SUM_TOLERANCE = 1e-5
+# Tokens per block of whole records when checking token ids: bounds the temporary mask (a byte per token).
+_CHECK_TOKENS = 1 << 23
 # Samples handed to FileWriter per call: large enough to amortize its per-call cost, small enough
 # to keep memory flat.
 _WRITE_BATCH = 256
@@ -288,6 +290,48 @@ def _load_input_ids(reader: FileReader, where: str) -> np.ndarray:
     return samples
 
 
+def check_token_ids(records: np.ndarray, files: str | Sequence[str], *, vocab_size: int, pad_id: int, where: str,
+                    field: str = "model.vocab_size") -> None:
+    """Every id of one source's records is in [0, ``vocab_size``) or is ``pad_id`` (pads are stored as they are
+    and masked when read), else an error naming the source (``where``, its YAML path), the file and record of
+    the first id outside, the largest id and ``field``, before training rather than in the embedding's Gather."""
+    first, rows = None, max(1, _CHECK_TOKENS // records.shape[1])
+    for start in range(0, len(records), rows):
+        block = records[start : start + rows]
+        if block.max() < vocab_size and block.min() >= 0:
+            continue  # the common case (pads sit only in a last partial sample): no mask built
+        outside = ((block >= vocab_size) | (block < 0)) & (block != pad_id)
+        if outside.any():
+            first = (start, *np.unravel_index(int(np.argmax(outside)), outside.shape))
+            break
+    if first is None:
+        return
+    start, row, token = first
+    file, record = _file_of_record(files, start + int(row))
+    largest = int(records.max())
+    fix = token_id_fix(largest, vocab_size, field, f"negative ids other than the pad id ({pad_id}) are never valid")
+    raise ValueError(f"{where}: {file}: token ids up to {largest}, but {field} is {vocab_size} (first outside "
+                     f"[0, {vocab_size}): {records[start + row, token]} at token {token} of record {record}): {fix}")
+
+
+def _file_of_record(files: str | Sequence[str], index: int) -> tuple[str, int]:
+    """(file, record within it) of record ``index`` of a source read as one (see read_mindrecord_samples).
+    A single path is named as given (MindSpore reads its whole shard group); a list is read file by file, in
+    its order, so the record counts of the files before the one holding it are subtracted. Error path only."""
+    if isinstance(files, str):
+        return files, index
+    for name in files:
+        reader = FileReader(name, num_consumer=1, columns=[INPUT_IDS])
+        try:
+            count = reader.len()
+        finally:
+            reader.close()
+        if index < count:
+            return name, index
+        index -= count
+    raise IndexError(f"record {index} is beyond the records of {files}")
+
+
 def _mindspore_reason(err: RuntimeError) -> str:
     """The one informative line of a MindSpore reader error (they carry a long C++ trace)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
@@ -419,7 +463,8 @@ class MultiSourceMindRecordDataset(gpt_dataset.SourceIndexedDataset):
     `position_ids`, seq_length each) made by `to_item` from the record's seq_length + 1 tokens;
     the default is `gpt_dataset.sample_item` with this dataset's eod_id / pad_id, so both readers
     treat pads identically. `num_samples` beyond one epoch repeats the epoch, each with fresh
-    shuffles; every order is a function of `seed` only.
+    shuffles; every order is a function of `seed` only. With `vocab_size` (the model's), every stored id
+    is checked against it once the records are read (`check_token_ids`); they are not read again.
 
     All records sit in memory (4 * (seq_length + 1) bytes per record): fine for the corpora Kiln
     trains on today; a larger corpus wants a memory-mapped cache instead.
@@ -441,6 +486,7 @@ class MultiSourceMindRecordDataset(gpt_dataset.SourceIndexedDataset):
         labels: Sequence[str] | None = None,
         where: str = "",
         to_item: Callable[[np.ndarray], dict[str, np.ndarray]] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if not sources:
             raise ValueError(f"{where}dataset_files: no sources given")
@@ -451,6 +497,8 @@ class MultiSourceMindRecordDataset(gpt_dataset.SourceIndexedDataset):
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
 
         self.records = [read_mindrecord_samples(files, label) for files, label in zip(sources, self.labels)]
+        for records, files, label in zip(self.records, sources, self.labels) if vocab_size is not None else ():
+            check_token_ids(records, files, vocab_size=vocab_size, pad_id=pad_id, where=label)
         widths = {records.shape[1] for records in self.records}
         if len(widths) > 1:
             found = ", ".join(f"{label}: {records.shape[1]}" for label, records in zip(self.labels, self.records))
@@ -491,7 +539,7 @@ _KNOWN_KEYS = ("type", "dataset_files", "dataset_ratios", "samples_count", "nums
 
 
 def build_mindrecord_train_dataset(config: Mapping, num_samples: int, seed: int, pad_id: int,
-                                   eod_id: int) -> MultiSourceMindRecordDataset:
+                                   eod_id: int, vocab_size: int | None = None) -> MultiSourceMindRecordDataset:
     """The training dataset of a `train_dataset.dataloader` section of type `MindDataset`.
 
     Keys:
@@ -504,7 +552,8 @@ def build_mindrecord_train_dataset(config: Mapping, num_samples: int, seed: int,
                            Neither: every source whole. Counts above a source's size are capped.
       shuffle              true/"global" (default), "files", "infile" or false; see parse_shuffle.
       shuffle_buffer_size  window of interleaved items shuffled together (320).
-    Errors name the YAML path, e.g. `train_dataset.dataloader.dataset_files[1]: no such file`.
+    Errors name the YAML path, e.g. `train_dataset.dataloader.dataset_files[1]: no such file`. With
+    `vocab_size`, a token id outside [0, vocab_size) (pads aside) is one, naming the file and record too.
     """
     where = f"{CONFIG_PATH}."
     if not isinstance(config, Mapping):
@@ -526,7 +575,7 @@ def build_mindrecord_train_dataset(config: Mapping, num_samples: int, seed: int,
         sources, labels=labels, where=where, eod_id=eod_id, pad_id=pad_id, seed=seed, num_samples=num_samples,
         dataset_ratios=config.get("dataset_ratios"), samples_count=config.get("samples_count"),
         nums_per_dataset=config.get("nums_per_dataset"), shuffle=config.get("shuffle", True),
-        shuffle_buffer_size=config.get("shuffle_buffer_size", DEFAULT_SHUFFLE_BUFFER_SIZE))
+        shuffle_buffer_size=config.get("shuffle_buffer_size", DEFAULT_SHUFFLE_BUFFER_SIZE), vocab_size=vocab_size)
 
 
 def _resolve_dataset_files(entries, where: str) -> tuple[list, list[str]]:
