@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Sequence
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from training.config import ConfigError, unknown_key_error
 
@@ -153,6 +153,16 @@ def clip_grad_norm(grads: Sequence[Tensor], max_norm: float, norms: np.ndarray |
     return tuple(grads), total_norm
 
 
+def clip_grad_norm_in_graph(grads: Sequence[Tensor], max_norm: float) -> tuple[tuple[Tensor, ...], Tensor, Tensor]:
+    """``clip_grad_norm`` inside a compiled graph: the clipped gradients, each gradient's sum of squares (fp32,
+    as ``tensor_norms`` sums them) and the global norm (float64, as ``clip_grad_norm`` computes it). A sum of
+    squares is a dot product (one matmul): MindSpore's CPU ReduceSum is several times slower."""
+    squares = ops.stack([ops.matmul(g.reshape(1, -1), g.reshape(-1, 1)).reshape(()) for g in grads])
+    total_norm = ops.sqrt(ops.sqrt(squares.astype(ms.float64)).square().sum())
+    scale = ops.minimum(max_norm / (total_norm + 1e-6), 1.0).astype(ms.float32)  # x·1.0 is x, as when unclipped
+    return tuple(g * scale for g in grads), squares, total_norm
+
+
 # ---- AdamW ----------------------------------------------------------------------------------------------
 
 _adam_weight_decay = ops.AdamWeightDecay()
@@ -171,6 +181,11 @@ def uses_weight_decay(name: str, param: Parameter, include: Iterable[str] = (), 
     if _matches(name, exclude):
         return False
     return len(param.shape) > 1 and not name.endswith(".bias")
+
+
+def _update_tensor(target, m, v, grad, beta1, beta2, lr, eps, decay) -> None:
+    """One tensor's AdamW update in place (an eager step and a compiled step's graph run this same code)."""
+    _adam_weight_decay(target, m, v, lr, beta1, beta2, eps, decay, grad.astype(ms.float32))
 
 
 class AdamW:
@@ -215,27 +230,42 @@ class AdamW:
         """The learning rate of the latest update (of step 0 before any update)."""
         return float(self.lr_schedule(self.global_step))
 
+    def kernel_hyperparameters(self, update: int) -> tuple[float, float, float]:
+        """The fused kernel's lr, eps and weight decay for update number ``update`` (1-based). AdamWeightDecay
+        has no bias correction, so it is folded into them: lr' = lr·√(1-β2ᵗ)/(1-β1ᵗ), eps' = eps·√(1-β2ᵗ),
+        wd' = lr·wd/lr' give exactly PyTorch's AdamW update."""
+        lr = float(self.lr_schedule(update))
+        sqrt_bias_correction2 = math.sqrt(1.0 - self.beta2 ** update)
+        kernel_lr = lr * sqrt_bias_correction2 / (1.0 - self.beta1 ** update)
+        kernel_eps = self.eps * sqrt_bias_correction2
+        kernel_decay = lr * self.weight_decay / kernel_lr if kernel_lr else 0.0
+        return kernel_lr, kernel_eps, kernel_decay
+
     def step(self, grads: Sequence[Tensor]) -> None:
         """One update: m ← β1·m + (1-β1)·g, v ← β2·v + (1-β2)·g², then
         p ← p·(1 - lr·wd) - lr·m̂ / (√v̂ + eps) with m̂ = m/(1-β1ᵗ), v̂ = v/(1-β2ᵗ) (PyTorch's AdamW).
 
         Runs as one fused AdamWeightDecay kernel per tensor (several times faster than separate ops in
-        PyNative). That kernel has no bias correction, so it is folded into its lr, eps and decay:
-        lr' = lr·√(1-β2ᵗ)/(1-β1ᵗ), eps' = eps·√(1-β2ᵗ), wd' = lr·wd/lr' give exactly the update above."""
+        PyNative), with ``kernel_hyperparameters``."""
         if len(grads) != len(self.params):
             raise ValueError(f"AdamW.step: got {len(grads)} gradients for {len(self.params)} parameters")
         self.global_step += 1
-        lr = self.current_lr
-        sqrt_bias_correction2 = math.sqrt(1.0 - self.beta2 ** self.global_step)
-        kernel_lr = lr * sqrt_bias_correction2 / (1.0 - self.beta1 ** self.global_step)
-        kernel_eps = self.eps * sqrt_bias_correction2
-        kernel_decay = lr * self.weight_decay / kernel_lr if kernel_lr else 0.0
-        for param, master, grad, m, v, decay in zip(self.params, self._masters(), grads, self.exp_avg,
-                                                    self.exp_avg_sq, self.decays):
-            _adam_weight_decay(param if master is None else master, m, v, kernel_lr, self.beta1, self.beta2,
-                               kernel_eps, kernel_decay if decay else 0.0, grad.astype(ms.float32))
+        lr, eps, decay = self.kernel_hyperparameters(self.global_step)
+        for param, master, grad, m, v, decays in zip(self.params, self._masters(), grads, self.exp_avg,
+                                                     self.exp_avg_sq, self.decays):
+            _update_tensor(param if master is None else master, m, v, grad, self.beta1, self.beta2, lr, eps,
+                           decay if decays else 0.0)
             if master is not None:
                 ops.assign(param, master.astype(param.dtype))
+
+    def count_applied_update(self) -> None:
+        """Count an update that a compiled step applied in its graph (``compiled_update``), with the
+        hyperparameters ``kernel_hyperparameters(global_step + 1)`` gave it."""
+        self.global_step += 1
+
+    def compiled_update(self) -> AdamWUpdate:
+        """The update of ``step`` as a Cell a compiled training step calls inside its graph."""
+        return AdamWUpdate(self)
 
     # ---- checkpoint state ----
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -266,6 +296,29 @@ class AdamW:
         for tensor in tensors:
             tensor.set_data(Tensor(np.asarray(arrays[tensor.name], np.float32)))
         self.global_step = int(step.reshape(-1)[0])
+
+
+class AdamWUpdate(nn.Cell):
+    """``AdamW.step``'s update of every tensor, called inside a compiled step's graph: the hyperparameters
+    (``AdamW.kernel_hyperparameters``) come as Tensors, so one graph serves every step. Float32 parameters only:
+    a low-precision one is updated through a master copy the eager step makes on its first update."""
+
+    def __init__(self, optimizer: AdamW):
+        super().__init__(auto_prefix=False)  # the parameters and moments keep their checkpoint names
+        low_precision = [n for n, p in zip(optimizer.names, optimizer.params) if p.dtype != ms.float32]
+        if low_precision:
+            raise ValueError(f"a compiled AdamW update takes float32 parameters only; "
+                             f"{', '.join(low_precision[:3])} {'is' if len(low_precision) == 1 else 'are'} not")
+        self.params = ParameterTuple(optimizer.params)
+        self.exp_avg = ParameterTuple(optimizer.exp_avg)
+        self.exp_avg_sq = ParameterTuple(optimizer.exp_avg_sq)
+        self.decays = tuple(optimizer.decays)
+        self.beta1, self.beta2 = optimizer.beta1, optimizer.beta2
+
+    def construct(self, grads, lr, eps, decay):
+        no_decay = ops.zeros_like(decay)
+        for param, m, v, grad, decays in zip(self.params, self.exp_avg, self.exp_avg_sq, grads, self.decays):
+            _update_tensor(param, m, v, grad, self.beta1, self.beta2, lr, eps, decay if decays else no_decay)
 
 
 _OPTIMIZER_KEYS = ("type", "betas", "eps", "weight_decay", "weight_decay_include", "weight_decay_exclude")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import ParameterTuple, Tensor, nn, ops
 
 from training.atomic import write_text_atomic
 from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, capture_rng_state, complete_steps,
@@ -23,9 +23,11 @@ from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, c
                                  resolve_load_path, restore_rng_state)
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
+from training.evaluation import Validation, validation_line
 from training.model import GPTModel, build_model
 from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
-from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm
+from training.optim import (AdamW, SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm,
+                            clip_grad_norm_in_graph)
 from training.parallel.comm import Collectives
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
 from training.parallel.parallelize import parallelize
@@ -80,6 +82,8 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
         reasons.append("monitor.train_state.max_attention_logit: the per-head maxima are gathered on the host")
     if dims.tp > 1:
         reasons.append("tensor parallel: the forward runs collectives between its matmuls")
+    if dims.cp > 1:
+        reasons.append("context parallel: the attention passes K/V blocks or heads between ranks in the forward")
     if dims.dp_shard > 1 and config.parallelism.data_parallel_shard_strategy == "optim_grads_params":
         reasons.append("ZeRO-3: each layer gathers its parameter chunks when it runs")
     return reasons
@@ -94,9 +98,49 @@ class ScaledLoss(nn.Cell):
         self.model = model
         self.scale = scale
 
-    def construct(self, *inputs):
-        loss = self.model(*inputs)
+    def construct(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
+        loss = self.model(input_ids, labels, loss_mask, position_ids, attention_mask)
         return loss * self.scale, loss
+
+
+def whole_step_blockers(dims: ParallelDims, accumulation: int, monitor: TrainStateMonitor, optimizer: AdamW
+                        ) -> list[str]:
+    """Why the clip and the AdamW update of a compiled step stay outside its graph (run eagerly after it);
+    empty when the whole step can be one graph (``CompiledStep``)."""
+    reasons = []
+    if accumulation > 1:
+        reasons.append(f"gradient accumulation ({accumulation} micro-batches) sums gradients on the host")
+    if dims.dp > 1:
+        reasons.append("data parallel: gradients are reduced over the ranks between backward and update")
+    if monitor.enabled:
+        reasons.append("monitor.train_state: its statistics read each micro-batch's gradients on the host")
+    low_precision = [name for name, param in zip(optimizer.names, optimizer.params) if param.dtype != ms.float32]
+    if low_precision:
+        reasons.append(f"{len(low_precision)} parameter(s) not float32 (e.g. {low_precision[0]}): the update goes "
+                       f"through fp32 master copies made on the host")
+    return reasons
+
+
+class CompiledStep(nn.Cell):
+    """A whole training step as one graph: forward, backward, the global-norm clip and the AdamW update, applied
+    only when the loss and the gradient norm are finite (the host then counts, skips or stops exactly as
+    ``SkipStepOnNaN`` decides after an eager step, from the same two values). Returns the loss, each gradient's
+    sum of squares and the global gradient norm before clipping."""
+
+    def __init__(self, loss: ScaledLoss, params: list, optimizer: AdamW, max_norm: float):
+        super().__init__(auto_prefix=False)  # parameter names stay the model's and the optimizer's
+        self.loss = loss
+        self.params = ParameterTuple(params)
+        self.update = optimizer.compiled_update()
+        self.max_norm = max_norm
+
+    def construct(self, lr, eps, decay, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
+        (_, loss), grads = ms.value_and_grad(self.loss, None, self.params, has_aux=True)(
+            input_ids, labels, loss_mask, position_ids, attention_mask)
+        clipped, squares, grad_norm = clip_grad_norm_in_graph(grads, self.max_norm)
+        if ops.logical_and(ops.isfinite(loss), ops.isfinite(grad_norm)):
+            self.update(clipped, lr, eps, decay)
+        return loss, squares, grad_norm
 
 
 def _lr_section(config: TrainConfig) -> dict:
@@ -113,6 +157,9 @@ class Trainer:
         self.mesh = DeviceMesh(ParallelDims.from_config(config.parallelism, world.size), world.rank)
         self.accumulation = self.mesh.dims.check_batch(config.training)
         self.dp = self.mesh.dims.dp
+        # how many times the ranks' losses, summed over the world, count the global batch's loss: context-parallel
+        # ranks each hold a part of their samples' losses, every other rank a whole copy
+        self.loss_copies = world.size // self.mesh.dims.cp
         self.resolved_yaml = dump_config(config)
         # named by content: a later invocation in the same run dir (a resume) must not overwrite it
         self.resolved_config_path = (self.output_dir / f"config-{config_sha256(self.resolved_yaml)[:12]}.yaml").resolve()
@@ -136,16 +183,24 @@ class Trainer:
         self.params = self.parallel.model_params
         self.lr_schedule = build_lr_schedule(_lr_section(config), config.training.steps)
         self.optimizer = build_optimizer(config.optimizer.to_dict(), self.parallel.optimizer_params, self.lr_schedule)
-        self.grad_fn = ms.value_and_grad(ScaledLoss(self.model, self.parallel.loss_scale()), None, self.params,
-                                         has_aux=True)
-        blockers = compile_blockers(config, self.mesh.dims, self.model)
-        if not blockers:
-            self.grad_fn = ms.jit(self.grad_fn)
+        self.monitor = TrainStateMonitor(config.monitor.train_state, [p.name for p in self.params], self.collectives)
+        scaled_loss = ScaledLoss(self.model, self.parallel.loss_scale())
+        self.grad_fn = ms.value_and_grad(scaled_loss, None, self.params, has_aux=True)
+        self.compiled_step: CompiledStep | None = None
         dispatch = ("synchronous dispatch" if os.environ.get("MS_DEV_HOST_BLOCKING_RUN") == "1"
                     else "threaded dispatch (fast_step.host_blocking_dispatch takes effect through training.run)")
-        self.step_mode = (f"forward+backward compiled (mindspore.jit), {dispatch}" if not blockers else
-                          f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
-        self.monitor = TrainStateMonitor(config.monitor.train_state, [p.name for p in self.params], self.collectives)
+        blockers = compile_blockers(config, self.mesh.dims, self.model)
+        outside = whole_step_blockers(self.mesh.dims, self.accumulation, self.monitor, self.optimizer)
+        if blockers:
+            self.step_mode = f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}"
+        elif outside:
+            self.grad_fn = ms.jit(self.grad_fn)
+            self.step_mode = (f"forward+backward compiled (mindspore.jit), clip and update eager, {dispatch}; "
+                              f"not in the graph: {'; '.join(outside)}")
+        else:
+            self.compiled_step = CompiledStep(scaled_loss, self.params, self.optimizer, config.training.max_norm)
+            self.compiled_step.construct = ms.jit(self.compiled_step.construct)
+            self.step_mode = f"whole step compiled (mindspore.jit: forward, backward, clip, AdamW), {dispatch}"
         self.model.track_max_attention_logits(config.monitor.train_state.max_attention_logit)
         self.health = HealthMonitor(config.monitor.health_checkpoint)
         self.loss_parts: list[str] = []  # lm_loss, mtp_k_loss, load_balancing_loss when the model has them
@@ -157,6 +212,12 @@ class Trainer:
 
         loader = config.train_dataset.dataloader
         self.use_positions = isinstance(loader, BlendedMegatronLoaderConfig) and loader.config.reset_position_ids
+        self.validation = Validation(
+            config, self.model, self.collectives, accumulation=self.accumulation, use_positions=self.use_positions,
+            vocab_size=self.model.config.vocab_size,
+            sample_indices=lambda first, micro: micro_batch_indices(first, micro, self.mesh.data_shard_index, self.dp,
+                                                                    config.training.local_batch_size),
+        ) if config.training.eval_interval else None
         self.step = 0
         self.consumed_samples = 0
         self.resumed_from: str | None = None
@@ -286,11 +347,14 @@ class Trainer:
         indices = micro_batch_indices(self.consumed_samples, micro, self.mesh.data_shard_index, self.dp,
                                       self.config.training.local_batch_size)
         batch = stack_model_inputs([self.dataset[i % len(self.dataset)] for i in indices], self.use_positions)
-        return tuple(None if batch.get(key) is None else Tensor(batch[key])
-                     for key in ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask"))
+        inputs = tuple(None if batch.get(key) is None else Tensor(batch[key])
+                       for key in ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask"))
+        context = self.parallel.context_parallel
+        return inputs if context is None else context.shard_inputs(inputs)  # this rank's tokens of the samples
 
-    def train_step(self) -> dict:
-        started = time.perf_counter()
+    def _eager_gradients(self) -> tuple[float, dict, tuple, tuple, np.ndarray, float]:
+        """The step's loss on this rank, its loss parts, the clipped and the unclipped reduced gradients, each
+        gradient's norm and the global norm, micro-batch by micro-batch (``grad_fn`` compiled or not)."""
         grads_sum, local_loss, components = None, 0.0, {}
         for micro in range(self.accumulation):
             (_, loss), grads = self.grad_fn(*self._micro_batch(micro))
@@ -300,21 +364,39 @@ class Trainer:
                 components[name] = components.get(name, 0.0) + value / self.accumulation
             self.monitor.micro_batch(micro_loss, grads, self.parallel.loss_scale())
             grads_sum = grads if grads_sum is None else tuple(a + b for a, b in zip(grads_sum, grads))
-        grads = self.parallel.reduce_gradients(grads_sum)
-        unclipped = grads  # what device_norm and the health check judge
-        norms = self.parallel.tensor_norms(grads)
+        unclipped = self.parallel.reduce_gradients(grads_sum)  # what device_norm and the health check judge
+        norms = self.parallel.tensor_norms(unclipped)
+        grads, grad_norm = clip_grad_norm(unclipped, self.config.training.max_norm, norms)
+        return local_loss, components, grads, unclipped, norms, grad_norm
+
+    def _compiled_whole_step(self) -> tuple[float, np.ndarray, float]:
+        """The loss, each gradient's norm and the global norm of a step that ``CompiledStep`` ran whole, its
+        update applied in the graph when both are finite."""
+        lr, eps, decay = self.optimizer.kernel_hyperparameters(self.optimizer.global_step + 1)
+        self.saver.before_update()  # an async save still copying the parameters must finish first
+        loss, squares, grad_norm = self.compiled_step(Tensor(lr, ms.float32), Tensor(eps, ms.float32),
+                                                      Tensor(decay, ms.float32), *self._micro_batch(0))
+        return float(loss.asnumpy()), np.sqrt(squares.asnumpy().astype(np.float64)), float(grad_norm.asnumpy())
+
+    def train_step(self) -> dict:
+        started = time.perf_counter()
+        if self.compiled_step is None:
+            local_loss, components, grads, unclipped, norms, grad_norm = self._eager_gradients()
+        else:
+            (local_loss, norms, grad_norm), components = self._compiled_whole_step(), {}
         embedding_norm = float(norms[self.embedding_index])
-        grads, grad_norm = clip_grad_norm(grads, self.config.training.max_norm, norms)
         # Every rank decides alike: the loss is summed over ranks (a NaN anywhere is NaN everywhere) and
         # the norm is of the all-reduced gradients, which every rank holds identically.
         # the same all-reduce tells every rank whether each rank's async checkpoint writer is done
         totals = self.collectives.all_reduce_array(np.concatenate([[local_loss], self.saver.status()]))
-        loss = float(totals[0]) / self.world.size
+        loss = float(totals[0]) / self.loss_copies
         self.saver.settle(totals[1:])
         skipped = self.nan_policy.should_skip(self.step + 1, loss, grad_norm)
         if skipped:  # the data is still consumed, as in MindFormers: the next step reads the next batch
             self.reporter.info(f"[kiln] WARNING: step {self.step + 1}: loss {loss}, grad_norm {grad_norm}: update "
                                f"skipped ({self.nan_policy.consecutive} in a row, {self.nan_policy.total} in total)")
+        elif self.compiled_step is not None:
+            self.optimizer.count_applied_update()  # the graph applied it: the loss and the norm are finite
         else:
             self.saver.before_update()  # an async save still copying the parameters must finish first
             self.optimizer.step(grads)
@@ -322,7 +404,7 @@ class Trainer:
         # MoE: tokens per expert summed over ranks; expert biases move only when the update was applied
         tokens_per_expert = self.model.after_step(self.collectives, applied=not skipped)
         if components:
-            reduced = self.collectives.all_reduce_array(np.array(list(components.values()))) / self.world.size
+            reduced = self.collectives.all_reduce_array(np.array(list(components.values()))) / self.loss_copies
             components = {name: float(value) for name, value in zip(components, reduced)}
         self.loss_parts = list(components)
         abnormal = self.health.observe(self.step + 1, float(grad_norm), embedding_norm)
@@ -430,6 +512,9 @@ class Trainer:
             self.reporter.step(metrics, self._log_line(metrics))
             for reason in metrics.get("abnormal", []):
                 self.reporter.warning(f"step {self.step}: {reason}; the next checkpoint will be marked abnormal")
+            if self.validation and self.validation.due(cfg.training, self.step):
+                record = self.validation.evaluate(self.step)
+                self.reporter.evaluation(record, validation_line(record))
             if self.saves_at(self.step):
                 self.save(metrics)
             else:
