@@ -14,10 +14,15 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import dagster as dg
+# not re-exported by dagster: the instance's parts, so that the cross-check opens only the one it reads
+from dagster._core.instance.ref import InstanceRef
+from dagster._core.storage.event_log.base import EventLogStorage
 
 from assets.sources import SourcesConfigError
 from training.cli import LINEAGE_STORE_HELP
@@ -111,9 +116,23 @@ def content_version(materialization: dg.AssetMaterialization, partition: str | N
 
 
 OUTSIDE = "outside the searched history"
+EventLog = dg.DagsterInstance | EventLogStorage  # what the cross-check reads: fetch_materializations
 
 
-def find_materialization(instance: dg.DagsterInstance, key: str, partition: str | None, version: str
+@contextmanager
+def open_event_log(dagster_home: str) -> Iterator[EventLogStorage]:
+    """The event log storage of the instance in ``dagster_home``, as its dagster.yaml configures it (SQLite,
+    PostgreSQL, ...), without the run and schedule storages a whole DagsterInstance also opens: the cross-check
+    reads materializations only, and each storage costs its connection and schema-revision check (~0.15 s
+    of the command's ~1.2 s, measured on the SQLite instance)."""
+    events = InstanceRef.from_dir(dagster_home).event_storage
+    try:
+        yield events
+    finally:
+        events.dispose()
+
+
+def find_materialization(events: EventLog, key: str, partition: str | None, version: str
                          ) -> tuple[dg.EventLogRecord | None, str | None, bool]:
     """(the newest materialization of ``key``[``partition``] with content ``version``, the newest one's
     content, whether the whole history was searched). Pages back through the history, SEARCH_PAGE records
@@ -123,7 +142,7 @@ def find_materialization(instance: dg.DagsterInstance, key: str, partition: str 
                                            asset_partitions=[partition] if partition else None)
     latest, searched, cursor = None, 0, None
     while searched < SEARCH_LIMIT:
-        page = instance.fetch_materializations(records_filter, limit=min(SEARCH_PAGE, SEARCH_LIMIT - searched),
+        page = events.fetch_materializations(records_filter, limit=min(SEARCH_PAGE, SEARCH_LIMIT - searched),
                                                cursor=cursor)
         for record in page.records:
             content = content_version(record.asset_materialization, partition)
@@ -137,12 +156,13 @@ def find_materialization(instance: dg.DagsterInstance, key: str, partition: str 
     return None, latest, False
 
 
-def cross_check(instance: dg.DagsterInstance, checkpoint_dir: Path, lineage: dict) -> list[Recorded]:
+def cross_check(events: EventLog, checkpoint_dir: Path, lineage: dict) -> list[Recorded]:
+    """Each link of ``lineage`` looked up in ``events``: a DagsterInstance or only its event log storage."""
     results = []
     code_now = current_code_versions()
     for key, partition, version in expected_versions(checkpoint_dir, lineage):
         name = f"{key}[{partition}]" if partition else key
-        record, latest, searched_all = find_materialization(instance, key, partition, version)
+        record, latest, searched_all = find_materialization(events, key, partition, version)
         if record is None:
             results.append(Recorded(name, version, "NOT RECORDED" if searched_all else OUTSIDE))
             continue
@@ -199,8 +219,8 @@ def main(argv=None) -> int:
     except (ValueError, KeyError) as exc:
         return fail(str(exc))
     try:
-        with dg.DagsterInstance.from_config(args.dagster_home) as instance:
-            results = cross_check(instance, checkpoint, lineage)
+        with open_event_log(args.dagster_home) as events:
+            results = cross_check(events, checkpoint, lineage)
     except SourcesConfigError as exc:
         return fail(f"{exc}; the cross-check compares code versions with Kiln's definitions, which read the sources "
                     f"config: set KILN_SOURCES to the sources.yaml the chain ran with")
