@@ -61,13 +61,16 @@ READ = {
         "data_parallel_shard_strategy", "disable_gradient_division", "reshard_after_forward_policy")},
     "parallelism.sequence_parallel": "training/run.py",
     "parallelism.tensor_parallel": "training/parallel/mesh.py",
+    "parallelism.expert_parallel": "training/parallel/mesh.py",
+    "parallelism.expert_parallel_use_safe_tokens": "training/parallel/expert_parallel.py",
     **{f"profiler.{name}": "training/profiling.py" for name in (
         "enable_profiling", "start_step", "end_step", "output_path", "profiler_rank", "profiler_level", "mstx",
         "profile_memory", "profile_cpu", "with_stack")},
 }
 
 # dotted field path -> a value other than the one its section's check() accepts
-SINGLE_VALUED = {"context.mode": 0, "train_dataset.dataloader.datasets_type": "MockGPTDataset"}
+SINGLE_VALUED = {"context.mode": 0, "train_dataset.dataloader.datasets_type": "MockGPTDataset",
+                 "parallelism.moe_token_dispatcher_type": "alltoall_deredundancy"}
 
 BLENDED = {
     "model": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "compute_dtype": "float32"},
@@ -82,7 +85,6 @@ MINDRECORD = {**BLENDED, "train_dataset": {"dataloader": {"type": "MindDataset",
 VALID_NON_DEFAULT = {
     "parallelism.context_parallel_method": "ulysses",
     "parallelism.pipeline_parallel_schedule": "gpipe",
-    "parallelism.moe_token_dispatcher_type": "alltoall_deredundancy",
 }
 
 

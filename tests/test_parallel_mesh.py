@@ -94,6 +94,9 @@ def test_coordinates_are_c_order_and_groups_share_every_other_coordinate(dims):
         row, column = (int(i) for i in np.argwhere(block == rank)[0])
         assert dims.group_ranks("ep", rank) == tuple(block[row].tolist())
         assert dims.group_ranks("efsdp", rank) == tuple(block[:, column].tolist())
+        # the same experts (ep column) in every dp_replicate block of this pp stage
+        same_experts = grid[coords["pp"]].reshape(dims.dp_replicate, -1, dims.ep)[:, :, column]
+        assert dims.group_ranks("expert_dp", rank) == tuple(sorted(same_experts.ravel().tolist()))
         # MindFormers' data shard id
         assert dims.data_shard_index(rank) == (rank % (dims.world // dims.pp)) // (dims.tp * dims.cp)
         assert dims.data_shard_index(rank) == dims.group_ranks("dp", rank).index(rank)
@@ -103,7 +106,7 @@ def test_coordinates_are_c_order_and_groups_share_every_other_coordinate(dims):
 def test_device_mesh_hands_out_groups_by_name():
     mesh = DeviceMesh(ParallelDims(1), 0)
     assert set(GROUP_NAMES) == {"pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "fsdp", "batch", "loss",
-                                "ep", "efsdp", "world"}
+                                "ep", "efsdp", "expert_dp", "world"}
     group = mesh.group("tp")
     assert (group.name, group.ranks, group.rank, group.size, group.backend_name) == ("tp", (0,), 0, 1, None)
     assert (mesh.data_shard_index, mesh.data_shard_count) == (0, 1)

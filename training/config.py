@@ -278,11 +278,11 @@ class ParallelismConfig(Section):
     # the options of layouts that do not exist yet are accepted only at their defaults
     _CP = "context parallelism is not implemented"
     _PP = "pipeline parallelism is not implemented"
-    _EP = "expert parallelism is not implemented"
     UNSUPPORTED = {
         "cpu_offload": "optimizer offload is not implemented",
         "dense_fsdp_shard_size": "a shard size of its own for dense weights is not implemented: every sharded "
-                                 "weight is cut over the whole dp_shard group (data_parallel_shard)",
+                                 "dense weight is cut over the whole dp_shard group (data_parallel_shard), "
+                                 "routed experts under expert_parallel over efsdp = dp_shard·cp·tp / ep",
         "context_parallel": _CP,
         "context_parallel_method": _CP,
         "context_parallel_async": _CP,
@@ -305,11 +305,12 @@ class ParallelismConfig(Section):
         # MindFormers reads it nowhere either: its loss is vocabulary-parallel whenever tensor_parallel > 1
         "enable_loss_parallel": "the loss is always vocabulary-parallel when tensor_parallel > 1 (as in "
                                 "MindFormers, which reads this field nowhere); leave it false",
-        "expert_parallel": _EP,
-        "npu_nums_per_device": _EP,
-        "moe_token_dispatcher_type": _EP,
-        "expert_parallel_async_d2h": _EP,
-        "expert_parallel_use_safe_tokens": _EP,
+        "npu_nums_per_device": "read only by moe_token_dispatcher_type alltoall_deredundancy, which is not "
+                               "implemented",
+        # the counts are needed on the host before the dispatch (the rows are ordered by expert there)
+        "expert_parallel_async_d2h": "the per-expert token counts are copied to the host synchronously: Kiln orders "
+                                     "the tokens by expert on the host before the all-to-all, so there is no copy "
+                                     "to overlap with the dispatch",
     }
     # MindFormers' shipped pynative YAMLs write null for the automatic stage split
     SAME_AS_DEFAULT = {"pipeline_parallel_layers_per_stage": (None,)}
@@ -333,6 +334,11 @@ class ParallelismConfig(Section):
                  f"{path}.pipeline_parallel_schedule must be 1f1b/interleaved_1f1b/gpipe")
         require(self.moe_token_dispatcher_type in ("alltoall", "alltoall_deredundancy"),
                  f"{path}.moe_token_dispatcher_type must be alltoall/alltoall_deredundancy")
+        require(self.moe_token_dispatcher_type == "alltoall",
+                f"{path}.moe_token_dispatcher_type: alltoall_deredundancy is not implemented: it is MindFormers' "
+                "two-level dispatch for multi-node Ascend clusters (all-gather across nodes, all-to-all inside a "
+                "node of npu_nums_per_device ranks), which saves inter-node bandwidth; Kiln's CPU all-to-all is "
+                "built from all-gathers already, so it would save nothing here. Use alltoall")
 
 
 # ZeRO-1, -2 and -3: what data_parallel_shard_strategy shards (training/parallel/fsdp.py)

@@ -1,12 +1,13 @@
 """Mixture of experts (DeepSeek-V3 style): top-k router with group-limited routing and an aux-loss-free
 expert bias, routed experts as stacked weights, optional shared experts, optional load-balancing loss.
 
-Dispatch on CPU without AlltoAll (expert parallel = 1): the router's choices go to the host, the
-(token, choice) pairs are sorted by expert, tokens are gathered into one buffer padded to the busiest
-expert's count, all experts run as one batched matmul, and the weighted outputs are scatter-added back per token (``unsorted_segment_sum``,
-whose gradient is a gather). Layouts (MindFormers' grouped GEMM): ``experts.weight1`` [E, hidden, 2·ffn]
-with the gate in the first half of the last axis and up in the second, ``experts.weight2`` [E, ffn, hidden]
-(input-major: the transpose of an HF Linear weight).
+Dispatch: the router's choices go to the host, the (token, choice) pairs are sorted by expert, and the
+rows grouped by expert go to the layer's own experts, which run as one batched matmul over a buffer padded to
+the busiest expert's count — or, under expert parallelism, to the all-to-all dispatcher of
+``training.parallel.expert_parallel``. The weighted outputs are scatter-added back per token
+(``unsorted_segment_sum``, whose gradient is a gather). Layouts (MindFormers' grouped GEMM):
+``experts.weight1`` [E, hidden, 2·ffn] with the gate in the first half of the last axis and up in the
+second, ``experts.weight2`` [E, ffn, hidden] (input-major: the transpose of an HF Linear weight).
 """
 from __future__ import annotations
 
@@ -111,6 +112,9 @@ class MoELayer(nn.Cell):
         # sequence parallel: sums the loss statistics over the ranks holding the other parts of the sequences
         # (forward all-reduce, backward identity); None when this rank sees whole sequences
         self.sequence_shard_sum = None
+        # expert parallelism: (rows grouped by expert, counts over all experts) -> the experts' outputs in the same
+        # order, through its all-to-all dispatch; None: this layer's own experts take the rows
+        self.token_dispatcher = None
 
     def construct(self, x: Tensor) -> Tensor:
         batch, seq, hidden = x.shape
@@ -122,7 +126,8 @@ class MoELayer(nn.Cell):
         token_of = Tensor((order // self.top_k).astype(np.int32))
         x_sorted = ops.gather(tokens, token_of, 0)
         gate_sorted = cast(ops.gather(gates.reshape(-1), Tensor(order.astype(np.int32)), 0), x.dtype)
-        routed = self.experts(x_sorted, counts) * gate_sorted.expand_dims(-1)
+        run_experts = self.token_dispatcher or self.experts
+        routed = run_experts(x_sorted, counts) * gate_sorted.expand_dims(-1)
         out = ops.unsorted_segment_sum(routed, token_of, tokens.shape[0]).reshape(x.shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -11,6 +11,11 @@
   (a decoder layer, an MTP layer, the rest of the model) all-gathers its weights when it runs. The gather's
   backward is a reduce-scatter, so gradients arrive as this rank's chunk, summed over ``dp_shard``.
 
+Routed experts under expert parallelism (``expert_parallel``: what ``apply_expert_parallel`` did) have a
+data-parallel domain of their own, MindFormers' sparse mesh: cut over ``efsdp`` instead of ``dp_shard``,
+gradients summed over ``expert_dp`` (dp_replicate × efsdp, the ranks holding the same experts) instead of
+over every data-parallel rank; under ZeRO-3 each layer's experts gather as a unit of their own.
+
 Every strategy computes the single-process update: the loss is the mean over the global batch, so gradients
 are summed over the data-parallel ranks and the micro-batches and divided by their count (before the
 reduction with ``disable_gradient_division``, MindFormers' default, after it otherwise).
@@ -25,17 +30,29 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from training.optim import tensor_norms
 from training.parallel import comm
+from training.parallel.expert_parallel import ExpertParallelPlan
 from training.parallel.layout import TensorLayout
-from training.parallel.mesh import DeviceMesh
+from training.parallel.mesh import DeviceMesh, Group
 from training.parallel.tensor_parallel import TensorParallelPlan
+
+
+@dataclass(frozen=True)
+class _Domain:
+    """The data-parallel groups of a kind of parameter: FSDP cuts it along dim 0 over ``shard``; its gradient
+    is summed over ``reduce`` (every rank holding the same tensor with other tokens); ``replicate`` holds the
+    HSDP replicas of each chunk."""
+    shard: Group
+    reduce: Group
+    replicate: Group
 
 
 @dataclass
 class _Sharded:
-    """A parameter cut along dim 0 over ``dp_shard``: ``shard`` is this rank's chunk, the one the optimizer
-    updates (for ZeRO-3 also the one the model holds)."""
+    """A parameter cut along dim 0 over ``group`` (its domain's shard group): ``shard`` is this rank's chunk,
+    the one the optimizer updates (for ZeRO-3 also the one the model holds)."""
     full_shape: tuple[int, ...]
     shard: Parameter
+    group: Group
 
 
 class _UnitGather:
@@ -152,29 +169,37 @@ class DataParallel:
 
     On a tensor-parallel model (``tensor_parallel``: what ``apply_tensor_parallel`` did), each rank's tensors
     are its tp shards, which FSDP cuts again along their dim 0; the replicated weights tp lists have their
-    gradients summed over tp first."""
+    gradients summed over tp first. Routed experts cut by ``expert_parallel`` are reduced and sharded in the
+    experts' domain (module docstring)."""
 
     def __init__(self, model: nn.Cell, mesh: DeviceMesh, strategy: str, divide_before_reduction: bool,
                  accumulation: int, unit_cells: list[nn.Cell], tensor_parallel: TensorParallelPlan | None = None,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, expert_parallel: ExpertParallelPlan | None = None):
         self.model, self.mesh = model, mesh
-        self.tp_group = mesh.group("tp")
-        self.tp_layouts = tensor_parallel.layouts if tensor_parallel else {}
-        self.tp_summed = set(tensor_parallel.grads_to_all_reduce_over_tp) if tensor_parallel else set()
+        self.tp_group, self.ep_group = mesh.group("tp"), mesh.group("ep")
+        self.expert_layouts = expert_parallel.layouts if expert_parallel else {}
+        # each rank's cut of a tensor: tensor parallel, or expert parallel for routed experts
+        self.base_layouts = {**(tensor_parallel.layouts if tensor_parallel else {}), **self.expert_layouts}
+        # an expert's gradient already holds the tp ranks' tokens of its ep group, summed by the all-to-all
+        self.tp_summed = (set(tensor_parallel.grads_to_all_reduce_over_tp) - set(self.expert_layouts)
+                          if tensor_parallel else set())
         self.shard_group, self.replicate_group = mesh.group("dp_shard"), mesh.group("dp_replicate")
         self.dp_group = mesh.group("dp")
         self.strategy = strategy
         self.divide_before_reduction = divide_before_reduction
         self.accumulation = accumulation
         self.dp = self.dp_group.size
-        shards = self.shard_group.size
+        self.dense = _Domain(self.shard_group, self.dp_group, self.replicate_group)
+        self.experts = _Domain(mesh.group("efsdp"), mesh.group("expert_dp"), self.replicate_group)
         trainable = list(model.trainable_params())
+        self.domain_of = {p.name: self.experts if p.name in self.expert_layouts else self.dense for p in trainable}
         # ZeRO-3 cuts the model's own parameters, so only tensors it can cut evenly are sharded
         self.sharded: dict[str, _Sharded] = {}
         for param in trainable:
-            if shards > 1 and param.shape and param.shape[0] % shards == 0:
-                chunk = Parameter(Tensor(self._own_rows(param.asnumpy())), name=param.name)
-                self.sharded[param.name] = _Sharded(tuple(param.shape), chunk)
+            group = self.domain_of[param.name].shard
+            if group.size > 1 and param.shape and param.shape[0] % group.size == 0:
+                chunk = Parameter(Tensor(_own_rows(param.asnumpy(), group)), name=param.name)
+                self.sharded[param.name] = _Sharded(tuple(param.shape), chunk, group)
         self.full = {p.name: p for p in trainable}
         if strategy == "optim_grads_params":
             self._shard_model(unit_cells, reshard_after_forward)
@@ -199,10 +224,13 @@ class DataParallel:
                 cell._params[attr] = sharded.shard
                 slots[id(owner[param.name])].append((cell, attr, sharded))
         for unit in unit_cells:
-            if slots[id(unit)]:
-                unit.construct = _UnitGather(unit.construct, slots[id(unit)], self.shard_group, reshard_after_forward)
+            unit_slots = slots[id(unit)]
+            # one gather per shard group (a unit holding dense and expert weights would have two)
+            for group in {id(s.group): s.group for _, _, s in unit_slots}.values():
+                group_slots = [slot for slot in unit_slots if slot[2].group is group]
+                unit.construct = _UnitGather(unit.construct, group_slots, group, reshard_after_forward)
                 if unit is self.model and hasattr(unit, "logits"):
-                    unit.logits = _UnitGather(unit.logits, slots[id(unit)], self.shard_group, reshard_after_forward)
+                    unit.logits = _UnitGather(unit.logits, group_slots, group, reshard_after_forward)
 
     # ---- what the trainer differentiates and updates -------------------------------------------------
     @property
@@ -219,31 +247,41 @@ class DataParallel:
         data-parallel ranks into what the optimizer updates: a chunk for sharded tensors, else whole."""
         grads = self._sum_over_tp(grads)
         out: list[Tensor | None] = [None] * len(grads)
-        whole, cut, replicate_cut = [], [], []
-        for i, param in enumerate(self.model_params):
-            if param.name not in self.sharded:
-                whole.append(i)
-            elif self.strategy == "optim_grads_params":
-                replicate_cut.append(i)  # the gather's backward already summed it over dp_shard
-            else:
-                cut.append(i)
-        for i, reduced in zip(whole, self._all_reduce([grads[i] for i in whole], self.dp_group)):
-            out[i] = reduced
-        if cut:
-            if self.strategy == "optim":  # ZeRO-1: the whole gradient is reduced, then this rank's chunk kept
-                reduced = self._all_reduce([grads[i] for i in cut], self.dp_group)
-                chunks = [self._own_rows(g) for g in reduced]
-            else:  # ZeRO-2: only this rank's chunk is kept from the reduction
-                chunks = self._reduce_scatter([grads[i] for i in cut])
-                chunks = self._all_reduce(chunks, self.replicate_group)
-            for i, chunk in zip(cut, chunks):
-                out[i] = chunk
-        for i, chunk in zip(replicate_cut, self._all_reduce([grads[i] for i in replicate_cut],
-                                                             self.replicate_group)):
-            out[i] = chunk
+        for domain in self._domains():
+            self._reduce_in_domain(grads, domain, out)
         if not self.divide_before_reduction:
             out = [g * (1.0 / self.dp) for g in out]
         return tuple(out)
+
+    def _domains(self) -> list[_Domain]:
+        """The domains of this model's parameters, dense first (the same order on every rank)."""
+        return [d for d in (self.dense, self.experts) if d in self.domain_of.values()]
+
+    def _reduce_in_domain(self, grads: tuple[Tensor, ...], domain: _Domain, out: list) -> None:
+        """Fill ``out`` at the parameters of ``domain`` with their reduced gradients."""
+        whole, cut, replicate_cut = [], [], []
+        for i, param in enumerate(self.model_params):
+            if self.domain_of[param.name] is not domain:
+                continue
+            if param.name not in self.sharded:
+                whole.append(i)
+            elif self.strategy == "optim_grads_params":
+                replicate_cut.append(i)  # the gather's backward already summed it over the shard group
+            else:
+                cut.append(i)
+        for i, reduced in zip(whole, self._all_reduce([grads[i] for i in whole], domain.reduce)):
+            out[i] = reduced
+        if cut:
+            if self.strategy == "optim":  # ZeRO-1: the whole gradient is reduced, then this rank's chunk kept
+                reduced = self._all_reduce([grads[i] for i in cut], domain.reduce)
+                chunks = [_own_rows(g, domain.shard) for g in reduced]
+            else:  # ZeRO-2: only this rank's chunk is kept from the reduction
+                chunks = self._reduce_scatter([grads[i] for i in cut], domain.shard)
+                chunks = self._all_reduce(chunks, domain.replicate)
+            for i, chunk in zip(cut, chunks):
+                out[i] = chunk
+        for i, chunk in zip(replicate_cut, self._all_reduce([grads[i] for i in replicate_cut], domain.replicate)):
+            out[i] = chunk
 
     def _sum_over_tp(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """Replicated weights that each tp rank applied to its part of the data (sequence shards, its heads)
@@ -254,11 +292,6 @@ class DataParallel:
             out[i] = reduced
         return tuple(out)
 
-    def _own_rows(self, tensor):
-        """This rank's dim-0 chunk of a whole tensor (MindSpore or numpy)."""
-        rows = tensor.shape[0] // self.shard_group.size
-        return tensor[self.shard_group.rank * rows:(self.shard_group.rank + 1) * rows]
-
     @staticmethod
     def _all_reduce(tensors: list[Tensor], group) -> list[Tensor]:
         """Sums over ``group`` as one flat all-reduce (the identity on a group of one)."""
@@ -267,10 +300,10 @@ class DataParallel:
         flat = comm.all_reduce(ops.cat([t.reshape(-1) for t in tensors]), group)
         return [p.reshape(t.shape) for p, t in zip(ops.split(flat, [int(t.size) for t in tensors]), tensors)]
 
-    def _reduce_scatter(self, tensors: list[Tensor]) -> list[Tensor]:
-        """This rank's dim-0 chunk of each tensor summed over ``dp_shard``, as one flat reduce-scatter: the
+    @staticmethod
+    def _reduce_scatter(tensors: list[Tensor], group: Group) -> list[Tensor]:
+        """This rank's dim-0 chunk of each tensor summed over ``group``, as one flat reduce-scatter: the
         buffer is laid out rank-major, so each rank's chunks are one contiguous part."""
-        group = self.shard_group
         by_rank = ops.cat([t.reshape(group.size, -1) for t in tensors], axis=1).reshape(-1)
         own = comm.reduce_scatter(by_rank, 0, group)
         sizes = [int(t.size) // group.size for t in tensors]
@@ -279,11 +312,15 @@ class DataParallel:
 
     def tensor_norms(self, grads: tuple[Tensor, ...]) -> np.ndarray:
         """The L2 norm of each reduced gradient over its whole tensor: a chunk's squared norm is summed over
-        the group that cut it (``dp_shard``, then tp), a tensor held whole is counted once."""
+        each group that cut it (FSDP's shard group, then tp or ep), a tensor held whole is counted once."""
         squares = np.square(tensor_norms(grads))
         names = [name for name, _ in self.optimizer_params]
-        for group, cut in ((self.shard_group, [n in self.sharded for n in names]),
-                           (self.tp_group, [n in self.tp_layouts and self.tp_layouts[n].is_sharded for n in names])):
+        cuts = [(domain.shard, [n in self.sharded and self.domain_of[n] is domain for n in names])
+                for domain in self._domains()]
+        cuts += [(self.tp_group, [n not in self.expert_layouts and n in self.base_layouts
+                                  and self.base_layouts[n].is_sharded for n in names]),
+                 (self.ep_group, [n in self.expert_layouts for n in names])]
+        for group, cut in cuts:
             cut = np.array(cut, dtype=bool)
             if cut.any() and group.size > 1:
                 squares[cut] = comm.all_reduce_array(squares[cut], group)
@@ -293,26 +330,31 @@ class DataParallel:
         """ZeRO-1/2: every rank updated its chunks; gather them back into the replicated parameters."""
         if self.strategy == "optim_grads_params" or not self.sharded:
             return
-        names = [n for n in self.full if n in self.sharded]
-        fulls = gather_chunks([self.sharded[n].shard for n in names], [self.sharded[n].full_shape for n in names],
-                              self.shard_group)
-        for name, full in zip(names, fulls):
-            ops.assign(self.full[name], full.astype(self.full[name].dtype))
+        for domain in self._domains():
+            names = [n for n in self.full if n in self.sharded and self.domain_of[n] is domain]
+            if not names:
+                continue
+            fulls = gather_chunks([self.sharded[n].shard for n in names],
+                                  [self.sharded[n].full_shape for n in names], domain.shard)
+            for name, full in zip(names, fulls):
+                ops.assign(self.full[name], full.astype(self.full[name].dtype))
 
     # ---- checkpoints ---------------------------------------------------------------------------------
     def layouts(self) -> dict[str, TensorLayout]:
-        """The layout of every tensor of the model and its optimizer state that is cut: by tensor parallelism,
-        then (``self.sharded``) along dim 0 over ``dp_shard``, each rank keeping the part of its ``dp_shard``
-        coordinate, replicas across ``dp_replicate``. FSDP cuts the optimizer state of a sharded parameter,
+        """The layout of every tensor of the model and its optimizer state that is cut: by tensor or expert
+        parallelism, then (``self.sharded``) along dim 0 over its shard group (the experts': ``efsdp``), each
+        rank keeping the part of its index there, replicas across ``dp_replicate``. FSDP cuts the optimizer state of a sharded parameter,
         and the parameter itself only under ZeRO-3. A master copy (``main_param.<name>``) of a parameter that
         trains in float32 here is laid out as the parameter, which it becomes when a low-precision checkpoint
         loads (trainer._masters_as_weights)."""
-        world = self.mesh.dims.world
-        shard_of_rank = tuple(self.mesh.dims.coords(r)["dp_shard"] for r in range(world))
+        dims = self.mesh.dims
+        index_of_rank = {d.shard.name: tuple(dims.group_index(d.shard.name, r) for r in range(dims.world))
+                         for d in self._domains()}
         out = {}
         for name, param in self.full.items():
-            base = self.tp_layouts.get(name) or TensorLayout.replicated(tuple(param.shape), world)
-            state = base.refine(0, self.shard_group.size, shard_of_rank) if name in self.sharded else base
+            base = self.base_layouts.get(name) or TensorLayout.replicated(tuple(param.shape), dims.world)
+            shard = self.domain_of[name].shard
+            state = base.refine(0, shard.size, index_of_rank[shard.name]) if name in self.sharded else base
             weight = state if self.params_are_chunks else base
             out.update({name: weight, f"adam_m.{name}": state, f"adam_v.{name}": state,
                         f"main_param.{name}": weight if param.dtype == ms.float32 else state})
@@ -333,4 +375,10 @@ class DataParallel:
         if self.params_are_chunks:
             return
         for name, sharded in self.sharded.items():
-            sharded.shard.set_data(Tensor(self._own_rows(self.full[name].asnumpy())))
+            sharded.shard.set_data(Tensor(_own_rows(self.full[name].asnumpy(), sharded.group)))
+
+
+def _own_rows(tensor, group: Group):
+    """This rank's dim-0 chunk over ``group`` of a whole tensor (MindSpore or numpy)."""
+    rows = tensor.shape[0] // group.size
+    return tensor[group.rank * rows:(group.rank + 1) * rows]

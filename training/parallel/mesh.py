@@ -16,7 +16,8 @@ Rank order is C-order over ``AXES`` (pp outermost, tp innermost), MindFormers' d
 - ``batch`` and ``loss`` (the same ranks) = dp_replicate × dp_shard × cp: every rank holding a different
   part of the global batch's tokens, over which losses and token counts are summed;
 - ``ep`` / ``efsdp``: expert parallelism carved out of the dp_shard × cp × tp block (MindFormers' sparse
-  mesh (pp, dp_replicate, efsdp, ep), ep innermost);
+  mesh (pp, dp_replicate, efsdp, ep), ep innermost); ``expert_dp`` = dp_replicate × efsdp: the ranks holding
+  the same experts with other tokens, over which expert weights' gradients are summed;
 - ``world``: every rank.
 Members of a group are listed in ascending rank order, which is also the C-order of its axes: a rank's
 index in a group is its flattened coordinate on those axes.
@@ -39,7 +40,7 @@ AXIS_GROUPS = {
     "batch": ("dp_replicate", "dp_shard", "cp"), "loss": ("dp_replicate", "dp_shard", "cp"),
     "world": AXES,
 }
-GROUP_NAMES = (*AXIS_GROUPS, "ep", "efsdp")
+GROUP_NAMES = (*AXIS_GROUPS, "ep", "efsdp", "expert_dp")
 
 
 def launched_by_msrun() -> bool:
@@ -176,9 +177,11 @@ class ParallelDims:
         c = self.coords(rank)
         if name in AXIS_GROUPS:
             return tuple(c[axis] for axis in AXES if axis not in AXIS_GROUPS[name])
-        if name in ("ep", "efsdp"):
+        if name in ("ep", "efsdp", "expert_dp"):
             # index in the dp_shard × cp × tp block, C-order; ep takes its innermost factor
             block = (c["dp_shard"] * self.cp + c["cp"]) * self.tp + c["tp"]
+            if name == "expert_dp":
+                return c["pp"], block % self.ep
             return c["pp"], c["dp_replicate"], block // self.ep if name == "ep" else block % self.ep
         raise ValueError(f"unknown group {name!r}; the groups are {', '.join(GROUP_NAMES)}")
 
@@ -186,6 +189,10 @@ class ParallelDims:
         """The members of ``rank``'s group ``name``, ascending."""
         key = self.group_key(name, rank)
         return tuple(r for r in range(self.world) if self.group_key(name, r) == key)
+
+    def group_index(self, name: str, rank: int) -> int:
+        """``rank``'s index in its group ``name`` (the chunk it holds of what that group shards)."""
+        return self.group_ranks(name, rank).index(rank)
 
     def data_shard_index(self, rank: int) -> int:
         """Which of the ``data_shard_count`` shards of each global batch ``rank`` reads: its position in the

@@ -5,6 +5,7 @@ from __future__ import annotations
 from mindspore import nn
 
 from training.config import TrainConfig
+from training.parallel.expert_parallel import apply_expert_parallel
 from training.parallel.fsdp import DataParallel
 from training.parallel.mesh import DeviceMesh
 from training.parallel.tensor_parallel import apply_tensor_parallel
@@ -22,8 +23,11 @@ def sharding_units(model: nn.Cell) -> list[nn.Cell]:
 def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulation: int) -> DataParallel:
     p = config.parallelism
     tensor_parallel = apply_tensor_parallel(model, mesh, p.sequence_parallel) if mesh.dims.tp > 1 else None
+    expert_parallel = apply_expert_parallel(model, mesh, p) if mesh.dims.ep > 1 else None
+    # each layer's routed experts gather as a unit of their own under expert parallelism, as MindFormers wraps them
+    units = sharding_units(model) + list(expert_parallel.expert_cells if expert_parallel else ())
     return DataParallel(model, mesh, p.data_parallel_shard_strategy,
                         divide_before_reduction=p.disable_gradient_division, accumulation=accumulation,
-                        unit_cells=sharding_units(model), tensor_parallel=tensor_parallel,
+                        unit_cells=units, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                         # MindFormers' "default" reshards unless pipeline parallel, which Kiln does not have yet
                         reshard_after_forward=p.reshard_after_forward_policy != "never")

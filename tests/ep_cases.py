@@ -1,0 +1,46 @@
+"""Expert-parallel training cases run under msrun by tests/test_expert_parallel.py: one launch of 4 workers,
+several layouts of the micro DeepSeek-V3 (4 routed experts, top-2, expert biases, a balancing loss, MTP).
+
+``python ep_cases.py OUT SHARD`` trains each case for a few steps, each saving its final checkpoint (sharded as
+the case lays its tensors out) under ``OUT/<case>/checkpoints``.
+"""
+import os
+import sys
+from pathlib import Path
+
+# single-threaded dispatch, as training.run sets it before MindSpore loads (fast_step.host_blocking_dispatch): four
+# workers' busy-waiting dispatch threads on two loaded cores made each step several times slower
+os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fsdp_cases import DEEPSEEK, case_config  # noqa: E402
+from training.parallel.mesh import init_world  # noqa: E402
+from training.reporting import Reporter  # noqa: E402
+from training.trainer import Trainer, configure_runtime  # noqa: E402
+
+EP2 = "parallelism.expert_parallel=2"
+# name -> overrides ({out}: the cases' directory)
+CASES = {
+    # ep 2 inside dp_shard 2, replicated over dp_replicate 2: experts whole per ep rank (efsdp 1), dense ZeRO-3;
+    # also saves at step 2, which the ep4 case resumes from
+    "ep2_hsdp": [EP2, "parallelism.data_parallel_shard=2", "checkpoint.save_interleaved_steps=2"],
+    # ep 2 inside dp_shard 4: each ep rank's experts ZeRO-3-sharded over efsdp 2 (and gathered as their own unit)
+    "ep2_zero3": [EP2],
+    # ZeRO-1, without the safe tokens: the experts' gradients all-reduced whole over expert_dp, then chunked
+    "ep2_zero1_no_safe_tokens": [EP2, "parallelism.data_parallel_shard_strategy=optim",
+                                 "parallelism.expert_parallel_use_safe_tokens=false"],
+    # another expert-parallel degree (one expert per rank) resuming the ep2 checkpoint
+    "ep4_from_ep2": ["parallelism.expert_parallel=4", "checkpoint.load_path={out}/ep2_hsdp/checkpoints/iteration_00000002"],
+}
+
+
+def main(out: str, shard: str) -> None:
+    configure_runtime(case_config(shard, [], model_config=DEEPSEEK))  # once: MindSpore's device cannot be set again
+    world = init_world()
+    for name, overrides in CASES.items():
+        run_dir = Path(out) / name
+        config = case_config(shard, [o.format(out=out) for o in overrides], run_dir / "checkpoints", DEEPSEEK)
+        Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main)).train()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,133 @@
+"""Expert parallelism for DeepSeek-V3's MoE layers (reference mindformers-pynative.md §6.6), applied to a built
+GPTModel after tensor parallelism and before FSDP.
+
+``apply_expert_parallel(model, mesh, parallelism)`` works over ``mesh.group("ep")`` and, in place:
+
+- cuts every routed-expert weight (``experts.weight1`` [E, hidden, 2·ffn], ``experts.weight2`` [E, ffn, hidden])
+  along dim 0: ep rank r keeps experts ``[r·E/ep, (r+1)·E/ep)``, the single-process weights' slice (the whole
+  model is built from the seed in every process first);
+- gives each MoE layer an ``AllToAllDispatcher`` (``moe_token_dispatcher_type: alltoall``): the layer still
+  routes its own tokens over all E experts and sorts the (token, choice) rows by expert, which puts the rows
+  for each ep rank's experts next to each other. The per-expert counts are exchanged (one all-reduce of an
+  [ep, E] table), the rows go to their experts' ranks with one variable-split all-to-all, are reordered
+  from (source rank, expert) to expert-major, run through the local experts, are put back in arrival order
+  and return with the reverse all-to-all. Both all-to-alls are differentiable (their backward is the
+  reverse exchange), so the experts' gradients arrive on the rank holding them, summed over the ep group's
+  tokens; the gate multiply and the scatter-add back to tokens stay in the layer.
+- ``expert_parallel_use_safe_tokens``: each rank sends one zero row to every expert in front of its real
+  rows, so no expert's batch is empty (MindFormers does so for its grouped matmul). A zero row adds exactly
+  zero to the outputs and to every gradient, and is dropped on return; Kiln's padded batched matmul also
+  runs an expert with no rows, so either setting trains the same weights.
+
+What expert parallelism leaves alone, and why. The router runs on this rank's tokens over all E experts, so
+the load-balancing loss's statistics (the counts and probabilities of this micro-batch's tokens, summed over
+sequence shards under sequence parallelism by ``MoELayer.sequence_shard_sum``) and the tokens-per-expert counts
+are those of the single-process run's micro-batch; ``GPTModel.after_step`` sums the counts over every rank
+holding distinct tokens (the world: it contains the ep group), which feeds the expert biases and the
+tokens-per-expert monitor. Expert weights' gradients are the sum over ep (the all-to-all's backward) and
+then over ``expert_dp`` (dp_replicate × efsdp: the ranks holding the same experts), which ``DataParallel``
+does from the returned plan — together every rank holding tokens, never the tp group on its own (ep may
+be carved out of tp, whose ranks then hold different experts). FSDP shards expert weights over ``efsdp``,
+each MoE layer's experts gathering as a unit of their own, as MindFormers wraps them on its sparse mesh.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from training.config import ConfigError, ParallelismConfig
+from training.model.moe import GroupedExperts, MoELayer
+from training.parallel import comm
+from training.parallel.layout import TensorLayout
+from training.parallel.mesh import DeviceMesh, Group
+
+EXPERT_WEIGHTS = ("weight1", "weight2")  # GroupedExperts' stacked weights, experts along dim 0
+
+
+@dataclass(frozen=True)
+class ExpertParallelPlan:
+    """What ``apply_expert_parallel`` did: each routed-expert weight's layout over the world (cut along dim 0
+    over ep), and the experts cells, which FSDP gathers as units of their own over ``efsdp``."""
+    layouts: dict[str, TensorLayout]
+    expert_cells: tuple[GroupedExperts, ...]
+
+
+class AllToAllDispatcher:
+    """One MoE layer's routed experts under expert parallelism (see the module docstring); called with the
+    layer's rows grouped by expert and ``counts`` over all E experts, returns the experts' outputs in the
+    same order."""
+
+    def __init__(self, experts: GroupedExperts, group: Group, num_experts: int, safe_tokens: bool):
+        self.experts, self.group = experts, group
+        self.num_experts, self.local_experts = num_experts, num_experts // group.size
+        self.safe_tokens = safe_tokens
+        self.rows_sent_away = 0  # rows this rank's dispatch sent to other ranks' experts since the last reset
+
+    def __call__(self, x_sorted: Tensor, counts: np.ndarray) -> Tensor:
+        real_rows = None
+        if self.safe_tokens:
+            x_sorted, counts, real_rows = _with_safe_tokens(x_sorted, counts)
+        ep, me, local = self.group.size, self.group.rank, self.local_experts
+        table = np.zeros((ep, self.num_experts), np.float32)  # exact in float32 below 2**24 rows
+        table[me] = counts
+        sent_to = comm.all_reduce_array(table, self.group).astype(np.int64)  # [source, expert]: rows sent
+        send = counts.reshape(ep, local).sum(1).tolist()  # rows for each rank's experts (contiguous: sorted)
+        from_source = sent_to[:, me * local:(me + 1) * local]  # [source, local expert]
+        receive = from_source.sum(1).tolist()
+        self.rows_sent_away += sum(send) - send[me]
+        arrived = comm.all_to_all_single(x_sorted, send, receive, self.group)  # source-major, then by expert
+        expert_of_row = np.repeat(np.tile(np.arange(local), ep), from_source.reshape(-1))
+        by_expert = np.argsort(expert_of_row, kind="stable").astype(np.int32)
+        out = self.experts(ops.gather(arrived, Tensor(by_expert), 0), from_source.sum(0))
+        in_arrival_order = ops.gather(out, Tensor(np.argsort(by_expert).astype(np.int32)), 0)
+        returned = comm.all_to_all_single(in_arrival_order, receive, send, self.group)
+        return returned if real_rows is None else ops.gather(returned, Tensor(real_rows), 0)
+
+
+def _with_safe_tokens(x_sorted: Tensor, counts: np.ndarray) -> tuple[Tensor, np.ndarray, np.ndarray]:
+    """One zero row in front of each expert's rows: (the rows, their counts, where the real rows now are)."""
+    rows = x_sorted.shape[0]
+    real_rows = (np.arange(rows) + np.repeat(np.arange(len(counts)) + 1, counts)).astype(np.int32)
+    source = np.full(rows + len(counts), rows, np.int32)  # index ``rows`` reads the appended zero row
+    source[real_rows] = np.arange(rows, dtype=np.int32)
+    padded = ops.gather(ops.cat([x_sorted, ops.zeros((1, x_sorted.shape[1]), x_sorted.dtype)]), Tensor(source), 0)
+    return padded, counts + 1, real_rows
+
+
+def check_expert_parallel(parallelism: ParallelismConfig, num_experts: int | None) -> None:
+    """Refuse a model this expert parallelism cannot cut, naming the fields (the dispatcher type is checked
+    with the parallelism section)."""
+    ep = parallelism.expert_parallel
+    if ep == 1:
+        return
+    if not num_experts:
+        raise ConfigError(f"parallelism.expert_parallel is {ep} but the model has no routed experts "
+                          "(model.n_routed_experts): expert parallelism shards MoE layers")
+    if num_experts % ep:
+        raise ConfigError(f"parallelism.expert_parallel ({ep}) must divide model.n_routed_experts ({num_experts}): "
+                          "each ep rank holds an equal number of whole experts")
+
+
+def apply_expert_parallel(model: nn.Cell, mesh: DeviceMesh, parallelism: ParallelismConfig) -> ExpertParallelPlan:
+    """Cut ``model``'s routed experts over ``mesh.group("ep")`` in place and route their tokens by all-to-all."""
+    moe_layers = [layer for _, layer in model.moe_layers()]
+    check_expert_parallel(parallelism, moe_layers[0].num_experts if moe_layers else None)
+    group = mesh.group("ep")
+    world = mesh.dims.world
+    ep_index_of_rank = tuple(mesh.dims.group_index("ep", r) for r in range(world))
+    layouts, cells = {}, []
+    for layer in moe_layers:
+        experts = layer.experts
+        for attr in EXPERT_WEIGHTS:
+            param = experts._params[attr]
+            layout = TensorLayout.split(tuple(param.shape), 0, ep_index_of_rank, group.size)
+            local = param.asnumpy()[layout.chunk_slices(group.rank)]
+            experts._params[attr] = Parameter(Tensor(np.ascontiguousarray(local)), name=param.name,
+                                              requires_grad=param.requires_grad)
+            layouts[param.name] = layout
+        layer.token_dispatcher = AllToAllDispatcher(experts, group, layer.num_experts,
+                                                    parallelism.expert_parallel_use_safe_tokens)
+        cells.append(experts)
+    return ExpertParallelPlan(layouts, tuple(cells))
