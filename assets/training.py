@@ -27,7 +27,7 @@ from training.data.manifest import load_manifest, training_data_path
 from training.lineage import AuditCache, audit_checkpoint, lineage_inputs, store_lineage_inputs
 from training.parallel.mesh import ParallelDims
 from training.profiling import profile_root
-from training.reporting import CHECKPOINT_MESSAGE, METRICS_MESSAGE, drop_partial_line, read_records
+from training.reporting import CHECKPOINT_MESSAGE, METRICS_MESSAGE, drop_partial_line, is_step_record, read_records
 
 checkpoint_partitions = dg.DynamicPartitionsDefinition(name="checkpoints")
 checkpoint = dg.AssetSpec(
@@ -295,7 +295,9 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
                             log_dir=run_dir / "msrun_logs", on_custom_message=on_message)
     finally:  # a message retried after msrun exited may have recorded a checkpoint rotated meanwhile
         forget_rotated_checkpoints(context.instance, storage, config.run_name)
-    steps = read_records(metrics_path, first_record)
+    records = read_records(metrics_path, first_record)
+    steps = [r for r in records if is_step_record(r)]
+    validations = [r for r in records if not is_step_record(r)]
     final = latest_complete_checkpoint(Path(train_config.checkpoint.save_path))
     final_files = json.loads((final / "lineage.json").read_text())["checkpoint"]["files"] if final else []
     metadata = {
@@ -317,6 +319,10 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
             "tokens_per_s": round(sum(timed) / len(timed), 1),
             "loss_curve": dg.MetadataValue.md(_loss_table(steps)),
         })
+    if validations:  # training.eval_interval: the held-out loss of the last evaluation
+        metadata.update({"validation_step": validations[-1]["step"],
+                         "final_val_loss": dg.MetadataValue.float(validations[-1]["val_loss"]),
+                         "final_val_ppl": dg.MetadataValue.float(validations[-1]["val_ppl"])})
     return dg.MaterializeResult(metadata=metadata,
                                 data_version=dg.DataVersion(combined_hash([f["sha256"] for f in final_files])))
 

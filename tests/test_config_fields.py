@@ -43,6 +43,7 @@ READ = {
     **{f"training.{name}": "training/trainer.py" for name in (
         "steps", "local_batch_size", "global_batch_size", "max_norm", "use_skip_step_on_nan",
         "max_consecutive_skipped_steps", "seed", "deterministic")},
+    **{f"training.{name}": "training/evaluation.py" for name in ("eval_interval", "eval_iters")},
     **{f"optimizer.{name}": "training/optim.py" for name in (
         "type", "betas", "eps", "weight_decay", "weight_decay_include", "weight_decay_exclude")},
     **{f"monitor.train_state.{name}": "training/monitor.py" for name in (

@@ -233,6 +233,10 @@ class TrainingConfig(Section):
     seed: int = 42
     deterministic: bool = False
     rampup_batch_size: Optional[list[int]] = None
+    # Megatron's validation (Kiln extensions; MindFormers' PyNative trainer evaluates nothing): every
+    # eval_interval steps and after the last, eval_iters global batches of the validation split (0 = off)
+    eval_interval: int = 0
+    eval_iters: int = 100
 
     UNSUPPORTED = {"rampup_batch_size": "batch-size ramp-up is not implemented"}
 
@@ -241,6 +245,9 @@ class TrainingConfig(Section):
             require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
         require(self.max_norm > 0, f"{path}.max_norm must be > 0 (it scales gradients), got {self.max_norm}")
         require(self.max_consecutive_skipped_steps >= 0, f"{path}.max_consecutive_skipped_steps must be >= 0")
+        require(self.eval_interval >= 0, f"{path}.eval_interval must be >= 0 (0: no validation), got "
+                                         f"{self.eval_interval}")
+        require(self.eval_iters >= 1, f"{path}.eval_iters must be >= 1, got {self.eval_iters}")
 
 
 @dataclass

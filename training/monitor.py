@@ -231,5 +231,11 @@ class TensorBoardWriter:
             self.writer.add_scalar(name, value, global_step=step)
             self.writer.add_scalar(f"{name}_vs_samples", value, global_step=samples)
 
+    def evaluation(self, record: dict) -> None:
+        """A validation result, under Megatron's names dashed like the others (tensorboardX would turn their
+        spaces into underscores); every evaluation is written, they are few."""
+        self.writer.add_scalar("lm-loss-validation", record["val_loss"], global_step=record["step"])
+        self.writer.add_scalar("lm-loss-validation-ppl", record["val_ppl"], global_step=record["step"])
+
     def close(self) -> None:
         self.writer.close()

@@ -53,6 +53,11 @@ def drop_partial_line(path: Path) -> None:
         stream.truncate(0)
 
 
+def is_step_record(record: dict) -> bool:
+    """A training step's record of metrics.jsonl, not a validation result (``{"step", "val_loss", "val_ppl"}``)."""
+    return "loss" in record
+
+
 def read_records(path: Path, offset: int = 0) -> list[dict]:
     """The JSON records of ``metrics.jsonl`` from byte ``offset`` on; a partial last line is not one."""
     if not path.exists():
@@ -114,6 +119,19 @@ class Reporter:
         if self._pipes and metrics["step"] % self.log_interval == 0:
             self._pipes.report_custom_message({"event": METRICS_MESSAGE, "step": metrics["step"],
                                                **scalar_metrics(metrics)})
+
+    def evaluation(self, record: dict, line: str) -> None:
+        """A validation result ``{"step", "val_loss", "val_ppl"}``: a metrics.jsonl record of its own, the log
+        line, the sinks, and (every evaluation, whatever log_interval) a ``metrics`` message for the curve."""
+        if not self.enabled:
+            return
+        if self._metrics:
+            self._metrics.write(json.dumps(record) + "\n")
+        self.info(line)
+        for sink in self._sinks:
+            sink.evaluation(record)
+        if self._pipes:
+            self._pipes.report_custom_message({"event": METRICS_MESSAGE, **record})
 
     def checkpoint(self, payload: dict) -> None:
         if self.enabled and self._pipes:

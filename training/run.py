@@ -98,6 +98,10 @@ def main(argv=None) -> int:
         trainer = Trainer(config, world, output_dir, reporter, lineage_inputs=load_lineage_inputs(args.lineage),
                           command=sys.argv)
         summary = trainer.train()
+    except ConfigError as exc:  # found while building the run's data (e.g. a validation split too small)
+        reporter.close(exc)
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     except BaseException as exc:
         reporter.close(exc)
         raise

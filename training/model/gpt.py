@@ -174,6 +174,18 @@ class GPTModel(nn.Cell):
         mask = cast(loss_mask.reshape(-1), ms.float32)
         return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
 
+    def sample_loss_sums(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor,
+                         position_ids: Tensor | None = None, attention_mask: Tensor | None = None
+                         ) -> tuple[Tensor, Tensor]:
+        """Each sample's summed LM loss over its loss-masked tokens, and how many tokens those are ([batch]
+        each): held-out loss is averaged over tokens across batches and ranks, which a per-batch mean cannot
+        give. The main head only (no MTP depth, no load-balancing term), as Megatron's validation loss."""
+        hidden = self._decode(input_ids, position_ids, attention_mask)[0]
+        logits = self._output(hidden)
+        token_loss = self.token_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        mask = cast(loss_mask, ms.float32)
+        return (token_loss.reshape(mask.shape) * mask).sum(-1), mask.sum(-1)
+
     def logits(self, input_ids: Tensor, position_ids: Tensor | None = None,
                attention_mask: Tensor | None = None) -> Tensor:
         """[batch, seq] token ids → [batch, seq, vocab] fp32 logits. Without ``position_ids`` positions
