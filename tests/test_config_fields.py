@@ -62,6 +62,9 @@ READ = {
         "data_parallel_shard_strategy", "disable_gradient_division", "reshard_after_forward_policy")},
     "parallelism.sequence_parallel": "training/run.py",
     "parallelism.tensor_parallel": "training/parallel/mesh.py",
+    "parallelism.context_parallel": "training/parallel/mesh.py",
+    **{f"parallelism.{name}": "training/parallel/context_parallel.py" for name in (
+        "context_parallel_method", "ulysses_degree_in_cp", "context_parallel_load_balance")},
     "parallelism.expert_parallel": "training/parallel/mesh.py",
     "parallelism.expert_parallel_use_safe_tokens": "training/parallel/expert_parallel.py",
     **{f"profiler.{name}": "training/profiling.py" for name in (

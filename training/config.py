@@ -264,6 +264,9 @@ class ParallelismConfig(Section):
     context_parallel_async: bool = False
     ulysses_degree_in_cp: Optional[int] = None
     context_parallel_mask_type: str = "causal"
+    # Kiln's own: each cp rank takes chunks r and 2·cp-1-r of 2·cp (zig-zag) instead of chunk r of cp, so the
+    # causal attention work is even across the cp ranks (training/parallel/context_parallel.py)
+    context_parallel_load_balance: bool = False
     pipeline_parallel: int = 1
     pipeline_parallel_layers_per_stage: Optional[Union[list[list[int]], list[str], str]] = "auto"
     pipeline_parallel_schedule: str = "1f1b"
@@ -283,30 +286,27 @@ class ParallelismConfig(Section):
     expert_parallel_use_safe_tokens: bool = True
 
     # the options of layouts that do not exist yet are accepted only at their defaults
-    _CP = "context parallelism is not implemented"
-    _PP = "pipeline parallelism is not implemented"
+    _BLOCKING_P2P = ("overlapping pipeline transfers with computation is not implemented: MindSpore's CPU "
+                     "collectives, which the stages' point-to-point transfers are built from, block until done")
     UNSUPPORTED = {
         "cpu_offload": "optimizer offload is not implemented",
         "dense_fsdp_shard_size": "a shard size of its own for dense weights is not implemented: every sharded "
                                  "dense weight is cut over the whole dp_shard group (data_parallel_shard), "
                                  "routed experts under expert_parallel over efsdp = dp_shard·cp·tp / ep",
-        "context_parallel": _CP,
-        "context_parallel_method": _CP,
-        "context_parallel_async": _CP,
-        "ulysses_degree_in_cp": _CP,
-        "context_parallel_mask_type": _CP,
-        "pipeline_parallel": _PP,
-        "pipeline_parallel_layers_per_stage": _PP,
-        "pipeline_parallel_schedule": _PP,
+        "context_parallel_async": "overlapping the Ulysses all-to-all with computation is not implemented: "
+                                  "MindSpore's collectives on CPU block until done",
+        # MindFormers' CP also knows only the causal mask; a document (EOD) mask is refused with its fields
+        "context_parallel_mask_type": "only the causal mask is split across context-parallel chunks",
         # MindFormers overwrites it with the number of micro-batches per step; Kiln derives that number from
         # global_batch_size / (local_batch_size × data parallel) and never reads this field
-        "pipeline_parallel_microbatch_size": f"{_PP}; the micro-batches per step come from "
-                                             "training.global_batch_size / (local_batch_size × data parallel)",
-        "pipeline_parallel_interleave_num": _PP,
-        "pipeline_parallel_overlap_p2p": _PP,
-        "pipeline_parallel_overlap_b_f": _PP,
-        "pipeline_parallel_enable_dxdw_split": _PP,
-        "pipeline_parallel_p2p_transport": _PP,
+        "pipeline_parallel_microbatch_size": "the micro-batches per step come from training.global_batch_size / "
+                                             "(local_batch_size × data parallel); this field is not read",
+        "pipeline_parallel_overlap_p2p": _BLOCKING_P2P,
+        "pipeline_parallel_overlap_b_f": _BLOCKING_P2P,
+        "pipeline_parallel_enable_dxdw_split": "splitting the backward into input and weight gradients serves only "
+                                               "pipeline_parallel_overlap_b_f, which is not implemented",
+        "pipeline_parallel_p2p_transport": "stages exchange hidden states as a 2-rank broadcast (send/recv do not "
+                                           "work on CPU); no other transport is implemented",
         "enable_mc2": "fused all-gather+matmul / matmul+reduce-scatter kernels (Ascend MC2) are not implemented: "
                       "tensor parallelism runs the collective and the matmul as separate ops",
         # MindFormers reads it nowhere either: its loss is vocabulary-parallel whenever tensor_parallel > 1
@@ -337,6 +337,16 @@ class ParallelismConfig(Section):
                  f"{path}.reshard_after_forward_policy must be default/always/never")
         require(self.context_parallel_method in ("colossal", "ulysses", "hybrid"),
                  f"{path}.context_parallel_method must be colossal/ulysses/hybrid")
+        cp, ulysses = self.context_parallel, self.ulysses_degree_in_cp
+        if self.context_parallel_method == "hybrid" and cp > 1:
+            require(ulysses is not None and 1 < ulysses < cp and cp % ulysses == 0,
+                    f"{path}.ulysses_degree_in_cp = {ulysses}: context_parallel_method 'hybrid' needs a Ulysses "
+                    f"degree strictly between 1 and {path}.context_parallel ({cp}) that divides it")
+        else:
+            require(ulysses is None, f"{path}.ulysses_degree_in_cp = {ulysses} is read only by "
+                                     f"context_parallel_method 'hybrid' with context_parallel > 1; leave it null")
+        require(self.pipeline_parallel_interleave_num >= 1,
+                f"{path}.pipeline_parallel_interleave_num must be >= 1, got {self.pipeline_parallel_interleave_num}")
         require(self.pipeline_parallel_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
                  f"{path}.pipeline_parallel_schedule must be 1f1b/interleaved_1f1b/gpipe")
         require(self.moe_token_dispatcher_type in ("alltoall", "alltoall_deredundancy"),

@@ -34,6 +34,9 @@ class SelfAttention(nn.Cell):
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.softmax = Softmax()
         self.logit_tracker = MaxLogitTracker()
+        # context parallelism: (q, k, v) -> out over the tokens of every cp rank (ContextAttention); None: this
+        # rank holds whole sequences and the plain masked softmax below runs
+        self.context_attention = None
 
     @staticmethod
     def mask_repeats(config) -> int:
@@ -62,8 +65,12 @@ class SelfAttention(nn.Cell):
         v = v.squeeze(3).transpose(0, 2, 1, 3)
         # per-sample tables are [batch, 1, seq, dim] (k's layout); q has one more head axis
         q_cos, q_sin = (cos, sin) if cos.ndim == 2 else (cos.expand_dims(1), sin.expand_dims(1))
-        q = apply_rotary(q, q_cos, q_sin).reshape(batch, groups, per_group * seq, dim) * self.scale
+        q = apply_rotary(q, q_cos, q_sin) * self.scale
         k = apply_rotary(k, cos, sin)
+        if self.context_attention is not None:
+            out = self.context_attention(q, k, v)
+            return self.linear_proj(out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, self.num_heads * dim))
+        q = q.reshape(batch, groups, per_group * seq, dim)
 
         # [batch, groups, per_group·seq, seq]; in float16 the mask's float32 minimum becomes -inf: still 0 weight
         scores = cast(_bmm_transpose_b(q, k), self.softmax_dtype) + cast(mask, self.softmax_dtype)

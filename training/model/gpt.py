@@ -129,6 +129,9 @@ class GPTModel(nn.Cell):
         # output layer, and the per-token loss of logits over this rank's part of the vocabulary
         self.output_input_comm = None
         self.token_loss = token_cross_entropy
+        # context parallelism replaces it: the loss tokens of the micro-batch's whole samples, summed over the
+        # ranks holding their other chunks, so each rank's loss is its part of the micro-batch mean
+        self.count_loss_tokens = None
         # MindFormers drops the embedding output too (in MTP depths alike); every Dropout draws from one stream
         self.embedding_dropout = Dropout(config.hidden_dropout)
         self.dropout_masks = MaskStream(seed)
@@ -172,7 +175,8 @@ class GPTModel(nn.Cell):
     def _masked_mean_loss(self, logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
         token_loss = self.token_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         mask = cast(loss_mask.reshape(-1), ms.float32)
-        return (token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+        count = mask.sum() if self.count_loss_tokens is None else self.count_loss_tokens(mask.sum())
+        return (token_loss * mask).sum() / count.clamp(min=1.0)
 
     def sample_loss_sums(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor,
                          position_ids: Tensor | None = None, attention_mask: Tensor | None = None

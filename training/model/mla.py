@@ -73,6 +73,8 @@ class MLASelfAttention(nn.Cell):
         # tensor parallelism: this rank's heads in ``num_heads``, and the collective that brings the shared
         # rope key (computed on the sequence shard) to every head of the whole sequence
         self.rope_key_comm = None
+        # context parallelism: (q, k, v) -> out over the tokens of every cp rank (ContextAttention), or None
+        self.context_attention = None
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         heads = self.num_heads
@@ -93,6 +95,9 @@ class MLASelfAttention(nn.Cell):
         k_rope = apply_rotary(k_rope.reshape(batch, 1, seq, self.rope), cos, sin)
         q = ops.cat((q_nope, apply_rotary(q_rope, cos, sin)), axis=-1) * self.scale
         k = ops.cat((k_nope, ops.broadcast_to(k_rope, (batch, heads, seq, self.rope))), axis=-1)
+        if self.context_attention is not None:  # one head per group
+            out = self.context_attention(q.expand_dims(2), k, v).squeeze(2)
+            return self.linear_proj(out.transpose(0, 2, 1, 3).reshape(batch, seq, heads * self.v_dim))
 
         scores = cast(_bmm_transpose_b(q, k), self.softmax_dtype) + cast(mask, self.softmax_dtype)
         if self.logit_tracker.enabled:

@@ -13,6 +13,7 @@ Differentiable (MindSpore tensors in and out; each backward is the adjoint colle
     all_to_all_single(x, send_counts, recv_counts, group)  dim 0, variable splits | backward: the reverse
     send_recv(x, pair, sender)           the sender's x, on a 2-rank group | backward: the receiver's gradient
                                                                            flows back to the sender
+    ring_shift(x, group)                 member r-1's x                  | backward: the ring_shift the other way
 
 "This rank's slice" is chunk ``group.rank`` of ``group.size`` equal chunks; gathers concatenate in group
 order (ascending global rank). ``src`` / ``sender`` are indices in the group, not global ranks. Host-side
@@ -270,6 +271,18 @@ def all_to_all(x: Tensor, split_dim: int, concat_dim: int, group: Group) -> Tens
         return x
     return _differentiable(x, lambda t: _exchange_blocks(t, split_dim, concat_dim, group),
                            lambda g: _exchange_blocks(g, concat_dim, split_dim, group))
+
+
+def ring_shift(x: Tensor, group: Group) -> Tensor:
+    """One step around the ring of ``group``: member r gets member r-1's ``x`` (member 0 the last's), e.g. a
+    K/V block of ring attention. An all-gather and a pick (send/recv do not work on CPU), so each member
+    receives the whole group's tensors, not one; the backward passes the gradients one step back."""
+    if group.size == 1:
+        return x
+
+    def pick(t, offset):
+        return _gather(t.expand_dims(0), 0, group)[(group.rank + offset) % group.size]
+    return _differentiable(x, lambda t: pick(t, -1), lambda g: pick(g, 1))
 
 
 def all_to_all_single(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Group) -> Tensor:

@@ -1,5 +1,6 @@
 """Data parallelism with sharded state: FSDP over the mesh's ``dp_shard`` group, HSDP replicas over
-``dp_replicate`` (MindFormers' ``data_parallel_shard``; reference §6.2).
+``dp_replicate`` (MindFormers' ``data_parallel_shard``; reference §6.2). Under context parallelism the cp
+ranks join the shards: "``dp_shard``" below is then the ``fsdp`` group, dp_shard × cp.
 
 ``data_parallel_shard_strategy`` picks what is sharded, each tensor cut along dim 0 into one even chunk per
 ``dp_shard`` rank (a tensor whose dim 0 does not divide stays replicated):
@@ -174,7 +175,8 @@ class DataParallel:
 
     def __init__(self, model: nn.Cell, mesh: DeviceMesh, strategy: str, divide_before_reduction: bool,
                  accumulation: int, unit_cells: list[nn.Cell], tensor_parallel: TensorParallelPlan | None = None,
-                 reshard_after_forward: bool = True, expert_parallel: ExpertParallelPlan | None = None):
+                 reshard_after_forward: bool = True, expert_parallel: ExpertParallelPlan | None = None,
+                 params: list[Parameter] | None = None):
         self.model, self.mesh = model, mesh
         self.tp_group, self.ep_group = mesh.group("tp"), mesh.group("ep")
         self.expert_layouts = expert_parallel.layouts if expert_parallel else {}
@@ -183,15 +185,19 @@ class DataParallel:
         # an expert's gradient already holds the tp ranks' tokens of its ep group, summed by the all-to-all
         self.tp_summed = (set(tensor_parallel.grads_to_all_reduce_over_tp) - set(self.expert_layouts)
                           if tensor_parallel else set())
-        self.shard_group, self.replicate_group = mesh.group("dp_shard"), mesh.group("dp_replicate")
-        self.dp_group = mesh.group("dp")
+        # sharded over dp_shard × cp and summed over every rank holding other tokens (dp × cp): context-parallel
+        # ranks' losses are parts of their samples' losses, so their gradients add up like data-parallel
+        # shards' (MindFormers folds cp into the FSDP axis); only the dp ranks' are averaged
+        self.shard_group, self.replicate_group = mesh.group("fsdp"), mesh.group("dp_replicate")
+        self.dp_group = mesh.group("batch")
         self.strategy = strategy
         self.divide_before_reduction = divide_before_reduction
         self.accumulation = accumulation
-        self.dp = self.dp_group.size
+        self.dp = mesh.group("dp").size
         self.dense = _Domain(self.shard_group, self.dp_group, self.replicate_group)
         self.experts = _Domain(mesh.group("efsdp"), mesh.group("expert_dp"), self.replicate_group)
-        trainable = list(model.trainable_params())
+        # a pipeline stage trains only its layers' parameters (``params``); the rest of the model is other stages'
+        trainable = list(model.trainable_params()) if params is None else list(params)
         self.domain_of = {p.name: self.experts if p.name in self.expert_layouts else self.dense for p in trainable}
         # ZeRO-3 cuts the model's own parameters, so only tensors it can cut evenly are sharded
         self.sharded: dict[str, _Sharded] = {}
@@ -204,7 +210,7 @@ class DataParallel:
         if strategy == "optim_grads_params":
             self._shard_model(unit_cells, reshard_after_forward)
         # what value_and_grad differentiates: the model's own tensors (its chunks under ZeRO-3)
-        self.model_params: list[Parameter] = list(model.trainable_params())
+        self.model_params: list[Parameter] = [p for p in model.trainable_params() if p.name in self.full]
 
     # ---- ZeRO-3: the model holds chunks ------------------------------------------------------------
     def _shard_model(self, unit_cells: list[nn.Cell], reshard_after_forward: bool) -> None:

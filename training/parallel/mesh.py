@@ -271,6 +271,13 @@ class DeviceMesh:
         ranks = tuple(sorted((self.rank, peer)))
         return self._make_group("pair", ranks)
 
+    def sub_group(self, name: str, ranks: tuple[int, ...]) -> Group:
+        """A group of ``ranks`` (ascending, this rank among them) that is no union of axes, e.g. context
+        parallelism's Ulysses and ring groups inside ``cp``; every member must call this."""
+        if self.rank not in ranks or list(ranks) != sorted(set(ranks)):
+            raise ValueError(f"rank {self.rank} cannot make group {name!r} of ranks {ranks}")
+        return self._make_group(name, tuple(ranks))
+
     @property
     def data_shard_index(self) -> int:
         return self.dims.data_shard_index(self.rank)

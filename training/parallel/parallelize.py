@@ -1,13 +1,16 @@
 """The parallelize step of the trainer's recipe (mesh → model → parallelize → optimizer → checkpoints): the
-model's layers are cut for tensor parallelism first, then its state is sharded over the data-parallel ranks."""
+model's layers are cut for tensor parallelism first, its attention split along the sequence for context
+parallelism, then its state is sharded over the data-parallel (and context-parallel) ranks."""
 from __future__ import annotations
 
 from mindspore import nn
 
 from training.config import TrainConfig
+from training.parallel.context_parallel import apply_context_parallel
 from training.parallel.expert_parallel import apply_expert_parallel
 from training.parallel.fsdp import DataParallel
 from training.parallel.mesh import DeviceMesh
+from training.parallel.pipeline import build_pipeline
 from training.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -26,8 +29,17 @@ def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulat
     expert_parallel = apply_expert_parallel(model, mesh, p) if mesh.dims.ep > 1 else None
     # each layer's routed experts gather as a unit of their own under expert parallelism, as MindFormers wraps them
     units = sharding_units(model) + list(expert_parallel.expert_cells if expert_parallel else ())
-    return DataParallel(model, mesh, p.data_parallel_shard_strategy,
-                        divide_before_reduction=p.disable_gradient_division, accumulation=accumulation,
-                        unit_cells=units, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                        # MindFormers' "default" reshards unless pipeline parallel, which Kiln does not have yet
-                        reshard_after_forward=p.reshard_after_forward_policy != "never")
+    context_parallel = apply_context_parallel(model, mesh, config) if mesh.dims.cp > 1 else None
+    pipeline = build_pipeline(model, mesh, config, accumulation, tensor_parallel) if mesh.dims.pp > 1 else None
+    data_parallel = DataParallel(model, mesh, p.data_parallel_shard_strategy,
+                                 divide_before_reduction=p.disable_gradient_division, accumulation=accumulation,
+                                 unit_cells=units, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                                 # MindFormers' "default" reshards unless pipeline parallel
+                                 reshard_after_forward=p.reshard_after_forward_policy == "always" or (
+                                     p.reshard_after_forward_policy == "default" and mesh.dims.pp == 1),
+                                 params=pipeline.params if pipeline else None)
+    data_parallel.context_parallel = context_parallel  # the trainer gives each rank its tokens of every micro-batch
+    data_parallel.pipeline = pipeline  # the trainer runs the step's micro-batches through its stages
+    if pipeline:
+        pipeline.set_loss_scale(data_parallel.loss_scale())
+    return data_parallel

@@ -1,0 +1,239 @@
+"""Context parallelism (ring / Ulysses / hybrid): the sequence split, the online-softmax merge against plain
+attention and float64 finite differences, the model's attention with the context-parallel core, the config's
+refusals; and, under msrun with 4 CPU workers (one launch, tests/cp_cases.py), every method trains as one
+process does (losses, grad norms, final weights), its sharded checkpoint resuming in one process."""
+import json
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from conftest import MICRO_CONFIG, run_under_msrun, write_random_documents
+from cp_cases import CASES
+from fsdp_cases import DEEPSEEK, STEPS, case_config
+from training.checkpoint import load_checkpoint
+from training.config import ConfigError
+from training.model import build_model, model_config
+from training.model.layers import causal_mask
+from training.parallel.context_parallel import (ContextAttention, ContextParallelPlan, block_mask,
+                                                RingAttention, check_context_parallel, token_positions)
+from training.parallel.mesh import DeviceMesh, ParallelDims, World
+from training.reporting import Reporter, read_records
+from training.trainer import Trainer, configure_runtime
+
+# fp32; the online softmax and the cp ranks' sums add in another order than one process. Measured: losses and
+# grad norms within 2e-7 relative, final weights within 1e-6 absolute (3 AdamW steps at lr up to 3e-3)
+LOSS_RTOL = 1e-6
+WEIGHT_ATOL = 2e-6
+
+
+# ---------------------------------------------------------------------------------------------------------
+# under msrun (first: its fixture sets MindSpore's device, which must happen before any kernel runs)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp")
+    shard = write_random_documents(root / "data/random")
+    run_dir = root / "single"
+    config = case_config(str(shard), [])
+    configure_runtime(config)
+    reference = Trainer(config, World(0, 1), run_dir, Reporter(run_dir / "metrics.jsonl", enabled=True))
+    reference.train()
+    weights = {p.name: p.asnumpy() for p in reference.model.get_parameters()}
+    run_under_msrun(["tests/cp_cases.py", root / "cases", shard], root / "msrun_log", workers=4)
+    return root, read_records(run_dir / "metrics.jsonl"), weights
+
+
+@pytest.mark.msrun
+@pytest.mark.parametrize("case", CASES)
+def test_context_parallel_trains_as_one_process(runs, case):
+    root, single, expected = runs
+    split = read_records(root / "cases" / case / "metrics.jsonl")
+    assert [m["step"] for m in split] == [m["step"] for m in single] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in split] == pytest.approx([m["loss"] for m in single], rel=LOSS_RTOL)
+    assert [m["grad_norm"] for m in split] == pytest.approx([m["grad_norm"] for m in single], rel=LOSS_RTOL)
+    weights = load_checkpoint(root / "cases" / case / f"checkpoints/iteration_{STEPS:08d}").model
+    assert sorted(weights) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(weights[name], value, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
+
+
+@pytest.mark.msrun
+def test_a_context_parallel_checkpoint_resumes_in_one_process(runs, tmp_path):
+    root, single, expected = runs
+    checkpoint = root / "cases/ring_cp2_dp2/checkpoints/iteration_00000002"
+    state = json.loads((checkpoint / "metadata.json").read_text())["state_dict_metadata"]
+    assert state["embedding.word_embeddings.weight"]["axis_fragmentations"] == [4, 1]  # dp_shard × cp chunks
+    config = case_config(str(root / "data/random"), [f"checkpoint.load_path={checkpoint}"])
+    resumed = Trainer(config, World(0, 1), tmp_path, Reporter(tmp_path / "metrics.jsonl", enabled=True))
+    assert resumed.step == 2
+    resumed.train()
+    assert read_records(tmp_path / "metrics.jsonl")[0]["loss"] == pytest.approx(single[-1]["loss"], rel=LOSS_RTOL)
+    for param in resumed.model.get_parameters():
+        np.testing.assert_allclose(param.asnumpy(), expected[param.name], rtol=0, atol=WEIGHT_ATOL, err_msg=param.name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# in one process
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_the_ranks_positions_cover_the_sequence_once(cp, load_balance):
+    parts = [token_positions(32, cp, r, load_balance) for r in range(cp)]
+    assert sorted(np.concatenate(parts).tolist()) == list(range(32))
+    # causal (query, key) pairs per rank: the zig-zag split evens them out, contiguous chunks do not
+    work = [int(sum(p + 1)) for p in parts]
+    assert (len(set(work)) == 1) == load_balance
+
+
+def test_a_sequence_that_does_not_split_names_the_fields():
+    with pytest.raises(ConfigError, match=r"context_parallel × 2 \(context_parallel_load_balance\) = 4 .* "
+                                          r"train_dataset.dataloader.config.seq_length to a multiple of 4"):
+        token_positions(30, 2, 0, True)
+
+
+def _dense_attention(q, k, v, query_positions, repeats):
+    """softmax(q·kᵀ + causal mask)·v in numpy float64, q stacked [batch, groups, repeats·queries, dim]."""
+    future = np.tile(np.arange(k.shape[2])[None, :] > query_positions[:, None], (repeats, 1))
+    scores = np.where(future, -np.inf, np.einsum("bgqd,bgkd->bgqk", q, k))
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bgqk,bgkd->bgqd", weights / weights.sum(-1, keepdims=True), v)
+
+
+class SimulatedRing:
+    """What the ring brings one rank, from one process: the blocks of the other members in ring order (step j:
+    member rank - j's) in the forward and again in the backward, where the gradients it passes on are recorded
+    per block and the other members are taken to add nothing."""
+
+    def __init__(self, blocks: list[np.ndarray]):
+        self.blocks, self.width = blocks, blocks[0].shape[-1]
+        self.step, self.passed_on = 0, []
+
+    def __call__(self, x):
+        if x.shape[-1] == self.width:  # the forward's K/V, or the backward's last gradient, going home
+            if self.step == len(self.blocks) - 1 and len(self.passed_on) == self.step:
+                self.passed_on.append(x.asnumpy())
+                return x
+            self.step += 1
+            return Tensor(self.blocks[self.step])
+        self.passed_on.append(x.asnumpy()[..., self.width:])  # the backward: (block, its gradient so far)
+        self.step = len(self.passed_on)
+        return Tensor(np.concatenate([self.blocks[self.step], np.zeros_like(self.blocks[self.step])], -1))
+
+
+def test_ring_attention_is_attention_and_its_backward_matches_finite_differences():
+    """Rank 1 of a zig-zag ring of 3 over 12 tokens in float64: its own K/V block, then member 0's (partly in
+    its future), then member 2's; GQA-stacked queries (2 heads per group). The output is attention over the
+    whole sequence; the gradients of q and of every block match central differences of plain attention."""
+    rng = np.random.default_rng(0)
+    cp, seq, repeats, dim, v_dim = 3, 12, 2, 4, 3
+    positions = [token_positions(seq, cp, r, True) for r in range(cp)]
+    order = [1, 0, 2]
+    q = rng.normal(size=(1, 2, repeats * 4, dim))
+    k, v = rng.normal(size=(1, 2, seq, dim)), rng.normal(size=(1, 2, seq, v_dim))
+    blocks = [np.concatenate([k[:, :, positions[r]], v[:, :, positions[r]]], -1) for r in order]
+    masks = [block_mask(positions[1], positions[r], repeats) for r in order]
+
+    def dense(q, k, v):
+        return _dense_attention(q, k, v, positions[1], repeats)
+
+    expected = dense(q, k, v)
+    ring = SimulatedRing(blocks)
+    out = RingAttention(masks, dim, ms.float64, ring)(Tensor(q), Tensor(blocks[0]))
+    np.testing.assert_allclose(out.asnumpy(), expected, rtol=0, atol=1e-12)
+
+    probe = rng.normal(size=expected.shape)  # d(Σ probe·out)/d(q, blocks)
+    ring = SimulatedRing(blocks)
+    dq, _ = ms.grad(lambda q, kv: (RingAttention(masks, dim, ms.float64, ring)(q, kv) * Tensor(probe)).sum(),
+                    grad_position=(0, 1))(Tensor(q), Tensor(blocks[0]))
+    # the gradient of block order[j] leaves with the ring step after it: the last one is the one going home
+    block_grads = ring.passed_on
+    assert len(block_grads) == cp
+    eps = 1e-6
+
+    def central(array, where, inputs):
+        """The central difference of Σ probe·attention at ``array[where]``; ``inputs(array)``: (q, k, v)."""
+        shifted = array.copy()
+        shifted[where] += eps
+        up = (dense(*inputs(shifted)) * probe).sum()
+        shifted[where] -= 2 * eps
+        return (up - (dense(*inputs(shifted)) * probe).sum()) / (2 * eps)
+
+    for flat in rng.choice(q.size, size=10, replace=False):
+        where = np.unravel_index(flat, q.shape)
+        assert dq.asnumpy()[where] == pytest.approx(central(q, where, lambda x: (x, k, v)), rel=1e-6, abs=1e-8)
+    for j, member in enumerate(order):
+        for flat in rng.choice(block_grads[j].size, size=6, replace=False):
+            b, g, token, channel = np.unravel_index(flat, block_grads[j].shape)
+            if channel < dim:
+                array, where, inputs = k, (b, g, positions[member][token], channel), lambda x: (q, x, v)
+            else:
+                array, where, inputs = v, (b, g, positions[member][token], channel - dim), lambda x: (q, k, x)
+            assert block_grads[j][b, g, token, channel] == pytest.approx(central(array, where, inputs), rel=1e-6,
+                                                                         abs=1e-8)
+
+
+def test_a_block_wholly_in_the_queries_future_is_skipped():
+    assert block_mask(np.arange(0, 4), np.arange(4, 8), 1) is None
+    assert block_mask(np.arange(4, 8), np.arange(0, 4), 2).shape == (8, 4)
+
+
+@pytest.mark.parametrize("model_path", [MICRO_CONFIG, DEEPSEEK])
+def test_attention_with_the_context_parallel_core_on_one_rank_is_the_attention(model_path, shard):
+    """Qwen3's GQA and DeepSeek-V3's MLA layer: the core's layout changes and its online softmax (one block)
+    give the plain attention's output and gradients (input and weights); per-sample rotary tables, as the
+    core's inputs always carry position ids."""
+    config = case_config(str(shard), [], model_config=model_path)
+    model = build_model(config.model, seed=3)
+    attention = model.decoder.layers[0].self_attention
+    x = Tensor(np.random.default_rng(1).normal(size=(2, 32, model.config.hidden_size)).astype(np.float32))
+    mask = causal_mask(32, model.mask_repeats)
+    plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=True)
+    results = []
+    for core in (None, ContextAttention(plan, attention.softmax_dtype)):
+        attention.context_attention = core
+        positions = None if core is None else Tensor(np.tile(np.arange(32, dtype=np.int32), (2, 1)))
+        cos, sin = model.rotary.tables(32, positions)
+        out, grads = ms.value_and_grad(lambda x: (attention(x, cos, sin, mask) ** 2).sum(), 0,
+                                       attention.trainable_params())(x)
+        results.append([out.asnumpy(), grads[0].asnumpy(), *(g.asnumpy() for g in grads[1])])
+    for plain, cored in zip(*results):
+        np.testing.assert_allclose(cored, plain, rtol=1e-5, atol=1e-6)
+
+
+def _config(shard, *overrides, model_path=MICRO_CONFIG):
+    config = case_config(str(shard), list(overrides), model_config=model_path)
+    return config, model_config(config.model)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallelism.context_parallel_method=ulysses", "parallelism.context_parallel=4"],
+     r"model.num_attention_heads \(4\) and model.num_key_value_heads \(2\) .* not both divisible"),
+    (["parallelism.context_parallel_method=hybrid", "parallelism.context_parallel=4",
+      "parallelism.ulysses_degree_in_cp=4"], r"ulysses_degree_in_cp = 4: .* strictly between 1 and"),
+    (["parallelism.context_parallel=2", "parallelism.ulysses_degree_in_cp=2"],
+     r"ulysses_degree_in_cp = 2 is read only by context_parallel_method 'hybrid'"),
+    (["parallelism.context_parallel=2", "parallelism.context_parallel_async=true"],
+     r"context_parallel_async.*collectives on CPU block"),
+])
+def test_config_errors_name_the_fields(shard, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config, model = _config(shard, *overrides)
+        check_context_parallel(config, model)
+
+
+def test_what_context_parallelism_does_not_split_is_refused_with_its_field(shard):
+    config, model = _config(shard, "parallelism.context_parallel=2", "monitor.train_state.max_attention_logit=true",
+                            model_path=DEEPSEEK)
+    with pytest.raises(ConfigError) as refused:
+        check_context_parallel(config, model)
+    assert [p.split(" ")[0] for p in refused.value.problems] == [
+        "model.num_mtp_layers", "model.moe_aux_loss_coeff", "monitor.train_state.max_attention_logit"]
+    config, model = _config(shard, "parallelism.context_parallel=2")
+    plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=False)
+    ids = Tensor(np.zeros((1, 8), np.int32))
+    with pytest.raises(ConfigError, match="reset_attention_mask and create_compressed_eod_mask to false"):
+        plan.shard_inputs((ids, ids, ids, None, Tensor(np.zeros((1, 1, 8, 8), np.uint8))))

@@ -1,0 +1,270 @@
+"""Context parallelism (reference mindformers-pynative.md §6.4): the ``cp`` ranks of a sample each hold a part
+of its sequence, and attention stays exactly causal across the parts.
+
+- Inputs: each cp rank takes its tokens of input_ids, labels, loss_mask and position_ids (made 0..seq-1 when
+  the data has none: positions are mandatory, a chunk does not start at 0). MindFormers gives rank r the
+  contiguous chunk r of cp; ``parallelism.context_parallel_load_balance`` (Kiln's own field) gives it chunks
+  r and 2·cp-1-r of 2·cp instead (the zig-zag split), so every rank has as many causal (query, key) pairs to
+  compute: with contiguous chunks the last rank's queries see the whole sequence and the first's only its own
+  chunk.
+- Attention (``ContextAttention``): ``ulysses`` exchanges sequence parts for head parts with an all-to-all
+  (each rank then attends over the whole sequence with 1/cp of the KV groups) and back; ``colossal`` keeps
+  the heads and passes the K/V blocks around the cp ring, one block per step, merged with an online softmax;
+  ``hybrid`` does Ulysses inside groups of ``ulysses_degree_in_cp`` consecutive cp ranks and the ring across
+  the groups. Masks come from the global token positions of the queries and of each key block, so any split
+  is exact; a key block entirely in a query block's future is skipped.
+- Loss: each rank's loss is its tokens' loss sum over the token count of the whole micro-batch (summed over
+  cp), so the cp ranks' losses, and their gradients, add up to the single-process micro-batch mean.
+- Gradients: cp ranks saw different tokens of the same samples, so their gradients add up; they are reduced
+  over dp_shard × cp (the ``fsdp`` group, MindFormers' folding of cp into the FSDP axis) and averaged over dp
+  only (training/parallel/fsdp.py).
+
+The ring's K/V pass (``comm.ring_shift``) is one all-gather on CPU, where MindSpore's send/recv do not work:
+each step then moves cp times the bytes of a true ring (the benchmark counts both).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from training.config import ConfigError, TrainConfig
+from training.model.layers import _bmm, _bmm_transpose_b, _row_sums, cast
+from training.parallel import comm
+from training.parallel.mesh import DeviceMesh, Group
+
+MASKED = float(np.finfo(np.float32).min)
+_bmm_transpose_a = ops.BatchMatMul(transpose_a=True)
+
+
+def token_positions(seq_length: int, cp: int, rank: int, load_balance: bool) -> np.ndarray:
+    """The sequence positions (ascending) cp rank ``rank`` holds of a ``seq_length``-token sample."""
+    parts = 2 * cp if load_balance else cp
+    if seq_length % parts:
+        field = "context_parallel × 2 (context_parallel_load_balance)" if load_balance else "context_parallel"
+        raise ConfigError(f"the sequence length {seq_length} does not split into parallelism.{field} = {parts} "
+                          f"equal chunks: set train_dataset.dataloader.config.seq_length to a multiple of {parts}")
+    size = seq_length // parts
+    chunks = (rank, parts - 1 - rank) if load_balance else (rank,)
+    return np.concatenate([np.arange(c * size, (c + 1) * size) for c in chunks])
+
+
+def block_mask(query_positions: np.ndarray, key_positions: np.ndarray, repeats: int) -> np.ndarray | None:
+    """Additive causal mask [repeats·queries, keys] (0 = attend), stacked like ``causal_mask``; None when no
+    query may attend any of the keys."""
+    future = key_positions[None, :] > query_positions[:, None]
+    if future.all():
+        return None
+    return np.tile(np.where(future, MASKED, 0.0).astype(np.float32), (repeats, 1))
+
+
+def ring_attention_forward(q: Tensor, kv: Tensor, masks: list, dim: int, softmax_dtype,
+                           shift: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+    """softmax(q·kᵀ + mask)·v over the key blocks that pass through this rank, merged one at a time (online
+    softmax), and each row's log-sum-exp for the backward.
+
+    q: [batch, groups, rows, dim] (rows = heads per group × queries, stacked like the masks); ``kv``: this rank's
+    block, k and v concatenated on the last axis; ``shift(block)`` returns the next block (a ring step);
+    ``masks[j]``: the additive mask of the j-th block (None: skipped, though still passed on). The first block
+    must let every row attend something. Per row: running maximum m, running sum l of exp(s − m) and running
+    output o, rescaled by exp(m_old − m_new) when the maximum grows."""
+    m = l = o = None
+    block = kv
+    for j, mask in enumerate(masks):
+        if j:
+            block = shift(block)
+        if mask is None:
+            continue
+        k, v = ops.split(block, [dim, block.shape[-1] - dim], axis=-1)
+        scores = cast(_bmm_transpose_b(q, k), softmax_dtype) + Tensor(mask, softmax_dtype)
+        new_m = scores.max(axis=-1, keepdims=True) if m is None else ops.maximum(m, scores.max(axis=-1, keepdims=True))
+        p = ops.exp(scores - new_m)
+        pv = _bmm(cast(p, v.dtype), v)
+        if m is None:
+            l, o = _row_sums(p), pv
+        else:
+            rescale = ops.exp(m - new_m)
+            l, o = l * rescale + _row_sums(p), o * cast(rescale, o.dtype) + pv
+        m = new_m
+    return o / cast(l, o.dtype), m + ops.log(l)
+
+
+def ring_attention_backward(q: Tensor, kv: Tensor, out: Tensor, dout: Tensor, lse: Tensor, masks: list, dim: int,
+                            softmax_dtype, shift: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+    """The gradients of ``ring_attention_forward`` with respect to q and this rank's kv block (FlashAttention's
+    backward, block by block): the key blocks go round the ring again, each with the gradient accumulated for
+    it so far, which every rank adds its queries' part to; one more step brings each block's gradient home.
+    With P = exp(s − lse): dv = Pᵀ·dout, dP = dout·vᵀ, ds = P ∘ (dP − rowsum(dout ∘ out)), dq = Σ ds·k, dk = dsᵀ·q."""
+    delta = cast(_row_sums(dout * out), softmax_dtype)
+    dq = ops.zeros_like(q)
+    block, grad = kv, ops.zeros_like(kv)
+    for j, mask in enumerate(masks):
+        if j:  # the block and its gradient so far travel together: one collective per step
+            block, grad = ops.split(shift(ops.cat((block, grad), axis=-1)), kv.shape[-1], axis=-1)
+        if mask is None:
+            continue
+        k, v = ops.split(block, [dim, block.shape[-1] - dim], axis=-1)
+        p = ops.exp(cast(_bmm_transpose_b(q, k), softmax_dtype) + Tensor(mask, softmax_dtype) - lse)
+        dp = cast(_bmm_transpose_b(dout, v), softmax_dtype)
+        ds = cast(p * (dp - delta), q.dtype)
+        dq = dq + _bmm(ds, k)
+        dk = _bmm_transpose_a(ds, q)
+        dv = _bmm_transpose_a(cast(p, dout.dtype), dout)
+        grad = grad + ops.cat((dk, cast(dv, dk.dtype)), axis=-1)
+    return dq, shift(grad) if len(masks) > 1 else grad
+
+
+class RingAttention(nn.Cell):
+    """``ring_attention_forward`` with ``ring_attention_backward`` as its gradient: autograd of the merge
+    would keep every block's probabilities, and it would differentiate a ring step only on the ranks whose
+    queries use the block it brings, leaving the others out of that step's collective."""
+
+    def __init__(self, masks: list, dim: int, softmax_dtype, shift: Callable[[Tensor], Tensor]):
+        super().__init__()
+        self.masks, self.dim, self.softmax_dtype, self.shift = masks, dim, softmax_dtype, shift
+        self.lse = None
+
+    def construct(self, q, kv):
+        out, self.lse = ring_attention_forward(q, kv, self.masks, self.dim, self.softmax_dtype, self.shift)
+        return out
+
+    def bprop(self, q, kv, out, dout):
+        return ring_attention_backward(q, kv, out, dout, self.lse, self.masks, self.dim, self.softmax_dtype,
+                                       self.shift)
+
+
+class ContextAttention:
+    """The attention core of one layer under context parallelism: ``(q, k, v) -> out`` in place of
+    softmax(q·kᵀ + causal mask)·v.
+
+    q: [batch, groups, heads_per_group, queries, dim], scaled; k: [batch, groups, keys, dim]; v: [batch,
+    groups, keys, v_dim]; out: [batch, groups, heads_per_group, queries, v_dim], all on this rank's tokens.
+    Qwen3's GQA has groups = KV heads; MLA has groups = heads and one head per group."""
+
+    def __init__(self, plan: "ContextParallelPlan", softmax_dtype):
+        self.plan, self.softmax_dtype = plan, softmax_dtype
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        plan = self.plan
+        ulysses, ring = plan.ulysses_group, plan.ring_group
+        batch, _, per_group, queries, dim = q.shape
+        v_dim = v.shape[-1]
+        kv = ops.cat((k, v), axis=-1)
+        if ulysses.size > 1:  # sequence parts -> head parts: whole (ulysses group's) sequence, groups/u heads
+            q = comm.all_to_all(q, 1, 3, ulysses)
+            kv = comm.all_to_all(kv, 1, 2, ulysses)
+        local_groups = q.shape[1]
+        q = q.reshape(batch, local_groups, per_group * q.shape[3], dim)
+        positions = plan.ring_positions(queries * plan.cp)
+        # ring step j holds the K/V of ring member (rank - j) mod size; step 0 is this rank's own (its diagonal)
+        masks = [block_mask(positions[ring.rank], positions[(ring.rank - j) % ring.size], per_group)
+                 for j in range(ring.size)]
+        out = RingAttention(masks, dim, self.softmax_dtype, lambda block: comm.ring_shift(block, ring))(q, kv)
+        out = out.reshape(batch, local_groups, per_group, -1, v_dim)
+        if ulysses.size > 1:  # and back: this rank's sequence part, all its groups
+            out = comm.all_to_all(out, 3, 1, ulysses)
+        return out
+
+
+class ContextParallelPlan:
+    """What context parallelism needs at run time: the cp, Ulysses and ring groups of this rank, which tokens it
+    holds, and the slicing of each micro-batch."""
+
+    def __init__(self, mesh: DeviceMesh, method: str, ulysses_degree: int, load_balance: bool):
+        self.cp_group = mesh.group("cp")
+        self.cp = self.cp_group.size
+        self.load_balance = load_balance
+        u = {"ulysses": self.cp, "colossal": 1, "hybrid": ulysses_degree}[method]
+        self.ulysses_degree = u
+        members, index = self.cp_group.ranks, self.cp_group.rank
+        # Ulysses inside runs of u consecutive cp ranks, the ring across the runs (rank i of every run)
+        self.ulysses_group = self._subgroup(mesh, "cp_ulysses", members[index - index % u:index - index % u + u])
+        self.ring_group = self._subgroup(mesh, "cp_ring", members[index % u::u])
+
+    def _subgroup(self, mesh: DeviceMesh, name: str, ranks: tuple[int, ...]) -> Group:
+        return self.cp_group if len(ranks) == self.cp else mesh.sub_group(name, tuple(ranks))
+
+    def positions(self, seq_length: int) -> list[np.ndarray]:
+        """Each cp member's token positions, in cp group order."""
+        return [token_positions(seq_length, self.cp, r, self.load_balance) for r in range(self.cp)]
+
+    def ring_positions(self, seq_length: int) -> list[np.ndarray]:
+        """The token positions each ring member holds inside attention: after the Ulysses exchange, those of
+        its whole Ulysses group (u consecutive cp ranks), in group order."""
+        return _ring_positions(seq_length, self.cp, self.ulysses_degree, self.load_balance)
+
+    def shard_inputs(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+        """This rank's tokens of (input_ids, labels, loss_mask, position_ids, attention_mask) of the whole
+        samples; position ids 0..seq-1 when the data has none."""
+        input_ids, labels, loss_mask, position_ids, attention_mask = inputs
+        if attention_mask is not None:
+            raise ConfigError("parallelism.context_parallel > 1 masks attention causally across the chunks only, "
+                              "but the data carries an attention mask (document boundaries): set "
+                              "train_dataset.dataloader.config.reset_attention_mask and "
+                              "create_compressed_eod_mask to false")
+        batch, seq = input_ids.shape
+        if position_ids is None:
+            position_ids = Tensor(np.tile(np.arange(seq, dtype=np.int32), (batch, 1)))
+        own = Tensor(token_positions(seq, self.cp, self.cp_group.rank, self.load_balance).astype(np.int32))
+        return tuple(ops.gather(x, own, 1) for x in (input_ids, labels, loss_mask, position_ids)) + (None,)
+
+    def count_tokens(self, count: Tensor) -> Tensor:
+        """The micro-batch's loss token count, summed over the cp ranks holding its other tokens (a constant
+        of the data: no gradient flows through it)."""
+        return ops.stop_gradient(comm.all_reduce(count, self.cp_group))
+
+
+@lru_cache(maxsize=64)
+def _ring_positions(seq_length: int, cp: int, u: int, load_balance: bool) -> list[np.ndarray]:
+    per_rank = [token_positions(seq_length, cp, r, load_balance) for r in range(cp)]
+    return [np.concatenate(per_rank[g * u:(g + 1) * u]) for g in range(cp // u)]
+
+
+def check_context_parallel(config: TrainConfig, model_config) -> None:
+    """Every reason this run's model (its ``GPTConfig``) or data cannot be split along the sequence, each
+    naming its field."""
+    p, c = config.parallelism, model_config
+    problems = []
+    method = p.context_parallel_method
+    degree = {"ulysses": p.context_parallel, "hybrid": p.ulysses_degree_in_cp}.get(method) or 1
+    groups = c.num_key_value_heads // p.tensor_parallel
+    heads = c.num_attention_heads // p.tensor_parallel
+    if degree > 1 and (groups % degree or heads % degree):
+        problems.append(f"parallelism.context_parallel_method = {method!r} splits the attention heads over the "
+                        f"Ulysses degree {degree}, but model.num_attention_heads ({c.num_attention_heads}) and "
+                        f"model.num_key_value_heads ({c.num_key_value_heads}) per tensor-parallel rank "
+                        f"(tensor_parallel {p.tensor_parallel}) are not both divisible by it")
+    if p.tensor_parallel > 1:
+        problems.append("parallelism.context_parallel with parallelism.tensor_parallel > 1 is not implemented "
+                        "(nor tested): the sequence-parallel collectives would run inside each cp chunk")
+    if c.num_mtp_layers:
+        problems.append(f"model.num_mtp_layers = {c.num_mtp_layers} with parallelism.context_parallel > 1: "
+                        "multi-token prediction shifts each sequence by one token per depth across the chunk "
+                        "boundaries, which is not implemented")
+    if c.has_moe and getattr(c, "moe_aux_loss_coeff", 0) and c.moe_router_load_balancing_type != "none":
+        problems.append("model.moe_aux_loss_coeff > 0 with parallelism.context_parallel > 1: the load-balancing "
+                        "loss would need its statistics summed over the cp ranks, which is not implemented")
+    if config.monitor.train_state.max_attention_logit:
+        problems.append("monitor.train_state.max_attention_logit with parallelism.context_parallel > 1: the "
+                        "context-parallel attention never holds a layer's whole score matrix")
+    loader = config.train_dataset.dataloader
+    if getattr(getattr(loader, "config", None), "document_attention", False):
+        problems.append("train_dataset.dataloader.config: document attention masks (reset_attention_mask / "
+                        "create_compressed_eod_mask) with parallelism.context_parallel > 1: only the causal mask "
+                        "is split across chunks (as in MindFormers)")
+    if problems:
+        raise ConfigError(*problems)
+
+
+def apply_context_parallel(model, mesh: DeviceMesh, config: TrainConfig) -> ContextParallelPlan:
+    """Give every attention layer of ``model`` the context-parallel core and its loss the cp-wide token count."""
+    check_context_parallel(config, model.config)
+    p = config.parallelism
+    plan = ContextParallelPlan(mesh, p.context_parallel_method, p.ulysses_degree_in_cp or 1,
+                               p.context_parallel_load_balance)
+    for attention in model._attentions():
+        attention.context_attention = ContextAttention(plan, attention.softmax_dtype)
+    model.count_loss_tokens = plan.count_tokens
+    return plan
