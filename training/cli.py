@@ -66,6 +66,20 @@ def _preprocess(args) -> int:
     return 0
 
 
+def _merge(args) -> int:
+    from training.data.merge import dataset_prefixes, merge_datasets
+
+    try:
+        prefixes = dataset_prefixes(args.input, args.pattern)
+        merged = merge_datasets(prefixes, args.output_prefix)
+    except (ValueError, OSError) as exc:  # IndexedDatasetError is a ValueError: it names the file
+        print(f"kiln merge: {exc}", file=sys.stderr)
+        return 2
+    print(f"merged {len(prefixes)} datasets into {merged['prefix']}.bin and .idx: {merged['docs']:,} documents, "
+          f"{merged['tokens']:,} tokens ({merged['dtype']})")
+    return 0
+
+
 def _dataset_inspect(args) -> int:
     from training.config import ConfigError, load_config
     from training.data.encoding import load_sentencepiece
@@ -192,6 +206,18 @@ def main(argv=None) -> int:
     preprocess.add_argument("--max-shard-tokens", type=int, default=None,
                             help="split each dataset into shards of at most this many tokens")
     preprocess.set_defaults(handler=_preprocess, started=started)
+
+    merge = commands.add_parser(
+        "merge", help="merge the .bin/.idx datasets of a directory into one (Megatron's merge_datasets.py)",
+        description="Appends every .bin/.idx pair under --input (subdirectories too, e.g. a chunked source's "
+                    "shards/<source>/) in sorted order of their paths; every input must have the same dtype. "
+                    "Exit 2 on bad input, naming the file.")
+    merge.add_argument("--input", required=True, metavar="DIR", help="the directory holding the datasets")
+    merge.add_argument("--output-prefix", required=True, help="writes <output-prefix>.bin and .idx")
+    merge.add_argument("--pattern", default="*", metavar="GLOB",
+                       help="only datasets whose file name matches, e.g. '*_text_document*' when a directory "
+                            "holds several json keys' datasets (default: all)")
+    merge.set_defaults(handler=_merge)
 
     dataset = commands.add_parser("dataset", help="look at a training config's dataset")
     inspect = dataset.add_subparsers(dest="dataset_command", required=True).add_parser(
