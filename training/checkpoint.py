@@ -155,18 +155,24 @@ class SavePlan:
 
     @classmethod
     def build(cls, arrays: dict[str, dict[str, np.ndarray]], layouts: dict[str, TensorLayout] | None,
-              prefix: str | None, world_size: int, remove_redundancy: bool) -> "SavePlan":
+              prefix: str | None, world_size: int, remove_redundancy: bool,
+              remote: dict[str, tuple[str, np.dtype]] | None = None) -> "SavePlan":
         """``arrays``: {"model": {...}, "opt": {...}}, this rank's local arrays; ``layouts``: how each tensor
         is spread over the ranks (a tensor without one is replicated; layouts of tensors not saved, e.g.
-        the optimizer's under no_save_optim, are not used). Normally every holder of a chunk writes it;
-        ``remove_redundancy`` gives each chunk to one holder, planned per kind as MindFormers plans its
-        model and optimizer files apart."""
+        the optimizer's under no_save_optim, are not used). ``remote``: tensors this rank holds nothing of
+        (pipeline parallelism: other stages' layers), name -> (kind, dtype), each with its layout in ``layouts``.
+        Normally every holder of a chunk writes it; ``remove_redundancy`` gives each chunk to one holder, planned
+        per kind as MindFormers plans its model and optimizer files apart."""
+        remote = {n: spec for n, spec in (remote or {}).items() if spec[0] in arrays}  # kinds not saved drop out
         kind = {name: k for k, tensors in arrays.items() for name in tensors}
         dtype = {name: tensors[name].dtype for tensors in arrays.values() for name in tensors}
+        kind.update({name: k for name, (k, _) in remote.items()})
+        dtype.update({name: np.dtype(d) for name, (_, d) in remote.items()})
         full, mindspore_layouts = {}, {}
         for name in kind:
-            layout = (layouts or {}).get(name) or TensorLayout.replicated(arrays[kind[name]][name].shape, world_size)
-            mindspore_layouts[name] = _checked_mindspore_layout(name, layout, arrays[kind[name]][name], world_size)
+            local = arrays[kind[name]].get(name)
+            layout = (layouts or {}).get(name) or TensorLayout.replicated(local.shape, world_size)
+            mindspore_layouts[name] = _checked_mindspore_layout(name, layout, local, world_size)
             full[name] = layout
         holders = {(name, k): ranks for name, layout in full.items() for k, ranks in enumerate(layout.holders())}
         if remove_redundancy:
@@ -193,7 +199,8 @@ class SavePlan:
         """file name -> the tensors ``rank`` writes into it (its own chunk of each, so one entry per tensor)."""
         out: dict[str, dict[str, np.ndarray]] = {}
         for name, layout in self.layouts.items():
-            if rank in self.writers[(name, layout.chunk_of_rank[rank])]:
+            chunk = layout.chunk_of_rank[rank]
+            if chunk is not None and rank in self.writers[(name, chunk)]:
                 k = self.kind[name]
                 out.setdefault(self.files[(k, rank)], {})[name] = arrays[k][name]
         return out
@@ -227,22 +234,28 @@ class SavePlan:
 
 
 def _replica_ids(layout: TensorLayout) -> list[int]:
-    """MindFormers' replica_id of a sharded tensor: for each rank, how many lower ranks hold its chunk."""
+    """MindFormers' replica_id of a sharded tensor: for each rank, how many lower ranks hold its chunk (None for
+    a rank holding none of the tensor)."""
     seen = [0] * layout.num_chunks
     ids = []
     for chunk in layout.chunk_of_rank:
+        if chunk is None:
+            ids.append(None)
+            continue
         ids.append(seen[chunk])
         seen[chunk] += 1
     return ids
 
 
-def _checked_mindspore_layout(name: str, layout: TensorLayout, local: np.ndarray, world_size: int) -> dict | None:
-    """The layout as metadata.json records it, once checked: the rank's array is its chunk of the layout, every
-    chunk has a holder to write it, and MindSpore's device matrix can describe it."""
+def _checked_mindspore_layout(name: str, layout: TensorLayout, local: np.ndarray | None, world_size: int
+                              ) -> dict | None:
+    """The layout as metadata.json records it, once checked: the rank's array (None: it holds none of the tensor)
+    is its chunk of the layout, every chunk has a holder to write it, and MindSpore's device matrix can describe
+    it."""
     if len(layout.chunk_of_rank) != world_size:
         raise CheckpointError(f"tensor {name}: its layout places {len(layout.chunk_of_rank)} ranks, the world "
                               f"has {world_size}")
-    if tuple(local.shape) != layout.local_shape:
+    if local is not None and tuple(local.shape) != layout.local_shape:
         raise CheckpointError(f"tensor {name}: this rank's array is {list(local.shape)}, its layout's chunk is "
                               f"{list(layout.local_shape)} (global {list(layout.global_shape)} cut "
                               f"{list(layout.fragmentations)})")
@@ -343,17 +356,19 @@ class CheckpointSaver:
 
     def save(self, *, step: int, model: dict[str, np.ndarray], optim: dict[str, np.ndarray] | None,
              common: dict, lineage: dict, state: dict | None = None,
-             layouts: dict[str, TensorLayout] | None = None) -> None:
+             layouts: dict[str, TensorLayout] | None = None,
+             remote: dict[str, tuple[str, np.dtype]] | None = None) -> None:
         """``model``/``optim``: this rank's local arrays; ``layouts``: tensor name (model and optimizer
         alike) -> how it is spread over the ranks, each array being this rank's chunk of it; a tensor
-        without a layout is replicated (every rank holds it whole). ``common``: MindFormers' common.json
+        without a layout is replicated (every rank holds it whole); ``remote``: the tensors only other ranks
+        hold (``SavePlan.build``). ``common``: MindFormers' common.json
         fields; ``state``: Kiln's sidecar (none when not given)."""
         extra = sorted(set(common) - set(MINDFORMERS_COMMON_KEYS))
         if extra:
             raise ValueError(f"common.json holds MindFormers' fields only; {', '.join(extra)} belong in the state")
         self.wait()
         arrays = {"model": model, "opt": optim or {}}
-        plan = SavePlan.build(arrays, layouts, self.prefix, self.world.size, self.remove_redundancy)
+        plan = SavePlan.build(arrays, layouts, self.prefix, self.world.size, self.remove_redundancy, remote)
         target = iteration_dir(self.save_path, step)
         if is_complete(target):  # every rank sees the same directory, so every rank stops here alike
             raise CheckpointError(f"{target}: a complete checkpoint of step {step} is already there; Kiln never "
@@ -767,6 +782,8 @@ def target_regions(path: Path, catalog: dict[str, TensorEntry], names, layouts: 
         if layout is None:
             regions[name] = whole(shape)
             continue
+        if 0 <= rank < len(layout.chunk_of_rank) and layout.chunk_of_rank[rank] is None:
+            continue  # the loading run places none of it on this rank (another pipeline stage's)
         if tuple(layout.global_shape) != shape:
             raise CheckpointError(f"{path}: tensor {name} is {list(shape)} in the checkpoint, the loading run's "
                                   f"layout has it {list(layout.global_shape)}")
@@ -869,7 +886,8 @@ def load_checkpoint_balanced(path: Path, world, collectives, load_optim: bool = 
     catalog = read_catalog(path)
     names = _wanted(catalog, load_optim)
     regions = target_regions(path, catalog, names, layouts, world.rank)
-    sharded = {n for n in names if layouts and n in layouts and layouts[n].is_sharded}
+    sharded = {n for n in names if layouts and n in layouts
+               and (layouts[n].is_sharded or not layouts[n].held_by_all)}
     shared_names = [n for n in names if n not in sharded]
     reading_ranks = tuple(range(min(readers or world.size, world.size)))
     owners = balanced_assignment({n: catalog[n].nbytes for n in shared_names},
@@ -877,5 +895,5 @@ def load_checkpoint_balanced(path: Path, world, collectives, load_optim: bool = 
     own = read_tensors(path, catalog, [n for n in shared_names if owners[n] == world.rank], world.rank)
     specs = {n: (catalog[n].shape, catalog[n].dtype) for n in shared_names}
     tensors = collectives.share_arrays(own, owners, specs)
-    tensors.update(read_regions(path, catalog, {n: regions[n] for n in sorted(sharded)}, world.rank))
+    tensors.update(read_regions(path, catalog, {n: regions[n] for n in sorted(sharded) if n in regions}, world.rank))
     return _split(path, catalog, tensors, common)

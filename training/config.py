@@ -286,7 +286,8 @@ class ParallelismConfig(Section):
     expert_parallel_use_safe_tokens: bool = True
 
     # the options of layouts that do not exist yet are accepted only at their defaults
-    _PP = "pipeline parallelism is not implemented"
+    _BLOCKING_P2P = ("overlapping pipeline transfers with computation is not implemented: MindSpore's CPU "
+                     "collectives, which the stages' point-to-point transfers are built from, block until done")
     UNSUPPORTED = {
         "cpu_offload": "optimizer offload is not implemented",
         "dense_fsdp_shard_size": "a shard size of its own for dense weights is not implemented: every sharded "
@@ -296,18 +297,16 @@ class ParallelismConfig(Section):
                                   "MindSpore's collectives on CPU block until done",
         # MindFormers' CP also knows only the causal mask; a document (EOD) mask is refused with its fields
         "context_parallel_mask_type": "only the causal mask is split across context-parallel chunks",
-        "pipeline_parallel": _PP,
-        "pipeline_parallel_layers_per_stage": _PP,
-        "pipeline_parallel_schedule": _PP,
         # MindFormers overwrites it with the number of micro-batches per step; Kiln derives that number from
         # global_batch_size / (local_batch_size × data parallel) and never reads this field
-        "pipeline_parallel_microbatch_size": f"{_PP}; the micro-batches per step come from "
-                                             "training.global_batch_size / (local_batch_size × data parallel)",
-        "pipeline_parallel_interleave_num": _PP,
-        "pipeline_parallel_overlap_p2p": _PP,
-        "pipeline_parallel_overlap_b_f": _PP,
-        "pipeline_parallel_enable_dxdw_split": _PP,
-        "pipeline_parallel_p2p_transport": _PP,
+        "pipeline_parallel_microbatch_size": "the micro-batches per step come from training.global_batch_size / "
+                                             "(local_batch_size × data parallel); this field is not read",
+        "pipeline_parallel_overlap_p2p": _BLOCKING_P2P,
+        "pipeline_parallel_overlap_b_f": _BLOCKING_P2P,
+        "pipeline_parallel_enable_dxdw_split": "splitting the backward into input and weight gradients serves only "
+                                               "pipeline_parallel_overlap_b_f, which is not implemented",
+        "pipeline_parallel_p2p_transport": "stages exchange hidden states as a 2-rank broadcast (send/recv do not "
+                                           "work on CPU); no other transport is implemented",
         "enable_mc2": "fused all-gather+matmul / matmul+reduce-scatter kernels (Ascend MC2) are not implemented: "
                       "tensor parallelism runs the collective and the matmul as separate ops",
         # MindFormers reads it nowhere either: its loss is vocabulary-parallel whenever tensor_parallel > 1
@@ -346,6 +345,8 @@ class ParallelismConfig(Section):
         else:
             require(ulysses is None, f"{path}.ulysses_degree_in_cp = {ulysses} is read only by "
                                      f"context_parallel_method 'hybrid' with context_parallel > 1; leave it null")
+        require(self.pipeline_parallel_interleave_num >= 1,
+                f"{path}.pipeline_parallel_interleave_num must be >= 1, got {self.pipeline_parallel_interleave_num}")
         require(self.pipeline_parallel_schedule in ("1f1b", "interleaved_1f1b", "gpipe"),
                  f"{path}.pipeline_parallel_schedule must be 1f1b/interleaved_1f1b/gpipe")
         require(self.moe_token_dispatcher_type in ("alltoall", "alltoall_deredundancy"),

@@ -84,6 +84,9 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
         reasons.append("tensor parallel: the forward runs collectives between its matmuls")
     if dims.cp > 1:
         reasons.append("context parallel: the attention passes K/V blocks or heads between ranks in the forward")
+    if dims.pp > 1:
+        reasons.append("pipeline parallel: each stage runs micro-batch by micro-batch, sending hidden states and "
+                       "their gradients between its forwards and backwards")
     if dims.dp_shard > 1 and config.parallelism.data_parallel_shard_strategy == "optim_grads_params":
         reasons.append("ZeRO-3: each layer gathers its parameter chunks when it runs")
     return reasons
@@ -159,7 +162,7 @@ class Trainer:
         self.dp = self.mesh.dims.dp
         # how many times the ranks' losses, summed over the world, count the global batch's loss: context-parallel
         # ranks each hold a part of their samples' losses, every other rank a whole copy
-        self.loss_copies = world.size // self.mesh.dims.cp
+        self.loss_copies = world.size // (self.mesh.dims.cp * self.mesh.dims.pp)
         self.resolved_yaml = dump_config(config)
         # named by content: a later invocation in the same run dir (a resume) must not overwrite it
         self.resolved_config_path = (self.output_dir / f"config-{config_sha256(self.resolved_yaml)[:12]}.yaml").resolve()
@@ -181,6 +184,7 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(self.seq_length)
         self.parallel = parallelize(self.model, self.mesh, config, self.accumulation)
         self.params = self.parallel.model_params
+        self.pipeline = self.parallel.pipeline  # None unless pipeline parallel: then self.params are its stage's
         self.lr_schedule = build_lr_schedule(_lr_section(config), config.training.steps)
         self.optimizer = build_optimizer(config.optimizer.to_dict(), self.parallel.optimizer_params, self.lr_schedule)
         self.monitor = TrainStateMonitor(config.monitor.train_state, [p.name for p in self.params], self.collectives)
@@ -205,7 +209,7 @@ class Trainer:
         self.health = HealthMonitor(config.monitor.health_checkpoint)
         self.loss_parts: list[str] = []  # lm_loss, mtp_k_loss, load_balancing_loss when the model has them
         self.moe_monitor = MoeMonitor(config.monitor.moe_monitor, [name for name, _ in self.model.moe_layers()])
-        self.embedding_index = next(i for i, p in enumerate(self.params) if p.name == EMBEDDING_PARAM)
+        self.embedding_index = next((i for i, p in enumerate(self.params) if p.name == EMBEDDING_PARAM), None)
         self.profiler = build_profiler(config, world.rank, self.output_dir)
         self.nan_policy = SkipStepOnNaN(config.training.use_skip_step_on_nan,
                                         config.training.max_consecutive_skipped_steps)
@@ -233,7 +237,16 @@ class Trainer:
     # ---- state -------------------------------------------------------------------------------
     def _model_arrays(self) -> dict[str, np.ndarray]:
         """This rank's array of every model tensor (a chunk of those it holds cut)."""
-        return {p.name: p.asnumpy() for p in self.model.get_parameters()}
+        return {p.name: p.asnumpy() for p in self.model.get_parameters() if self._holds(p.name)}
+
+    def _holds(self, name: str) -> bool:
+        """Whether this rank holds model tensor ``name`` (under pipeline parallelism: its stage's)."""
+        return self.pipeline is None or self.pipeline.keeps(name)
+
+    def _load_layouts(self) -> dict:
+        """How this rank holds each tensor it loads; another pipeline stage's tensors are not read."""
+        layouts = self.parallel.layouts()
+        return layouts if self.pipeline is None else {**self.pipeline.absent_layouts(), **layouts}
 
     def _load_weights(self, path: Path, weights: dict[str, np.ndarray], stored: dict[str, str] | None = None
                       ) -> None:
@@ -241,6 +254,8 @@ class Trainer:
         dtype in the files) lets the log say which were converted, e.g. MindFormers' bfloat16 on CPU."""
         converted: dict[tuple[str, str], int] = {}
         for param in self.model.get_parameters():
+            if not self._holds(param.name):
+                continue
             if param.name not in weights:
                 raise CheckpointError(f"{path}: tensor {param.name} is missing")
             array = weights[param.name]
@@ -287,10 +302,10 @@ class Trainer:
             return
         if ckpt.load_balanced:
             loaded = load_checkpoint_balanced(path, self.world, self.collectives, load_optim=not ckpt.no_load_optim,
-                                              readers=ckpt.load_worker_number, layouts=self.parallel.layouts())
+                                              readers=ckpt.load_worker_number, layouts=self._load_layouts())
         else:
             loaded = load_checkpoint(path, rank=self.world.rank, load_optim=not ckpt.no_load_optim,
-                                     layouts=self.parallel.layouts())
+                                     layouts=self._load_layouts())
         self._load_weights(path, *((loaded.model, loaded.stored) if ckpt.no_load_optim
                                    else self._masters_as_weights(loaded)))
         if ckpt.no_load_optim:
@@ -355,6 +370,9 @@ class Trainer:
     def _eager_gradients(self) -> tuple[float, dict, tuple, tuple, np.ndarray, float]:
         """The step's loss on this rank, its loss parts, the clipped and the unclipped reduced gradients, each
         gradient's norm and the global norm, micro-batch by micro-batch (``grad_fn`` compiled or not)."""
+        if self.pipeline is not None:  # the micro-batches go through the stages by the pipeline's schedule
+            return self.pipeline.gradients(self.parallel, [self._micro_batch(m) for m in range(self.accumulation)],
+                                           self.config.training.max_norm)
         grads_sum, local_loss, components = None, 0.0, {}
         for micro in range(self.accumulation):
             (_, loss), grads = self.grad_fn(*self._micro_batch(micro))
@@ -384,7 +402,8 @@ class Trainer:
             local_loss, components, grads, unclipped, norms, grad_norm = self._eager_gradients()
         else:
             (local_loss, norms, grad_norm), components = self._compiled_whole_step(), {}
-        embedding_norm = float(norms[self.embedding_index])
+        embedding_norm = (float(norms[self.embedding_index]) if self.pipeline is None
+                          else self.pipeline.embedding_norm(norms))
         # Every rank decides alike: the loss is summed over ranks (a NaN anywhere is NaN everywhere) and
         # the norm is of the all-reduced gradients, which every rank holds identically.
         # the same all-reduce tells every rank whether each rank's async checkpoint writer is done
@@ -461,9 +480,13 @@ class Trainer:
                 "grad_norm": metrics["grad_norm"], "tokens_per_s": metrics["tokens_per_s"],
                 "samples_per_s": metrics["samples_per_s"], "ckpt_status": status,
                 "consumed_samples": self.consumed_samples}
-        self.saver.save(step=self.step, model=self._model_arrays(),
-                        optim=None if cfg.checkpoint.no_save_optim else self.optimizer.state_arrays(),
-                        common=common, state=state, lineage=lineage, layouts=self.parallel.layouts())
+        arrays = {"model": self._model_arrays(),
+                  "opt": {} if cfg.checkpoint.no_save_optim else self.optimizer.state_arrays()}
+        layouts, remote = self.parallel.layouts(), None
+        if self.pipeline is not None:  # rank 0 describes every stage's tensors: each rank tells what it holds
+            layouts, remote = self.pipeline.world_layouts(arrays, layouts, self.collectives)
+        self.saver.save(step=self.step, model=arrays["model"], optim=arrays["opt"] or None, common=common,
+                        state=state, lineage=lineage, layouts=layouts, remote=remote)
         self._report_saved()
 
     def _report_saved(self) -> None:

@@ -175,7 +175,8 @@ class DataParallel:
 
     def __init__(self, model: nn.Cell, mesh: DeviceMesh, strategy: str, divide_before_reduction: bool,
                  accumulation: int, unit_cells: list[nn.Cell], tensor_parallel: TensorParallelPlan | None = None,
-                 reshard_after_forward: bool = True, expert_parallel: ExpertParallelPlan | None = None):
+                 reshard_after_forward: bool = True, expert_parallel: ExpertParallelPlan | None = None,
+                 params: list[Parameter] | None = None):
         self.model, self.mesh = model, mesh
         self.tp_group, self.ep_group = mesh.group("tp"), mesh.group("ep")
         self.expert_layouts = expert_parallel.layouts if expert_parallel else {}
@@ -195,7 +196,8 @@ class DataParallel:
         self.dp = mesh.group("dp").size
         self.dense = _Domain(self.shard_group, self.dp_group, self.replicate_group)
         self.experts = _Domain(mesh.group("efsdp"), mesh.group("expert_dp"), self.replicate_group)
-        trainable = list(model.trainable_params())
+        # a pipeline stage trains only its layers' parameters (``params``); the rest of the model is other stages'
+        trainable = list(model.trainable_params()) if params is None else list(params)
         self.domain_of = {p.name: self.experts if p.name in self.expert_layouts else self.dense for p in trainable}
         # ZeRO-3 cuts the model's own parameters, so only tensors it can cut evenly are sharded
         self.sharded: dict[str, _Sharded] = {}
@@ -208,7 +210,7 @@ class DataParallel:
         if strategy == "optim_grads_params":
             self._shard_model(unit_cells, reshard_after_forward)
         # what value_and_grad differentiates: the model's own tensors (its chunks under ZeRO-3)
-        self.model_params: list[Parameter] = list(model.trainable_params())
+        self.model_params: list[Parameter] = [p for p in model.trainable_params() if p.name in self.full]
 
     # ---- ZeRO-3: the model holds chunks ------------------------------------------------------------
     def _shard_model(self, unit_cells: list[nn.Cell], reshard_after_forward: bool) -> None:

@@ -4,7 +4,8 @@ checkpoints, which record it in MindFormers' metadata.json schema (reference §2
 A tensor of ``global_shape`` is cut into an even grid of chunks, ``fragmentations[d]`` along dim ``d``;
 chunk ``k`` is the k-th cell of that grid in row-major order (last dim fastest), MindFormers'
 ``global_offset`` index. Every rank holds exactly one chunk of every tensor it has; ranks holding the same
-chunk are its replicas. A replicated tensor is the grid of one chunk held by every rank.
+chunk are its replicas. A replicated tensor is the grid of one chunk held by every rank. A rank may hold
+none of a tensor (chunk None: pipeline parallelism places each layer on the ranks of one stage).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 class TensorLayout:
     global_shape: tuple[int, ...]
     fragmentations: tuple[int, ...]  # chunks along each dim; each dim divides evenly
-    chunk_of_rank: tuple[int, ...]  # chunk index held by rank r, for r in range(world size)
+    chunk_of_rank: tuple[int | None, ...]  # chunk index held by rank r (None: nothing), for r in range(world size)
 
     def __post_init__(self):
         if len(self.fragmentations) != len(self.global_shape):
@@ -24,7 +25,7 @@ class TensorLayout:
         for size, parts in zip(self.global_shape, self.fragmentations):
             if parts < 1 or size % parts:
                 raise ValueError(f"shape {self.global_shape} does not split evenly into {self.fragmentations}")
-        if any(not 0 <= k < self.num_chunks for k in self.chunk_of_rank):
+        if any(k is not None and not 0 <= k < self.num_chunks for k in self.chunk_of_rank):
             raise ValueError(f"chunk indices {self.chunk_of_rank} outside the {self.num_chunks} chunks")
 
     @classmethod
@@ -38,6 +39,15 @@ class TensorLayout:
         that shares the tensor out; ranks of other groups hold the same parts as their counterparts)."""
         fragmentations = tuple(parts if d == dim else 1 for d in range(len(shape)))
         return cls(tuple(shape), fragmentations, tuple(group_rank_of))
+
+    @property
+    def held_by_all(self) -> bool:
+        return None not in self.chunk_of_rank
+
+    def restrict(self, holds: tuple[bool, ...]) -> "TensorLayout":
+        """The same grid held only by the ranks r with ``holds[r]`` (the others hold nothing of it)."""
+        return TensorLayout(self.global_shape, self.fragmentations,
+                            tuple(k if held else None for k, held in zip(self.chunk_of_rank, holds)))
 
     @property
     def num_chunks(self) -> int:
@@ -73,6 +83,9 @@ class TensorLayout:
         grid = TensorLayout(self.global_shape, fragmentations, (0,) * len(self.chunk_of_rank))
         chunk_of_rank = []
         for chunk, part in zip(self.chunk_of_rank, part_of_rank):
+            if chunk is None:
+                chunk_of_rank.append(None)
+                continue
             coordinates = list(self.chunk_coordinates(chunk))
             coordinates[dim] = coordinates[dim] * parts + part
             chunk_of_rank.append(grid.chunk_index(tuple(coordinates)))
@@ -87,7 +100,8 @@ class TensorLayout:
         save, and a world of N ranks has up to N chunks per tensor)."""
         holders: list[list[int]] = [[] for _ in range(self.num_chunks)]
         for rank, chunk in enumerate(self.chunk_of_rank):
-            holders[chunk].append(rank)
+            if chunk is not None:
+                holders[chunk].append(rank)
         return holders
 
     def mindspore_layout(self) -> dict | None:

@@ -10,6 +10,7 @@ from training.parallel.context_parallel import apply_context_parallel
 from training.parallel.expert_parallel import apply_expert_parallel
 from training.parallel.fsdp import DataParallel
 from training.parallel.mesh import DeviceMesh
+from training.parallel.pipeline import build_pipeline
 from training.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -29,10 +30,16 @@ def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulat
     # each layer's routed experts gather as a unit of their own under expert parallelism, as MindFormers wraps them
     units = sharding_units(model) + list(expert_parallel.expert_cells if expert_parallel else ())
     context_parallel = apply_context_parallel(model, mesh, config) if mesh.dims.cp > 1 else None
+    pipeline = build_pipeline(model, mesh, config, accumulation, tensor_parallel) if mesh.dims.pp > 1 else None
     data_parallel = DataParallel(model, mesh, p.data_parallel_shard_strategy,
                                  divide_before_reduction=p.disable_gradient_division, accumulation=accumulation,
                                  unit_cells=units, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                                 # MindFormers' "default" reshards unless pipeline parallel, which Kiln lacks yet
-                                 reshard_after_forward=p.reshard_after_forward_policy != "never")
+                                 # MindFormers' "default" reshards unless pipeline parallel
+                                 reshard_after_forward=p.reshard_after_forward_policy == "always" or (
+                                     p.reshard_after_forward_policy == "default" and mesh.dims.pp == 1),
+                                 params=pipeline.params if pipeline else None)
     data_parallel.context_parallel = context_parallel  # the trainer gives each rank its tokens of every micro-batch
+    data_parallel.pipeline = pipeline  # the trainer runs the step's micro-batches through its stages
+    if pipeline:
+        pipeline.set_loss_scale(data_parallel.loss_scale())
     return data_parallel

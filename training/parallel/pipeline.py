@@ -1,0 +1,561 @@
+"""Pipeline parallelism (reference mindformers-pynative.md §6.5): the model's layers split into stages over the
+mesh's ``pp`` axis, micro-batches (the step's gradient-accumulation steps) flowing through them.
+
+Placement. ``pp × interleave_num`` virtual stages; virtual stage ``v`` runs on pipeline rank ``v mod pp`` as
+its chunk ``v // pp``. ``pipeline_parallel_layers_per_stage`` "auto" (or null) gives each virtual stage an equal
+run of decoder layers; a list of ``pp`` strings gives each rank ``interleave_num`` inclusive ranges, e.g.
+``["0-3,8-11", "4-7,12-15"]``. The first virtual stage also embeds the tokens; the last one runs the final
+norm, the output layer, the loss and the MTP depths, with its own copy of the embedding when MTP or a tied
+output layer needs it: both copies start equal (every rank builds the whole model from the seed, then keeps
+its stage's parameters) and stay equal, their gradients summed over the two stages before the update.
+
+Schedules (``pipeline_parallel_schedule``): ``gpipe`` (every forward, then every backward), ``1f1b`` (after
+pp − rank − 1 warm-up forwards, one forward then one backward), ``interleaved_1f1b`` (Megatron's order over
+the chunks; micro-batches a multiple of pp). ``schedule_programs`` turns a rank's order of work into a global
+plan in ticks: in each tick every rank does the next piece of its order whose inputs have arrived, then the
+tick's transfers run in one global order. Every rank follows that order, so the blocking point-to-point
+transfers (``comm.send_recv``: a 2-rank broadcast, since send/recv do not work on CPU) never wait on each
+other in a cycle.
+
+Backward. MindSpore 2.10's PyNative autograd can only differentiate its most recent forward (measured:
+``mindspore.vjp`` closures of three forwards called oldest first fail with "Can not find top cell for
+backward"; only newest-first works), and 1F1B backpropagates the oldest micro-batch first. So a stage's
+forward runs without autograd, its input kept, and the backward runs the stage again under
+``mindspore.value_and_grad`` on ``loss · scale + Σ output · received gradient``: the vector-Jacobian product
+with the received output gradient, and with the input gradient to send back (full activation recompute, as
+MindFormers' ``recompute``). What a forward changes besides its output is replayed alike: the dropout stream
+is rewound to where the forward drew its masks, and MoE token counts from the second run are dropped. The
+last stage has nobody to send to, so its forward waits for its backward and runs once.
+
+The loss of each micro-batch exists on the last stage, its load-balancing parts on the stages of their MoE
+layers: every rank reports its part and the trainer sums them over the world (``Trainer.train_step``), so
+rank 0 logs the step's loss.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from training.config import ConfigError, ParallelismConfig
+from training.model.moe import MoELayer
+from training.optim import clip_grad_norm
+from training.parallel import comm
+from training.parallel.layout import TensorLayout
+from training.parallel.mesh import DeviceMesh
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+OPTIMIZER_STATE_PREFIXES = ("adam_m", "adam_v", "main_param")  # optimizer tensors named "<prefix>.<parameter>"
+FORWARD, BACKWARD = "F", "B"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Placement
+
+
+def stage_layer_ranges(layers_per_stage, num_layers: int, pp: int, interleave: int) -> list[range]:
+    """The decoder layers of each virtual stage (index ``chunk · pp + rank``), checked to cover
+    ``0..num_layers-1`` once, in order."""
+    field_name = "parallelism.pipeline_parallel_layers_per_stage"
+    virtual = pp * interleave
+    if layers_per_stage in (None, "auto"):
+        if num_layers % virtual:
+            raise ConfigError(f"{field_name}: 'auto' splits the {num_layers} decoder layers equally over "
+                              f"pipeline_parallel {pp} × pipeline_parallel_interleave_num {interleave} = {virtual} "
+                              f"virtual stages, which does not divide them; give the ranges per stage")
+        per = num_layers // virtual
+        return [range(v * per, (v + 1) * per) for v in range(virtual)]
+    if not isinstance(layers_per_stage, list) or len(layers_per_stage) != pp:
+        raise ConfigError(f"{field_name} must be 'auto' or a list of {pp} strings (one per pipeline rank), "
+                          f"got {layers_per_stage!r}")
+    ranges: dict[int, range] = {}
+    for rank, spec in enumerate(layers_per_stage):
+        parts = str(spec).split(",") if not isinstance(spec, list) else [f"{spec[0]}-{spec[-1]}"]
+        if len(parts) != interleave:
+            raise ConfigError(f"{field_name}[{rank}] = {spec!r} has {len(parts)} range(s); "
+                              f"pipeline_parallel_interleave_num is {interleave}")
+        for chunk, part in enumerate(parts):
+            match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", part)
+            if not match or int(match[1]) > int(match[2]):
+                raise ConfigError(f"{field_name}[{rank}]: {part.strip()!r} is not an inclusive range 'first-last'")
+            ranges[chunk * pp + rank] = range(int(match[1]), int(match[2]) + 1)
+    ordered = [ranges[v] for v in range(virtual)]
+    expected = 0
+    for v, layers in enumerate(ordered):
+        if layers.start != expected:
+            raise ConfigError(f"{field_name}: virtual stage {v} (rank {v % pp}, chunk {v // pp}) starts at layer "
+                              f"{layers.start}, expected {expected}: the stages must cover the layers in order")
+        expected = layers.stop
+    if expected != num_layers:
+        raise ConfigError(f"{field_name}: the stages cover layers 0-{expected - 1}; the model has {num_layers}")
+    return ordered
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Schedules: pure arithmetic
+
+
+@dataclass(frozen=True)
+class Work:
+    kind: str  # FORWARD or BACKWARD
+    chunk: int
+    micro: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A hidden state (forward) or its gradient (backward) of micro-batch ``micro`` going from ``src`` to
+    ``dst`` pipeline rank, as the input of virtual stage ``stage`` (forward) or the output gradient of it."""
+    kind: str
+    stage: int
+    micro: int
+    src: int
+    dst: int
+
+
+def work_order(schedule: str, pp: int, rank: int, micro_batches: int, interleave: int) -> list[Work]:
+    """The order in which pipeline rank ``rank`` does its forwards and backwards."""
+    m = micro_batches
+    if schedule == "gpipe":
+        forwards = [Work(FORWARD, c, i) for c in range(interleave) for i in range(m)]
+        return forwards + [Work(BACKWARD, c, i) for c in reversed(range(interleave)) for i in range(m)]
+    if schedule == "1f1b":
+        if interleave != 1:
+            raise ConfigError("parallelism.pipeline_parallel_schedule 1f1b runs one chunk per rank; with "
+                              "pipeline_parallel_interleave_num > 1 use interleaved_1f1b")
+        forwards = [Work(FORWARD, 0, i) for i in range(m)]
+        backwards = [Work(BACKWARD, 0, i) for i in range(m)]
+        warmup = min(pp - rank - 1, m)
+    elif schedule == "interleaved_1f1b":
+        if m % pp:
+            raise ConfigError(f"parallelism.pipeline_parallel_schedule interleaved_1f1b needs the micro-batches per "
+                              f"step ({m}: global_batch_size / (local_batch_size × data parallel)) to be a "
+                              f"multiple of pipeline_parallel ({pp})")
+        total = m * interleave
+
+        def chunk_micro(k: int, backward: bool) -> tuple[int, int]:
+            chunk = (k // pp) % interleave
+            return (interleave - 1 - chunk if backward else chunk), (k // (pp * interleave)) * pp + k % pp
+        forwards = [Work(FORWARD, *chunk_micro(k, False)) for k in range(total)]
+        backwards = [Work(BACKWARD, *chunk_micro(k, True)) for k in range(total)]
+        warmup = min((pp - rank - 1) * 2 + (interleave - 1) * pp, total)
+    else:
+        raise ConfigError(f"parallelism.pipeline_parallel_schedule must be one of {', '.join(SCHEDULES)}, "
+                          f"got {schedule!r}")
+    order = forwards[:warmup]
+    for f, b in zip(forwards[warmup:], backwards):
+        order += [f, b]
+    return order + backwards[len(forwards) - warmup:]
+
+
+def schedule_ticks(orders: list[list[Work]], pp: int, interleave: int) -> list[dict[int, Work]]:
+    """Run the ranks' orders in lock step: in each tick every rank does its next work if its input arrived in
+    an earlier tick (a forward needs the previous virtual stage's forward of that micro-batch, a backward
+    the next stage's backward). Each tick: pipeline rank -> its work."""
+    last = pp * interleave - 1
+    done: set[tuple[str, int, int]] = set()  # (kind, virtual stage, micro)
+    position = [0] * pp
+    ticks = []
+    while any(position[r] < len(orders[r]) for r in range(pp)):
+        tick = {}
+        for rank in range(pp):
+            if position[rank] == len(orders[rank]):
+                continue
+            work = orders[rank][position[rank]]
+            stage = work.chunk * pp + rank
+            needs = ((FORWARD, stage - 1, work.micro) if work.kind == FORWARD and stage > 0 else
+                     (BACKWARD, stage + 1, work.micro) if work.kind == BACKWARD and stage < last else
+                     (FORWARD, stage, work.micro) if work.kind == BACKWARD else None)
+            if needs is None or needs in done:
+                tick[rank] = work
+        if not tick:
+            stuck = {r: orders[r][position[r]] for r in range(pp) if position[r] < len(orders[r])}
+            raise RuntimeError(f"pipeline schedule cannot progress: the ranks wait on each other at {stuck}")
+        for rank, work in tick.items():
+            done.add((work.kind, work.chunk * pp + rank, work.micro))
+            position[rank] += 1
+        ticks.append(tick)
+    return ticks
+
+
+def tick_transfers(tick: dict[int, Work], pp: int, interleave: int) -> list[Transfer]:
+    """What the tick's work sends, in the global order every rank follows (by sender)."""
+    last = pp * interleave - 1
+    out = []
+    for rank in sorted(tick):
+        work = tick[rank]
+        stage = work.chunk * pp + rank
+        if work.kind == FORWARD and stage < last:
+            out.append(Transfer(FORWARD, stage + 1, work.micro, rank, (stage + 1) % pp))
+        elif work.kind == BACKWARD and stage > 0:
+            out.append(Transfer(BACKWARD, stage - 1, work.micro, rank, (stage - 1) % pp))
+    return out
+
+
+def schedule_programs(schedule: str, pp: int, micro_batches: int, interleave: int
+                      ) -> tuple[list[list[Work | Transfer]], int]:
+    """Each pipeline rank's program (its work and the transfers it takes part in, in execution order) and the
+    number of ticks the plan takes."""
+    orders = [work_order(schedule, pp, r, micro_batches, interleave) for r in range(pp)]
+    ticks = schedule_ticks(orders, pp, interleave)
+    programs: list[list[Work | Transfer]] = [[] for _ in range(pp)]
+    for tick in ticks:
+        for rank, work in tick.items():
+            programs[rank].append(work)
+        for transfer in tick_transfers(tick, pp, interleave):
+            programs[transfer.src].append(transfer)
+            programs[transfer.dst].append(transfer)
+    return programs, len(ticks)
+
+
+def analytic_bubble(pp: int, micro_batches: int, interleave: int = 1) -> float:
+    """The idle fraction of a pipeline with equal forward and backward work per stage: (p − 1) / (v·m + p − 1)
+    (v = interleave; v = 1 is GPipe's and 1F1B's (p − 1) / (m + p − 1))."""
+    return (pp - 1) / (interleave * micro_batches + pp - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One rank's stages
+
+
+class _Chunk:
+    """One virtual stage on this rank: its decoder layers, and the embedding (first) or final norm, output
+    layer, loss and MTP (last)."""
+
+    def __init__(self, model, stage: int, last_stage: int, layers: range):
+        self.model, self.stage = model, stage
+        self.first, self.last = stage == 0, stage == last_stage
+        self.layers = [model.decoder.layers[i] for i in layers]
+        cells: list[nn.Cell] = list(self.layers)
+        if self.first:
+            cells.append(model.embedding)
+        if self.last:
+            cells += [model.decoder.final_layernorm] + ([model.output_layer] if model.output_layer is not None else [])
+            if model.mtp is not None:
+                cells.append(model.mtp)
+            if model.mtp is not None or model.output_layer is None:  # the MTP depths embed / the output is tied
+                cells.append(model.embedding)
+        seen, self.params = set(), []
+        for cell in cells:
+            for param in cell.trainable_params():
+                if param.name not in seen:
+                    seen.add(param.name)
+                    self.params.append(param)
+        self.moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoELayer)]
+        if self.last and model.mtp is not None:
+            self.moe += [layer.transformer_layer.mlp for layer in model.mtp.layers
+                         if isinstance(layer.transformer_layer.mlp, MoELayer)]
+
+    def forward(self, x, input_ids, labels, loss_mask, position_ids, attention_mask):
+        """(output hidden states or None on the last stage, this stage's part of the loss or None, its named
+        parts)."""
+        model = self.model
+        cos, sin, mask = model._tables(input_ids.shape[1], position_ids, attention_mask)
+        if self.first:
+            x = model._embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        components = {}
+        loss = None
+        if self.last:
+            loss, components = model.head_loss(model.decoder.final_layernorm(x), input_ids, labels, loss_mask,
+                                               cos, sin, mask)
+            x = None
+        aux = [moe.aux_loss for moe in self.moe if moe.aux_loss is not None]
+        if aux:
+            components["load_balancing_loss"] = sum(aux)
+            loss = components["load_balancing_loss"] if loss is None else loss + components["load_balancing_loss"]
+        return x, loss, components
+
+
+class _Objective(nn.Cell):
+    """What a stage's backward differentiates: its loss part times the loss scale, plus the output's dot product
+    with the received output gradient (so the gradients are the vector-Jacobian product with it)."""
+
+    def __init__(self, chunk: _Chunk, scale: float):
+        super().__init__(auto_prefix=False)
+        self.chunk, self.scale = chunk, scale
+
+    def construct(self, x, output_grad, input_ids, labels, loss_mask, position_ids, attention_mask):
+        out, loss, components = self.chunk.forward(x, input_ids, labels, loss_mask, position_ids, attention_mask)
+        objective = 0.0 if loss is None else loss * self.scale
+        if out is not None:
+            objective = objective + (out * output_grad).sum()
+        parts = {name: ops.stop_gradient(value) for name, value in components.items()}
+        return objective, (ops.stop_gradient(loss) if loss is not None else None, parts)
+
+
+@dataclass
+class PipelineResult:
+    """One step's outcome on this rank: gradients of ``Pipeline.params`` (summed over micro-batches, scaled), the
+    mean over micro-batches of this rank's part of the loss and of each loss component (0 where the part lives
+    on other stages), and what the schedule cost here."""
+    grads: tuple[Tensor, ...]
+    loss: float
+    components: dict[str, float]
+    busy_s: float = 0.0
+    wall_s: float = 0.0
+    peak_kept_bytes: int = 0
+    timeline: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # kind, chunk, micro, t0, t1
+
+
+class Pipeline:
+    """This rank's stages and its program of the step (built alike on every rank from the config)."""
+
+    def __init__(self, model, mesh: DeviceMesh, parallelism: ParallelismConfig, micro_batches: int,
+                 sequence_parallel: bool):
+        dims = mesh.dims
+        self.model, self.mesh = model, mesh
+        self.pp, self.interleave = dims.pp, parallelism.pipeline_parallel_interleave_num
+        self.rank = dims.coords(mesh.rank)["pp"]
+        schedule = parallelism.pipeline_parallel_schedule
+        if schedule == "1f1b" and self.interleave > 1:
+            schedule = "interleaved_1f1b"  # as MindFormers upgrades it
+        if schedule == "interleaved_1f1b" and self.interleave == 1:
+            raise ConfigError("parallelism.pipeline_parallel_schedule interleaved_1f1b needs "
+                              "pipeline_parallel_interleave_num > 1 (1f1b is the one-chunk schedule)")
+        self.schedule = schedule
+        self.ranges = stage_layer_ranges(parallelism.pipeline_parallel_layers_per_stage,
+                                         model.config.num_hidden_layers, self.pp, self.interleave)
+        self.last_stage = self.pp * self.interleave - 1
+        self.chunks = [_Chunk(model, c * self.pp + self.rank, self.last_stage, self.ranges[c * self.pp + self.rank])
+                       for c in range(self.interleave)]
+        self.programs, self.ticks = schedule_programs(schedule, self.pp, micro_batches, self.interleave)
+        self.program = self.programs[self.rank]
+        self.micro_batches = micro_batches
+        self.hidden_size, self.dtype = model.config.hidden_size, model.compute_dtype
+        self.sequence_shards = dims.tp if sequence_parallel else 1
+        self.grad_fns: list = []  # one per chunk, once the loss scale is known (set_loss_scale)
+        # this rank's parameters in the model's order, which the data-parallel reduction and the optimizer follow
+        self.param_names = {p.name for chunk in self.chunks for p in chunk.params}
+        self.params: list[Parameter] = [p for p in model.trainable_params() if p.name in self.param_names]
+        self.trainable_names = {p.name for p in model.trainable_params()}
+        # the pipeline rank of every global rank, and the peers this rank exchanges with (same other coordinates)
+        self.pp_of_rank = tuple(dims.coords(r)["pp"] for r in range(dims.world))
+        coords = dims.coords(mesh.rank)
+        self.peer_rank = {p: dims.rank_of(**{**coords, "pp": p}) for p in range(self.pp)}
+        self.pairs = {}
+        for p in sorted({(self.rank - 1) % self.pp, (self.rank + 1) % self.pp} - {self.rank}):
+            self.pairs[p] = mesh.pair(self.peer_rank[p])
+        # the embedding's copies on the first and last stage (MTP, tied output) have their gradients summed
+        self.embedding_name = model.embedding.word_embeddings.weight.name
+        self.holders = self.holding_pipeline_ranks()
+        self.embedding_on = sorted(self.holders[self.embedding_name])
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The factor on each micro-batch's loss before its backward (``DataParallel.loss_scale``)."""
+        self.grad_fns = [ms.value_and_grad(_Objective(chunk, scale), None if chunk.first else 0, chunk.params,
+                                           has_aux=True) for chunk in self.chunks]
+
+    # ---- what the trainer asks -------------------------------------------------------------------------
+    def component_names(self) -> list[str]:
+        """The loss parts every rank reports, in one order (zero where they live on other stages)."""
+        names = []
+        if self.model.mtp is not None or self.model.config.has_moe:
+            names.append("lm_loss")
+            names += [f"mtp_{k + 1}_loss" for k in range(len(self.model.mtp.layers) if self.model.mtp else 0)]
+        if any(moe.aux_coeff and moe.balancing != "none" for _, moe in self.model.moe_layers()):
+            names.append("load_balancing_loss")
+        return names
+
+    def holding_pipeline_ranks(self) -> dict[str, set[int]]:
+        """Trainable parameter name -> the pipeline ranks holding it (built alike on every rank)."""
+        holders: dict[str, set[int]] = {}
+        for stage, layers in enumerate(self.ranges):
+            chunk = _Chunk(self.model, stage, self.last_stage, layers)
+            for param in chunk.params:
+                holders.setdefault(param.name, set()).add(stage % self.pp)
+        return holders
+
+    def keeps(self, name: str) -> bool:
+        """Whether this rank holds model tensor ``name``: its stage's parameters, and every buffer (MoE expert
+        biases and counts, which every rank updates alike from the world's counts)."""
+        return name in self.param_names or name not in self.trainable_names
+
+    def holders_of(self, name: str) -> set[int] | None:
+        """The pipeline ranks holding tensor ``name`` (a parameter or its optimizer state); None: every rank."""
+        kind, _, rest = name.partition(".")
+        return self.holders.get(rest if kind in OPTIMIZER_STATE_PREFIXES else name)
+
+    def local_layouts(self, arrays: dict[str, np.ndarray], base: dict[str, TensorLayout]) -> dict[str, TensorLayout]:
+        """The layout over the world of every tensor in ``arrays`` (this rank's): ``base`` (tensor/data parallel,
+        a replicated tensor when absent) on the ranks of the pipeline ranks holding it, nothing elsewhere."""
+        world = len(self.pp_of_rank)
+        out = {}
+        for name, array in arrays.items():
+            layout = base.get(name) or TensorLayout.replicated(tuple(array.shape), world)
+            holders = self.holders_of(name)
+            out[name] = layout if holders is None else layout.restrict(
+                tuple(self.pp_of_rank[r] in holders for r in range(world)))
+        return out
+
+    def absent_layouts(self) -> dict[str, TensorLayout]:
+        """For loading: a layout for every parameter (and its optimizer state) of other stages, in which this rank
+        holds nothing, so the loader skips them."""
+        world = len(self.pp_of_rank)
+        mine = tuple(r != self.mesh.rank for r in range(world))
+        return {f"{prefix}{p.name}": TensorLayout.replicated(tuple(p.shape), world).restrict(mine)
+                for p in self.model.trainable_params() if p.name not in self.param_names
+                for prefix in ("", *(f"{k}." for k in OPTIMIZER_STATE_PREFIXES))}
+
+    def world_layouts(self, arrays: dict[str, dict[str, np.ndarray]], base: dict[str, TensorLayout], collectives
+                      ) -> tuple[dict[str, TensorLayout], dict[str, tuple[str, np.dtype]]]:
+        """Collective, for saving: every tensor's layout over the world and, for the tensors other stages hold,
+        their kind and dtype (what rank 0 needs to describe every file). Each rank sends what it holds."""
+        mine = {name: (kind, array.dtype.str, self.local_layouts({name: array}, base)[name])
+                for kind, tensors in arrays.items() for name, array in tensors.items()}
+        blob = json.dumps({name: [kind, dtype, list(l.global_shape), list(l.fragmentations), list(l.chunk_of_rank)]
+                           for name, (kind, dtype, l) in mine.items()}).encode()
+        world, rank = collectives.world.size, collectives.world.rank
+        lengths = collectives.all_reduce_array(np.eye(world)[rank] * len(blob)).astype(np.int64)
+        shared = collectives.share_arrays({str(rank): np.frombuffer(blob, np.uint8)}, {str(r): r for r in range(world)},
+                                          {str(r): ((int(lengths[r]),), np.dtype(np.uint8)) for r in range(world)})
+        layouts, remote = {}, {}
+        for r in range(world):
+            for name, (kind, dtype, shape, parts, chunks) in json.loads(shared[str(r)].tobytes()).items():
+                layouts[name] = TensorLayout(tuple(shape), tuple(parts), tuple(chunks))
+                if name not in mine:
+                    remote[name] = (kind, np.dtype(dtype))
+        return layouts, remote
+
+    # ---- the step ------------------------------------------------------------------------------------
+    def run(self, batches: list[tuple]) -> PipelineResult:
+        """Forward and backward of every micro-batch (``batches[m]``: the model's positional inputs) by the
+        schedule; collective over the pipeline ranks."""
+        if len(batches) != self.micro_batches:
+            raise ValueError(f"the pipeline was planned for {self.micro_batches} micro-batches, got {len(batches)}")
+        inputs: dict[tuple[int, int], Tensor | None] = {}  # (virtual stage, micro) -> its input hidden states
+        output_grads: dict[tuple[int, int], Tensor] = {}
+        outbox: dict[tuple[str, int, int], Tensor] = {}  # (kind, destination stage, micro) -> what to send
+        rewind: dict[tuple[int, int], tuple] = {}  # dropout stream state and MoE counts before a forward
+        grads = {p.name: None for p in self.params}
+        loss_sum, components = 0.0, {name: 0.0 for name in self.component_names()}
+        timeline, busy, kept, peak = [], 0.0, 0, 0
+        started = time.perf_counter()
+        for step in self.program:
+            if isinstance(step, Transfer):
+                self._transfer(step, batches, inputs, output_grads, outbox)
+                continue
+            chunk = self.chunks[step.chunk]
+            key = (chunk.stage, step.micro)
+            t0 = time.perf_counter()
+            if step.kind == FORWARD:
+                inputs.setdefault(key, None)
+                if not chunk.last:  # the last stage's forward runs with its backward (nothing to send before)
+                    rewind[key] = self._capture(chunk)
+                    out, _, _ = chunk.forward(inputs[key], *batches[step.micro])
+                    outbox[(FORWARD, chunk.stage + 1, step.micro)] = out
+                kept += self._nbytes(inputs[key])
+            else:
+                x = inputs.pop(key)
+                dout = output_grads.pop(key, None)
+                replayed = rewind.pop(key, None)
+                current = self._capture(chunk) if replayed else None
+                if replayed:
+                    self._restore(chunk, replayed, counts=False)
+                (_, (loss, parts)), g = self.grad_fns[step.chunk](x, dout, *batches[step.micro])
+                if replayed:
+                    self._restore(chunk, current, counts=True)
+                if not chunk.first:
+                    dx, g = g
+                    outbox[(BACKWARD, chunk.stage - 1, step.micro)] = dx
+                for param, grad in zip(chunk.params, g):
+                    grads[param.name] = grad if grads[param.name] is None else grads[param.name] + grad
+                if loss is not None:
+                    loss_sum += float(loss.asnumpy())
+                for name, value in parts.items():
+                    if name in components:  # a plain dense model's loss is its LM loss: no parts reported
+                        components[name] += float(value.asnumpy())
+                kept -= self._nbytes(x)
+            peak = max(peak, kept)
+            t1 = time.perf_counter()
+            busy += t1 - t0
+            timeline.append((step.kind, step.chunk, step.micro, t0 - started, t1 - started))
+        ordered = tuple(grads[p.name] if grads[p.name] is not None else ops.zeros_like(p) for p in self.params)
+        m = self.micro_batches
+        return PipelineResult(ordered, loss_sum / m, {n: v / m for n, v in components.items()}, busy,
+                              time.perf_counter() - started, peak, timeline)
+
+    def _transfer(self, transfer: Transfer, batches, inputs, output_grads, outbox) -> None:
+        me = self.rank
+        peer = transfer.dst if transfer.src == me else transfer.src
+        pair = self.pairs[peer]
+        sender = pair.ranks.index(self.peer_rank[transfer.src])
+        key = (transfer.kind, transfer.stage, transfer.micro)
+        if transfer.src == me:
+            comm.send_recv(outbox.pop(key), pair, sender)
+            return
+        input_ids = batches[transfer.micro][0]
+        shape = (input_ids.shape[0], input_ids.shape[1] // self.sequence_shards, self.hidden_size)
+        received = comm.send_recv(ops.zeros(shape, self.dtype), pair, sender)
+        (inputs if transfer.kind == FORWARD else output_grads)[(transfer.stage, transfer.micro)] = received
+
+    def _capture(self, chunk: _Chunk) -> tuple:
+        return self.model.dropout_masks.state(), [moe._counts.copy() for moe in chunk.moe]
+
+    def _restore(self, chunk: _Chunk, captured: tuple, counts: bool) -> None:
+        """Back to ``captured``: the dropout stream always; the MoE counts only when asked (after a replay)."""
+        stream, moe_counts = captured
+        self.model.dropout_masks.set_state(stream)
+        if counts:
+            for moe, saved in zip(chunk.moe, moe_counts):
+                moe._counts = saved
+
+    @staticmethod
+    def _nbytes(x: Tensor | None) -> int:
+        return 0 if x is None else int(x.size) * x.itemsize
+
+    # ---- after the backward --------------------------------------------------------------------------
+    def gradients(self, parallel, batches: list[tuple], max_norm: float
+                  ) -> tuple[float, dict[str, float], tuple, tuple, np.ndarray, float]:
+        """The trainer's step up to the update: this rank's part of the loss and its parts, the clipped and the
+        unclipped reduced gradients of ``params``, their norms, and the global norm over every stage."""
+        self.last_result = result = self.run(batches)
+        unclipped = self.sync_embedding_grads(parallel.reduce_gradients(result.grads))
+        norms = parallel.tensor_norms(unclipped)
+        own = np.sum(np.square(norms[self.counted_once()]))
+        grad_norm = float(np.sqrt(comm.all_reduce_array(np.array([own]), self.mesh.group("pp"))[0]))
+        # the global norm given as the norm of one tensor: clip_grad_norm scales every gradient by it
+        grads, _ = clip_grad_norm(unclipped, max_norm, np.array([grad_norm]))
+        return result.loss, result.components, grads, unclipped, norms, grad_norm
+
+    def embedding_norm(self, norms: np.ndarray) -> float:
+        """The embedding gradient's norm, from the first stage (every rank gets it)."""
+        index = next((i for i, p in enumerate(self.params) if p.name == self.embedding_name), None)
+        own = float(norms[index]) if self.rank == 0 and index is not None else 0.0
+        return float(comm.all_reduce_array(np.array([own]), self.mesh.group("pp"))[0])
+
+    def sync_embedding_grads(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """The embedding's two copies (first and last stage) get the sum of their gradients."""
+        if len(self.embedding_on) < 2 or self.rank not in self.embedding_on:
+            return grads
+        peer = next(p for p in self.embedding_on if p != self.rank)
+        index = next(i for i, p in enumerate(self.params) if p.name == self.embedding_name)
+        out = list(grads)
+        out[index] = comm.all_reduce(grads[index], self.pairs[peer])
+        return tuple(out)
+
+    def counted_once(self) -> np.ndarray:
+        """Which of ``params`` count in the global gradient norm: the last stage's embedding copy does not."""
+        duplicate = self.rank != 0 and self.rank in self.embedding_on
+        return np.array([not (duplicate and p.name == self.embedding_name) for p in self.params], dtype=bool)
+
+
+def build_pipeline(model, mesh: DeviceMesh, config, micro_batches: int, tensor_parallel) -> Pipeline:
+    """This rank's stages of ``model`` (already cut for tensor parallelism), or a clear refusal of what a pipeline
+    run cannot do here."""
+    p = config.parallelism
+    if mesh.group("fsdp").size > 1 and p.data_parallel_shard_strategy == "optim_grads_params":
+        raise ConfigError("parallelism.data_parallel_shard_strategy optim_grads_params (ZeRO-3) with "
+                          "pipeline_parallel > 1 is not implemented: a stage runs the embedding, final norm and output "
+                          "layer outside the model's construct, where ZeRO-3 gathers them; use optim_grads (ZeRO-2) "
+                          "or optim")
+    if any(bool(value) for value in config.monitor.train_state.to_dict().values()):
+        raise ConfigError("monitor.train_state with pipeline_parallel > 1 is not implemented: its statistics gather "
+                          "one row per parameter from every rank, and each stage holds other parameters")
+    return Pipeline(model, mesh, p, micro_batches, sequence_parallel=bool(tensor_parallel and tensor_parallel.sequence_parallel))
