@@ -368,3 +368,56 @@ def test_the_audit_hashes_every_ranks_files(tmp_path):
         f.write(bytes([last ^ 1]))
     _, checks = audit_checkpoint(path)
     assert [c.path for c in checks if c.status != "ok"] == ["checkpoint-opt-0000003-0000004.safetensors"]
+
+
+def pp2_tp2_layouts() -> dict[str, TensorLayout]:
+    """Pipeline 2 × tensor 2 on 4 ranks (rank = 2·pp + tp): the first stage's ranks hold EMB (vocabulary rows over
+    tp) and NORM, the second's QKV (rows over tp) and PROJ (columns over tp); no rank holds the other stage's."""
+    tp = tuple(r % 2 for r in range(4))
+    first, second = tuple(r < 2 for r in range(4)), tuple(r >= 2 for r in range(4))
+    layouts = {EMB: TensorLayout.split((16, 8), 0, tp, 2).restrict(first),
+               NORM: TensorLayout.replicated((8,), 4).restrict(first),
+               QKV: TensorLayout.split((12, 8), 0, tp, 2).restrict(second),
+               PROJ: TensorLayout.split((8, 12), 1, tp, 2).restrict(second)}
+    return {**layouts, **{f"adam_m.{n}": layout for n, layout in layouts.items()}}
+
+
+def held(full: dict[str, np.ndarray], layouts: dict[str, TensorLayout], rank: int) -> dict[str, np.ndarray]:
+    """What ``rank`` holds of each tensor under layouts where a rank may hold none of one."""
+    out = {}
+    for name, array in full.items():
+        layout = layouts.get(name)
+        if layout is None or layout.chunk_of_rank[rank] is not None:
+            out[name] = array if layout is None else array[layout.chunk_slices(layout.chunk_of_rank[rank])]
+    return out
+
+
+@pytest.mark.parametrize("remove_redundancy", [False, True], ids=["all_copies", "remove_redundancy"])
+def test_a_pipeline_checkpoint_each_stage_writing_its_tensors_loads_into_every_layout(tmp_path, remove_redundancy):
+    model, optim = full_tensors()
+    layouts = pp2_tp2_layouts()
+
+    def work(world, collectives):
+        own_model, own_optim = held(model, layouts, world.rank), held(optim, layouts, world.rank)
+        # the tensors only the other stage holds: rank 0 describes their files from their kind and dtype
+        remote = {n: (kind, a.dtype) for kind, tensors in (("model", model), ("opt", optim))
+                  for n, a in tensors.items() if n not in (own_model if kind == "model" else own_optim)}
+        return save_checkpoint(save_path=tmp_path, step=1, model=own_model, optim=own_optim,
+                               common={"global_step": 1, "consumed_samples": 4, "global_batch_size": 4},
+                               lineage={}, prefix="checkpoint", save_max=3, world=world, collectives=collectives,
+                               remove_redundancy=remove_redundancy, layouts=layouts, remote=remote)
+    path = on_ranks(4, work)[0].path
+    state = json.loads((path / "metadata.json").read_text())["state_dict_metadata"]
+    assert state[QKV]["properties"]["replica_id"] == [None, None, 0, 0]  # the first stage holds none of it
+    assert state[NORM]["properties"]["replica_id"] == 0 and state[NORM]["axis_fragmentations"] == [1]
+    for target in LAYOUTS:
+        world_size, target_layouts = layouts_of(target)
+        for rank in range(world_size):
+            assert_local_slices(load_checkpoint(path, rank=rank, layouts=target_layouts), target_layouts, rank)
+    for rank in range(4):  # back into the pipeline layout: each rank reads its stage's tensors only
+        loaded = load_checkpoint(path, rank=rank, layouts=layouts)
+        for got, full in ((loaded.model, model), (loaded.optim, optim)):
+            want = held(full, layouts, rank)
+            assert sorted(got) == sorted(want)
+            for name, array in want.items():
+                assert got[name].tobytes() == np.ascontiguousarray(array).tobytes(), name

@@ -475,12 +475,14 @@ def _finalize(save_path: Path, step: int, target: Path, metadata: dict, common: 
 def save_checkpoint(*, save_path: Path, step: int, model: dict[str, np.ndarray], optim: dict[str, np.ndarray] | None,
                     common: dict, lineage: dict, prefix: str | None, save_max: int, world, collectives,
                     remove_redundancy: bool = False, state: dict | None = None,
-                    layouts: dict[str, TensorLayout] | None = None) -> SavedCheckpoint | None:
+                    layouts: dict[str, TensorLayout] | None = None,
+                    remote: dict[str, tuple[str, np.dtype]] | None = None) -> SavedCheckpoint | None:
     """One synchronous save (collective; ``CheckpointSaver.save``). Returns the saved checkpoint on rank 0,
     None elsewhere."""
     saver = CheckpointSaver(save_path=save_path, prefix=prefix, save_max=save_max, world=world,
                             collectives=collectives, remove_redundancy=remove_redundancy)
-    saver.save(step=step, model=model, optim=optim, common=common, lineage=lineage, state=state, layouts=layouts)
+    saver.save(step=step, model=model, optim=optim, common=common, lineage=lineage, state=state, layouts=layouts,
+               remote=remote)
     done = saver.take_completed()
     return done[0] if done else None
 
