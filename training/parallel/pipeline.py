@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
@@ -294,14 +294,14 @@ class _Objective(nn.Cell):
 class PipelineResult:
     """One step's outcome on this rank: gradients of ``Pipeline.params`` (summed over micro-batches, scaled), the
     mean over micro-batches of this rank's part of the loss and of each loss component (0 where the part lives
-    on other stages), and what the schedule cost here."""
+    on other stages), and what the schedule cost here: seconds computing, seconds in all, and the most bytes of
+    stage inputs kept for backwards at once."""
     grads: tuple[Tensor, ...]
     loss: float
     components: dict[str, float]
     busy_s: float = 0.0
     wall_s: float = 0.0
     peak_kept_bytes: int = 0
-    timeline: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # kind, chunk, micro, t0, t1
 
 
 class Pipeline:
@@ -325,8 +325,7 @@ class Pipeline:
         self.last_stage = self.pp * self.interleave - 1
         self.chunks = [_Chunk(model, c * self.pp + self.rank, self.last_stage, self.ranges[c * self.pp + self.rank])
                        for c in range(self.interleave)]
-        self.programs, self.ticks = schedule_programs(schedule, self.pp, micro_batches, self.interleave)
-        self.program = self.programs[self.rank]
+        self.program = schedule_programs(schedule, self.pp, micro_batches, self.interleave)[0][self.rank]
         self.micro_batches = micro_batches
         self.hidden_size, self.dtype = model.config.hidden_size, model.compute_dtype
         self.sequence_shards = dims.tp if sequence_parallel else 1
@@ -435,7 +434,7 @@ class Pipeline:
         rewind: dict[tuple[int, int], tuple] = {}  # dropout stream state and MoE counts before a forward
         grads = {p.name: None for p in self.params}
         loss_sum, components = 0.0, {name: 0.0 for name in self.component_names()}
-        timeline, busy, kept, peak = [], 0.0, 0, 0
+        busy, kept, peak = 0.0, 0, 0
         started = time.perf_counter()
         for step in self.program:
             if isinstance(step, Transfer):
@@ -473,13 +472,11 @@ class Pipeline:
                         components[name] += float(value.asnumpy())
                 kept -= self._nbytes(x)
             peak = max(peak, kept)
-            t1 = time.perf_counter()
-            busy += t1 - t0
-            timeline.append((step.kind, step.chunk, step.micro, t0 - started, t1 - started))
+            busy += time.perf_counter() - t0
         ordered = tuple(grads[p.name] if grads[p.name] is not None else ops.zeros_like(p) for p in self.params)
         m = self.micro_batches
         return PipelineResult(ordered, loss_sum / m, {n: v / m for n, v in components.items()}, busy,
-                              time.perf_counter() - started, peak, timeline)
+                              time.perf_counter() - started, peak)
 
     def _transfer(self, transfer: Transfer, batches, inputs, output_grads, outbox) -> None:
         me = self.rank
@@ -558,4 +555,5 @@ def build_pipeline(model, mesh: DeviceMesh, config, micro_batches: int, tensor_p
     if any(bool(value) for value in config.monitor.train_state.to_dict().values()):
         raise ConfigError("monitor.train_state with pipeline_parallel > 1 is not implemented: its statistics gather "
                           "one row per parameter from every rank, and each stage holds other parameters")
-    return Pipeline(model, mesh, p, micro_batches, sequence_parallel=bool(tensor_parallel and tensor_parallel.sequence_parallel))
+    sequence_parallel = bool(tensor_parallel and tensor_parallel.sequence_parallel)
+    return Pipeline(model, mesh, p, micro_batches, sequence_parallel)
