@@ -255,9 +255,11 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         # model: as the workers will build it, before msrun takes the devices; imported here, as the model
         # package imports MindSpore, which loading the definitions does not need
         from training.model import validate_model_section
+        from training.parallel.expert_parallel import check_expert_parallel
 
         tokenizer = load_manifest(storage.manifest_path(), storage.root)["tokenizer"]["path"]
-        validate_model_section(train_config, storage.root / tokenizer)
+        model = validate_model_section(train_config, storage.root / tokenizer)
+        check_expert_parallel(train_config.parallelism, model.n_routed_experts if model.has_moe else None)
     except ConfigError as exc:
         raise dg.Failure(f"training config {config.config_path}: {exc}") from None
     lineage_file = run_dir / "lineage_inputs.json"

@@ -17,28 +17,36 @@ from training.parallel.mesh import init_world  # noqa: E402
 from training.reporting import Reporter  # noqa: E402
 from training.trainer import Trainer, configure_runtime  # noqa: E402
 
+# two steps (both update: warmup to lr 3e-3), the second from the first's Adam moments, and a checkpoint between
+STEPS = 2
 EP2 = "parallelism.expert_parallel=2"
 # name -> overrides ({out}: the cases' directory)
 CASES = {
     # ep 2 inside dp_shard 2, replicated over dp_replicate 2: experts whole per ep rank (efsdp 1), dense ZeRO-3;
-    # also saves at step 2, which the ep4 case resumes from
-    "ep2_hsdp": [EP2, "parallelism.data_parallel_shard=2", "checkpoint.save_interleaved_steps=2"],
-    # ep 2 inside dp_shard 4: each ep rank's experts ZeRO-3-sharded over efsdp 2 (and gathered as their own unit)
-    "ep2_zero3": [EP2],
+    # also saves at step 1, which the ep4 case resumes from
+    "ep2_hsdp": [EP2, "parallelism.data_parallel_shard=2", "checkpoint.save_interleaved_steps=1"],
+    # ep 2 inside dp_shard 4: each ep rank's experts ZeRO-3-sharded over efsdp 2 (and gathered as their own unit);
+    # dense weights sharded over 2 ranks (dense_fsdp_shard_size) and replicated over the other 2
+    "ep2_zero3_dense_shard2": [EP2, "parallelism.dense_fsdp_shard_size=2"],
     # ZeRO-1, without the safe tokens: the experts' gradients all-reduced whole over expert_dp, then chunked
     "ep2_zero1_no_safe_tokens": [EP2, "parallelism.data_parallel_shard_strategy=optim",
                                  "parallelism.expert_parallel_use_safe_tokens=false"],
     # another expert-parallel degree (one expert per rank) resuming the ep2 checkpoint
-    "ep4_from_ep2": ["parallelism.expert_parallel=4", "checkpoint.load_path={out}/ep2_hsdp/checkpoints/iteration_00000002"],
+    "ep4_from_ep2": ["parallelism.expert_parallel=4", "checkpoint.load_path={out}/ep2_hsdp/checkpoints/iteration_00000001"],
 }
 
 
+def ep_config(shard: str, overrides: list[str], save_path: Path | None = None):
+    """A case's config (the single-process reference: no overrides) of the micro DeepSeek-V3."""
+    return case_config(shard, [f"training.steps={STEPS}", *overrides], save_path, DEEPSEEK)
+
+
 def main(out: str, shard: str) -> None:
-    configure_runtime(case_config(shard, [], model_config=DEEPSEEK))  # once: MindSpore's device cannot be set again
+    configure_runtime(ep_config(shard, []))  # once: MindSpore's device cannot be set again
     world = init_world()
     for name, overrides in CASES.items():
         run_dir = Path(out) / name
-        config = case_config(shard, [o.format(out=out) for o in overrides], run_dir / "checkpoints", DEEPSEEK)
+        config = ep_config(shard, [o.format(out=out) for o in overrides], run_dir / "checkpoints")
         Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main)).train()
 
 

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 from training.checkpoint import (CheckpointError, _write_safetensors_atomic, load_checkpoint,
                                  load_checkpoint_balanced, resolve_load_path, save_checkpoint)
 from training.parallel.layout import TensorLayout
-from training.parallel.mesh import World
+from training.parallel.mesh import ParallelDims, World
 
 EMB = "embedding.word_embeddings.weight"
 QKV = "decoder.layers.0.self_attention.linear_qkv.weight"  # column-parallel: rows split over tp
@@ -43,6 +43,17 @@ def tp_fsdp_layouts() -> dict[str, TensorLayout]:
             NORM: TensorLayout((8,), (2,), tuple(dp))}
 
 
+def ep_efsdp_layouts() -> dict[str, TensorLayout]:
+    """Expert parallel 2 inside dp_shard 4 (efsdp 2) as ``DataParallel`` lays it out: QKV and PROJ stand for
+    expert weights, cut along dim 0 (experts) over ep; QKV also over efsdp (ZeRO-3 of the experts), PROJ held
+    whole by its ep rank's efsdp replicas (ZeRO-1's weights); EMB a dense weight over dp_shard 4."""
+    dims = ParallelDims(4, dp_shard=4, ep=2)
+    ep, efsdp = (tuple(dims.group_index(g, r) for r in range(4)) for g in ("ep", "efsdp"))
+    return {EMB: TensorLayout.split((16, 8), 0, tuple(range(4)), 4),
+            QKV: TensorLayout.split((12, 8), 0, ep, 2).refine(0, 2, efsdp),
+            PROJ: TensorLayout.split((8, 12), 0, ep, 2)}
+
+
 def layouts_of(name: str) -> tuple[int, dict[str, TensorLayout]]:
     """(world size, layout of every sharded model tensor); the optimizer's moments follow their parameter,
     the step counter is replicated."""
@@ -55,12 +66,14 @@ def layouts_of(name: str) -> tuple[int, dict[str, TensorLayout]]:
         world, layouts = 2, {EMB: TensorLayout.split((16, 8), 0, (0, 1), 2),
                              QKV: TensorLayout.split((12, 8), 0, (0, 1), 2),
                              PROJ: TensorLayout.split((8, 12), 1, (0, 1), 2)}
+    elif name == "EP2xEFSDP2":
+        world, layouts = 4, ep_efsdp_layouts()
     else:
         world, layouts = 4, tp_fsdp_layouts()
     return world, {**layouts, **{f"adam_m.{n}": layout for n, layout in layouts.items()}}
 
 
-LAYOUTS = ["1", "DP2", "FSDP2", "TP2", "TP2xFSDP2"]
+LAYOUTS = ["1", "DP2", "FSDP2", "TP2", "TP2xFSDP2", "EP2xEFSDP2"]
 
 
 def local(full: dict[str, np.ndarray], layouts: dict[str, TensorLayout], rank: int) -> dict[str, np.ndarray]:
@@ -228,7 +241,7 @@ def mindspore_slices(layout: dict, shape: list[int], position: int) -> tuple[sli
     return tuple(slices)
 
 
-@pytest.mark.parametrize("source", ["FSDP2", "TP2", "TP2xFSDP2"])
+@pytest.mark.parametrize("source", ["FSDP2", "TP2", "TP2xFSDP2", "EP2xEFSDP2"])
 def test_metadata_layouts_address_the_chunk_each_rank_wrote(tmp_path, source):
     """MindFormers' loader finds a source rank's region from ``layout`` alone (reference §3.6): read as MindSpore
     reads it, each rank of the rank list must be given exactly the array it wrote; MindSpore builds the same

@@ -53,6 +53,8 @@ def test_mindformers_examples():
     (config(tp=2, ep=3), 4, "parallelism.expert_parallel 3 does not divide data-parallel shards 2 × "
                             "context_parallel 1 × tensor_parallel 2 = 4"),
     (config(tp=0), 4, "parallelism.tensor_parallel must be >= 1, got 0"),
+    (ParallelismConfig(dense_fsdp_shard_size=3), 4, "parallelism.dense_fsdp_shard_size 3 does not divide "
+                                                    "data-parallel shards 4 × context_parallel 1 = 4"),
 ])
 def test_errors_name_the_fields_and_show_the_arithmetic(parallelism, world, message):
     with pytest.raises(ConfigError) as error:
@@ -73,7 +75,9 @@ def test_batch_sizes_must_split_over_the_data_parallel_ranks():
 SHAPES = [ParallelDims(1), ParallelDims(8, dp_replicate=2, dp_shard=2, tp=2),
           ParallelDims(16, pp=2, dp_replicate=2, cp=2, tp=2, ep=4),
           ParallelDims(24, pp=2, dp_shard=3, cp=2, tp=2, ep=2),
-          ParallelDims(12, dp_replicate=3, dp_shard=2, tp=2, ep=4)]
+          ParallelDims(12, dp_replicate=3, dp_shard=2, tp=2, ep=4),
+          ParallelDims(16, dp_replicate=2, dp_shard=2, cp=2, tp=2, dense_shard=2),
+          ParallelDims(12, dp_shard=6, tp=2, ep=4, dense_shard=3)]
 
 
 @pytest.mark.parametrize("dims", SHAPES, ids=str)
@@ -97,6 +101,13 @@ def test_coordinates_are_c_order_and_groups_share_every_other_coordinate(dims):
         # the same experts (ep column) in every dp_replicate block of this pp stage
         same_experts = grid[coords["pp"]].reshape(dims.dp_replicate, -1, dims.ep)[:, :, column]
         assert dims.group_ranks("expert_dp", rank) == tuple(sorted(same_experts.ravel().tolist()))
+        # dense weights: consecutive runs of dense_shard (default all) in the dp_shard × cp block, same tp
+        fsdp_block = grid[coords["pp"], :, :, :, coords["tp"]].reshape(dims.dp_replicate, -1)
+        size = dims.dense_shard or dims.dp_shard * dims.cp
+        runs = fsdp_block.reshape(dims.dp_replicate, -1, size)
+        position = coords["dp_shard"] * dims.cp + coords["cp"]
+        assert dims.group_ranks("dense_shard", rank) == tuple(runs[coords["dp_replicate"], position // size].tolist())
+        assert dims.group_ranks("dense_replicate", rank) == tuple(sorted(runs[:, :, position % size].ravel().tolist()))
         # MindFormers' data shard id
         assert dims.data_shard_index(rank) == (rank % (dims.world // dims.pp)) // (dims.tp * dims.cp)
         assert dims.data_shard_index(rank) == dims.group_ranks("dp", rank).index(rank)
@@ -106,7 +117,7 @@ def test_coordinates_are_c_order_and_groups_share_every_other_coordinate(dims):
 def test_device_mesh_hands_out_groups_by_name():
     mesh = DeviceMesh(ParallelDims(1), 0)
     assert set(GROUP_NAMES) == {"pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "fsdp", "batch", "loss",
-                                "ep", "efsdp", "expert_dp", "world"}
+                                "ep", "efsdp", "expert_dp", "dense_shard", "dense_replicate", "world"}
     group = mesh.group("tp")
     assert (group.name, group.ranks, group.rank, group.size, group.backend_name) == ("tp", (0,), 0, 1, None)
     assert (mesh.data_shard_index, mesh.data_shard_count) == (0, 1)

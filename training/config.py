@@ -290,9 +290,6 @@ class ParallelismConfig(Section):
                      "collectives, which the stages' point-to-point transfers are built from, block until done")
     UNSUPPORTED = {
         "cpu_offload": "optimizer offload is not implemented",
-        "dense_fsdp_shard_size": "a shard size of its own for dense weights is not implemented: every sharded "
-                                 "dense weight is cut over the whole dp_shard group (data_parallel_shard), "
-                                 "routed experts under expert_parallel over efsdp = dp_shard·cp·tp / ep",
         "context_parallel_async": "overlapping the Ulysses all-to-all with computation is not implemented: "
                                   "MindSpore's collectives on CPU block until done",
         # MindFormers' CP also knows only the causal mask; a document (EOD) mask is refused with its fields

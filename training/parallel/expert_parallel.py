@@ -38,7 +38,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from training.config import ConfigError, ParallelismConfig
-from training.model.moe import GroupedExperts, MoELayer
+from training.model.moe import GroupedExperts
 from training.parallel import comm
 from training.parallel.layout import TensorLayout
 from training.parallel.mesh import DeviceMesh, Group

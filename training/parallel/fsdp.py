@@ -15,7 +15,10 @@ ranks join the shards: "``dp_shard``" below is then the ``fsdp`` group, dp_shard
 Routed experts under expert parallelism (``expert_parallel``: what ``apply_expert_parallel`` did) have a
 data-parallel domain of their own, MindFormers' sparse mesh: cut over ``efsdp`` instead of ``dp_shard``,
 gradients summed over ``expert_dp`` (dp_replicate × efsdp, the ranks holding the same experts) instead of
-over every data-parallel rank; under ZeRO-3 each layer's experts gather as a unit of their own.
+over every data-parallel rank; under ZeRO-3 each layer's experts gather as a unit of their own. With
+``dense_fsdp_shard_size`` k, dense weights are cut over k consecutive shard ranks only (mesh group
+``dense_shard``) and held as HSDP replicas by the rest (``dense_replicate``), so experts and dense weights can
+shard differently.
 
 Every strategy computes the single-process update: the loss is the mean over the global batch, so gradients
 are summed over the data-parallel ranks and the micro-batches and divided by their count (before the
@@ -194,7 +197,9 @@ class DataParallel:
         self.divide_before_reduction = divide_before_reduction
         self.accumulation = accumulation
         self.dp = mesh.group("dp").size
-        self.dense = _Domain(self.shard_group, self.dp_group, self.replicate_group)
+        # dense weights: cut over dense_fsdp_shard_size ranks of the shards (all of them by default), replicated
+        # over the rest
+        self.dense = _Domain(mesh.group("dense_shard"), self.dp_group, mesh.group("dense_replicate"))
         self.experts = _Domain(mesh.group("efsdp"), mesh.group("expert_dp"), self.replicate_group)
         # a pipeline stage trains only its layers' parameters (``params``); the rest of the model is other stages'
         trainable = list(model.trainable_params()) if params is None else list(params)

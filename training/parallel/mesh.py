@@ -18,6 +18,9 @@ Rank order is C-order over ``AXES`` (pp outermost, tp innermost), MindFormers' d
 - ``ep`` / ``efsdp``: expert parallelism carved out of the dp_shard × cp × tp block (MindFormers' sparse
   mesh (pp, dp_replicate, efsdp, ep), ep innermost); ``expert_dp`` = dp_replicate × efsdp: the ranks holding
   the same experts with other tokens, over which expert weights' gradients are summed;
+- ``dense_shard`` / ``dense_replicate``: what FSDP cuts dense weights over (``dense_fsdp_shard_size``
+  consecutive ranks of the dp_shard × cp block; the whole block by default) and the ranks holding the same
+  chunk (dp_replicate × the rest of the block);
 - ``world``: every rank.
 Members of a group are listed in ascending rank order, which is also the C-order of its axes: a rank's
 index in a group is its flattened coordinate on those axes.
@@ -40,7 +43,7 @@ AXIS_GROUPS = {
     "batch": ("dp_replicate", "dp_shard", "cp"), "loss": ("dp_replicate", "dp_shard", "cp"),
     "world": AXES,
 }
-GROUP_NAMES = (*AXIS_GROUPS, "ep", "efsdp", "expert_dp")
+GROUP_NAMES = (*AXIS_GROUPS, "ep", "efsdp", "expert_dp", "dense_shard", "dense_replicate")
 
 
 def launched_by_msrun() -> bool:
@@ -74,8 +77,9 @@ def init_world() -> World:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The degrees of each parallelism; ``world == pp · dp_replicate · dp_shard · cp · tp``, and ``ep``
-    divides ``dp_shard · cp · tp``. Build it with ``from_config`` (which checks and explains) or directly."""
+    """The degrees of each parallelism; ``world == pp · dp_replicate · dp_shard · cp · tp``, ``ep`` divides
+    ``dp_shard · cp · tp`` and ``dense_shard`` (None: all of it) divides ``dp_shard · cp``. Build it with
+    ``from_config`` (which checks and explains) or directly."""
     world: int
     pp: int = 1
     dp_replicate: int = 1
@@ -83,6 +87,7 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     ep: int = 1
+    dense_shard: Optional[int] = None
 
     def __post_init__(self):
         sizes = self.axis_sizes
@@ -93,6 +98,9 @@ class ParallelDims:
         if (self.dp_shard * self.cp * self.tp) % self.ep:
             raise ValueError(f"ParallelDims: ep {self.ep} does not divide dp_shard {self.dp_shard} × cp "
                              f"{self.cp} × tp {self.tp} = {self.dp_shard * self.cp * self.tp}")
+        if self.dense_shard is not None and (self.dense_shard < 1 or (self.dp_shard * self.cp) % self.dense_shard):
+            raise ValueError(f"ParallelDims: dense_shard {self.dense_shard} does not divide dp_shard "
+                             f"{self.dp_shard} × cp {self.cp} = {self.dp_shard * self.cp}")
 
     @classmethod
     def from_config(cls, parallelism: ParallelismConfig, world_size: int) -> "ParallelDims":
@@ -124,8 +132,12 @@ class ParallelDims:
             raise ConfigError(f"parallelism.expert_parallel {p.expert_parallel} does not divide data-parallel "
                               f"shards {dp_shard} × context_parallel {p.context_parallel} × tensor_parallel "
                               f"{p.tensor_parallel} = {shard_block}")
+        dense = p.dense_fsdp_shard_size
+        if dense is not None and (dense < 1 or (dp_shard * p.context_parallel) % dense):
+            raise ConfigError(f"parallelism.dense_fsdp_shard_size {dense} does not divide data-parallel shards "
+                              f"{dp_shard} × context_parallel {p.context_parallel} = {dp_shard * p.context_parallel}")
         return cls(world=world_size, pp=p.pipeline_parallel, dp_replicate=dp // dp_shard, dp_shard=dp_shard,
-                   cp=p.context_parallel, tp=p.tensor_parallel, ep=p.expert_parallel)
+                   cp=p.context_parallel, tp=p.tensor_parallel, ep=p.expert_parallel, dense_shard=dense)
 
     @property
     def axis_sizes(self) -> tuple[int, ...]:
@@ -183,6 +195,12 @@ class ParallelDims:
             if name == "expert_dp":
                 return c["pp"], block % self.ep
             return c["pp"], c["dp_replicate"], block // self.ep if name == "ep" else block % self.ep
+        if name in ("dense_shard", "dense_replicate"):
+            # index in the dp_shard × cp block, C-order; the dense shard group takes its innermost factor
+            block, size = c["dp_shard"] * self.cp + c["cp"], self.dense_shard or self.dp_shard * self.cp
+            if name == "dense_shard":
+                return c["pp"], c["dp_replicate"], block // size, c["tp"]
+            return c["pp"], block % size, c["tp"]
         raise ValueError(f"unknown group {name!r}; the groups are {', '.join(GROUP_NAMES)}")
 
     def group_ranks(self, name: str, rank: int) -> tuple[int, ...]:
