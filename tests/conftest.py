@@ -35,6 +35,19 @@ def run_under_msrun(args: list[str], log_dir: Path, workers: int, *, timeout: fl
     assert done.returncode == 0, logs or done.stdout[-3000:] + done.stderr[-3000:]
 
 
+def train_alone(config, run_dir: Path) -> tuple[list[dict], dict]:
+    """One process trains ``config`` into ``run_dir``: its step records and final weights, the reference a parallel
+    layout's run must equal."""
+    from training.parallel.mesh import World
+    from training.reporting import Reporter, read_records
+    from training.trainer import Trainer, configure_runtime
+
+    configure_runtime(config)
+    trainer = Trainer(config, World(0, 1), run_dir, Reporter(run_dir / "metrics.jsonl", enabled=True))
+    trainer.train()
+    return read_records(run_dir / "metrics.jsonl"), {p.name: p.asnumpy() for p in trainer.model.get_parameters()}
+
+
 def pytest_collection_modifyitems(items):
     """The slow files (those that launch msrun, a Dagster webserver or a browser) run first. `make test` runs the
     files on two pytest-xdist workers, each file whole on one of them; a long file started last would leave a core

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import MICRO_CONFIG, run_under_msrun, write_random_documents
+from conftest import MICRO_CONFIG, run_under_msrun, train_alone, write_random_documents
 from fsdp_cases import CASES, DEEPSEEK, DEEPSEEK_CASES, STEPS, case_config
 from training.parallel import fsdp
 from training.parallel.mesh import World, world_group
 from training.checkpoint import load_checkpoint
 from training.reporting import Reporter, read_records
-from training.trainer import Trainer, configure_runtime
+from training.trainer import Trainer
 
 pytestmark = pytest.mark.msrun
 # fp32 sums over 4 ranks in another order than one process's accumulation. Measured: losses and grad norms
@@ -24,12 +24,8 @@ WEIGHT_ATOL = 2e-6
 
 def single_process(root, shard, model_config):
     """One process reading the cases' global batches (gradient accumulation): its step records and weights."""
-    run_dir = root / f"single-{Path(model_config).stem}"
-    config = case_config(str(shard), [], model_config=model_config)
-    configure_runtime(config)
-    reference = Trainer(config, World(0, 1), run_dir, Reporter(run_dir / "metrics.jsonl", enabled=True))
-    reference.train()
-    return read_records(run_dir / "metrics.jsonl"), {p.name: p.asnumpy() for p in reference.model.get_parameters()}
+    return train_alone(case_config(str(shard), [], model_config=model_config),
+                       root / f"single-{Path(model_config).stem}")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,91 @@
+"""Pipeline parallelism on 2 msrun workers (pp 2): the bubble of each schedule and the activations each stage keeps.
+
+configs/qwen3_tiny.yaml widened (hidden 256, 4 layers) trains with 8 micro-batches per step under ``gpipe``,
+``1f1b`` and ``interleaved_1f1b`` (2 chunks per rank); the three trainers live in one launch and take their steps
+in turn, round by round, so the machine's load falls on all alike. Per schedule:
+
+- bubble: the fraction of the schedule's wall time each rank is not computing (its transfers and its waits),
+  averaged over the ranks, median over the rounds after the first, against the analytic (p − 1)/(v·m + p − 1)
+  (v = 1: (p − 1)/(m + p − 1)). The analytic figure assumes a backward as long as a forward and free transfers;
+  here a backward also runs the stage's forward again (training/parallel/pipeline.py) and the last stage's
+  forward is that same run, and every transfer is a collective of its own.
+- activations kept per stage: the most stage-input hidden states a rank holds at once for its backwards (its
+  activations under full recompute), in MiB and in micro-batches (GPipe: all m; 1F1B: p − rank).
+
+Run as a script by msrun: ``python benchmarks/pipeline_bubble.py OUT SHARD``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PP, MICRO_BATCHES = 2, 8
+SCHEDULES = {"gpipe": (["parallelism.pipeline_parallel_schedule=gpipe"], 1),
+             "1f1b": (["parallelism.pipeline_parallel_schedule=1f1b"], 1),
+             "interleaved_1f1b": (["parallelism.pipeline_parallel_schedule=interleaved_1f1b",
+                                   "parallelism.pipeline_parallel_interleave_num=2"], 2)}
+# parallel_memory's widened qwen3_tiny, 8 micro-batches of one sample per step, 2 stages
+PIPELINE = [f"training.global_batch_size={MICRO_BATCHES}", "training.local_batch_size=1",
+            f"parallelism.pipeline_parallel={PP}"]
+ROUNDS = 4
+
+
+def _config(shard: str, overrides: list[str]):
+    from benchmarks.parallel_memory import _config as widened_tiny
+
+    return widened_tiny(shard, [*PIPELINE, f"training.steps={ROUNDS}", *overrides])
+
+
+def worker(out: str, shard: str) -> None:
+    """One msrun worker: the schedules' trainers, a step of each in turn per round; this rank's figures."""
+    sys.path.insert(0, str(PROJECT_ROOT))
+    from training.parallel.mesh import init_world
+    from training.reporting import Reporter
+    from training.trainer import Trainer, configure_runtime
+
+    configure_runtime(_config(shard, []))
+    world = init_world()
+    trainers = {name: Trainer(_config(shard, overrides), world, Path(out) / name, Reporter(None, enabled=False))
+                for name, (overrides, _) in SCHEDULES.items()}
+    figures = {name: {"idle": [], "kept_bytes": 0} for name in SCHEDULES}
+    for _ in range(ROUNDS):
+        for name, trainer in trainers.items():
+            trainer.train_step()
+            result = trainer.pipeline.last_result
+            figures[name]["idle"].append(1 - result.busy_s / result.wall_s)
+            figures[name]["kept_bytes"] = max(figures[name]["kept_bytes"], result.peak_kept_bytes)
+    seq = trainers["gpipe"].seq_length
+    hidden = trainers["gpipe"].model.config.hidden_size
+    figures["micro_batch_bytes"] = seq * hidden * 4  # one sample's hidden states in fp32
+    (Path(out) / f"rank{world.rank}.json").write_text(json.dumps(figures))
+
+
+def run(report, shard: Path) -> None:
+    from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
+    from training.parallel.pipeline import analytic_bubble
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-pipeline-") as tmp:
+        settings = MsrunSettings(worker_num=PP, local_worker_num=PP, master_port=free_port(),
+                                 log_dir=str(Path(tmp) / "log"), cluster_time_out=300)
+        subprocess.run(msrun_command(settings, [__file__, tmp, str(shard)]), check=True, cwd=PROJECT_ROOT,
+                       env=msrun_environment(os.environ), stdout=subprocess.DEVNULL)
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(PP)]
+        for name, (_, interleave) in SCHEDULES.items():
+            measured = statistics.mean(statistics.median(r[name]["idle"][1:]) for r in ranks)
+            analytic = analytic_bubble(PP, MICRO_BATCHES, interleave)
+            report(f"pipeline {name} bubble (pp {PP}, {MICRO_BATCHES} micro-batches)", measured * 100, "% idle",
+                   measured / analytic, f"the analytic {analytic:.1%}")
+            for rank, figures in enumerate(ranks):
+                kept = figures[name]["kept_bytes"]
+                report(f"pipeline {name} activations kept, stage {rank}", kept / 2**20, "MiB",
+                       kept / figures["micro_batch_bytes"], "micro-batches' hidden states")
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:])

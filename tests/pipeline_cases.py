@@ -1,0 +1,57 @@
+"""Pipeline-parallel training cases run under msrun by tests/test_pipeline.py: one launch of 4 workers, several
+layouts, each against the single-process run of the same model (``REFERENCES``).
+
+``python pipeline_cases.py OUT SHARD`` trains each case for ``STEPS`` steps of 8 samples (local batch 1), saving
+its final checkpoint, sharded as the case lays its tensors out, under ``OUT/<case>/checkpoints``.
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import MICRO_CONFIG  # noqa: E402
+from fsdp_cases import DEEPSEEK, STEPS, case_config  # noqa: E402
+from training.parallel.mesh import init_world  # noqa: E402
+from training.reporting import Reporter  # noqa: E402
+from training.trainer import Trainer, configure_runtime  # noqa: E402
+
+# 8 samples per step: 4 micro-batches per pipeline under data parallel 2, 8 under tensor parallel 2
+BATCH = ["training.global_batch_size=8"]
+# the micro Qwen3 with 4 layers, so 2 pipeline ranks × 2 chunks each get one
+FOUR_LAYERS = ["model.num_hidden_layers=4"]
+REFERENCES = {"qwen3": (MICRO_CONFIG, BATCH), "qwen3_4_layers": (MICRO_CONFIG, BATCH + FOUR_LAYERS),
+              "deepseek_v3": (DEEPSEEK, BATCH)}
+PP2 = ["parallelism.pipeline_parallel=2"]
+REPLICATED_DP = ["parallelism.data_parallel_shard=1"]
+# name -> (reference, overrides); the world is 4 workers
+CASES = {
+    "pp2_gpipe": ("qwen3", PP2 + REPLICATED_DP + ["parallelism.pipeline_parallel_schedule=gpipe"]),
+    # ZeRO-1 over the two data-parallel ranks of each stage; its step-2 checkpoint resumes in one process
+    "pp2_1f1b_zero1": ("qwen3", PP2 + ["parallelism.pipeline_parallel_schedule=1f1b",
+                                       "parallelism.data_parallel_shard_strategy=optim",
+                                       "checkpoint.save_interleaved_steps=2"]),
+    # rank 0 runs layers 0 and 2, rank 1 layers 1 and 3
+    "pp2_interleaved": ("qwen3_4_layers", PP2 + REPLICATED_DP + [
+        "parallelism.pipeline_parallel_schedule=interleaved_1f1b", "parallelism.pipeline_parallel_interleave_num=2",
+        "parallelism.pipeline_parallel_layers_per_stage=['0-0,2-2', '1-1,3-3']"]),
+    # MoE layer and MTP on the last stage, with its copy of the embedding
+    "deepseek_pp2": ("deepseek_v3", PP2 + REPLICATED_DP),
+    "tp2_pp2": ("qwen3", PP2 + ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]),
+}
+
+
+def reference_config(shard: str, reference: str, save_path: Path | None = None, overrides: list[str] = ()):
+    model_config, base = REFERENCES[reference]
+    return case_config(shard, [*base, *overrides], save_path, model_config)
+
+
+def main(out: str, shard: str) -> None:
+    configure_runtime(case_config(shard, []))  # once: MindSpore's device cannot be set again
+    world = init_world()
+    for name, (reference, overrides) in CASES.items():
+        run_dir = Path(out) / name
+        config = reference_config(shard, reference, run_dir / "checkpoints", overrides)
+        Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main)).train()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,129 @@
+"""Pipeline parallelism proven by equivalence: under msrun with 4 CPU workers, PP2 with each schedule (Qwen3, the
+interleaved one with 4 layers in 2 chunks per rank), DeepSeek-V3 (MoE, MTP with its embedding copy on the last
+stage) and TP2 × PP2 train as one process reading the same global batches; a PP checkpoint (each stage writing its
+tensors) resumes in one process. The schedules themselves are checked as arithmetic: order, dependencies, bubble."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import PROJECT_ROOT, run_under_msrun, train_alone, write_random_documents
+from fsdp_cases import STEPS
+from pipeline_cases import CASES, REFERENCES, reference_config
+from training.checkpoint import load_checkpoint
+from training.config import ConfigError
+from training.parallel.pipeline import (BACKWARD, FORWARD, Transfer, Work, analytic_bubble, schedule_programs,
+                                        stage_layer_ranges, work_order)
+from training.parallel.mesh import World
+from training.reporting import Reporter, read_records
+from training.trainer import Trainer
+
+# fp32 sums in another order than one process's: over the data-parallel ranks, the micro-batches of each stage, and
+# (the norm) the stages' squared norms summed in float32. Measured: losses within 2e-7 relative, grad norms within
+# 3e-7, final weights within 1e-6 absolute after 3 AdamW steps
+LOSS_RTOL = 1e-6
+WEIGHT_ATOL = 2e-6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    shard = write_random_documents(root / "data/random")
+    references = {name: train_alone(reference_config(str(shard), name), root / f"single-{name}") for name in REFERENCES}
+    run_under_msrun([PROJECT_ROOT / "tests/pipeline_cases.py", root / "cases", shard], root / "msrun_log", workers=4)
+    return root, references
+
+
+@pytest.mark.msrun
+@pytest.mark.parametrize("case", CASES)
+def test_pipeline_layout_trains_as_one_process(runs, case):
+    root, references = runs
+    single, expected = references[CASES[case][0]]
+    staged = read_records(root / "cases" / case / "metrics.jsonl")
+    assert [m["step"] for m in staged] == [m["step"] for m in single] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in staged] == pytest.approx([m["loss"] for m in single], rel=LOSS_RTOL)
+    assert [m["grad_norm"] for m in staged] == pytest.approx([m["grad_norm"] for m in single], rel=LOSS_RTOL)
+    for part in ("lm_loss", "mtp_1_loss", "load_balancing_loss"):  # DeepSeek-V3's parts, from their stages
+        assert [m.get(part) for m in staged] == pytest.approx([m.get(part) for m in single], rel=LOSS_RTOL)
+    # the final checkpoint, each stage having written its own tensors, read back whole
+    weights = load_checkpoint(root / "cases" / case / f"checkpoints/iteration_{STEPS:08d}").model
+    assert sorted(weights) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(weights[name], value, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
+
+
+@pytest.mark.msrun
+def test_a_pipeline_checkpoint_resumes_in_one_process(runs, tmp_path):
+    root, references = runs
+    single, expected = references["qwen3"]
+    checkpoint = root / "cases/pp2_1f1b_zero1/checkpoints/iteration_00000002"
+    state = json.loads((checkpoint / "metadata.json").read_text())["state_dict_metadata"]
+    # the first stage's tensor: written by the two ranks of pipeline rank 0 only; ZeRO-1 cuts its Adam moments
+    assert state["embedding.word_embeddings.weight"]["properties"]["replica_id"] == 0
+    assert state["adam_m.embedding.word_embeddings.weight"]["properties"]["replica_id"] == [0, 0, None, None]
+    assert state["adam_m.output_layer.weight"]["properties"]["replica_id"] == [None, None, 0, 0]
+    config = reference_config(str(root / "data/random"), "qwen3", overrides=[f"checkpoint.load_path={checkpoint}"])
+    resumed = Trainer(config, World(0, 1), tmp_path, Reporter(tmp_path / "metrics.jsonl", enabled=True))
+    assert resumed.step == 2
+    resumed.train()
+    assert read_records(tmp_path / "metrics.jsonl")[0]["loss"] == pytest.approx(single[-1]["loss"], rel=LOSS_RTOL)
+    for param in resumed.model.get_parameters():
+        np.testing.assert_allclose(param.asnumpy(), expected[param.name], rtol=0, atol=WEIGHT_ATOL, err_msg=param.name)
+
+
+# ---- schedules and placement: arithmetic, no MindSpore run ------------------------------------------------------
+
+@pytest.mark.parametrize("schedule, pp, micro, interleave", [
+    ("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("1f1b", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2),
+    ("interleaved_1f1b", 4, 8, 2), ("gpipe", 4, 8, 2)])
+def test_every_rank_does_each_forward_and_backward_once_after_its_inputs(schedule, pp, micro, interleave):
+    programs, ticks = schedule_programs(schedule, pp, micro, interleave)
+    last = pp * interleave - 1
+    for rank, program in enumerate(programs):
+        works = [step for step in program if isinstance(step, Work)]
+        assert sorted((w.kind, w.chunk, w.micro) for w in works) == sorted(
+            (kind, chunk, m) for kind in (FORWARD, BACKWARD) for chunk in range(interleave) for m in range(micro))
+        arrived = set()
+        for step in program:  # an input from another rank is received before the work that reads it
+            if isinstance(step, Transfer):
+                assert rank in (step.src, step.dst)
+                if step.dst == rank:
+                    arrived.add((step.kind, step.stage, step.micro))
+                continue
+            stage = step.chunk * pp + rank
+            if step.kind == FORWARD and stage > 0:
+                assert (FORWARD, stage, step.micro) in arrived
+            if step.kind == BACKWARD and stage < last:
+                assert (BACKWARD, stage, step.micro) in arrived
+    # both ends list every transfer in the same order, so the blocking transfers pair up
+    for a in range(pp):
+        for b in range(pp):
+            between = [[s for s in programs[r] if isinstance(s, Transfer) and {s.src, s.dst} == {a, b}] for r in (a, b)]
+            assert between[0] == between[1]
+    # with forward and backward of equal cost, idle ticks are the analytic bubble
+    busy = sum(isinstance(step, Work) for program in programs for step in program)
+    assert 1 - busy / (ticks * pp) == pytest.approx(analytic_bubble(pp, micro, interleave))
+
+
+def test_1f1b_keeps_at_most_pp_minus_rank_micro_batches_in_flight_and_gpipe_all():
+    for rank in range(4):
+        for schedule, bound in (("1f1b", 4 - rank), ("gpipe", 8)):
+            in_flight = peak = 0
+            for work in work_order(schedule, 4, rank, 8, 1):
+                in_flight += 1 if work.kind == FORWARD else -1
+                peak = max(peak, in_flight)
+            assert peak == bound
+
+
+def test_stage_layers_auto_and_ranges():
+    assert stage_layer_ranges("auto", 8, 2, 2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert stage_layer_ranges(["0-2,5-5", "3-4,6-7"], 8, 2, 2) == [range(0, 3), range(3, 5), range(5, 6),
+                                                                   range(6, 8)]
+    with pytest.raises(ConfigError, match="'auto' splits the 6 decoder layers equally over .* 4 virtual stages"):
+        stage_layer_ranges(None, 6, 2, 2)
+    with pytest.raises(ConfigError, match=r"layers_per_stage\[1\] = '3-7' has 1 range\(s\); .*interleave_num is 2"):
+        stage_layer_ranges(["0-2,5-5", "3-7"], 8, 2, 2)
+    with pytest.raises(ConfigError, match="virtual stage 1 .* starts at layer 4, expected 3"):
+        stage_layer_ranges(["0-2", "4-7"], 8, 2, 1)
+    with pytest.raises(ConfigError, match="cover layers 0-6; the model has 8"):
+        stage_layer_ranges(["0-2", "3-6"], 8, 2, 1)
