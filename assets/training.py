@@ -24,6 +24,7 @@ from training.checkpoint import LINEAGE, latest_complete_checkpoint
 from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest, training_data_path
+from training.failures import log_sizes, not_retriable_cause
 from training.lineage import AuditCache, audit_checkpoint, lineage_inputs, store_lineage_inputs
 from training.parallel.mesh import ParallelDims
 from training.profiling import profile_root
@@ -51,6 +52,11 @@ class TrainingRunConfig(dg.Config):
         "checkpoints yet"))
     init_from: str = Field(default="", description="start: weights_only: the run whose newest complete "
                                                    "checkpoint gives the initial weights")
+    max_retries: int = Field(default=3, description=(
+        "how many times a launch that lost a process (a worker or msrun killed, a node gone) is started again, "
+        "resuming from the newest complete checkpoint; a config, data or checkpoint error, or NaN steps past "
+        "training.max_consecutive_skipped_steps, is never retried"))
+    retry_delay_s: float = Field(default=60.0, description="seconds between a failed launch and its retry")
 
 def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_target: str) -> tuple[dict, Path]:
     """The user's YAML with Kiln's wiring: data, seq_length, split and seed from the manifest, save/resume
@@ -234,6 +240,9 @@ TRAINING_POOL = "npu"
 @versioned_asset(render_training_config, PROJECT_ROOT / "training", PROJECT_ROOT / TrainingRunConfig().config_path,
                  deps=[blend_manifest], group_name="training", kinds={"mindspore"}, owners=["team:kiln"],
                  tags={"stage": "train"}, pool=TRAINING_POOL,
+                 # an exception of the step itself (not msrun's: those are judged below) gets the defaults
+                 retry_policy=dg.RetryPolicy(max_retries=TrainingRunConfig().max_retries,
+                                             delay=TrainingRunConfig().retry_delay_s),
                  automation_condition=EAGER_AFTER_CHECKS if AUTO_TRAIN else None)
 def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage,
                  msrun: MsrunResource) -> dg.MaterializeResult:
@@ -242,8 +251,13 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     Re-materializing with more steps (`overrides: [training.steps=N]`) resumes from the newest complete
     checkpoint of the same `run_name`; `start: weights_only` takes only its weights, `start: fresh` trains
     from scratch into a new `run_name`. Only one training step runs per device set at a time (pool `npu`).
+    A launch that lost a process is retried (`max_retries`, `retry_delay_s`), resuming where it saved last.
     """
-    rendered, run_dir = render_training_config(config, storage, msrun.device_target)
+    try:
+        rendered, run_dir = render_training_config(attempt_config(context, config, storage), storage,
+                                                   msrun.device_target)
+    except dg.Failure as exc:  # the run config asks for something impossible: a retry would ask again
+        raise dg.Failure(exc.description, metadata=exc.metadata, allow_retries=False) from None
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
     write_text_atomic(config_file, yaml.safe_dump(rendered, sort_keys=False))
@@ -261,7 +275,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         model = validate_model_section(train_config, storage.root / tokenizer)
         check_expert_parallel(train_config.parallelism, model.n_routed_experts if model.has_moe else None)
     except ConfigError as exc:
-        raise dg.Failure(f"training config {config.config_path}: {exc}") from None
+        raise dg.Failure(f"training config {config.config_path}: {exc}", allow_retries=False) from None
     lineage_file = run_dir / "lineage_inputs.json"
     # the upstream chain goes to the lineage store once; every checkpoint's lineage.json points at it
     write_json_atomic(lineage_file, store_lineage_inputs(storage.runs_root,
@@ -290,15 +304,22 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
 
     metrics_path = run_dir / "metrics.jsonl"
     drop_partial_line(metrics_path)  # the workers' reporter does the same: this run's records start here
-    first_record = metrics_path.stat().st_size if metrics_path.exists() else 0
+    attempt = start_attempt(context, run_dir, train_config, metrics_path)
+    log_dir = run_dir / "msrun_logs"
+    logged_before = log_sizes(log_dir)
     try:
         command = msrun.run(context, ["-m", "training.run", "--config", str(config_file), "--output-dir",
                                       str(run_dir), "--lineage", str(lineage_file)],
-                            log_dir=run_dir / "msrun_logs", on_custom_message=on_message)
+                            log_dir=log_dir, on_custom_message=on_message)
+    except dg.Failure as failure:
+        raise retry_or_fail(context, config, run_dir, attempt, failure,
+                            not_retriable_cause(log_dir, logged_before)) from None
     finally:  # a message retried after msrun exited may have recorded a checkpoint rotated meanwhile
         forget_rotated_checkpoints(context.instance, storage, config.run_name)
-    records = read_records(metrics_path, first_record)
-    steps = [r for r in records if is_step_record(r)]
+    attempts = finish_attempt(run_dir, attempt, "succeeded", "")
+    # every attempt's records; a step trained again after a retry counts once, as its last attempt logged it
+    records = read_records(metrics_path, attempts[0]["metrics_offset"])
+    steps = sorted({r["step"]: r for r in records if is_step_record(r)}.values(), key=lambda r: r["step"])
     validations = [r for r in records if not is_step_record(r)]
     final = latest_complete_checkpoint(Path(train_config.checkpoint.save_path))
     final_files = json.loads((final / "lineage.json").read_text())["checkpoint"]["files"] if final else []
@@ -321,12 +342,70 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
             "tokens_per_s": round(sum(timed) / len(timed), 1),
             "loss_curve": dg.MetadataValue.md(_loss_table(steps)),
         })
+    metadata.update({"attempts": len(attempts), "resumed_from_step": attempt["resumed_from_step"],
+                     "attempt_history": dg.MetadataValue.md(attempts_table(attempts))})
     if validations:  # training.eval_interval: the held-out loss of the last evaluation
         metadata.update({"validation_step": validations[-1]["step"],
                          "final_val_loss": dg.MetadataValue.float(validations[-1]["val_loss"]),
                          "final_val_ppl": dg.MetadataValue.float(validations[-1]["val_ppl"])})
     return dg.MaterializeResult(metadata=metadata,
                                 data_version=dg.DataVersion(combined_hash([f["sha256"] for f in final_files])))
+
+def attempt_config(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage
+                   ) -> TrainingRunConfig:
+    """A retry resumes what the failed attempt saved, whichever way that attempt started (a weights_only or
+    fresh start's retry would otherwise be refused for the checkpoints its first attempt wrote)."""
+    save_path = storage.run_dir(config.run_name) / "checkpoints"
+    if context.retry_number and save_path.exists() and latest_complete_checkpoint(save_path):
+        return config.model_copy(update={"start": "resume", "init_from": ""})
+    return config
+
+
+ATTEMPTS = "attempts.jsonl"  # in the run dir: one record per launch of training_run
+
+
+def start_attempt(context: dg.AssetExecutionContext, run_dir: Path, train_config, metrics_path: Path) -> dict:
+    load_path = train_config.checkpoint.load_path
+    resumed = latest_complete_checkpoint(Path(load_path)) if load_path and Path(load_path).is_dir() else None
+    step = re.fullmatch(r"iteration_(\d+)", resumed.name) if resumed else None
+    return {"run_id": context.run_id, "attempt": context.retry_number + 1,
+            "resumed_from_step": int(step.group(1)) if step and not train_config.checkpoint.no_load_optim else 0,
+            "metrics_offset": metrics_path.stat().st_size if metrics_path.exists() else 0}
+
+
+def finish_attempt(run_dir: Path, attempt: dict, outcome: str, cause: str) -> list[dict]:
+    """Append the attempt's outcome to ATTEMPTS; return every attempt of its Dagster run, this one last."""
+    path = run_dir / ATTEMPTS
+    drop_partial_line(path)
+    with open(path, "a") as stream:
+        stream.write(json.dumps({**attempt, "outcome": outcome, "cause": cause}) + "\n")
+    return [a for a in read_records(path) if a["run_id"] == attempt["run_id"]]
+
+
+def retry_or_fail(context: dg.AssetExecutionContext, config: TrainingRunConfig, run_dir: Path, attempt: dict,
+                  failure: dg.Failure, not_retriable: str | None) -> Exception:
+    """What a failed launch raises: a retry request when it lost a process, a failure saying why not when the
+    workers stopped on an error a retry would meet again (or the retries are used up)."""
+    cause = not_retriable or failure.description.splitlines()[0].split(";")[0]  # "msrun exited with code N"
+    retried = not_retriable is None and attempt["attempt"] <= config.max_retries
+    attempts = finish_attempt(run_dir, attempt, "retried" if retried else "failed", cause)
+    metadata = {**failure.metadata, "attempt_history": dg.MetadataValue.md(attempts_table(attempts))}
+    if retried:
+        context.log.warning(f"attempt {attempt['attempt']} failed ({cause}); retrying in {config.retry_delay_s:g} s "
+                            f"from the newest complete checkpoint ({config.max_retries - attempt['attempt'] + 1} "
+                            f"retr{'y' if config.max_retries - attempt['attempt'] == 0 else 'ies'} left)")
+        return dg.RetryRequested(max_retries=config.max_retries, seconds_to_wait=config.retry_delay_s)
+    why = (f"not retried: a worker stopped on an error a retry would meet again ({not_retriable})"
+           if not_retriable else f"not retried: max_retries ({config.max_retries}) used up")
+    return dg.Failure(f"{why}\n\n{failure.description}", metadata=metadata, allow_retries=False)
+
+
+def attempts_table(attempts: list[dict]) -> str:
+    cell = lambda text: text.replace("|", "\\|") or "-"  # noqa: E731 -- a cause may hold a table's separator
+    rows = "\n".join(f"| {a['attempt']} | {a['resumed_from_step']} | {a['outcome']} | {cell(a['cause'])} |"
+                     for a in attempts)
+    return "| attempt | resumed from step | outcome | cause |\n|---|---|---|---|\n" + rows
+
 
 def _loss_table(steps: list[dict], rows: int = 10) -> str:
     stride = max(1, len(steps) // rows)

@@ -293,3 +293,82 @@ def test_balanced_load_reads_disjoint_subsets_and_equals_a_plain_load(tmp_path):
     assert all(r["identical"] for r in ranks)
     read = [set(r["read"]) for r in ranks]
     assert read[0] and read[1] and not read[0] & read[1] and read[0] | read[1] == set(model) | set(optim)
+
+
+def storage_for_shard(root: Path, shard: Path) -> "KilnStorage":
+    """A data root whose blend manifest holds one source, a copy of ``shard``, with the micro config's seq_length,
+    split and seed (what the reference run trained with), and a sentencepiece tokenizer that fits the model."""
+    import shutil
+
+    import sentencepiece
+
+    from resources.storage import KilnStorage
+    from training.data.hashing import sha256_file
+    from training.data.manifest import build_manifest
+
+    storage = KilnStorage(data_root=str(root / "data"), runs_root=str(root / "runs"),
+                          sources_config=str(root / "sources.yaml"))
+    prefix = storage.shard_prefix("random")
+    prefix.parent.mkdir(parents=True)
+    for ext in ("bin", "idx"):
+        shutil.copyfile(f"{shard}.{ext}", f"{prefix}.{ext}")
+    storage.tokenizer_prefix().parent.mkdir(parents=True)
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(f"line {i} of words {i * 7}" for i in range(500)),
+        model_prefix=str(storage.tokenizer_prefix()), vocab_size=64, hard_vocab_limit=False)
+    tokenizer = f"{storage.tokenizer_prefix()}.model"
+    tokens = int(np.fromfile(f"{prefix}.bin", np.uint16).size)
+    manifest = build_manifest(
+        sources=[{"name": "random", "weight": 1.0, "shards": [
+            {"prefix": str(prefix), "tokens": tokens, "bin_sha256": sha256_file(f"{prefix}.bin"),
+             "idx_sha256": sha256_file(f"{prefix}.idx")}]}],
+        tokenizer={"path": tokenizer, "sha256": sha256_file(tokenizer), "special_ids": {"pad": 3, "eos": 2, "eod": 2}},
+        seq_length=32, split="98,2,0", seed=1234, data_root=storage.root)
+    storage.manifest_path().parent.mkdir(parents=True)
+    storage.manifest_path().write_text(json.dumps(manifest))
+    return storage
+
+
+@pytest.mark.msrun
+def test_training_run_retries_a_killed_worker_and_ends_as_the_uninterrupted_run(tmp_path, reference):
+    """kill -9 of a worker after the first checkpoint: Dagster retries training_run, which resumes from that
+    checkpoint and ends with the uninterrupted run's losses and checkpoint partitions, leaving no process."""
+    from pipelines.definitions import ALL_ASSETS, resources
+
+    shard, uninterrupted = reference
+    storage = storage_for_shard(tmp_path, shard)
+    run_dir = storage.run_dir("retried")
+    trees = []
+
+    def kill_a_worker_after_the_first_checkpoint() -> None:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "checkpoints/iteration_00000002").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (msrun,) = [pid for pid in descendants(os.getpid())
+                    if b"bin/msrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        trees.append(kill_9(worker_pids(msrun)[-1], msrun))
+    killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint, daemon=True)
+    killer.start()
+    with dg.instance_for_test() as instance:
+        result = dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, raise_on_error=False,
+                                resources=resources(storage=storage, msrun=MsrunResource(worker_num=2, local_worker_num=2)),
+                                run_config={"ops": {"training_run": {"config": {
+                                    "config_path": MICRO_CONFIG, "run_name": "retried", "retry_delay_s": 0.5,
+                                    "overrides": [f"training.steps={STEPS}", "checkpoint.save_interleaved_steps=2"]}}}})
+        partitions = instance.get_dynamic_partitions("checkpoints")
+    killer.join(timeout=60)
+    assert trees, "no worker was killed"
+    assert_all_end(trees[0], "worker killed")
+    assert result.success, [e.message for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert [e.event_type_value for e in result.all_events].count("STEP_UP_FOR_RETRY") == 1
+    (run,) = [m for m in result.asset_materializations_for_node("training_run") if m.asset_key.path == ["training_run"]]
+    metadata = {k: v.value for k, v in run.metadata.items()}
+    assert metadata["attempts"] == 2 and metadata["resumed_from_step"] in (2, 4)
+    assert "| 1 | 0 | retried | msrun exited with code" in metadata["attempt_history"]
+    assert f"| 2 | {metadata['resumed_from_step']} | succeeded | - |" in metadata["attempt_history"]
+    # every step either attempt logged has the uninterrupted loss, bit for bit, and every step was logged
+    logged = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    assert {r["step"] for r in logged} == set(range(1, STEPS + 1))
+    assert all(r["loss"] == uninterrupted[r["step"]] for r in logged)
+    assert metadata["final_loss"] == uninterrupted[STEPS] and metadata["first_step"] == 1
+    assert sorted(partitions) == [f"retried/iteration_{s:08d}" for s in (2, 4, 6, 8)]

@@ -1,0 +1,56 @@
+"""Which training_run failures are retried: a worker's error a retry would meet again is marked in its log and
+ends the asset with the reason; a config refused before launch is not retried either. (A killed worker, retried
+and resumed under materialize(): test_resume.)"""
+import dagster as dg
+import pytest
+
+from conftest import MICRO_CONFIG, PROJECT_ROOT
+from pipelines.definitions import ALL_ASSETS, resources
+from resources.msrun import MsrunResource
+from test_resume import storage_for_shard
+from training.config import ConfigError
+from training.failures import NOT_RETRIABLE, log_sizes, not_retriable, not_retriable_cause
+from training.optim import NonFiniteStepError
+from training.run import main as train_main
+
+
+def test_only_the_lines_a_launch_appended_count(tmp_path):
+    (tmp_path / "worker_0.log").write_text(f"{NOT_RETRIABLE} ConfigError: from an earlier launch\n")
+    (tmp_path / "worker_1.log").write_text("step 1\n")
+    before = log_sizes(tmp_path)
+    assert not_retriable_cause(tmp_path, before) is None
+    with open(tmp_path / "worker_1.log", "a") as log:
+        log.write(f"Traceback ...\n{NOT_RETRIABLE} NonFiniteStepError: step 5: loss nan\n")
+    assert not_retriable_cause(tmp_path, before) == "worker_1.log: NonFiniteStepError: step 5: loss nan"
+    (tmp_path / "worker_0.log").write_text("started again\n")  # msrun truncated it: read from its start
+    assert not_retriable_cause(tmp_path, before) == "worker_1.log: NonFiniteStepError: step 5: loss nan"
+
+
+def test_config_data_checkpoint_and_nan_errors_are_not_retriable():
+    assert not_retriable(ConfigError("x")) and not_retriable(NonFiniteStepError("step 3: loss nan"))
+    assert not not_retriable(RuntimeError("the collective timed out")) and not not_retriable(OSError(104, "reset"))
+
+
+def test_a_worker_stopped_by_a_config_error_marks_its_log(tmp_path, shard, capsys):
+    code = train_main(["--config", str(PROJECT_ROOT / MICRO_CONFIG), "--output-dir", str(tmp_path / "run"),
+                       "--set", f"train_dataset.dataloader.config.data_path=['{shard}']",
+                       "--set", "train_dataset.dataloader.config.eod=2", "--set", "training.eval_interval=2",
+                       "--set", f"checkpoint.save_path={tmp_path / 'run/checkpoints'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"\n{NOT_RETRIABLE} ConfigError: training.eval_iters = 100 global batches" in err
+
+
+def test_a_training_run_refused_before_launch_is_not_retried_and_says_why(tmp_path, shard, monkeypatch):
+    launched = []
+    monkeypatch.setattr(MsrunResource, "run", lambda *args, **kwargs: launched.append(args))
+    storage = storage_for_shard(tmp_path, shard)
+    with dg.instance_for_test() as instance:
+        result = dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, raise_on_error=False,
+                                resources=resources(storage=storage, msrun=MsrunResource()),
+                                run_config={"ops": {"training_run": {"config": {
+                                    "config_path": MICRO_CONFIG, "run_name": "refused", "retry_delay_s": 0,
+                                    "overrides": ["training.max_norm=0"]}}}})
+    kinds = [e.event_type_value for e in result.all_events]
+    assert not result.success and "STEP_UP_FOR_RETRY" not in kinds and not launched
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert "training.max_norm must be > 0" in failure.event_specific_data.error.message
