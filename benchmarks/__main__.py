@@ -20,6 +20,8 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   throughput vs. dd to the same directory (target >= 0.5).
 - parallelism: per-rank bytes of weights, gradients and optimizer state, and step time, of ZeRO-1/2/3 vs.
   replicated data parallelism at 1, 2 and 4 msrun workers (ZeRO-3 at N ranks ~ 1/N of DP's).
+- expert parallelism (benchmarks/expert_parallel.py): DeepSeek-V3 tiny's step at EP2 vs. DP on 2 msrun workers,
+  alternating, and the bytes its all-to-alls move per step vs. the uniform-routing count.
 - pipeline parallelism (benchmarks/pipeline_bubble.py): on 2 msrun workers, 8 micro-batches, the bubble of gpipe,
   1f1b and interleaved_1f1b (steps alternating) vs. the analytic (p-1)/(v*m+p-1), and the stage inputs each stage
   keeps for its backwards.
@@ -45,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import (blend_settings, checkpoint_io, data_index, lineage_scale, model_flops, monitoring,
-                        parallel_memory, pipes_streaming, throughput)
+from benchmarks import (blend_settings, checkpoint_io, data_index, expert_parallel, lineage_scale, model_flops,
+                        monitoring, parallel_memory, pipes_streaming, throughput)
 from benchmarks import pipeline_bubble
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -253,6 +255,7 @@ def main(argv=None) -> int:
             pipes_streaming.run(report)
             checkpoint_io.run(report)
             parallel_memory.run(report, shard)
+            expert_parallel.run(report, shard)
             pipeline_bubble.run(report, shard)
             lineage_scale.run()
             # a corpus larger than RAM / 4, in processes of their own (about 30 min on 2 cores)

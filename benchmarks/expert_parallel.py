@@ -1,0 +1,104 @@
+"""Expert parallelism vs data parallelism on 2 msrun workers (CPU): step time, and the bytes the all-to-all
+dispatch moves per step against the analytic count.
+
+configs/deepseek_v3_tiny.yaml (8 routed experts, top-2, 2 MoE decoder layers + 1 MTP layer) trains under DP
+(ZeRO-3 over 2 ranks, every rank all experts) and EP2 (ZeRO-3 over 2 ranks, each rank 4 experts, tokens sent
+to their experts' rank by all-to-all) in the same processes, one step of each in turn so both see the same
+moments of the shared machine; the first step of each is dropped (kernel compilation).
+
+Bytes: each EP step's dispatches count the rows they send to the other rank (``AllToAllDispatcher.
+rows_sent_away``); the combine returns as many rows, and the backward sends the gradients of both back the
+same way, so the step moves 4 × rows × hidden × 4 bytes. The analytic count assumes uniform routing: each
+MoE layer of each micro-batch sends (tokens · top_k + experts, the safe tokens) · (ep − 1)/ep rows away. (On
+CPU the all-to-all is built from an all-gather, which moves ep × the longest rank's rows instead: that is the
+backend's cost, not the dispatch's.) Run as a script by msrun: ``python benchmarks/expert_parallel.py OUT SHARD``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS = {"DP": [], "EP2": ["parallelism.expert_parallel=2"]}
+ROUNDS = 4
+BYTES_PER_VALUE = 4  # float32 activations
+
+
+def _config(shard: str, overrides: list[str]):
+    sys.path.insert(0, str(PROJECT_ROOT))
+    from benchmarks import blend_settings
+    from resources.tokenizer import SPECIAL_IDS
+    from training.config import load_config
+
+    return load_config(PROJECT_ROOT / "configs/deepseek_v3_tiny.yaml", [
+        f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
+        f"train_dataset.dataloader.config.eod={SPECIAL_IDS['eos']}",
+        f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(),
+        f"training.steps={ROUNDS + 1}", "checkpoint.enable_save=false", *overrides])
+
+
+def _dispatchers(trainer) -> list:
+    return [layer.token_dispatcher for _, layer in trainer.model.moe_layers() if layer.token_dispatcher]
+
+
+def worker(out: str, shard: str) -> None:
+    """One msrun worker: both layouts, a step of each in turn."""
+    sys.path.insert(0, str(PROJECT_ROOT))
+    from training.parallel.mesh import init_world
+    from training.reporting import Reporter
+    from training.trainer import Trainer, configure_runtime
+
+    configure_runtime(_config(shard, []))
+    world = init_world()
+    trainers = {name: Trainer(_config(shard, overrides), world, Path(out) / name, Reporter(None, enabled=False))
+                for name, overrides in LAYOUTS.items()}
+    times = {name: [] for name in LAYOUTS}
+    rows_away = []
+    for _ in range(ROUNDS + 1):
+        for name, trainer in trainers.items():
+            dispatchers = _dispatchers(trainer)
+            for d in dispatchers:
+                d.rows_sent_away = 0
+            started = time.perf_counter()
+            trainer.train_step()
+            times[name].append(time.perf_counter() - started)
+            if dispatchers:
+                rows_away.append(sum(d.rows_sent_away for d in dispatchers))
+    ep = trainers["EP2"]
+    config, dims = ep.config, ep.mesh.dims
+    layer = ep.model.moe_layers()[0][1]
+    moe_layers = len(ep.model.moe_layers())
+    tokens = config.training.local_batch_size * ep.seq_length
+    uniform_rows = ep.accumulation * moe_layers * (tokens * layer.top_k + layer.num_experts) * (dims.ep - 1) / dims.ep
+    step_bytes = 4 * ep.model.config.hidden_size * BYTES_PER_VALUE  # dispatch + combine, forward + backward
+    figures = {"step_s": {name: statistics.median(t[1:]) for name, t in times.items()},
+               "bytes": statistics.mean(rows_away) * step_bytes, "analytic_bytes": uniform_rows * step_bytes}
+    if world.is_main:
+        (Path(out) / "expert_parallel.json").write_text(json.dumps(figures))
+
+
+def run(report, shard: Path) -> None:
+    from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-ep-") as tmp:
+        settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(),
+                                 log_dir=str(Path(tmp) / "log"), cluster_time_out=300)
+        # single-threaded dispatch, as training.run runs the trainer (fast_step.host_blocking_dispatch)
+        env = msrun_environment({**os.environ, "MS_DEV_HOST_BLOCKING_RUN": "1"})
+        subprocess.run(msrun_command(settings, [__file__, tmp, str(shard)]), check=True, cwd=PROJECT_ROOT, env=env,
+                       stdout=subprocess.DEVNULL)
+        figures = json.loads((Path(tmp) / "expert_parallel.json").read_text())
+    step = figures["step_s"]
+    report("EP2 step, 2 ranks", step["EP2"] * 1000, "ms", step["EP2"] / step["DP"], "DP's step")
+    report("EP2 all-to-all per step", figures["bytes"] / 2**20, "MiB per rank",
+           figures["bytes"] / figures["analytic_bytes"], "uniform-routing count")
+
+
+if __name__ == "__main__":
+    worker(*sys.argv[1:])
