@@ -47,15 +47,19 @@ def case_config(shard: str, overrides: list[str], save_path: Path | None = None,
         "optimizer.eps=1e-5", *save, *overrides])
 
 
-def main(out: str, shard: str) -> None:
+def train_cases(out: str, shard: str, cases: list[tuple[str, list[str], str]]) -> None:
+    """Train each (name, overrides, model config) case in turn in this launch, into ``OUT/<name>``."""
     configure_runtime(case_config(shard, []))  # once: MindSpore's device cannot be set again
     world = init_world()
-    cases = [(name, overrides, MICRO_CONFIG) for name, overrides in CASES.items()]
-    cases += [(name, overrides, DEEPSEEK) for name, overrides in DEEPSEEK_CASES.items()]
     for name, overrides, model_config in cases:
         run_dir = Path(out) / name
         config = case_config(shard, [o.format(out=out) for o in overrides], run_dir / "checkpoints", model_config)
         Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main)).train()
+
+
+def main(out: str, shard: str) -> None:
+    train_cases(out, shard, [(name, overrides, MICRO_CONFIG) for name, overrides in CASES.items()]
+                + [(name, overrides, DEEPSEEK) for name, overrides in DEEPSEEK_CASES.items()])
 
 
 if __name__ == "__main__":

@@ -10,22 +10,32 @@ import pytest
 from mindspore import Tensor
 
 from conftest import MICRO_CONFIG, run_under_msrun, write_random_documents
-from cp_cases import CASES
+from cp_cases import CASES, DEEPSEEK_CASES
 from fsdp_cases import DEEPSEEK, STEPS, case_config
+from test_fsdp import single_process
 from training.checkpoint import load_checkpoint
 from training.config import ConfigError
 from training.model import build_model, model_config
+from training.model.gpt import roll_each_left
 from training.model.layers import causal_mask
 from training.parallel.context_parallel import (ContextAttention, ContextParallelPlan, block_mask,
                                                 RingAttention, check_context_parallel, token_positions)
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
 from training.reporting import Reporter, read_records
-from training.trainer import Trainer, configure_runtime
+from training.trainer import Trainer
 
-# fp32; the online softmax and the cp ranks' sums add in another order than one process. Measured: losses and
-# grad norms within 2e-7 relative, final weights within 1e-6 absolute (3 AdamW steps at lr up to 3e-3)
+# fp32; the online softmax and the cp ranks' sums add in another order than one process. Losses and grad norms
+# within 1e-6 relative (measured: 3e-7). Final weights (3 AdamW steps, lr up to 3e-3, eps 1e-5): within 2e-6 but
+# for a few entries whose gradient is near zero, where Adam turns rounding noise δg of the gradient into up to
+# lr/eps·δg = 300·δg of weight (measured: 1 of 32768 embedding entries 2.7e-6 apart); those within 1e-5
 LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 2e-6
+NEAR_ZERO_GRADIENT_ATOL = 1e-5
+
+
+def assert_weights_match(actual: np.ndarray, expected: np.ndarray, name: str) -> None:
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=NEAR_ZERO_GRADIENT_ATOL, err_msg=name)
+    assert np.mean(np.abs(actual - expected) > WEIGHT_ATOL) <= 1e-3, name
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -36,33 +46,31 @@ WEIGHT_ATOL = 2e-6
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
     shard = write_random_documents(root / "data/random")
-    run_dir = root / "single"
-    config = case_config(str(shard), [])
-    configure_runtime(config)
-    reference = Trainer(config, World(0, 1), run_dir, Reporter(run_dir / "metrics.jsonl", enabled=True))
-    reference.train()
-    weights = {p.name: p.asnumpy() for p in reference.model.get_parameters()}
+    references = {config: single_process(root, shard, config) for config in (MICRO_CONFIG, DEEPSEEK)}
     run_under_msrun(["tests/cp_cases.py", root / "cases", shard], root / "msrun_log", workers=4)
-    return root, read_records(run_dir / "metrics.jsonl"), weights
+    return root, references
 
 
 @pytest.mark.msrun
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *DEEPSEEK_CASES])
 def test_context_parallel_trains_as_one_process(runs, case):
-    root, single, expected = runs
+    root, references = runs
+    single, expected = references[DEEPSEEK if case in DEEPSEEK_CASES else MICRO_CONFIG]
     split = read_records(root / "cases" / case / "metrics.jsonl")
     assert [m["step"] for m in split] == [m["step"] for m in single] == list(range(1, STEPS + 1))
-    assert [m["loss"] for m in split] == pytest.approx([m["loss"] for m in single], rel=LOSS_RTOL)
-    assert [m["grad_norm"] for m in split] == pytest.approx([m["grad_norm"] for m in single], rel=LOSS_RTOL)
+    parts = [key for key in ("lm_loss", "mtp_1_loss", "load_balancing_loss") if key in single[0]]  # DeepSeek-V3
+    for key in ("loss", "grad_norm", *parts):
+        assert [m[key] for m in split] == pytest.approx([m[key] for m in single], rel=LOSS_RTOL), key
     weights = load_checkpoint(root / "cases" / case / f"checkpoints/iteration_{STEPS:08d}").model
     assert sorted(weights) == sorted(expected)
     for name, value in expected.items():
-        np.testing.assert_allclose(weights[name], value, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
+        assert_weights_match(weights[name], value, name)
 
 
 @pytest.mark.msrun
 def test_a_context_parallel_checkpoint_resumes_in_one_process(runs, tmp_path):
-    root, single, expected = runs
+    root, references = runs
+    single, expected = references[MICRO_CONFIG]
     checkpoint = root / "cases/ring_cp2_dp2/checkpoints/iteration_00000002"
     state = json.loads((checkpoint / "metadata.json").read_text())["state_dict_metadata"]
     assert state["embedding.word_embeddings.weight"]["axis_fragmentations"] == [4, 1]  # dp_shard × cp chunks
@@ -72,7 +80,7 @@ def test_a_context_parallel_checkpoint_resumes_in_one_process(runs, tmp_path):
     resumed.train()
     assert read_records(tmp_path / "metrics.jsonl")[0]["loss"] == pytest.approx(single[-1]["loss"], rel=LOSS_RTOL)
     for param in resumed.model.get_parameters():
-        np.testing.assert_allclose(param.asnumpy(), expected[param.name], rtol=0, atol=WEIGHT_ATOL, err_msg=param.name)
+        assert_weights_match(param.asnumpy(), expected[param.name], param.name)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -204,6 +212,15 @@ def test_attention_with_the_context_parallel_core_on_one_rank_is_the_attention(m
         np.testing.assert_allclose(cored, plain, rtol=1e-5, atol=1e-6)
 
 
+def test_mtps_move_left_on_one_rank_is_the_models():
+    plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=True)
+    ids = Tensor(np.arange(1, 17, dtype=np.int32).reshape(2, 8))
+    mask = Tensor(np.tile(np.array([1, 1, 0, 1, 1, 1, 1, 0], np.float32), (2, 1)))
+    for moved, expected in zip(plan.roll_each_left(ids, mask), roll_each_left(ids, mask)):
+        assert moved.dtype == expected.dtype
+        np.testing.assert_array_equal(moved.asnumpy(), expected.asnumpy())
+
+
 def _config(shard, *overrides, model_path=MICRO_CONFIG):
     config = case_config(str(shard), list(overrides), model_config=model_path)
     return config, model_config(config.model)
@@ -230,8 +247,7 @@ def test_what_context_parallelism_does_not_split_is_refused_with_its_field(shard
                             model_path=DEEPSEEK)
     with pytest.raises(ConfigError) as refused:
         check_context_parallel(config, model)
-    assert [p.split(" ")[0] for p in refused.value.problems] == [
-        "model.num_mtp_layers", "model.moe_aux_loss_coeff", "monitor.train_state.max_attention_logit"]
+    assert [p.split(" ")[0] for p in refused.value.problems] == ["monitor.train_state.max_attention_logit"]
     config, model = _config(shard, "parallelism.context_parallel=2")
     plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=False)
     ids = Tensor(np.zeros((1, 8), np.int32))

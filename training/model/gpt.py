@@ -105,6 +105,10 @@ def roll_left(x: Tensor) -> Tensor:
     return ops.cat((x[:, 1:], ops.zeros_like(x[:, :1])), axis=1)
 
 
+def roll_each_left(*tensors: Tensor) -> tuple[Tensor, ...]:
+    return tuple(roll_left(x) for x in tensors)
+
+
 class GPTModel(nn.Cell):
     """Causal LM built from ``config``'s specs. ``construct(input_ids, labels, loss_mask[, position_ids,
     attention_mask])`` returns the training loss; ``loss_components()`` its parts from the last call."""
@@ -132,6 +136,8 @@ class GPTModel(nn.Cell):
         # context parallelism replaces it: the loss tokens of the micro-batch's whole samples, summed over the
         # ranks holding their other chunks, so each rank's loss is its part of the micro-batch mean
         self.count_loss_tokens = None
+        # and this: MTP's one-token moves of (ids, labels, loss_mask), whose next token may be another rank's
+        self.roll_inputs_left = roll_each_left
         # MindFormers drops the embedding output too (in MTP depths alike); every Dropout draws from one stream
         self.embedding_dropout = Dropout(config.hidden_dropout)
         self.dropout_masks = MaskStream(seed)
@@ -220,7 +226,7 @@ class GPTModel(nn.Cell):
             # depth k predicts token i+k+1 from position i: inputs, labels and mask move left once per depth
             depth_losses, ids = [], input_ids
             for k, layer in enumerate(self.mtp.layers):
-                ids, labels, loss_mask = roll_left(ids), roll_left(labels), roll_left(loss_mask)
+                ids, labels, loss_mask = self.roll_inputs_left(ids, labels, loss_mask)
                 hidden = layer(self._embed(ids), hidden, cos, sin, mask)
                 depth_losses.append(self._masked_mean_loss(self._output(hidden), labels, loss_mask))
                 components[f"mtp_{k + 1}_loss"] = depth_losses[-1]

@@ -112,6 +112,9 @@ class MoELayer(nn.Cell):
         # sequence parallel: sums the loss statistics over the ranks holding the other parts of the sequences
         # (forward all-reduce, backward identity); None when this rank sees whole sequences
         self.sequence_shard_sum = None
+        # context parallelism: 1/cp. Each cp rank's loss is its part of its samples' loss, and every cp rank
+        # computes the whole balancing loss (from statistics summed over cp), so each adds its share
+        self.aux_loss_share = 1.0
         # expert parallelism: (rows grouped by expert, counts over all experts) -> the experts' outputs in the same
         # order, through its all-to-all dispatch; None: this layer's own experts take the rows
         self.token_dispatcher = None
@@ -156,7 +159,7 @@ class MoELayer(nn.Cell):
         choices_per_row = counts.sum(-1, keepdims=True)  # k·tokens per row
         fraction = counts * self.num_experts / choices_per_row
         mean_probs = prob_sums / (choices_per_row / self.top_k)
-        return (fraction * mean_probs).sum(-1).mean() * self.aux_coeff
+        return (fraction * mean_probs).sum(-1).mean() * self.aux_coeff * self.aux_loss_share
 
     # ---- between steps ----
     def take_counts(self) -> np.ndarray:

@@ -14,19 +14,22 @@ of its sequence, and attention stays exactly causal across the parts.
   the groups. Masks come from the global token positions of the queries and of each key block, so any split
   is exact; a key block entirely in a query block's future is skipped.
 - Loss: each rank's loss is its tokens' loss sum over the token count of the whole micro-batch (summed over
-  cp), so the cp ranks' losses, and their gradients, add up to the single-process micro-batch mean.
+  cp), so the cp ranks' losses, and their gradients, add up to the single-process micro-batch mean. MTP's
+  one-token moves of ids, labels and mask take the next chunk's first token from the rank holding it; a MoE
+  balancing loss is computed from statistics summed over cp, each rank adding 1/cp of it.
 - Gradients: cp ranks saw different tokens of the same samples, so their gradients add up; they are reduced
   over dp_shard × cp (the ``fsdp`` group, MindFormers' folding of cp into the FSDP axis) and averaged over dp
   only (training/parallel/fsdp.py).
 
 The ring's K/V pass (``comm.ring_shift``) is one all-gather on CPU, where MindSpore's send/recv do not work:
-each step then moves cp times the bytes of a true ring (the benchmark counts both).
+each step then brings cp − 1 blocks where a true ring brings one (the benchmark counts both).
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable
 
+import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
@@ -79,7 +82,8 @@ def ring_attention_forward(q: Tensor, kv: Tensor, masks: list, dim: int, softmax
             continue
         k, v = ops.split(block, [dim, block.shape[-1] - dim], axis=-1)
         scores = cast(_bmm_transpose_b(q, k), softmax_dtype) + Tensor(mask, softmax_dtype)
-        new_m = scores.max(axis=-1, keepdims=True) if m is None else ops.maximum(m, scores.max(axis=-1, keepdims=True))
+        block_max = scores.max(axis=-1, keepdims=True)
+        new_m = block_max if m is None else ops.maximum(m, block_max)
         p = ops.exp(scores - new_m)
         pv = _bmm(cast(p, v.dtype), v)
         if m is None:
@@ -210,6 +214,22 @@ class ContextParallelPlan:
         own = Tensor(token_positions(seq, self.cp, self.cp_group.rank, self.load_balance).astype(np.int32))
         return tuple(ops.gather(x, own, 1) for x in (input_ids, labels, loss_mask, position_ids)) + (None,)
 
+    def roll_each_left(self, *tensors: Tensor) -> tuple[Tensor, ...]:
+        """MTP's move of [batch, tokens] data one token left (position p takes p+1's, the last 0) on this rank's
+        tokens: the next token of a chunk's last is another rank's, so the cp ranks' tokens are gathered (one
+        all-gather for all the tensors, as float32: exact for ids below 2**24) and each picks its tokens' next."""
+        batch, local = tensors[0].shape
+        seq = local * self.cp
+        held = np.concatenate(self.positions(seq))            # the global position of each gathered column
+        column_of = np.empty(seq + 1, np.int64)
+        column_of[held], column_of[seq] = np.arange(seq), seq  # position seq: the zero column appended
+        own = token_positions(seq, self.cp, self.cp_group.rank, self.load_balance)
+        stacked = ops.stack([cast(x, ms.float32) for x in tensors])
+        gathered = ops.stop_gradient(comm.all_gather(stacked, 2, self.cp_group))
+        padded = ops.cat((gathered, ops.zeros((len(tensors), batch, 1), ms.float32)), axis=2)
+        rolled = ops.gather(padded, Tensor(column_of[own + 1].astype(np.int32)), 2)
+        return tuple(cast(r, x.dtype) for r, x in zip(rolled, tensors))
+
     def count_tokens(self, count: Tensor) -> Tensor:
         """The micro-batch's loss token count, summed over the cp ranks holding its other tokens (a constant
         of the data: no gradient flows through it)."""
@@ -239,13 +259,6 @@ def check_context_parallel(config: TrainConfig, model_config) -> None:
     if p.tensor_parallel > 1:
         problems.append("parallelism.context_parallel with parallelism.tensor_parallel > 1 is not implemented "
                         "(nor tested): the sequence-parallel collectives would run inside each cp chunk")
-    if c.num_mtp_layers:
-        problems.append(f"model.num_mtp_layers = {c.num_mtp_layers} with parallelism.context_parallel > 1: "
-                        "multi-token prediction shifts each sequence by one token per depth across the chunk "
-                        "boundaries, which is not implemented")
-    if c.has_moe and getattr(c, "moe_aux_loss_coeff", 0) and c.moe_router_load_balancing_type != "none":
-        problems.append("model.moe_aux_loss_coeff > 0 with parallelism.context_parallel > 1: the load-balancing "
-                        "loss would need its statistics summed over the cp ranks, which is not implemented")
     if config.monitor.train_state.max_attention_logit:
         problems.append("monitor.train_state.max_attention_logit with parallelism.context_parallel > 1: the "
                         "context-parallel attention never holds a layer's whole score matrix")
@@ -267,4 +280,8 @@ def apply_context_parallel(model, mesh: DeviceMesh, config: TrainConfig) -> Cont
     for attention in model._attentions():
         attention.context_attention = ContextAttention(plan, attention.softmax_dtype)
     model.count_loss_tokens = plan.count_tokens
+    model.roll_inputs_left = plan.roll_each_left
+    for _, moe in model.moe_layers():  # the balancing loss's statistics over the whole sequences
+        moe.sequence_shard_sum = partial(comm.all_reduce, group=plan.cp_group)
+        moe.aux_loss_share = 1.0 / plan.cp
     return plan
