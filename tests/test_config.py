@@ -54,9 +54,9 @@ def test_yaml_exponent_without_dot_is_a_float(tmp_path):
 
 
 def test_unsupported_non_default_is_an_error():
-    with pytest.raises(ConfigError, match=r"parallelism\.pipeline_parallel = 2 is not supported yet"):
-        parse(parallelism={"pipeline_parallel": 2})
-    assert parse(parallelism={"pipeline_parallel": 1}).parallelism.pipeline_parallel == 1
+    with pytest.raises(ConfigError, match=r"parallelism\.pipeline_parallel_overlap_p2p = True is not supported yet"):
+        parse(parallelism={"pipeline_parallel_overlap_p2p": True})
+    assert not parse(parallelism={"pipeline_parallel_overlap_p2p": False}).parallelism.pipeline_parallel_overlap_p2p
 
 
 def test_batch_sizes_must_divide():

@@ -50,7 +50,8 @@ def test_the_base_config_is_valid():
     ("parallelism.tensor_parallel=2",
      r"parallelism\.tensor_parallel = 2 needs parallelism\.sequence_parallel: true \(MindFormers'"),
     # accepted but not implemented: refused at non-default values, never ignored
-    ("parallelism.pipeline_parallel=2", r"parallelism\.pipeline_parallel = 2 is not supported yet"),
+    ("parallelism.pipeline_parallel_overlap_b_f=true",
+     r"parallelism\.pipeline_parallel_overlap_b_f = True is not supported yet \(overlapping pipeline transfers"),
     ("recompute.mode=full", r"recompute\.mode = 'full' is not supported yet"),
     ("swap.enable=true", r"swap\.enable = True is not supported yet"),
     ("lora_config={r: 8}", r"lora_config = .* is not supported yet \(LoRA is not implemented\)"),

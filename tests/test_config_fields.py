@@ -66,6 +66,9 @@ READ = {
     **{f"parallelism.{name}": "training/parallel/context_parallel.py" for name in (
         "context_parallel_method", "ulysses_degree_in_cp", "context_parallel_load_balance")},
     "parallelism.expert_parallel": "training/parallel/mesh.py",
+    "parallelism.pipeline_parallel": "training/parallel/mesh.py",
+    **{f"parallelism.{name}": "training/parallel/pipeline.py" for name in (
+        "pipeline_parallel_schedule", "pipeline_parallel_interleave_num", "pipeline_parallel_layers_per_stage")},
     "parallelism.dense_fsdp_shard_size": "training/parallel/mesh.py",
     "parallelism.expert_parallel_use_safe_tokens": "training/parallel/expert_parallel.py",
     **{f"profiler.{name}": "training/profiling.py" for name in (
