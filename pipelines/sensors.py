@@ -18,6 +18,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.data import blend_manifest, raw_corpus, source_partitions, token_shards
+from assets.evaluation import checkpoint_eval
 from assets.sources import SourcesConfigError, SourceSpec, load_sources
 from assets.training import training_run
 from resources.storage import KilnStorage
@@ -86,7 +87,7 @@ def raw_files_sensor(context: dg.SensorEvaluationContext, storage: KilnStorage) 
 
 
 kiln_automation = dg.AutomationConditionSensorDefinition(
-    "kiln_automation", target=dg.AssetSelection.assets(token_shards, blend_manifest, training_run),
+    "kiln_automation", target=dg.AssetSelection.assets(token_shards, blend_manifest, training_run, checkpoint_eval),
     default_status=AUTOMATION_STATUS, minimum_interval_seconds=30,
-    description="Evaluates the eager conditions of token_shards and blend_manifest (and of training_run "
-                "with KILN_AUTO_TRAIN=1).")
+    description="Evaluates the eager conditions of token_shards, blend_manifest and checkpoint_eval (a new "
+                "checkpoint partition is evaluated), and of training_run with KILN_AUTO_TRAIN=1.")

@@ -12,7 +12,7 @@ from conftest import MICRO_CONFIG, PROJECT_ROOT, write_random_documents
 from test_trainer import losses, make_trainer
 from training.config import ConfigError, TensorboardConfig, load_config
 from training.data.loader import build_dataset, stack_model_inputs
-from training.evaluation import Validation, ValidationSplit, perplexity, validation_line
+from training.evaluation import HeldOutSplit, Validation, perplexity, validation_line
 from training.monitor import TensorBoardWriter
 from training.reporting import Reporter, is_step_record, read_records
 
@@ -61,7 +61,7 @@ def test_validation_samples_come_from_documents_training_never_reads(shard):
         "train_dataset.dataloader.config.eod=2", "train_dataset.dataloader.config.split='90,10,0'",
         "checkpoint.enable_save=false", "training.steps=40", "training.eval_interval=5", "training.eval_iters=2"])
     train = build_dataset(config, num_samples=config.split_samples("train"))
-    valid = ValidationSplit(config).build(vocab_size=512)
+    valid = HeldOutSplit(config, "valid", batches=2).build(vocab_size=512)
     trained_on, validated_on = documents_read(train), documents_read(valid)
     assert len(validated_on) > 1 and len(trained_on) > 100
     assert not trained_on & validated_on
@@ -111,14 +111,14 @@ def test_validation_runs_every_eval_interval_steps_and_after_the_last(shard):
 
 
 @pytest.mark.parametrize("overrides, too_small", [
-    (["training.eval_iters=3"], r"lower training.eval_iters or give the validation split more documents "
+    (["training.eval_iters=3"], r"lower training.eval_iters or give the valid split more documents "
                                 r"\(train_dataset.dataloader.config.split \('98,2,0'\)\)"),
-    (["train_dataset.dataloader.config.split='100,0,0'"], r"split \('100,0,0'\) gives the validation split none"),
+    (["train_dataset.dataloader.config.split='100,0,0'"], r"split \('100,0,0'\) gives the valid split none"),
 ])
 def test_a_validation_split_too_small_for_eval_iters_is_a_config_error_naming_both(tmp_path, shard, overrides,
                                                                                    too_small):
     with pytest.raises(ConfigError, match=r"training.eval_iters = \d+ global batches of training.global_batch_size"
-                                          r" 4 = \d+ validation samples.*" + too_small):
+                                          r" 4 = \d+ valid samples.*" + too_small):
         make_trainer(tmp_path, shard, "small", "training.eval_interval=2", *overrides)
     assert not (tmp_path / "small/checkpoints").exists()
 

@@ -43,6 +43,30 @@ def _lineage(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    from training.checkpoint import CheckpointError
+    from training.config import ConfigError
+    from training.evaluation import evaluate_checkpoint, write_evaluation
+
+    if args.batches < 1:
+        print(f"kiln eval: --batches must be >= 1, got {args.batches}", file=sys.stderr)
+        return 2
+    try:
+        record = evaluate_checkpoint(args.checkpoint, args.split, args.batches, args.lineage_store)
+    except (ConfigError, CheckpointError, ValueError, KeyError, OSError) as exc:
+        print(f"kiln eval: {exc}", file=sys.stderr)
+        return 2
+    path = write_evaluation(record)
+    print(f"checkpoint {record['checkpoint']['path']} (step {record['checkpoint']['step']}), {record['split']} "
+          f"samples {record['sample_range'][0]}..{record['sample_range'][1] - 1} ({record['tokens']:,} tokens):")
+    print(f"  all sources  loss {record['loss']:.4f}  ppl {record['ppl']:.2f}")
+    for name, result in record["sources"].items():
+        print(f"  {name:<12} loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  "
+              f"({result['samples']} samples, {result['tokens']:,} tokens)")
+    print(f"wrote {path}")
+    return 0
+
+
 def _preprocess(args) -> int:
     from training.data.preprocess import tokenize_to_indexed
 
@@ -187,6 +211,19 @@ def main(argv=None) -> int:
                          help="where the runs are (default: $KILN_RUNS_ROOT, else runs)")
     lineage.add_argument("--json", action="store_true", help="machine-readable output")
     lineage.set_defaults(handler=_lineage)
+
+    evaluate = commands.add_parser(
+        "eval", help="held-out loss of a checkpoint, overall and per source, written beside it",
+        description="Forward passes of the checkpoint's model over its run's held-out split, in this process "
+                    "(no Dagster); writes eval-<split>.json into the checkpoint directory, which kiln audit "
+                    "verifies. Exit 2 on bad input.")
+    evaluate.add_argument("checkpoint", help="an iteration_XXXXXXXX checkpoint directory")
+    evaluate.add_argument("--split", choices=("test", "valid"),
+                          help="default: test when the run's blend cuts a test split, else valid")
+    evaluate.add_argument("--batches", type=int, default=10,
+                          help="global batches of the run's global_batch_size to evaluate (default 10)")
+    evaluate.add_argument("--lineage-store", metavar="DIR", help=LINEAGE_STORE_HELP)
+    evaluate.set_defaults(handler=_eval)
 
     preprocess = commands.add_parser(
         "preprocess", help="tokenize JSONL / JSON-array / Parquet files into Megatron .bin/.idx datasets",

@@ -11,12 +11,16 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 from mindspore import Tensor
 
+from training.atomic import write_json_atomic
 from training.config import SPLITS, BlendedMegatronLoaderConfig, ConfigError, TrainConfig
+from training.data.hashing import sha256_file
 from training.data.loader import build_dataset, stack_model_inputs
 
 MODEL_INPUTS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask")
@@ -50,57 +54,59 @@ def forward_loss_sums(model, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, 
 
 
 @dataclass
-class ValidationSplit:
-    """Where the validation samples come from, for messages: the YAML fields that size that split."""
+class HeldOutSplit:
+    """``batches`` global batches of a held-out split of the run's blend (``split``: valid or test), and the
+    setting that asked for them (``asked_by``), for messages."""
     config: TrainConfig
+    split: str = "valid"
+    batches: int = 1
+    asked_by: str = "training.eval_iters"
 
     @property
     def needed(self) -> int:
-        training = self.config.training
-        return training.eval_iters * training.global_batch_size
+        return self.batches * self.config.training.global_batch_size
 
     def _asked(self) -> str:
-        training = self.config.training
-        return (f"training.eval_iters = {training.eval_iters} global batches of training.global_batch_size "
-                f"{training.global_batch_size} = {self.needed} validation samples")
+        return (f"{self.asked_by} = {self.batches} global batches of training.global_batch_size "
+                f"{self.config.training.global_batch_size} = {self.needed} {self.split} samples")
 
     def build(self, vocab_size: int | None):
-        """The validation split's dataset, holding ``needed`` samples without repeating one; a split too small
-        for that is a ConfigError naming ``eval_iters`` and the field that sizes the split."""
+        """The split's dataset, holding ``needed`` samples without repeating one; a split too small for that
+        is a ConfigError naming ``asked_by`` and the field that sizes the split."""
         loader = self.config.train_dataset.dataloader
         if not isinstance(loader, BlendedMegatronLoaderConfig):
-            raise ConfigError(f"training.eval_interval = {self.config.training.eval_interval}: "
-                              f"train_dataset.dataloader.type {loader.type} has no validation split; validation "
-                              f"needs a BlendedMegatronDatasetDataLoader (or set training.eval_interval: 0)")
-        field = self._split_field(loader)
-        sized = self.config.split_samples("valid")
+            raise ConfigError(f"{self.asked_by}: train_dataset.dataloader.type {loader.type} has no {self.split} "
+                              f"split; held-out evaluation needs a BlendedMegatronDatasetDataLoader")
+        field = split_field(loader, self.split)
+        sized = self.config.split_samples(self.split)
         if sized is not None and sized < self.needed:
-            raise ConfigError(f"{self._asked()}, but train_dataset.dataloader.sizes[1] builds {sized}: lower "
-                              f"training.eval_iters or raise sizes[1]")
+            raise ConfigError(f"{self._asked()}, but train_dataset.dataloader.sizes[{SPLITS.index(self.split)}] "
+                              f"builds {sized}: lower {self.asked_by} or raise that size")
         try:
-            dataset = build_dataset(self.config, num_samples=sized or self.needed, split="valid",
+            dataset = build_dataset(self.config, num_samples=sized or self.needed, split=self.split,
                                     vocab_size=vocab_size)
         except ValueError as exc:  # the split gives a source no documents, or too few tokens for a sample
             if isinstance(exc, ConfigError):
                 raise
-            raise ConfigError(f"{self._asked()}, but {field} gives the validation split none: {exc}") from None
+            raise ConfigError(f"{self._asked()}, but {field} gives the {self.split} split none: {exc}") from None
         taken = np.bincount(dataset.source_index[:self.needed], minlength=len(dataset.datasets))
         for source, (count, part) in enumerate(zip(taken, dataset.datasets)):
             per_epoch = len(part) if part.num_epochs == 1 else \
                 (part.tokens_per_epoch - part._extra_token) // part.seq_length
             if count > per_epoch:
                 raise ConfigError(f"{self._asked()}, but {field} gives source {source} ({part.indexed.prefix}) "
-                                  f"{per_epoch} validation sample(s) and {count} are needed: the same batches "
-                                  f"would repeat samples; lower training.eval_iters or give the validation "
-                                  f"split more documents ({field})")
+                                  f"{per_epoch} {self.split} sample(s) and {count} are needed: the same batches "
+                                  f"would repeat samples; lower {self.asked_by} or give the {self.split} split "
+                                  f"more documents ({field})")
         return dataset
 
-    @staticmethod
-    def _split_field(loader: BlendedMegatronLoaderConfig) -> str:
-        data = loader.config
-        if data.data_path is None and not data.mock:
-            return f"train_dataset.dataloader.config.{data.SPLIT_PATHS[SPLITS.index('valid')]}"
-        return f"train_dataset.dataloader.config.split ({data.split or '1,0,0'!r})"
+
+def split_field(loader: BlendedMegatronLoaderConfig, split: str) -> str:
+    """The YAML field that decides which documents ``split`` gets."""
+    data = loader.config
+    if data.data_path is None and not data.mock:
+        return f"train_dataset.dataloader.config.{data.SPLIT_PATHS[SPLITS.index(split)]}"
+    return f"train_dataset.dataloader.config.split ({data.split or '1,0,0'!r})"
 
 
 class Validation:
@@ -115,7 +121,7 @@ class Validation:
         self.sample_indices = sample_indices  # (first sample of the batch, micro-batch) -> this rank's indices
         self.accumulation = accumulation
         self.use_positions = use_positions
-        self.dataset = ValidationSplit(config).build(vocab_size)
+        self.dataset = HeldOutSplit(config, "valid", config.training.eval_iters).build(vocab_size)
 
     @staticmethod
     def due(training, step: int) -> bool:
@@ -145,3 +151,111 @@ def validation_line(record: dict) -> str:
             f"lm loss PPL: {record['val_ppl']:.6E} | ")
     rule = "-" * (len(text) + 1)
     return f"[kiln] {rule}\n[kiln] {text}\n[kiln] {rule}"
+
+
+# ---- a checkpoint's evaluation (`kiln eval`, the checkpoint_eval asset) ---------------------------------------
+EVAL_VERSION = 1
+
+
+def eval_sidecar(checkpoint_dir: Path, split: str) -> Path:
+    from training.lineage import EVAL_PREFIX
+
+    return Path(checkpoint_dir) / f"{EVAL_PREFIX}{split}.json"
+
+
+def default_split(config: TrainConfig) -> str:
+    """The test split when the run's blend cuts one (or names a test blend), else the validation split."""
+    from training.data.gpt_dataset import parse_split
+
+    data = config.train_dataset.dataloader.config
+    if data.data_path is None and not data.mock:
+        return "test" if data.test_data_path is not None else "valid"
+    ratios = parse_split(data.split or "1,0,0")
+    return "test" if len(ratios) == 3 and ratios[2] > 0 else "valid"
+
+
+def _source_names(config: TrainConfig, lineage: dict) -> list[str]:
+    """The source name of each blend entry (data_path order), from the lineage's shard records; a shard no
+    record names (a run on hand-picked shards) is named by its file."""
+    from training.data.gpt_dataset import parse_data_path
+
+    data = config.train_dataset.dataloader.config
+    prefixes, _ = parse_data_path(data.data_path or [], "data_path")
+    root = Path(lineage.get("data_root", "."))
+    by_prefix = {str(root / shard["path"].rsplit(".", 1)[0]): shard["source"] for shard in lineage.get("shards") or []}
+    return [by_prefix.get(str(Path(prefix)), Path(prefix).name) for prefix in prefixes] or ["mock"]
+
+
+def _load_weights(model, path: Path) -> None:
+    from training.checkpoint import CheckpointError, load_checkpoint, numpy_dtype
+
+    weights = load_checkpoint(path, load_optim=False).model
+    for param in model.get_parameters():
+        if param.name not in weights:
+            raise CheckpointError(f"{path}: tensor {param.name} is missing")
+        param.set_data(Tensor(weights[param.name].astype(numpy_dtype(param.dtype), copy=False)))
+
+
+def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, batches: int = 10,
+                        lineage_store: str | Path | None = None) -> dict:
+    """Held-out loss of a checkpoint in this process: ``batches`` global batches of its run's ``split`` (default:
+    test, or valid when the blend has no test split), overall and per source, with what it read (the
+    checkpoint, its lineage.json's hash, the shards and their hashes, the split and the sample range)."""
+    from training.checkpoint import LINEAGE
+    from training.lineage import read_lineage, results_sha256
+    from training.model import build_model
+    from training.trainer import configure_runtime
+
+    checkpoint_dir = Path(checkpoint_dir)
+    lineage, _ = read_lineage(checkpoint_dir, lineage_store)
+    config = TrainConfig.from_dict(lineage["run"]["config"])
+    split = split or default_split(config)
+    if split not in ("valid", "test"):
+        raise ConfigError(f"--split {split!r}: evaluate on a held-out split, valid or test")
+    configure_runtime(config)
+    model = build_model(config.model)
+    _load_weights(model, checkpoint_dir)
+    dataset = HeldOutSplit(config, split, batches, "--batches").build(model.config.vocab_size)
+    names = _source_names(config, lineage)
+    use_positions = config.train_dataset.dataloader.config.reset_position_ids
+    samples = batches * config.training.global_batch_size
+    per_source = np.zeros((len(names), 3))  # loss sum, tokens, samples
+    lbs = config.training.local_batch_size
+    with evaluating(model):
+        for first in range(0, samples, lbs):
+            items = [dataset[i] for i in range(first, min(first + lbs, samples))]
+            sums, counts = forward_loss_sums(model, stack_model_inputs(items, use_positions))
+            for item, loss_sum, tokens in zip(items, sums, counts):
+                per_source[item["dataset_id"]] += (loss_sum, tokens, 1)
+    by_name: dict[str, np.ndarray] = {}
+    for name, row in zip(names, per_source):
+        by_name[name] = by_name.get(name, np.zeros(3)) + row
+    total = per_source.sum(0)
+
+    def summary(row: np.ndarray) -> dict:
+        loss = float(row[0] / max(row[1], 1.0))
+        return {"loss": loss, "ppl": perplexity(loss), "tokens": int(row[1]), "samples": int(row[2])}
+
+    record = {
+        "kiln_eval_version": EVAL_VERSION,
+        "checkpoint": {"path": str(checkpoint_dir.resolve()), "step": lineage["checkpoint"]["step"],
+                       "lineage_sha256": sha256_file(checkpoint_dir / LINEAGE)},
+        "split": split, "sample_range": [0, samples], "batches": batches,
+        "global_batch_size": config.training.global_batch_size, "seq_length": config.model["seq_length"],
+        "data_root": lineage.get("data_root"),
+        "shards": [{"source": s["source"], "path": s["path"], "sha256": s["sha256"]}
+                   for s in lineage.get("shards") or []],
+        **summary(total), "sources": {name: summary(row) for name, row in by_name.items()},
+        "evaluated_at": datetime.now(timezone.utc).isoformat(),
+    }
+    return {**record, "results_sha256": results_sha256(record)}
+
+
+def write_evaluation(record: dict) -> Path:
+    """The record as its checkpoint's eval-<split>.json sidecar (written whole or not at all)."""
+    from training.lineage import record_evaluation_in_index
+
+    path = eval_sidecar(Path(record["checkpoint"]["path"]), record["split"])
+    write_json_atomic(path, record)
+    record_evaluation_in_index(path.parent.parent, record["checkpoint"]["step"], path.name)
+    return path

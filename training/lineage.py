@@ -33,6 +33,8 @@ from training.data.manifest import load_manifest
 LINEAGE_VERSION = 2  # 2: upstream records in the lineage store, lineage.json points at them (1: inline)
 STORE_DIR = "lineage"  # under the runs root
 INDEX = "lineage_index.jsonl"  # in a run's save path, next to its iteration_* directories
+EVAL_PREFIX = "eval-"  # a checkpoint's evaluation sidecars: <checkpoint>/eval-<split>.json (training/evaluation.py)
+EVAL_INDEX = "eval_index.jsonl"  # in a run's save path: one line per evaluation written
 
 
 def lineage_inputs(manifest_path: str | Path, data_root: str | Path) -> dict:
@@ -224,6 +226,7 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
                             "ok" if same else "MISMATCH"))
     else:
         checks.append(Check("checkpoint", "common.json", "as recorded", None, "missing"))
+    checks += evaluation_checks(checkpoint_dir)
     run = lineage["run"]
     config_check = _check("run config", Path(run["config_path"]), run["config_path"], run["config_sha256"], cache)
     if config_check.status == "missing" and "config" in run:
@@ -294,6 +297,7 @@ class Consumer:
     checkpoint: str
     matched: str               # the lineage record that names the file, shard or source
     token_share: float | None  # its share of the run's training tokens; None in lineages older than shares
+    evaluations: list[str]     # its evaluation sidecars (eval-<split>.json), which read the same sources
 
 
 def _matches(record: dict, target: str) -> bool:
@@ -340,6 +344,7 @@ def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
     by_entry: dict[str, tuple[str, float | None] | None] = {}
     for save_path in sorted(Path(runs_root).glob("*/checkpoints")):
         indexed = _read_index(save_path)
+        evaluated = _read_eval_index(save_path)
         for checkpoint_dir in sorted(save_path.glob("iteration_*")):
             if not (checkpoint_dir / "common.json").is_file():  # incomplete: not a checkpoint yet
                 continue
@@ -356,7 +361,8 @@ def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
                 found = by_entry[entry["inputs"]]
             if found is not None:
                 consumers.append(Consumer(run=save_path.parent.name, step=step, checkpoint=str(checkpoint_dir),
-                                          matched=found[0], token_share=found[1]))
+                                          matched=found[0], token_share=found[1],
+                                          evaluations=sorted(evaluated.get(step, set()))))
     return consumers
 
 
@@ -367,8 +373,58 @@ def consumers_report(target: str, consumers: list[Consumer]) -> str:
     for c in consumers:
         share = "share unknown" if c.token_share is None else f"{c.token_share:.1%} of the run's tokens"
         lines.append(f"  run {c.run} step {c.step}: {c.matched}, {share}  ({c.checkpoint})")
+        lines += [f"    evaluated: {c.checkpoint}/{name}" for name in c.evaluations]
     return "\n".join(lines)
 
 
 def consumers_json(target: str, consumers: list[Consumer]) -> str:
     return json.dumps({"target": target, "consumers": [asdict(c) for c in consumers]}, indent=2)
+
+
+# ---- evaluation sidecars ---------------------------------------------------------------------------------------
+def results_sha256(record: dict) -> str:
+    """The hash an evaluation sidecar carries of everything else in it, which the audit recomputes."""
+    body = {k: v for k, v in record.items() if k != "results_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def evaluation_checks(checkpoint_dir: Path) -> list[Check]:
+    """Each evaluation sidecar of the checkpoint: its results as they were written (their recorded hash), and
+    of this checkpoint as it is now (the hash of its lineage.json, which names every file's, when evaluated)."""
+    checks = []
+    lineage_now = sha256_file(checkpoint_dir / "lineage.json")
+    for path in sorted(checkpoint_dir.glob(f"{EVAL_PREFIX}*.json")):
+        try:
+            record = json.loads(path.read_text())
+            recorded, evaluated_of = record["results_sha256"], record["checkpoint"]["lineage_sha256"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            checks.append(Check("evaluation", path.name, "a readable evaluation record", "unreadable", "MISMATCH"))
+            continue
+        actual = results_sha256(record)
+        checks.append(Check("evaluation", path.name, recorded, actual, "ok" if actual == recorded else "MISMATCH"))
+        checks.append(Check("evaluation", f"{path.name}: checkpoint evaluated (lineage.json)", evaluated_of,
+                            lineage_now, "ok" if lineage_now == evaluated_of else "MISMATCH"))
+    return checks
+
+
+def record_evaluation_in_index(save_path: Path, step: int, sidecar: str) -> None:
+    """Append an evaluation written for checkpoint ``step`` to its save path's EVAL_INDEX (read by consumers)."""
+    from training.reporting import drop_partial_line
+
+    index = Path(save_path) / EVAL_INDEX
+    drop_partial_line(index)
+    with open(index, "a") as stream:
+        stream.write(json.dumps({"step": step, "sidecar": sidecar}) + "\n")
+
+
+def _read_eval_index(save_path: Path) -> dict[int, set[str]]:
+    """step -> the evaluation sidecars written for it (lines of EVAL_INDEX; a line cut by a crash is skipped)."""
+    index = save_path / EVAL_INDEX
+    evaluated: dict[int, set[str]] = {}
+    for line in index.read_text().splitlines() if index.is_file() else []:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        evaluated.setdefault(entry["step"], set()).add(entry["sidecar"])
+    return evaluated

@@ -1,0 +1,76 @@
+"""``checkpoint_eval``: each checkpoint's held-out loss and perplexity, overall and per source.
+
+One partition per checkpoint partition. It materializes by itself when a checkpoint appears (eager, evaluated
+by ``kiln_automation``) and runs ``kiln eval`` in a process of its own, holding a slot of the training pool
+(``npu``) and, where the msrun resource lists devices, a device lease: it waits for a free device instead of
+sharing one with a training run. The numbers are metadata (plotted across checkpoints in the UI, one series
+per source) and a sidecar beside the checkpoint, ``eval-<split>.json``, which ``kiln audit`` verifies.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from assets.training import TRAINING_POOL, checkpoint, checkpoint_dir, checkpoint_partitions
+from assets.versions import versioned_asset
+from resources.msrun import MsrunResource
+from resources.storage import PROJECT_ROOT, KilnStorage
+
+
+class CheckpointEvalConfig(dg.Config):
+    split: str = Field(default="", description="test or valid; empty: test when the run's blend cuts a test "
+                                               "split, else valid")
+    batches: int = Field(default=10, description="global batches (of the run's global_batch_size) to evaluate")
+
+
+def eval_command(path: Path, config: CheckpointEvalConfig) -> list[str]:
+    return [sys.executable, "-m", "training.cli", "eval", str(path), "--batches", str(config.batches),
+            *(["--split", config.split] if config.split else [])]
+
+
+def eval_metadata(record: dict, sidecar: Path) -> dict:
+    """Numbers as floats (the UI plots each across the partitions): loss and ppl overall and per source."""
+    per_source = {f"{name}_{kind}": dg.MetadataValue.float(values[kind])
+                  for name, values in record["sources"].items() for kind in ("loss", "ppl")}
+    first, end = record["sample_range"]
+    return {"step": record["checkpoint"]["step"], "split": record["split"],
+            "samples": dg.MetadataValue.text(f"{first}..{end - 1} of the {record['split']} split"),
+            "tokens": record["tokens"], "loss": dg.MetadataValue.float(record["loss"]),
+            "ppl": dg.MetadataValue.float(record["ppl"]), **per_source,
+            "checkpoint": dg.MetadataValue.path(record["checkpoint"]["path"]),
+            "sidecar": dg.MetadataValue.path(str(sidecar)),
+            "shards": dg.MetadataValue.md("| source | shard | sha256 |\n|---|---|---|\n" + "\n".join(
+                f"| {s['source']} | {s['path']} | {s['sha256'][:16]} |" for s in record["shards"]))}
+
+
+@versioned_asset(PROJECT_ROOT / "training" / "evaluation.py", eval_command, eval_metadata,
+                 partitions_def=checkpoint_partitions, deps=[checkpoint], group_name="training",
+                 kinds={"mindspore"}, owners=["team:kiln"], tags={"stage": "evaluate"}, pool=TRAINING_POOL,
+                 automation_condition=dg.AutomationCondition.eager())
+def checkpoint_eval(context: dg.AssetExecutionContext, config: CheckpointEvalConfig, storage: KilnStorage,
+                    msrun: MsrunResource) -> dg.MaterializeResult:
+    """Held-out loss and perplexity of one checkpoint on its run's test split (valid when there is none),
+    overall and per source, with the checkpoint, shards and hashes, split and sample range it read."""
+    path = checkpoint_dir(storage, context.partition_key)
+    if not path.is_dir():
+        raise dg.Failure(f"checkpoint {context.partition_key}: {path} is gone (rotated by checkpoint.save_max?)",
+                         allow_retries=False)
+    command = eval_command(path, config)
+    context.log.info(" ".join(command))
+    with msrun.devices(context) as visible_devices:
+        env = {**os.environ, **({"ASCEND_RT_VISIBLE_DEVICES": visible_devices} if visible_devices else {})}
+        done = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise dg.Failure(f"kiln eval exited with code {done.returncode}:\n"
+                         + "\n".join((done.stderr or done.stdout).splitlines()[-20:]), allow_retries=False)
+    context.log.info(done.stdout)
+    written = re.search(r"^wrote (.+)$", done.stdout, re.MULTILINE)
+    sidecar = Path(written.group(1))
+    record = json.loads(sidecar.read_text())
+    return dg.MaterializeResult(metadata=eval_metadata(record, sidecar),
+                                data_version=dg.DataVersion(record["results_sha256"]))

@@ -1,0 +1,115 @@
+"""A checkpoint's held-out evaluation: `kiln eval` (no Dagster) per source on the test split, its sidecar verified
+by `kiln audit` and listed by `kiln lineage --consumers`; the checkpoint_eval asset, partitioned like checkpoint,
+requested by its automation condition when a checkpoint partition appears."""
+import json
+
+import dagster as dg
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from conftest import write_random_documents
+from test_trainer import make_trainer
+from training.cli import main as kiln
+from training.data.hashing import sha256_file
+from training.data.loader import build_dataset, stack_model_inputs
+
+RUN = "run"
+CHECKPOINT = "iteration_00000002"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Two steps on two sources (code 0.6, docs 0.4) with an 80/10/10 split; lineage names each source's shard."""
+    root = tmp_path_factory.mktemp("eval")
+    shards = {name: write_random_documents(root / f"data/shards/{name}", seed=seed)
+              for name, seed in (("code", 1), ("docs", 2))}
+    lineage = {"data_root": str(root / "data"), "shards": [
+        {"source": name, "path": f"shards/{name}.{ext}", "sha256": sha256_file(f"{prefix}.{ext}")}
+        for name, prefix in shards.items() for ext in ("bin", "idx")]}
+    trainer = make_trainer(root, shards["code"], RUN,
+                           f"train_dataset.dataloader.config.data_path=[0.6, '{shards['code']}', 0.4, "
+                           f"'{shards['docs']}']", "train_dataset.dataloader.config.split='80,10,10'",
+                           "training.steps=2", "checkpoint.save_interleaved_steps=2", lineage=lineage)
+    trainer.train()
+    return root, trainer
+
+
+def numpy_loss(trainer, items):
+    """Summed cross entropy over the loss-masked tokens of ``items`` and their count, from the model's logits."""
+    batch = stack_model_inputs(items, use_positions=False)
+    logits = trainer.model.logits(Tensor(batch["input_ids"])).asnumpy().astype(np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    picked = np.take_along_axis(log_probs, batch["labels"][..., None].astype(np.int64), -1)[..., 0]
+    return -(picked * batch["loss_mask"]).sum(), batch["loss_mask"].sum()
+
+
+def test_kiln_eval_reports_each_source_on_the_test_split_and_audit_verifies_its_sidecar(trained, capsys):
+    root, trainer = trained
+    checkpoint = root / RUN / "checkpoints" / CHECKPOINT
+    assert kiln(["eval", str(checkpoint), "--batches", "2"]) == 0
+    assert f"wrote {checkpoint / 'eval-test.json'}" in capsys.readouterr().out
+    record = json.loads((checkpoint / "eval-test.json").read_text())
+    assert record["split"] == "test" and record["sample_range"] == [0, 8] and record["checkpoint"]["step"] == 2
+    assert {s["path"] for s in record["shards"]} == {f"shards/{n}.{e}" for n in ("code", "docs") for e in ("bin", "idx")}
+    # every source's loss and the overall one, against numpy over the same samples of the trained model
+    test = build_dataset(trainer.config, num_samples=8, split="test")
+    trainer.model.set_train(False)
+    sums = {}
+    for i in range(8):
+        name = ("code", "docs")[test[i]["dataset_id"]]
+        loss, tokens = numpy_loss(trainer, [test[i]])
+        sums[name] = sums.get(name, np.zeros(2)) + (loss, tokens)
+    assert set(record["sources"]) == set(sums) == {"code", "docs"}
+    for name, (loss, tokens) in sums.items():
+        assert record["sources"][name]["loss"] == pytest.approx(loss / tokens, rel=1e-5)
+        assert record["sources"][name]["tokens"] == tokens
+    total = sum(sums.values())
+    assert record["loss"] == pytest.approx(total[0] / total[1], rel=1e-5)
+
+    assert kiln(["audit", str(checkpoint)]) == 0
+    assert "ok        evaluation  eval-test.json" in capsys.readouterr().out
+    assert kiln(["lineage", "--consumers", "docs", "--runs-root", str(root)]) == 0
+    assert f"evaluated: {checkpoint}/eval-test.json" in capsys.readouterr().out
+    # an edited result fails the audit
+    edited = {**record, "loss": record["loss"] - 1}
+    (checkpoint / "eval-test.json").write_text(json.dumps(edited))
+    assert kiln(["audit", str(checkpoint)]) == 1
+    assert "MISMATCH  evaluation  eval-test.json" in capsys.readouterr().out
+    (checkpoint / "eval-test.json").write_text(json.dumps(record))
+
+
+def test_kiln_eval_refuses_more_batches_than_the_split_holds_naming_both(trained, capsys):
+    root, _ = trained
+    assert kiln(["eval", str(root / RUN / "checkpoints" / CHECKPOINT), "--batches", "50"]) == 2
+    err = capsys.readouterr().err
+    assert "--batches = 50 global batches of training.global_batch_size 4 = 200 test samples" in err
+    assert "train_dataset.dataloader.config.split ('80,10,10')" in err
+
+
+def test_checkpoint_eval_is_requested_for_a_new_checkpoint_and_records_the_evaluation(trained):
+    from assets.evaluation import checkpoint_eval
+    from assets.training import checkpoint, checkpoint_partitions
+    from pipelines.definitions import ALL_ASSETS, resources
+    from resources.storage import KilnStorage
+
+    root, _ = trained
+    key = f"{RUN}/{CHECKPOINT}"
+    with dg.instance_for_test() as instance:
+        defs = dg.Definitions(assets=[checkpoint, checkpoint_eval], resources=resources())
+        before = dg.evaluate_automation_conditions(defs=defs, instance=instance)  # the sensor's previous tick
+        instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
+        instance.report_runless_asset_event(dg.AssetMaterialization(asset_key=checkpoint.key, partition=key))
+        requested = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=before.cursor)
+        assert requested.get_requested_partitions(checkpoint_eval.key) == {key}
+        result = dg.materialize(ALL_ASSETS, selection=[checkpoint_eval], partition_key=key, instance=instance,
+                                resources=resources(storage=KilnStorage(data_root=str(root / "data"),
+                                                                        runs_root=str(root))),
+                                run_config={"ops": {"checkpoint_eval": {"config": {"batches": 1}}}})
+    (event,) = result.asset_materializations_for_node("checkpoint_eval")
+    metadata = {k: v.value for k, v in event.metadata.items()}
+    sidecar = json.loads((root / RUN / "checkpoints" / CHECKPOINT / "eval-test.json").read_text())
+    assert metadata["loss"] == sidecar["loss"] and metadata["docs_loss"] == sidecar["sources"]["docs"]["loss"]
+    assert metadata["split"] == "test" and metadata["samples"] == "0..3 of the test split" and metadata["step"] == 2
+    assert event.tags["dagster/data_version"] == sidecar["results_sha256"]
