@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import ParameterTuple, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from training.atomic import write_text_atomic
 from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, capture_rng_state, complete_steps,
@@ -106,17 +106,14 @@ class ScaledLoss(nn.Cell):
         return loss * self.scale, loss
 
 
-def whole_step_blockers(dims: ParallelDims, accumulation: int, monitor: TrainStateMonitor, optimizer: AdamW
-                        ) -> list[str]:
-    """Why the clip and the AdamW update of a compiled step stay outside its graph (run eagerly after it);
-    empty when the whole step can be one graph (``CompiledStep``)."""
+def whole_step_blockers(dims: ParallelDims, monitor: TrainStateMonitor, optimizer: AdamW) -> list[str]:
+    """Why the clip and the AdamW update of a compiled step stay outside its graphs (run eagerly after them);
+    empty when the whole step compiles (``CompiledStep``)."""
     reasons = []
-    if accumulation > 1:
-        reasons.append(f"gradient accumulation ({accumulation} micro-batches) sums gradients on the host")
     if dims.dp > 1:
         reasons.append("data parallel: gradients are reduced over the ranks between backward and update")
-    if monitor.enabled:
-        reasons.append("monitor.train_state: its statistics read each micro-batch's gradients on the host")
+    if monitor.local_norm or monitor.device_norm:
+        reasons.append("monitor.train_state.local_norm/device_norm read gradients on the host")
     low_precision = [name for name, param in zip(optimizer.names, optimizer.params) if param.dtype != ms.float32]
     if low_precision:
         reasons.append(f"{len(low_precision)} parameter(s) not float32 (e.g. {low_precision[0]}): the update goes "
@@ -125,23 +122,51 @@ def whole_step_blockers(dims: ParallelDims, accumulation: int, monitor: TrainSta
 
 
 class CompiledStep(nn.Cell):
-    """A whole training step as one graph: forward, backward, the global-norm clip and the AdamW update, applied
-    only when the loss and the gradient norm are finite (the host then counts, skips or stops exactly as
-    ``SkipStepOnNaN`` decides after an eager step, from the same two values). Returns the loss, each gradient's
-    sum of squares and the global gradient norm before clipping."""
+    """A whole training step as compiled graphs. ``accumulate`` runs forward and backward of each micro-batch but
+    the last and adds its gradients and loss to buffers; ``construct`` runs the last (or only) micro-batch, then
+    the global-norm clip of the summed gradients and the AdamW update, applied only when the summed loss and the
+    gradient norm are finite (the host then counts, skips or stops exactly as ``SkipStepOnNaN`` decides after an
+    eager step, from the same values). The sums run in the eager step's order, so they are the same bits."""
 
-    def __init__(self, loss: ScaledLoss, params: list, optimizer: AdamW, max_norm: float):
+    def __init__(self, loss: ScaledLoss, params: list, optimizer: AdamW, max_norm: float, accumulation: int):
         super().__init__(auto_prefix=False)  # parameter names stay the model's and the optimizer's
         self.loss = loss
         self.params = ParameterTuple(params)
         self.update = optimizer.compiled_update()
         self.max_norm = max_norm
+        self.accumulation = accumulation
+        # buffers only when there is something to sum: reading and zeroing them costs a pass over every gradient
+        self.grad_sums = ParameterTuple(
+            [Parameter(Tensor(np.zeros(p.shape, np.float32)), name=f"grad_sum.{p.name}", requires_grad=False)
+             for p in params] if accumulation > 1 else [])
+        self.loss_sum = Parameter(Tensor(0.0, ms.float32), name="grad_sum.loss", requires_grad=False)
 
-    def construct(self, lr, eps, decay, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
+    def _gradients(self, input_ids, labels, loss_mask, position_ids, attention_mask):
         (_, loss), grads = ms.value_and_grad(self.loss, None, self.params, has_aux=True)(
             input_ids, labels, loss_mask, position_ids, attention_mask)
+        return loss, grads
+
+    def accumulate(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
+        """A micro-batch before the last; returns its loss."""
+        loss, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
+        for grad_sum, grad in zip(self.grad_sums, grads):
+            ops.assign_add(grad_sum, grad)
+        ops.assign_add(self.loss_sum, loss)
+        return loss
+
+    def construct(self, lr, eps, decay, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
+        """The last micro-batch and the update; returns its loss, each gradient's sum of squares and the global
+        gradient norm before clipping."""
+        loss, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
+        loss_sum = loss
+        if self.accumulation > 1:
+            grads = tuple(grad_sum + grad for grad_sum, grad in zip(self.grad_sums, grads))
+            loss_sum = self.loss_sum + loss
+            for grad_sum in self.grad_sums:
+                ops.assign(grad_sum, ops.zeros_like(grad_sum))
+            ops.assign(self.loss_sum, ops.zeros_like(self.loss_sum))
         clipped, squares, grad_norm = clip_grad_norm_in_graph(grads, self.max_norm)
-        if ops.logical_and(ops.isfinite(loss), ops.isfinite(grad_norm)):
+        if ops.logical_and(ops.isfinite(loss_sum), ops.isfinite(grad_norm)):
             self.update(clipped, lr, eps, decay)
         return loss, squares, grad_norm
 
@@ -194,7 +219,7 @@ class Trainer:
         dispatch = ("synchronous dispatch" if os.environ.get("MS_DEV_HOST_BLOCKING_RUN") == "1"
                     else "threaded dispatch (fast_step.host_blocking_dispatch takes effect through training.run)")
         blockers = compile_blockers(config, self.mesh.dims, self.model)
-        outside = whole_step_blockers(self.mesh.dims, self.accumulation, self.monitor, self.optimizer)
+        outside = whole_step_blockers(self.mesh.dims, self.monitor, self.optimizer)
         if blockers:
             self.step_mode = f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}"
         elif outside:
@@ -202,8 +227,10 @@ class Trainer:
             self.step_mode = (f"forward+backward compiled (mindspore.jit), clip and update eager, {dispatch}; "
                               f"not in the graph: {'; '.join(outside)}")
         else:
-            self.compiled_step = CompiledStep(scaled_loss, self.params, self.optimizer, config.training.max_norm)
+            self.compiled_step = CompiledStep(scaled_loss, self.params, self.optimizer, config.training.max_norm,
+                                              self.accumulation)
             self.compiled_step.construct = ms.jit(self.compiled_step.construct)
+            self.compiled_step.accumulate = ms.jit(self.compiled_step.accumulate)
             self.step_mode = f"whole step compiled (mindspore.jit: forward, backward, clip, AdamW), {dispatch}"
         self.model.track_max_attention_logits(config.monitor.train_state.max_attention_logit)
         self.health = HealthMonitor(config.monitor.health_checkpoint)
@@ -221,6 +248,7 @@ class Trainer:
             vocab_size=self.model.config.vocab_size,
             sample_indices=lambda first, micro: micro_batch_indices(first, micro, self.mesh.data_shard_index, self.dp,
                                                                     config.training.local_batch_size),
+            shard_inputs=self.parallel.context_parallel and self.parallel.context_parallel.shard_inputs,
         ) if config.training.eval_interval else None
         self.step = 0
         self.consumed_samples = 0
@@ -389,19 +417,25 @@ class Trainer:
 
     def _compiled_whole_step(self) -> tuple[float, np.ndarray, float]:
         """The loss, each gradient's norm and the global norm of a step that ``CompiledStep`` ran whole, its
-        update applied in the graph when both are finite."""
+        update applied in the graph when both are finite. The host waits for the losses only at the end."""
         lr, eps, decay = self.optimizer.kernel_hyperparameters(self.optimizer.global_step + 1)
+        last = self.accumulation - 1
+        micro_losses = [self.compiled_step.accumulate(*self._micro_batch(micro)) for micro in range(last)]
         self.saver.before_update()  # an async save still copying the parameters must finish first
         loss, squares, grad_norm = self.compiled_step(Tensor(lr, ms.float32), Tensor(eps, ms.float32),
-                                                      Tensor(decay, ms.float32), *self._micro_batch(0))
-        return float(loss.asnumpy()), np.sqrt(squares.asnumpy().astype(np.float64)), float(grad_norm.asnumpy())
+                                                      Tensor(decay, ms.float32), *self._micro_batch(last))
+        local_loss = 0.0
+        for micro_loss in (float(loss.asnumpy()) for loss in [*micro_losses, loss]):
+            local_loss += micro_loss / self.accumulation  # as the eager step sums them
+            self.monitor.micro_batch(micro_loss, None)  # local_loss (gradients are not read: whole_step_blockers)
+        return local_loss, np.sqrt(squares.asnumpy().astype(np.float64)), float(grad_norm.asnumpy())
 
     def train_step(self) -> dict:
         started = time.perf_counter()
         if self.compiled_step is None:
             local_loss, components, grads, unclipped, norms, grad_norm = self._eager_gradients()
         else:
-            (local_loss, norms, grad_norm), components = self._compiled_whole_step(), {}
+            (local_loss, norms, grad_norm), components, unclipped = self._compiled_whole_step(), {}, None
         embedding_norm = (float(norms[self.embedding_index]) if self.pipeline is None
                           else self.pipeline.embedding_norm(norms))
         # Every rank decides alike: the loss is summed over ranks (a NaN anywhere is NaN everywhere) and
