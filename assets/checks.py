@@ -7,7 +7,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.data import blend_manifest, read_shard_sidecar, source_partitions, token_shards
+from assets.chunks import source_chunks
+from assets.data import blend_manifest, read_shard_sidecar, token_shards
 from assets.training import audit_evaluation, checkpoint, checkpoint_dir
 from resources.storage import KilnStorage
 from training.data.hashing import sha256_file
@@ -15,11 +16,11 @@ from training.data.indexed import IndexedDataset, IndexedDatasetError
 from training.data.manifest import ManifestError, load_manifest
 
 
-def shard_problems(storage: KilnStorage, source: str) -> tuple[list[str], list[dict]]:
-    """Every shard of ``source``: the .idx parses and .bin size == sum(sequence lengths) x dtype size."""
+def shard_problems(storage: KilnStorage, key: str) -> tuple[list[str], list[dict]]:
+    """Every shard of the chunk ``key``: the .idx parses and .bin size == sum(sequence lengths) x dtype size."""
     problems, rows = [], []
     try:
-        sidecar = read_shard_sidecar(storage, source)
+        sidecar = read_shard_sidecar(storage, key)
     except dg.Failure as exc:
         return [exc.description], rows
     for shard in sidecar["shards"]:
@@ -46,8 +47,8 @@ def _result(problems: list[str], metadata: dict) -> dg.AssetCheckResult:
 
 
 def run_sources(context: dg.AssetCheckExecutionContext) -> list[str]:
-    """The sources the run materialized: its partition, its partition range, or (a check run alone) all."""
-    tags, keys = context.run.tags, source_partitions.get_partition_keys()
+    """The chunks the run materialized: its partition, its partition range, or (a check run alone) all."""
+    tags, keys = context.run.tags, context.instance.get_dynamic_partitions(source_chunks.name)
     if "dagster/partition" in tags:
         return [tags["dagster/partition"]]
     if "dagster/asset_partition_range_start" in tags:

@@ -8,15 +8,17 @@ Outputs are written under a temporary name and renamed, so a failed step never l
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import dagster as dg
 
-from assets import builtin_corpus
+from assets import builtin_corpus, chunks
 from assets.builtin_corpus import write_builtin_source
+from assets.chunks import chunk_files, key_stem, source_chunk_keys, source_chunks, source_of
 from assets.sources import load_sources
-from assets.versions import versioned_asset
+from assets.versions import code_version_of, versioned_asset
 from resources.storage import PROJECT_ROOT, KilnStorage
 from resources import tokenizer as resources_tokenizer
 from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
@@ -29,10 +31,9 @@ from training.data.manifest import build_manifest
 from training.data.preprocess import tokenize_to_indexed
 
 SOURCES_CONFIG = Path(os.environ.get("KILN_SOURCES", PROJECT_ROOT / "configs" / "sources.yaml"))
-SOURCES = load_sources(SOURCES_CONFIG)
-source_partitions = dg.StaticPartitionsDefinition(sorted(SOURCES))
-# `raw/<source>/<source>.kiln.json`: every raw file; `shards/<source>/<source>.kiln.json`: the source's shards and
-# what they came from
+# `raw/<chunk>/<stem>.kiln.json`: every raw file of a chunk; `shards/<chunk>/<stem>.kiln.json`: the chunk's shards
+# and what they came from (an unchunked source is the chunk `<source>`, stem `<source>`; else `<source>/NNNNN`,
+# stem `<source>_NNNNN`: assets/chunks.py)
 SIDECAR = ".kiln.json"
 SHARD_STATS = ("key", "docs", "tokens", "bin_sha256", "idx_sha256", "bin_bytes", "idx_bytes")  # copied per shard
 # automation re-builds an asset only once every blocking check of its inputs passed: a corrupt shard found by
@@ -62,38 +63,38 @@ def _source_spec(storage: KilnStorage, source: str):
 def _part_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("part-*") if p.suffix.lower() in SUFFIXES)
 
-def raw_files(storage: KilnStorage, source: str) -> list[Path]:
-    files = _part_files(storage.raw_dir(source))
+def raw_files(storage: KilnStorage, key: str) -> list[Path]:
+    """The raw files of the chunk ``key`` (an unchunked source's: its name)."""
+    files = _part_files(storage.raw_dir(key))
     if not files:
-        raise dg.Failure(f"no raw files for source {source!r} in {storage.raw_dir(source)}; "
-                         f"materialize raw_corpus[{source}] first")
+        raise dg.Failure(f"no raw files for {key!r} in {storage.raw_dir(key)}; materialize raw_corpus[{key}] first")
     return files
 
-def _ingest_source(storage: KilnStorage, source: str) -> dg.MaterializeResult:
-    spec = _source_spec(storage, source)
-    target = storage.raw_dir(source)
-    staging = target.with_name(f".{source}.staging")
+def _ingest_chunk(storage: KilnStorage, key: str) -> dg.MaterializeResult:
+    spec = _source_spec(storage, source_of(key))
+    target = storage.raw_dir(key)
+    staging = target.with_name(f".{target.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
         if spec.builtin:
             write_builtin_source(spec.builtin, staging, spec.max_bytes)
         else:
-            for i, src in enumerate(spec.input_files()):
+            for i, src in enumerate(chunk_files(storage, spec, key)):
                 # validate before copying: errors name the user's file:line
                 scan_corpus(src, spec.json_keys, spec.on_bad_line)
                 shutil.copyfile(src, staging / f"part-{i:05d}{src.suffix}")
         rows = [{"path": str((target / p.name).relative_to(storage.root)),
                  **scan_corpus(p, spec.json_keys, spec.on_bad_line)} for p in _part_files(staging)]
-        write_json_atomic(staging / f"{source}{SIDECAR}", {"source": source, "files": rows})
+        write_json_atomic(staging / f"{key_stem(key)}{SIDECAR}", {"source": spec.name, "chunk": key, "files": rows})
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     replace_dir(staging, target)
     return dg.MaterializeResult(
         metadata={
-            "dir": dg.MetadataValue.path(str(target)),
-            "sidecar": dg.MetadataValue.path(str(target / f"{source}{SIDECAR}")),  # every file, with its sha256
+            "chunk": dg.MetadataValue.text(key), "dir": dg.MetadataValue.path(str(target)),
+            "sidecar": dg.MetadataValue.path(str(target / f"{key_stem(key)}{SIDECAR}")),  # every file, with its sha256
             "files": files_table(rows, ["path", "bytes", "docs", "empty_docs", "skipped", "sha256"]),
             "num_files": len(rows), "docs": sum(r["docs"] for r in rows), "bytes": sum(r["bytes"] for r in rows),
             "empty_docs": sum(r["empty_docs"] for r in rows), "skipped": sum(r["skipped"] for r in rows),
@@ -102,23 +103,24 @@ def _ingest_source(storage: KilnStorage, source: str) -> dg.MaterializeResult:
         data_version=dg.DataVersion(combined_hash([r["sha256"] for r in rows])),
     )
 
-PER_SOURCE_DATA_VERSION = "data_version"  # metadata `data_version/<source>` of a step over several sources
+PER_SOURCE_DATA_VERSION = "data_version"  # metadata `data_version/<chunk>` of a step over several chunks
 
 def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult:
-    """Build every partition of the step; a run over several sources (the scheduled job) reports them all.
+    """Build every partition (chunk) of the step; a run over several reports them all (`combined_result`)."""
+    results = {key: build(key) for key in context.partition_keys}
+    return combined_result(results, context.asset_key.to_user_string(), context.log)
 
-    One step materializes a partition range with one result, so each source of a range gets the same
-    metadata: a table row per source, `<figure>/<source>` numbers and `data_version/<source>` (the content
-    hash a one-source step would report, which `python -m pipelines.audit` looks up), and no data version (Dagster
-    derives one from the inputs and the code version) since a shared one would be wrong for each.
+def combined_result(results: dict[str, dg.MaterializeResult], asset: str, log) -> dg.MaterializeResult:
+    """One result for a partition range: each chunk of a range gets the same metadata, a table row per chunk,
+    `<figure>/<chunk>` numbers and `data_version/<chunk>` (the content hash a one-chunk step would report, which
+    `python -m pipelines.audit` looks up), and no data version (Dagster derives one from the inputs and the code
+    version) since a shared one would be wrong for each.
     """
-    keys = context.partition_keys
-    results = {source: build(source) for source in keys}
+    keys = list(results)
     figures = {source: {k: v for k, v in r.metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
                for source, r in results.items()}
     for source, numbers in figures.items():
-        context.log.info(f"{context.asset_key.to_user_string()}[{source}]: "
-                         + ", ".join(f"{k}={v}" for k, v in numbers.items()))
+        log.info(f"{asset}[{source}]: " + ", ".join(f"{k}={v}" for k, v in numbers.items()))
     if len(keys) == 1:
         return results[keys[0]]
     names = sorted({k for numbers in figures.values() for k in numbers})
@@ -131,19 +133,20 @@ def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult
                      for source, r in results.items()})
     return dg.MaterializeResult(metadata=metadata)
 
-@versioned_asset(_ingest_source, per_source, _part_files, replace_dir, builtin_corpus, corpus, SOURCES_CONFIG,
-                 partitions_def=source_partitions, group_name="data", kinds={"json"}, owners=["team:kiln"],
+@versioned_asset(_ingest_chunk, per_source, combined_result, _part_files, replace_dir, builtin_corpus, corpus, chunks,
+                 SOURCES_CONFIG, partitions_def=source_chunks, group_name="data", kinds={"json"}, owners=["team:kiln"],
                  tags={"stage": "ingest"}, backfill_policy=dg.BackfillPolicy.single_run())
 def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
-    """A validated copy of one source's documents under `data/raw/<source>/`.
+    """A validated copy of one chunk's documents under `data/raw/<chunk>/` (a whole source unless it sets
+    `files_per_chunk`).
 
     Built-in sources are written offline from the Python standard library; file sources (JSONL,
     JSON arrays, Parquet) are copied as `part-NNNNN<suffix>`. Every record is validated: with the
     source's `on_bad_line: error` a bad one fails the step, naming `file:line`; with `skip` it is
-    counted here and quarantined by `token_shards`. The `raw_files_sensor` re-materializes a file
-    source's partition when one of its files changes.
+    counted here and quarantined by `token_shards`. The `raw_files_sensor` registers the chunks as
+    files appear and re-materializes a chunk when one of its files changes.
     """
-    return per_source(context, lambda source: _ingest_source(storage, source))
+    return per_source(context, lambda key: _ingest_chunk(storage, key))
 
 @versioned_asset(raw_files, replace_dir, resources_tokenizer, SOURCES_CONFIG, deps=[raw_corpus], group_name="data",
                  kinds={"sentencepiece"}, owners=["team:kiln"], tags={"stage": "tokenizer"})
@@ -151,7 +154,8 @@ def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
               tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
     """A sentencepiece model trained on a seeded, bounded sample of every source's raw documents."""
     sources = load_sources(storage.sources_config)
-    inputs = [(name, path) for name in sorted(sources) for path in raw_files(storage, name)]
+    inputs = [(name, path) for name in sorted(sources) for key in source_chunk_keys(storage, sources[name])
+              for path in raw_files(storage, key)]
 
     def documents():
         for name, path in inputs:
@@ -186,9 +190,9 @@ def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
 
 TRAINED_ON = "trained_on.json"  # next to the tokenizer model: the raw files its sample was drawn from
 
-def shard_dir(storage: KilnStorage, source: str) -> Path:
-    """`shards/<source>/`: every shard of the source, its sidecar and its quarantine file."""
-    return storage.shard_prefix(source).parent
+def shard_dir(storage: KilnStorage, key: str) -> Path:
+    """`shards/<chunk>/`: every shard of the chunk, its sidecar and its quarantine file."""
+    return storage.root / "shards" / key
 
 def shards_hash(shards: list[dict]) -> str:
     return combined_hash([digest for s in shards for digest in (s["bin_sha256"], s["idx_sha256"])])
@@ -198,43 +202,46 @@ def _histogram_table(histogram: dict[str, int]) -> dg.MetadataValue:
     return dg.MetadataValue.table([dg.TableRecord({"tokens": k, "docs": v}) for k, v in histogram.items()],
                                   schema=schema)
 
-def _tokenize_source(storage: KilnStorage, source: str, log) -> dg.MaterializeResult:
+def _tokenize_chunk(storage: KilnStorage, key: str, log, workers: int | None = None) -> dg.MaterializeResult:
+    source = source_of(key)
     spec = _source_spec(storage, source)
-    inputs = raw_files(storage, source)
+    inputs = raw_files(storage, key)
     model_path = storage.tokenizer_prefix().with_suffix(".model")
     if not model_path.exists():
         raise dg.Failure(f"no tokenizer at {model_path}; materialize `tokenizer` first")
-    target = shard_dir(storage, source)
-    staging = target.with_name(f".{source}.staging")
+    target = shard_dir(storage, key)
+    staging = target.with_name(f".{target.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)
+    stem = key_stem(key)
     try:
-        stats = tokenize_to_indexed(inputs, model_path, staging / source, json_keys=spec.json_keys,
+        stats = tokenize_to_indexed(inputs, model_path, staging / stem, json_keys=spec.json_keys,
                                     append_eod=True, on_bad_line=spec.on_bad_line,
-                                    max_shard_tokens=spec.max_shard_tokens)
-        shards = [{"prefix": str((target / Path(out["prefix"]).name).relative_to(storage.root)),
+                                    max_shard_tokens=spec.max_shard_tokens, workers=workers)
+        shards = [{"prefix": str((target / Path(out["prefix"]).name).relative_to(storage.root)), "chunk": key,
                    "dtype": stats["dtype"], **{k: out[k] for k in SHARD_STATS}} for out in stats["outputs"]]
         sidecar = {
-            "source": source, "docs": stats["docs"], "tokens": stats["tokens"], "dtype": stats["dtype"],
-            "shards": shards,
+            "source": source, "chunk": key, "docs": stats["docs"], "tokens": stats["tokens"],
+            "dtype": stats["dtype"], "shards": shards,
             "tokenizer": {"path": str(model_path.relative_to(storage.root)), "sha256": sha256_file(model_path)},
-            "raw_files": [{"path": str(p.relative_to(storage.root)), "sha256": sha256_file(p),
+            "raw_files": [{"path": str(p.relative_to(storage.root)), "chunk": key, "sha256": sha256_file(p),
                            "bytes": p.stat().st_size} for p in inputs],
         }
-        write_json_atomic(staging / f"{source}{SIDECAR}", sidecar)
+        write_json_atomic(staging / f"{stem}{SIDECAR}", sidecar)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     replace_dir(staging, target)
-    log.info(f"token_shards[{source}]: {stats['docs']} docs, {stats['tokens']} tokens in {len(shards)} "
+    log.info(f"token_shards[{key}]: {stats['docs']} docs, {stats['tokens']} tokens in {len(shards)} "
              f"shard(s), {stats['tokens_per_s']:.0f} tokens/s, {stats['skipped']} bad record(s) skipped")
     metadata = {
+        "chunk": dg.MetadataValue.text(key),
         "dir": dg.MetadataValue.path(str(target)), "docs": stats["docs"], "tokens": stats["tokens"],
         "dtype": stats["dtype"], "bytes": sum(s["bin_bytes"] + s["idx_bytes"] for s in shards),
         "tokens_per_s": round(stats["tokens_per_s"], 1), "num_shards": len(shards),
-        "shards": files_table(shards, ["prefix", "key", "docs", "tokens", "bin_bytes", "idx_bytes", "bin_sha256",
+        "shards": files_table(shards, ["prefix", "chunk", "key", "docs", "tokens", "bin_bytes", "idx_bytes", "bin_sha256",
                                        "idx_sha256"]),
         "tokenizer_sha256": dg.MetadataValue.text(sidecar["tokenizer"]["sha256"]),
-        "sidecar": dg.MetadataValue.path(str(target / f"{source}{SIDECAR}")),  # every shard and raw file
+        "sidecar": dg.MetadataValue.path(str(target / f"{stem}{SIDECAR}")),  # every shard and raw file
         "num_raw_files": len(sidecar["raw_files"]),
         "empty_docs": stats["empty_docs"], "skipped": stats["skipped"],
         "skipped_by_reason": dg.MetadataValue.json(stats["skipped_by_reason"]),
@@ -244,19 +251,51 @@ def _tokenize_source(storage: KilnStorage, source: str, log) -> dg.MaterializeRe
         metadata["quarantine"] = dg.MetadataValue.path(str(target / Path(stats["quarantine"]).name))
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(shards_hash(shards)))
 
-@versioned_asset(_tokenize_source, per_source, replace_dir, preprocess, indexed, SOURCES_CONFIG,
-                 partitions_def=source_partitions, deps=[raw_corpus, tokenizer], group_name="data", kinds={"numpy"},
-                 owners=["team:kiln"], tags={"stage": "tokenize", "format": "megatron-indexed"},
-                 backfill_policy=dg.BackfillPolicy.single_run(), automation_condition=EAGER_AFTER_CHECKS)
-def token_shards(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
-    """One source tokenized into Megatron `.bin/.idx` datasets (EOD after every document).
+def _workers_per_chunk(chunks_in_run: int) -> int:
+    """Tokenizing processes for each chunk step: the cores shared by the chunks the executor runs at once (the
+    multiprocess executor runs as many steps as there are cores by default), so steps do not fight for cores."""
+    cores = os.cpu_count() or 1
+    return max(1, cores // min(chunks_in_run, cores))
 
-    `shards/<source>/<source>_<key>_document` per json key, or `..._document_00000`, ... with the
+@dg.op(ins={"raw_corpus": dg.In(dg.Nothing), "tokenizer": dg.In(dg.Nothing)}, out=dg.DynamicOut(str))
+def chunks_of_run(context: dg.OpExecutionContext):
+    """One output per chunk of the run's partition range: each is tokenized by a step of its own."""
+    for key in context.partition_keys:
+        yield dg.DynamicOutput(key, mapping_key=re.sub(r"\W", "_", key))
+
+@dg.op(tags={"stage": "tokenize"})
+def tokenize_chunk(context: dg.OpExecutionContext, storage: KilnStorage, key: str) -> tuple[str, dict, str]:
+    """(chunk, metadata, data version): an op's MaterializeResult would be taken for the asset's own."""
+    result = _tokenize_chunk(storage, key, context.log, workers=_workers_per_chunk(len(context.partition_keys)))
+    return key, dict(result.metadata), result.data_version.value
+
+@dg.op(out=dg.Out(dg.Nothing))
+def shards_of_run(context: dg.OpExecutionContext, results: list[tuple[str, dict, str]]):
+    """The asset's materialization of every chunk of the run, from the chunk steps' results."""
+    by_key = {key: dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(version))
+              for key, metadata, version in results}
+    result = combined_result({key: by_key[key] for key in context.partition_keys}, "token_shards", context.log)
+    yield dg.Output(None, metadata=result.metadata, data_version=result.data_version)
+
+@dg.graph_asset(
+    partitions_def=source_chunks, ins={"raw_corpus": dg.AssetIn(dagster_type=dg.Nothing),
+                                       "tokenizer": dg.AssetIn(dagster_type=dg.Nothing)},
+    group_name="data", kinds={"numpy"}, owners=["team:kiln"], tags={"stage": "tokenize", "format": "megatron-indexed"},
+    backfill_policy=dg.BackfillPolicy.single_run(), automation_condition=EAGER_AFTER_CHECKS,
+    code_version=code_version_of(_tokenize_chunk, _workers_per_chunk, chunks_of_run.compute_fn.decorated_fn,
+                                 shards_of_run.compute_fn.decorated_fn, combined_result, replace_dir, preprocess,
+                                 indexed, SOURCES_CONFIG))
+def token_shards(raw_corpus, tokenizer):
+    """Each chunk tokenized into Megatron `.bin/.idx` datasets (EOD after every document), a step per chunk.
+
+    `shards/<chunk>/<stem>_<key>_document` per json key, or `..._document_00000`, ... with the
     source's `max_shard_tokens`; bad records skipped under `on_bad_line: skip` are listed in
-    `<source>_quarantine.jsonl`. The directory is built aside and swapped in whole. Re-materialized
-    automatically (eager) when its raw partition or the tokenizer changes.
+    `<stem>_quarantine.jsonl`. The directory is built aside and swapped in whole. A run over many chunks
+    (a backfill) fans out into one `tokenize_chunk` step per chunk, run side by side by the executor (the
+    multiprocess executor: as many at once as there are cores). Re-materialized automatically (eager) when
+    its raw chunk or the tokenizer changes.
     """
-    return per_source(context, lambda source: _tokenize_source(storage, source, context.log))
+    return shards_of_run(chunks_of_run(raw_corpus=raw_corpus, tokenizer=tokenizer).map(tokenize_chunk).collect())
 
 def _blend_summary(manifest: dict, total: int) -> str:
     lines = [f"**{len(manifest['sources'])} sources, {total:,} tokens**, sequences of {manifest['seq_length']} "
@@ -270,27 +309,39 @@ class BlendConfig(dg.Config):
     split: str = "98,2,0"
     seed: int = 1234
 
-def read_shard_sidecar(storage: KilnStorage, source: str) -> dict:
-    path = shard_dir(storage, source) / f"{source}{SIDECAR}"
+def read_shard_sidecar(storage: KilnStorage, key: str) -> dict:
+    path = shard_dir(storage, key) / f"{key_stem(key)}{SIDECAR}"
     if not path.exists():
-        raise dg.Failure(f"no shards for source {source!r} ({path} missing); materialize token_shards[{source}]")
+        raise dg.Failure(f"no shards for {key!r} ({path} missing); materialize token_shards[{key}]")
     return json.loads(path.read_text())
 
-@versioned_asset(read_shard_sidecar, _blend_summary, manifest_module, SOURCES_CONFIG,
+def source_shards(storage: KilnStorage, spec) -> dict:
+    """A source's shards and raw files, gathered from its chunks' sidecars in chunk order."""
+    keys = source_chunk_keys(storage, spec)
+    if not keys:
+        raise dg.Failure(f"source {spec.name!r} has no chunk yet: let raw_files_sensor register its files "
+                         f"(or run `python -m pipelines.pools`)")
+    sidecars = {key: read_shard_sidecar(storage, key) for key in keys}
+    return {"shards": [shard for s in sidecars.values() for shard in s["shards"]],
+            "raw_files": [raw for s in sidecars.values() for raw in s["raw_files"]],
+            "tokenizers": {key: s["tokenizer"]["sha256"] for key, s in sidecars.items()}}
+
+@versioned_asset(read_shard_sidecar, source_shards, _blend_summary, manifest_module, SOURCES_CONFIG,
                  deps=[token_shards, tokenizer], group_name="data", kinds={"json"}, owners=["team:kiln"],
                  tags={"stage": "blend"}, automation_condition=EAGER_AFTER_CHECKS)
 def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
                    storage: KilnStorage) -> dg.MaterializeResult:
-    """`manifest.json`: every source's shards with normalized weights, ready for `train_dataset`.
+    """`manifest.json`: every source's shards (of all its chunks) with normalized weights, ready for
+    `train_dataset`; a source's weight is split over its shards by tokens.
 
-    Re-materialized automatically (eager) once every source's shards are up to date again.
+    Re-materialized automatically (eager) once every chunk's shards are up to date again.
     """
     sources = load_sources(storage.sources_config)
-    sidecars = {name: read_shard_sidecar(storage, name) for name in sorted(sources)}
-    tokenizer_shas = {s["tokenizer"]["sha256"] for s in sidecars.values()}
+    sidecars = {name: source_shards(storage, sources[name]) for name in sorted(sources)}
+    tokenizer_shas = {sha for s in sidecars.values() for sha in s["tokenizers"].values()}
     model_path = storage.tokenizer_prefix().with_suffix(".model")
     current = sha256_file(model_path)
-    stale = [n for n, s in sidecars.items() if s["tokenizer"]["sha256"] != current]
+    stale = [key for s in sidecars.values() for key, sha in s["tokenizers"].items() if sha != current]
     if stale:
         raise dg.Failure(f"shards of {stale} were tokenized with another tokenizer than {model_path} "
                          f"(sha256 {sorted(tokenizer_shas)} vs {current}); re-materialize token_shards for them")
@@ -316,7 +367,9 @@ def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
             "total_tokens": total, "seq_length": config.seq_length, "split": config.split,
             "seed": config.seed,
             # Dagster's input event pointer is wrong for partitioned parents: record what we read
-            "shard_data_versions": dg.MetadataValue.json({n: shards_hash(s["shards"]) for n, s in sidecars.items()}),
+            "shard_data_versions": dg.MetadataValue.json(
+                {key: shards_hash([shard for shard in s["shards"] if shard["chunk"] == key])
+                 for s in sidecars.values() for key in s["tokenizers"]}),
             **{f"tokens/{s['name']}": s["tokens"] for s in manifest["sources"]},
         },
         data_version=dg.DataVersion(digest),

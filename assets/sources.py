@@ -26,6 +26,7 @@ class SourceSpec:
     json_keys: tuple[str, ...] = ("text",)
     on_bad_line: str = "error"  # or "skip": bad records are counted and quarantined, not fatal
     max_shard_tokens: int | None = None  # split the source's tokens into shards of at most this many
+    files_per_chunk: int | None = None  # ingest and tokenize the files in chunks of this many (assets/chunks.py)
 
     def input_files(self) -> list[Path]:
         """The user's files (globs expanded, sorted); not used for built-in sources."""
@@ -35,7 +36,7 @@ class SourceSpec:
         return paths
 
 
-_KEYS = {"builtin", "max_bytes", "files", "json_keys", "weight", "on_bad_line", "max_shard_tokens"}
+_KEYS = {"builtin", "max_bytes", "files", "json_keys", "weight", "on_bad_line", "max_shard_tokens", "files_per_chunk"}
 
 
 def load_sources(path: str | Path) -> dict[str, SourceSpec]:
@@ -81,7 +82,12 @@ def load_sources(path: str | Path) -> dict[str, SourceSpec]:
         if max_shard_tokens is not None and (isinstance(max_shard_tokens, bool) or not isinstance(max_shard_tokens, int)
                                              or max_shard_tokens <= 0):
             raise SourcesConfigError(f"{where}.max_shard_tokens must be a positive int, got {max_shard_tokens!r}")
+        files_per_chunk = entry.get("files_per_chunk")
+        if files_per_chunk is not None and (builtin is not None or isinstance(files_per_chunk, bool)
+                                            or not isinstance(files_per_chunk, int) or files_per_chunk <= 0):
+            raise SourcesConfigError(f"{where}.files_per_chunk must be a positive int on a `files` source, "
+                                     f"got {files_per_chunk!r}")
         specs[str(name)] = SourceSpec(name=str(name), weight=float(weight), builtin=builtin, max_bytes=max_bytes,
                                       files=tuple(files or ()), json_keys=tuple(json_keys), on_bad_line=on_bad_line,
-                                      max_shard_tokens=max_shard_tokens)
+                                      max_shard_tokens=max_shard_tokens, files_per_chunk=files_per_chunk)
     return specs

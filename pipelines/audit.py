@@ -77,10 +77,10 @@ def expected_versions(checkpoint_dir: Path, lineage: dict) -> list[tuple[str, st
     from assets.data import combined_hash
 
     links: list[tuple[str, str | None, str]] = []
-    by_source: dict[str, dict[str, list[str]]] = {}
+    by_source: dict[str, dict[str, list[str]]] = {}  # by partition: a chunk, or an unchunked source
     for key in ("raw_files", "shards"):
         for record in lineage.get(key) or []:
-            by_source.setdefault(record["source"], {}).setdefault(key, []).append(record["sha256"])
+            by_source.setdefault(record.get("chunk", record["source"]), {}).setdefault(key, []).append(record["sha256"])
     for source, hashes in sorted(by_source.items()):
         links.append(("raw_corpus", source, combined_hash(hashes.get("raw_files", []))))
     if lineage.get("tokenizer"):

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import dagster as dg
 
-from assets.data import source_partitions
+from assets.chunks import register_source_chunks
 from pipelines.definitions import ALL_ASSETS
 
 
@@ -31,8 +31,8 @@ def materialize_chain(instance: dg.DagsterInstance, resources: dict, run_config:
     """raw_corpus[*] → tokenizer → token_shards[*] → blend_manifest → training_run (+ checkpoints), stopping after
     the asset ``through``."""
     result = ChainResult()
-    plan = [("raw_corpus", source_partitions.get_partition_keys()), ("tokenizer", [None]),
-            ("token_shards", source_partitions.get_partition_keys()), ("blend_manifest", [None]),
+    chunks = register_source_chunks(instance, resources["storage"])
+    plan = [("raw_corpus", chunks), ("tokenizer", [None]), ("token_shards", chunks), ("blend_manifest", [None]),
             ("training_run", [None])]
     plan = plan[:[key for key, _ in plan].index(through) + 1]
     for key, partitions in plan:

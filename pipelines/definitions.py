@@ -5,7 +5,7 @@ from assets.checks import checkpoint_audit, manifest_shards_match, shards_are_we
 from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
 from assets.evaluation import checkpoint_eval
 from assets.training import checkpoint, training_run
-from pipelines.jobs import nightly_schedule, preprocess_then_train
+from pipelines.jobs import nightly_schedule, preprocess_then_train, shard_chunks
 from pipelines.sensors import kiln_automation, raw_files_sensor
 from resources.msrun import MsrunResource
 from resources.storage import KilnStorage
@@ -22,9 +22,15 @@ def resources(**overrides) -> dict:
 
 
 def build_definitions(resources: dict, schedule_run_config: dict | None = None) -> dg.Definitions:
-    return dg.Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[preprocess_then_train],
+    return dg.Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[preprocess_then_train, shard_chunks],
                           schedules=[nightly_schedule(schedule_run_config)],
                           sensors=[raw_files_sensor, kiln_automation], resources=resources)
 
 
 defs = build_definitions(resources())
+
+
+def shard_chunks_job() -> dg.JobDefinition:
+    """`shard_chunks` for ``dg.reconstructable``: run under the multiprocess executor without a code server
+    (the chunk backfill's test and benchmark), each step process loads it from here."""
+    return defs.resolve_job_def("shard_chunks")

@@ -1,14 +1,16 @@
 """The scheduled batch path: one run from raw corpora to a training run.
 
-The job mixes source-partitioned assets (raw_corpus, token_shards) with unpartitioned ones. Its run
-covers the whole partition range (every source): those two assets have a single-run backfill policy
-and build every source of the range in one step, so raw → tokenizer → shards → manifest → training
-run in order inside one run, checks included.
+The job mixes chunk-partitioned assets (raw_corpus, token_shards) with unpartitioned ones. Its run
+covers the whole partition range (every chunk of every source): those two assets have a single-run
+backfill policy (raw_corpus ingests the range in one step, token_shards in a step per chunk), so raw →
+tokenizer → shards → manifest → training run in order inside one run, checks included.
 """
 import dagster as dg
 
-from assets.data import blend_manifest, raw_corpus, source_partitions, token_shards, tokenizer
+from assets.chunks import register_source_chunks, source_chunks
+from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
 from assets.training import training_run
+from resources.storage import KilnStorage
 
 preprocess_then_train = dg.define_asset_job(
     "preprocess_then_train", selection=dg.AssetSelection.assets(raw_corpus, tokenizer, token_shards, blend_manifest,
@@ -18,9 +20,23 @@ preprocess_then_train = dg.define_asset_job(
     executor_def=dg.in_process_executor)
 
 
-def all_sources_tags() -> dict[str, str]:
-    """The tags of a run over every source partition (what a single-run backfill of all of them sets)."""
-    keys = source_partitions.get_partition_keys()
+# A step per chunk, as many at once as there are cores (the multiprocess executor's default max_concurrent);
+# forkserver with Kiln's Definitions loaded once, so a chunk's step starts by forking instead of importing Dagster
+# and Kiln again in a fresh interpreter (spawn, the default).
+CHUNK_EXECUTION = {"execution": {"config": {"start_method": {"forkserver": {"preload_modules": ["pipelines.definitions"]}}}}}
+
+shard_chunks = dg.define_asset_job(
+    "shard_chunks", selection=dg.AssetSelection.assets(token_shards), executor_def=dg.multiprocess_executor,
+    config=CHUNK_EXECUTION,
+    description="Tokenize the chunks of the run's partition range, one step per chunk, side by side (backfill "
+                "token_shards from this job's Partitions tab: a single run over the range).")
+
+
+def all_sources_tags(instance: dg.DagsterInstance, storage: KilnStorage) -> dict[str, str]:
+    """The tags of a run over every chunk of every source (what a single-run backfill of all of them sets),
+    registering the chunks first."""
+    register_source_chunks(instance, storage)
+    keys = instance.get_dynamic_partitions(source_chunks.name)  # a range follows the instance's order
     return {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
 
 
@@ -29,9 +45,9 @@ def nightly_schedule(run_config: dict | None = None, cron: str = "0 2 * * *") ->
 
     @dg.schedule(name="nightly_preprocess_then_train", job=preprocess_then_train, cron_schedule=cron,
                  default_status=dg.DefaultScheduleStatus.STOPPED)
-    def _schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest:
+    def _schedule(context: dg.ScheduleEvaluationContext, storage: KilnStorage) -> dg.RunRequest:
         tick = context.scheduled_execution_time
         return dg.RunRequest(run_key=f"nightly:{tick.isoformat() if tick else 'manual'}",
-                             run_config=run_config or {}, tags=all_sources_tags())
+                             run_config=run_config or {}, tags=all_sources_tags(context.instance, storage))
 
     return _schedule

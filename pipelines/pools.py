@@ -33,11 +33,15 @@ def configure_pools(instance: dg.DagsterInstance, msrun: MsrunResource) -> int:
 
 
 def main() -> int:
+    from assets.chunks import register_source_chunks
     from pipelines.definitions import resources
 
     with dg.DagsterInstance.get() as instance:
         slots = configure_pools(instance, resources()["msrun"])
+        # the sources' chunks are instance state too: the UI lists them as partitions before a sensor tick
+        chunks = register_source_chunks(instance, resources()["storage"])
     print(f"concurrency pool {TRAINING_POOL!r}: {slots} training run(s) at a time")
+    print(f"source chunks (partitions of raw_corpus and token_shards): {len(chunks)}")
     return 0
 
 

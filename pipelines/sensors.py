@@ -1,8 +1,9 @@
-"""Automation: changed raw files re-ingest their source; shards and manifest follow on their own.
+"""Automation: changed raw files re-ingest their chunk; shards and manifest follow on their own.
 
-``raw_files_sensor`` hashes every file source's inputs (re-hashing a file only when its size or mtime
-moved) and requests ``raw_corpus[<source>]`` when a hash changed; its cursor holds two digests per
-source (about 300 bytes), however many files the sources have; ``token_shards`` and
+``raw_files_sensor`` groups new files of a chunked source into chunks and registers them as
+``source_chunks`` partitions (assets/chunks.py), hashes every chunk's files (re-hashing a file only when
+its size or mtime moved) and requests ``raw_corpus[<chunk>]`` when a hash changed or a known source got a
+new chunk; its cursor holds two digests per chunk (about 300 bytes), however many files a chunk has; ``token_shards`` and
 ``blend_manifest`` carry ``AutomationCondition.eager()``, evaluated by ``kiln_automation``, declared
 here because Dagster's default automation sensor ships stopped. Training is only started
 automatically when ``KILN_AUTO_TRAIN=1`` gives ``training_run`` its eager condition.
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.data import blend_manifest, raw_corpus, source_partitions, token_shards
+from assets.chunks import ChunkError, assign_source_chunks, chunk_files, key_stem, source_chunks, source_of
+from assets.data import blend_manifest, raw_corpus, token_shards
 from assets.evaluation import checkpoint_eval
 from assets.sources import SourcesConfigError, SourceSpec, load_sources
 from assets.training import training_run
@@ -33,14 +35,13 @@ def _digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
-def source_state(spec: SourceSpec, known: dict, hashes_path: Path) -> dict:
-    """``{"stat": ..., "content": ...}`` of a source: digests of its spec with its files' sizes and mtimes, and
-    with their sha256s. ``known`` is the previous state: while no size or mtime moved nothing is read. Else
-    the files whose size or mtime moved are re-hashed; the per-file hashes are kept in ``hashes_path`` (one
-    file per source, replaced), not in the cursor, which Dagster stores again with every tick."""
+def source_state(spec: SourceSpec, files: list[Path], known: dict, hashes_path: Path) -> dict:
+    """``{"stat": ..., "content": ...}`` of a chunk: digests of its source's spec with the chunk's ``files``' sizes
+    and mtimes, and with their sha256s. ``known`` is the previous state: while no size or mtime moved nothing is
+    read. Else the files whose size or mtime moved are re-hashed; the per-file hashes are kept in
+    ``hashes_path`` (one file per chunk, replaced), not in the cursor, which Dagster stores again every tick."""
     spec_json = json.dumps(asdict(spec), sort_keys=True)
-    stats = {str(path): [stat.st_size, stat.st_mtime_ns]
-             for path, stat in ((p, p.stat()) for p in ([] if spec.builtin else spec.input_files()))}
+    stats = {str(path): [stat.st_size, stat.st_mtime_ns] for path, stat in ((p, p.stat()) for p in files)}
     stat = _digest(spec_json, sorted(stats.items()))
     if known.get("stat") == stat:
         return known
@@ -54,36 +55,47 @@ def source_state(spec: SourceSpec, known: dict, hashes_path: Path) -> dict:
     return {"stat": stat, "content": _digest(spec_json, sorted(hashes.items()))}
 
 
-def sensor_hashes_path(storage: KilnStorage, source: str) -> Path:
-    return storage.root / ".kiln" / "raw_files_sensor" / f"{source}.json"
+def sensor_hashes_path(storage: KilnStorage, key: str) -> Path:
+    return storage.root / ".kiln" / "raw_files_sensor" / f"{key_stem(key)}.json"
 
 
 @dg.sensor(target=dg.AssetSelection.assets(raw_corpus), minimum_interval_seconds=30,
            default_status=AUTOMATION_STATUS,
-           description="Re-materializes raw_corpus[<source>] when a file of the source changes (by sha256).")
+           description="Registers new chunks of the sources' files and re-materializes raw_corpus[<chunk>] when a "
+                       "file of the chunk changes (by sha256) or a known source gets a new chunk.")
 def raw_files_sensor(context: dg.SensorEvaluationContext, storage: KilnStorage) -> dg.SensorResult:
     cursor = json.loads(context.cursor) if context.cursor else {}
     try:
         sources = load_sources(storage.sources_config)
     except SourcesConfigError as exc:
         return dg.SensorResult(skip_reason=str(exc))
-    requests, states = [], {}
-    partitions = set(source_partitions.get_partition_keys())
-    for name in sorted(set(sources) - partitions):  # partitions are fixed when the code location loads
-        context.log.warning(f"source {name} is not a raw_corpus partition yet: reload the code location")
-    for name, spec in sorted((n, s) for n, s in sources.items() if n in partitions):
+    requests, states, new_keys = [], {}, []
+    registered = set(context.instance.get_dynamic_partitions(source_chunks.name))
+    known_sources = {source_of(key) for key in cursor}
+    for name, spec in sorted(sources.items()):
         try:
-            states[name] = source_state(spec, cursor.get(name, {}), sensor_hashes_path(storage, name))
-        except (SourcesConfigError, OSError) as exc:
+            keys = assign_source_chunks(storage, spec)
+        except (SourcesConfigError, ChunkError, OSError) as exc:
             context.log.warning(f"source {name}: {exc}")
-            if name in cursor:
-                states[name] = cursor[name]
+            states.update({key: state for key, state in cursor.items() if source_of(key) == name})
             continue
-        # the first sight of a source only records it: its first ingest is the user's or the schedule's
-        if name in cursor and cursor[name].get("content") != states[name]["content"]:
-            requests.append(dg.RunRequest(partition_key=name, run_key=f"{name}:{states[name]['content'][:16]}",
-                                          asset_selection=[raw_corpus.key]))
-    return dg.SensorResult(run_requests=requests, cursor=json.dumps(states))
+        new_keys += [key for key in keys if key not in registered]
+        for key in keys:
+            try:
+                files = [] if spec.builtin else chunk_files(storage, spec, key)
+                states[key] = source_state(spec, files, cursor.get(key, {}), sensor_hashes_path(storage, key))
+            except (SourcesConfigError, ChunkError, OSError) as exc:
+                context.log.warning(f"chunk {key}: {exc}")
+                if key in cursor:
+                    states[key] = cursor[key]
+                continue
+            # the first sight of a source only records it: its first ingest is the user's or the schedule's; a
+            # new chunk of a known source (files added) is ingested, as is a chunk whose files changed
+            if name in known_sources and cursor.get(key, {}).get("content") != states[key]["content"]:
+                requests.append(dg.RunRequest(partition_key=key, run_key=f"{key}:{states[key]['content'][:16]}",
+                                              asset_selection=[raw_corpus.key]))
+    return dg.SensorResult(run_requests=requests, cursor=json.dumps(states),
+                           dynamic_partitions_requests=[source_chunks.build_add_request(new_keys)] if new_keys else [])
 
 
 kiln_automation = dg.AutomationConditionSensorDefinition(

@@ -24,8 +24,9 @@ class KilnStorage(dg.ConfigurableResource):
     def root(self) -> Path:
         return Path(self.data_root).resolve()
 
-    def raw_dir(self, source: str) -> Path:
-        return self.root / "raw" / source
+    def raw_dir(self, chunk: str) -> Path:
+        """`raw/<chunk>/`: `raw/<source>/` for an unchunked source, `raw/<source>/NNNNN/` for a chunk of one."""
+        return self.root / "raw" / chunk
 
     def tokenizer_prefix(self) -> Path:
         return self.root / "tokenizer" / "kiln"

@@ -8,6 +8,7 @@ import time
 
 import dagster as dg
 
+from assets.chunks import register_source_chunks
 from assets.training import training_run
 from conftest import PROJECT_ROOT
 from assets.versions import code_version_of
@@ -43,6 +44,7 @@ def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_p
     res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=5_000))
     defs = build_definitions(res)
     with dg.instance_for_test() as instance:
+        register_source_chunks(instance, storage)
         job = defs.resolve_implicit_global_asset_job_def()
         for key, partition in [("raw_corpus", "stdlib_code"), ("raw_corpus", "stdlib_docs"), ("tokenizer", None),
                                ("token_shards", "stdlib_code"), ("token_shards", "stdlib_docs"),

@@ -6,6 +6,7 @@ import dagster as dg
 import pytest
 
 import assets.data
+from assets.chunks import register_source_chunks
 from assets.training import (AUDIT_PROBLEMS_SHOWN, audit_evaluation, audit_summary, checkpoint_dir,
                              forget_rotated_checkpoints)
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, build_definitions, resources
@@ -22,6 +23,7 @@ def data_chain(tmp_path, micro_sources):
     res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=5_000))
     defs = build_definitions(res)
     with dg.instance_for_test() as instance:
+        register_source_chunks(instance, storage)
         job = defs.resolve_implicit_global_asset_job_def()
 
         def run(key, partition=None, check=None):

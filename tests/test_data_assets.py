@@ -4,6 +4,7 @@ import json
 import dagster as dg
 
 import assets.data
+from assets.chunks import register_source_chunks
 from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
@@ -31,6 +32,7 @@ def _write_sources(tmp_path):
 
 
 def _materialize(instance, resources, key, partition=None):
+    register_source_chunks(instance, resources["storage"])
     result = dg.materialize(DATA_ASSETS, selection=[key], partition_key=partition, instance=instance,
                             resources=resources)
     (event,) = [m for m in result.asset_materializations_for_node(key) if m.asset_key == dg.AssetKey(key)]

@@ -51,7 +51,9 @@ def lineage_inputs(manifest_path: str | Path, data_root: str | Path) -> dict:
         source_tokens = sum(shard["tokens"] for shard in source["shards"]) or 1
         for shard in source["shards"]:
             for ext in ("bin", "idx"):
-                shards.append({"source": source["name"], "path": f"{shard['prefix']}.{ext}",
+                # a chunked source's shards name their chunk (its raw files carry it from the manifest too)
+                shards.append({"source": source["name"], **({"chunk": shard["chunk"]} if "chunk" in shard else {}),
+                               "path": f"{shard['prefix']}.{ext}",
                                "sha256": shard[f"{ext}_sha256"],
                                "token_share": share * shard["tokens"] / source_tokens})
         source_bytes = sum(raw.get("bytes", 0) for raw in source["raw_files"]) or 1
@@ -302,22 +304,26 @@ class Consumer:
 
 def _matches(record: dict, target: str) -> bool:
     path = record["path"]
-    return target in (path, record.get("source")) or path.rsplit(".", 1)[0] == target or \
+    return target in (path, record.get("source"), record.get("chunk")) or path.rsplit(".", 1)[0] == target or \
         target.endswith("/" + path)
 
 
 def _consumed(inputs: dict, target: str) -> tuple[str, float | None] | None:
-    """What in a checkpoint's upstream records names ``target`` (a raw file or shard path, a shard prefix or a
-    source name), and its share of the run's tokens; None when nothing does."""
+    """What in a checkpoint's upstream records names ``target`` (a raw file or shard path, a shard prefix, a
+    chunk or a source name), and its share of the run's tokens; None when nothing does. A file or shard is
+    named with its chunk when its source is chunked."""
     records = [r for key in ("raw_files", "shards") for r in inputs.get(key) or [] if _matches(r, target)]
     if not records:
         return None
-    if {r["source"] == target for r in records} == {True}:  # a whole source: the sum over its shards
-        shares = [r.get("token_share") for r in inputs.get("shards") or [] if r["source"] == target
-                  and r["path"].endswith(".bin")]  # .bin and .idx name the same tokens
-        matched = f"source {target}"
-    else:
-        shares, matched = [records[0].get("token_share")], records[0]["path"]
+    for field in ("source", "chunk"):  # a whole source or chunk: the sum over its shards
+        if {r.get(field) == target for r in records} == {True}:
+            shares = [r.get("token_share") for r in inputs.get("shards") or [] if r.get(field) == target
+                      and r["path"].endswith(".bin")]  # .bin and .idx name the same tokens
+            return f"{field} {target}", None if None in shares else sum(shares)
+    record = records[0]
+    shares, matched = [record.get("token_share")], record["path"]
+    if record.get("chunk") not in (None, record["source"]):
+        matched += f" (chunk {record['chunk']})"
     return matched, None if None in shares else sum(shares)
 
 

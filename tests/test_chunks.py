@@ -1,0 +1,130 @@
+"""Chunked sources: stable chunk assignment, the sensor registering chunks, a backfill of the chunks under the
+multiprocess executor with 2 steps at once, the blend gathering every chunk, and lineage naming the chunk."""
+import json
+import random
+
+import dagster as dg
+import pytest
+
+from assets.chunks import assign_chunks, register_source_chunks, source_chunks
+from assets.sources import load_sources
+from pipelines.definitions import build_definitions, resources, shard_chunks_job
+from pipelines.sensors import raw_files_sensor
+from resources.storage import KilnStorage
+from resources.tokenizer import TokenizerSettings
+from training.data.merge import dataset_prefixes, merge_datasets
+from training.data.preprocess import tokenize_to_indexed
+from training.lineage import _consumed, lineage_inputs
+
+WORDS = "chunk shard partition backfill executor step merge lineage token corpus".split()
+
+
+def _write_file(path, seed, count=60):
+    rng = random.Random(seed)
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 25)))})
+                            + "\n" for _ in range(count)))
+
+
+def _chunked(tmp_path, files, per_chunk):
+    user = tmp_path / "user"
+    user.mkdir(exist_ok=True)
+    for i in range(files):
+        _write_file(user / f"f{i}.jsonl", i)
+    sources = tmp_path / "sources.yaml"
+    sources.write_text(f"sources:\n  web: {{files: ['{user}/*.jsonl'], files_per_chunk: {per_chunk}, weight: 3}}\n"
+                       "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 30000, weight: 1}\n")
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                          sources_config=str(sources))
+    return user, storage
+
+
+def test_chunk_assignment_is_stable_and_the_sensor_requests_only_the_changed_chunk(tmp_path):
+    user, storage = _chunked(tmp_path, files=5, per_chunk=2)
+    spec = load_sources(storage.sources_config)["web"]
+    names = lambda chunks: [[p.rsplit("/", 1)[1] for p in chunk] for chunk in chunks]  # noqa: E731
+    assert names(assign_chunks(storage, spec)) == [["f0.jsonl", "f1.jsonl"], ["f2.jsonl", "f3.jsonl"], ["f4.jsonl"]]
+    _write_file(user / "a_new.jsonl", 9)  # sorts first, joins the last chunk: no file moves
+    (user / "f1.jsonl").unlink()
+    assert names(assign_chunks(storage, spec)) == [["f0.jsonl"], ["f2.jsonl", "f3.jsonl"], ["f4.jsonl", "a_new.jsonl"]]
+
+    def tick(instance, cursor):
+        result = raw_files_sensor(dg.build_sensor_context(instance=instance, cursor=cursor,
+                                                          resources={"storage": storage}))
+        added = [key for request in result.dynamic_partitions_requests for key in request.partition_keys]
+        return [r.partition_key for r in result.run_requests], added, result.cursor
+
+    with dg.instance_for_test() as instance:
+        requested, added, cursor = tick(instance, None)  # first sight: registered, not ingested
+        assert (requested, added) == ([], ["stdlib_docs", "web/00000", "web/00001", "web/00002"])
+        instance.add_dynamic_partitions(source_chunks.name, added)
+        _write_file(user / "f3.jsonl", 33)
+        _write_file(user / "z_new.jsonl", 10)  # the last chunk is full: a new one
+        requested, added, cursor = tick(instance, cursor)
+        assert (requested, added) == (["web/00001", "web/00003"], ["web/00003"])
+
+
+def test_a_backfill_shards_every_chunk_two_steps_at_once_and_the_blend_gathers_them(tmp_path):
+    user, storage = _chunked(tmp_path, files=4, per_chunk=1)
+    res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=3_000))
+    defs = build_definitions(res)
+    job = defs.resolve_implicit_global_asset_job_def()
+    with dg.instance_for_test() as instance:
+        keys = register_source_chunks(instance, storage)
+        assert keys == ["stdlib_docs", "web/00000", "web/00001", "web/00002", "web/00003"]
+        whole_range = {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
+        assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("raw_corpus")],
+                                      tags=whole_range).success
+        assert dg.materialize(defs.assets, selection=["tokenizer"], instance=instance, resources=res).success
+
+        # the backfill: one run over the chunks of `web`, a step per chunk, under the multiprocess executor
+        web = {"dagster/asset_partition_range_start": "web/00000", "dagster/asset_partition_range_end": "web/00003"}
+        run_config = {"execution": {"config": {"max_concurrent": 2, "start_method": {
+                          "forkserver": {"preload_modules": ["pipelines.definitions"]}}}},
+                      "resources": {"storage": {"config": {"data_root": storage.data_root, "runs_root": storage.runs_root,
+                                                           "sources_config": storage.sources_config}}}}
+        result = dg.execute_job(dg.reconstructable(shard_chunks_job), instance, run_config=run_config, tags=web)
+        assert result.success
+        spans, running, most = {}, 0, 0
+        for event in sorted(instance.all_logs(result.run_id), key=lambda e: e.timestamp):
+            step = event.step_key or ""
+            if step.startswith("token_shards.tokenize_chunk[") and event.is_dagster_event:
+                if event.dagster_event_type == dg.DagsterEventType.STEP_START:
+                    running += 1
+                    most = max(most, running)
+                    spans[step] = event.timestamp
+                elif event.dagster_event_type in (dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE):
+                    running -= 1
+        assert len(spans) == 4 and most == 2  # four chunk steps, two at a time, never more
+        for key in keys[1:]:
+            (record,) = instance.fetch_materializations(dg.AssetRecordsFilter(
+                asset_key=dg.AssetKey("token_shards"), asset_partitions=[key]), limit=1).records
+            assert record.asset_materialization.metadata[f"tokens/{key}"].value > 0
+
+        assert dg.materialize(defs.assets, selection=["token_shards"], partition_key="stdlib_docs",
+                              instance=instance, resources=res).success
+        assert dg.materialize(defs.assets, selection=["blend_manifest"], instance=instance, resources=res).success
+
+    manifest_path = storage.manifest_path()
+    manifest = json.loads(manifest_path.read_text())
+    (web_source,) = [s for s in manifest["sources"] if s["name"] == "web"]
+    assert [s["chunk"] for s in web_source["shards"]] == ["web/00000", "web/00001", "web/00002", "web/00003"]
+    assert [r["chunk"] for r in web_source["raw_files"]] == ["web/00000", "web/00001", "web/00002", "web/00003"]
+    # the source's weight (3 of 4) is split over its chunks' shards by tokens
+    weights = dict(zip(manifest["data_path"][1::2], manifest["data_path"][::2]))
+    assert sum(weights[s["prefix"]] for s in web_source["shards"]) == pytest.approx(0.75, abs=1e-9)
+    for shard in web_source["shards"]:
+        assert weights[shard["prefix"]] == pytest.approx(0.75 * shard["tokens"] / web_source["tokens"], abs=1e-11)
+
+    # lineage and `kiln lineage --consumers` name the chunk, and a chunk's share is its shards' sum
+    inputs = lineage_inputs(manifest_path, storage.root)
+    second = web_source["shards"][1]
+    assert _consumed(inputs, "web/00001") == ("chunk web/00001", pytest.approx(0.75 * second["tokens"]
+                                                                                / web_source["tokens"]))
+    assert _consumed(inputs, f"{second['prefix']}.bin")[0] == f"{second['prefix']}.bin (chunk web/00001)"
+
+    # kiln merge of the chunks = one pass over the same files, byte for byte
+    merged = merge_datasets(dataset_prefixes(storage.root / "shards" / "web"), tmp_path / "merged" / "web")
+    whole = tokenize_to_indexed(sorted(user.glob("*.jsonl")), storage.tokenizer_prefix().with_suffix(".model"),
+                                tmp_path / "whole" / "web", append_eod=True, workers=1)
+    assert (merged["bin_sha256"], merged["idx_sha256"]) == (whole["outputs"][0]["bin_sha256"],
+                                                            whole["outputs"][0]["idx_sha256"])
