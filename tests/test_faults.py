@@ -38,25 +38,24 @@ def test_a_full_disk_and_a_shard_corrupted_after_its_check_keep_the_last_checkpo
     2. the next run's shard passes every check when it builds its dataset (the .idx, the .bin's size, every
        token id against model.vocab_size), then another process overwrites it in place: the first sample read
        fails naming the file and the sample, before any step trains on it;
-    3. with the shard restored, the next run fails its sync save of step 2 as the first did;
-    4. once space is freed, the next run trains step 2 to the loss the first and third logged.
+    3. with the shard restored and space freed, the next run trains step 2 to the loss the first logged.
     After each failure, step 1's checkpoint is the one tracked and whole, and step 2 has no checkpoint."""
     save_path = small_tmpfs / "checkpoints"
     run = ["training.steps=2", "checkpoint.save_interleaved_steps=1", f"checkpoint.save_path={save_path}"]
     resume = [*run, f"checkpoint.load_path={save_path}"]
-    no_space = f"No space left on device: '{save_path}/.iteration_00000002.partial/checkpoint-"
 
-    full_async = make_trainer(tmp_path, shard, "async", *run, "checkpoint.async_save=true")
+    full = make_trainer(tmp_path, shard, "full", *run, "checkpoint.async_save=true")
     with pytest.raises(CheckpointError) as raised:
-        full_async.train()
+        full.train()
     assert str(raised.value).startswith(f"{save_path}/iteration_00000002: async save failed on 1 rank(s); on this "
-                                        f"rank: OSError: [Errno 28] {no_space}")
+                                        f"rank: OSError: [Errno 28] No space left on device: "
+                                        f"'{save_path}/.iteration_00000002.partial/checkpoint-")
     assert_only_step_1_is_kept(save_path)
-    logged = losses(tmp_path / "async")
+    logged = losses(tmp_path / "full")
     assert sorted(logged) == [1, 2]  # step 2 trained; its save failed
 
     corrupted = make_trainer(tmp_path, shard, "corrupted", *resume)  # every check passes here
-    assert corrupted.step == 1  # the failed async save left nothing a resume would pick
+    assert corrupted.step == 1  # the failed save left nothing a resume would pick
     good = tmp_path / "good.bin"
     shutil.copyfile(f"{shard}.bin", good)
     tokens = np.memmap(f"{shard}.bin", mode="r+", dtype=np.uint16)
@@ -70,16 +69,33 @@ def test_a_full_disk_and_a_shard_corrupted_after_its_check_keep_the_last_checkpo
     assert_only_step_1_is_kept(save_path)
 
     shutil.copyfile(good, f"{shard}.bin")
-    full_sync = make_trainer(tmp_path, shard, "sync", *resume)
-    with pytest.raises(OSError) as raised:
-        full_sync.train()
-    assert raised.value.errno == errno.ENOSPC and str(raised.value).startswith(f"[Errno 28] {no_space}")
-    assert_only_step_1_is_kept(save_path)
-    assert losses(tmp_path / "sync") == {2: logged[2]}
-
     subprocess.run(["mount", "-o", "remount,size=16m", str(small_tmpfs)], check=True)  # space freed
     resumed = make_trainer(tmp_path, shard, "resumed", *resume)
     assert resumed.step == 1
     resumed.train()
     assert losses(tmp_path / "resumed") == {2: logged[2]}  # bit for bit
     assert tracked_step(save_path) == 2 and not list(save_path.glob(".iteration_*.partial"))
+
+
+def test_a_full_disk_during_a_sync_save_fails_naming_the_file_and_keeps_the_last_checkpoint(small_tmpfs):
+    """The sync save's ENOSPC reaches its caller (the trainer lets it fail the run, as the async one above); the
+    step is never tracked and the last checkpoint loads whole, as the resume above needs."""
+    from test_checkpoint import arrays, common
+    from training.checkpoint import CheckpointSaver, load_checkpoint, resolve_load_path
+    from training.parallel.comm import Collectives
+    from training.parallel.mesh import World
+
+    world = World(rank=0, size=1)
+    saver = CheckpointSaver(save_path=small_tmpfs, prefix="checkpoint", save_max=5, world=world,
+                            collectives=Collectives(world), async_save=False)
+    big = {"filler": np.zeros(1_500_000 // 4, np.float32)}  # two checkpoints of this do not fit in 2.5 MiB
+    model, optim = arrays(1)
+    saver.save(step=1, model={**model, **big}, optim=optim, common=common(1), lineage={"run": {}})
+    model, optim = arrays(2)
+    with pytest.raises(OSError) as raised:
+        saver.save(step=2, model={**model, **big}, optim=optim, common=common(2), lineage={"run": {}})
+    assert raised.value.errno == errno.ENOSPC and str(raised.value).startswith(
+        f"[Errno 28] No space left on device: '{small_tmpfs}/.iteration_00000002.partial/checkpoint-")
+    assert_only_step_1_is_kept(small_tmpfs)
+    loaded = load_checkpoint(resolve_load_path(small_tmpfs))
+    assert loaded.common["global_step"] == 1 and loaded.model["filler"].shape == big["filler"].shape
