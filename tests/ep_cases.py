@@ -12,27 +12,28 @@ from pathlib import Path
 # workers' busy-waiting dispatch threads on two loaded cores made each step several times slower
 os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fsdp_cases import DEEPSEEK, case_config  # noqa: E402
-from training.parallel.mesh import init_world  # noqa: E402
-from training.reporting import Reporter  # noqa: E402
-from training.trainer import Trainer, configure_runtime  # noqa: E402
+from fsdp_cases import DEEPSEEK, case_config, train_cases  # noqa: E402
 
 # two steps (both update: warmup to lr 3e-3), the second from the first's Adam moments, and a checkpoint between
 STEPS = 2
 EP2 = "parallelism.expert_parallel=2"
 # name -> overrides ({out}: the cases' directory)
 CASES = {
-    # ep 2 inside dp_shard 2, replicated over dp_replicate 2: experts whole per ep rank (efsdp 1), dense ZeRO-3;
-    # also saves at step 1, which the ep4 case resumes from
-    "ep2_hsdp": [EP2, "parallelism.data_parallel_shard=2", "checkpoint.save_interleaved_steps=1"],
     # ep 2 inside dp_shard 4: each ep rank's experts ZeRO-3-sharded over efsdp 2 (and gathered as their own unit);
-    # dense weights sharded over 2 ranks (dense_fsdp_shard_size) and replicated over the other 2
-    "ep2_zero3_dense_shard2": [EP2, "parallelism.dense_fsdp_shard_size=2"],
-    # ZeRO-1, without the safe tokens: the experts' gradients all-reduced whole over expert_dp, then chunked
-    "ep2_zero1_no_safe_tokens": [EP2, "parallelism.data_parallel_shard_strategy=optim",
-                                 "parallelism.expert_parallel_use_safe_tokens=false"],
-    # another expert-parallel degree (one expert per rank) resuming the ep2 checkpoint
-    "ep4_from_ep2": ["parallelism.expert_parallel=4", "checkpoint.load_path={out}/ep2_hsdp/checkpoints/iteration_00000001"],
+    # dense weights sharded over 2 ranks (dense_fsdp_shard_size) and replicated over the other 2. Also saves at
+    # step 1, which the ep4 case resumes from
+    "ep2_zero3_dense_shard2": [EP2, "parallelism.dense_fsdp_shard_size=2", "checkpoint.save_interleaved_steps=1"],
+    # pipeline 2 × ep 2 (each stage's 2 ranks: MoE layer and MTP on the last), 1F1B over the step's 2 micro-batches;
+    # ZeRO-1 (the experts' gradients all-reduced whole over expert_dp, then chunked), without the safe tokens
+    "ep2_pp2_zero1_no_safe_tokens": [EP2, "parallelism.pipeline_parallel=2",
+                                     "parallelism.data_parallel_shard_strategy=optim",
+                                     "parallelism.expert_parallel_use_safe_tokens=false"],
+    # context 2 × ep 2 with HSDP: ep carved out of dp_shard 1 × cp 2, so each ep group is a cp pair (ring
+    # attention), holding whole experts (efsdp 1) replicated over dp_replicate 2, which sums their gradients
+    "cp2_ep2_hsdp": [EP2, "parallelism.context_parallel=2", "parallelism.data_parallel_shard=1"],
+    # another expert-parallel degree (one expert per rank), and dense weights over all 4 shards, resuming ep2
+    "ep4_from_ep2": ["parallelism.expert_parallel=4",
+                     "checkpoint.load_path={out}/ep2_zero3_dense_shard2/checkpoints/iteration_00000001"],
 }
 
 
@@ -42,12 +43,8 @@ def ep_config(shard: str, overrides: list[str], save_path: Path | None = None):
 
 
 def main(out: str, shard: str) -> None:
-    configure_runtime(ep_config(shard, []))  # once: MindSpore's device cannot be set again
-    world = init_world()
-    for name, overrides in CASES.items():
-        run_dir = Path(out) / name
-        config = ep_config(shard, [o.format(out=out) for o in overrides], run_dir / "checkpoints")
-        Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main)).train()
+    steps = f"training.steps={STEPS}"
+    train_cases(out, shard, [(name, [steps, *overrides], DEEPSEEK) for name, overrides in CASES.items()])
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from mindspore import Tensor
 
 from conftest import PROJECT_ROOT, run_under_msrun, write_random_documents
 from ep_cases import CASES, STEPS, ep_config
+from test_context_parallel import assert_weights_match
 from training.checkpoint import load_checkpoint
 from training.config import ConfigError, ParallelismConfig
 from training.model import build_model
@@ -21,9 +22,12 @@ from training.trainer import Trainer, configure_runtime
 
 # fp32 sums in another order than one process's (the all-to-all returns each expert's rows to their token, the
 # gradients are summed over ep, then expert_dp). Measured on these cases: losses, their parts and grad norms within
-# 4e-8 relative, final weights within 2e-7 absolute after 2 AdamW steps; test_fsdp's bounds, kept
+# 2e-7 relative, final weights within 2e-7 absolute after 2 AdamW steps; test_fsdp's bounds, kept. With context
+# parallelism the online softmax rounds differently too, and a near-zero gradient meets Adam's lr/eps gain
+# (measured: one embedding entry 1.95e-6 apart, every other weight within 7e-7): test_context_parallel's rule
 LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 2e-6
+CONTEXT_PARALLEL_CASES = {"cp2_ep2_hsdp"}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +59,10 @@ def test_expert_parallel_trains_as_one_process(runs, case):
     weights = load_checkpoint(checkpoint).model  # each rank wrote its experts' chunks; read back whole
     assert sorted(weights) == sorted(expected)
     for name, value in expected.items():
-        np.testing.assert_allclose(weights[name], value, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
+        if case in CONTEXT_PARALLEL_CASES:
+            assert_weights_match(weights[name], value, name)
+        else:
+            np.testing.assert_allclose(weights[name], value, rtol=0, atol=WEIGHT_ATOL, err_msg=name)
 
 
 @pytest.mark.msrun
@@ -63,12 +70,12 @@ def test_expert_and_dense_weights_are_written_as_each_shards(runs):
     root, _, _ = runs
     expert, dense = "decoder.layers.1.mlp.experts.weight1", "embedding.word_embeddings.weight"  # [4 experts, …]
     fragments = {}
-    for case in ("ep2_hsdp", "ep2_zero3_dense_shard2", "ep4_from_ep2"):
+    for case in ("ep2_zero3_dense_shard2", "cp2_ep2_hsdp", "ep4_from_ep2"):
         meta = json.loads((root / "cases" / case / f"checkpoints/iteration_{STEPS:08d}/metadata.json").read_text())
         fragments[case] = tuple(meta["state_dict_metadata"][n]["axis_fragmentations"][0] for n in (expert, dense))
-    # ep 2 with experts whole per ep rank, dense ZeRO-3 over dp_shard 2; ep 2 × ZeRO-3 over efsdp 2 with dense
-    # weights over 2 of the 4 shard ranks; ep 4 (dp_shard 4, efsdp 1), dense over all 4
-    assert fragments == {"ep2_hsdp": (2, 2), "ep2_zero3_dense_shard2": (4, 2), "ep4_from_ep2": (4, 4)}
+    # ep 2 × ZeRO-3 over efsdp 2, dense weights over 2 of the 4 shard ranks; ep 2 over the cp pair, experts whole
+    # per ep rank, dense weights over the fsdp group (dp_shard 1 × cp 2); ep 4 (efsdp 1), dense over all 4
+    assert fragments == {"ep2_zero3_dense_shard2": (4, 2), "cp2_ep2_hsdp": (2, 2), "ep4_from_ep2": (4, 4)}
 
 
 @pytest.mark.msrun
