@@ -46,9 +46,12 @@ def evaluating(model) -> Iterator[None]:
         model.set_train(was_training)
 
 
-def forward_loss_sums(model, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Per sample of ``batch`` (stack_model_inputs): its summed loss over loss-masked tokens and their count."""
-    inputs = [None if batch.get(key) is None else Tensor(batch[key]) for key in MODEL_INPUTS]
+def forward_loss_sums(model, batch: dict[str, np.ndarray], shard_inputs=None) -> tuple[np.ndarray, np.ndarray]:
+    """Per sample of ``batch`` (stack_model_inputs): its summed loss over loss-masked tokens and their count
+    (under context parallelism, ``shard_inputs`` given: over this rank's tokens of the samples)."""
+    inputs = tuple(None if batch.get(key) is None else Tensor(batch[key]) for key in MODEL_INPUTS)
+    if shard_inputs is not None:
+        inputs = shard_inputs(inputs)
     sums, tokens = model.sample_loss_sums(*inputs)
     return sums.asnumpy().astype(np.float64), tokens.asnumpy().astype(np.float64)
 
@@ -114,8 +117,9 @@ class Validation:
     data-parallel ranks and micro-batches as a training step's batch is (``sample_indices``)."""
 
     def __init__(self, config: TrainConfig, model, collectives, sample_indices, accumulation: int,
-                 use_positions: bool, vocab_size: int | None):
+                 use_positions: bool, vocab_size: int | None, shard_inputs=None):
         self.config = config
+        self.shard_inputs = shard_inputs  # context parallelism: this rank's tokens of each sample
         self.model = model
         self.collectives = collectives
         self.sample_indices = sample_indices  # (first sample of the batch, micro-batch) -> this rank's indices
@@ -136,10 +140,12 @@ class Validation:
             for batch_index in range(self.config.training.eval_iters):
                 for micro in range(self.accumulation):
                     items = [self.dataset[i] for i in self.sample_indices(batch_index * gbs, micro)]
-                    sums, counts = forward_loss_sums(self.model, stack_model_inputs(items, self.use_positions))
+                    sums, counts = forward_loss_sums(self.model, stack_model_inputs(items, self.use_positions),
+                                                     self.shard_inputs)
                     loss_sum += sums.sum()
                     tokens += counts.sum()
-        # every rank of a tensor-parallel group holds the same sums: numerator and denominator count them alike
+        # every rank of a tensor-parallel group holds the same sums: numerator and denominator count them alike;
+        # context-parallel ranks hold parts of their samples' sums, which add up
         loss_sum, tokens = self.collectives.all_reduce_array(np.array([loss_sum, tokens]))
         loss = float(loss_sum / max(tokens, 1.0))
         return {"step": step, "val_loss": loss, "val_ppl": perplexity(loss)}
