@@ -46,6 +46,22 @@ def assert_loaded(loaded, step):
         np.testing.assert_array_equal(loaded.optim[k], optim[k])
 
 
+def test_a_save_hashes_its_tensor_files_while_writing_them_and_records_the_bytes_on_disk(tmp_path, monkeypatch):
+    """lineage.json's sha256 of a tensor file comes from its writer, not from reading the file back (the audit
+    is what reads it); only rank 0's small JSON files are read to be hashed."""
+    import training.checkpoint as checkpoint
+
+    read_back, real = [], checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda path: read_back.append(path.name) or real(path))
+    saved = save(tmp_path, 1)
+    assert sorted(read_back) == ["common.json", "lineage.json", "metadata.json"]
+    recorded = {f["name"]: f["sha256"] for f in saved.files}
+    assert recorded == {p.name: real(p) for p in saved.path.iterdir()}  # and no writer's hidden sha256 is left
+    lineage = json.loads((saved.path / "lineage.json").read_text())
+    assert {f["name"]: f["sha256"] for f in lineage["checkpoint"]["files"]} == {
+        name: sha256 for name, sha256 in recorded.items() if name not in ("lineage.json", "common.json")}
+
+
 def test_round_trip_layout_and_tracker(tmp_path):
     saved = save(tmp_path, 3)
     names = sorted(p.name for p in saved.path.iterdir())

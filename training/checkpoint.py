@@ -12,6 +12,7 @@ Nothing is deserialized with pickle: tensors are safetensors, the rest JSON.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -83,10 +84,11 @@ def shard_file_name(prefix: str | None, kind: str, rank: int, world_size: int) -
 
 
 
-def _write_safetensors_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+def _write_safetensors_atomic(path: Path, arrays: dict[str, np.ndarray]) -> str:
     """The safetensors format streamed from the arrays' own memory: ``safetensors.numpy.save`` would first
     build the whole file as one bytes object (two extra copies of a checkpoint, a cost an async save pays
-    on the cores training uses). Read back, and so checked, by the safetensors library."""
+    on the cores training uses). Read back, and so checked, by the safetensors library. Returns the sha256
+    of the bytes written, computed as they are written: no process reads the file again just to hash it."""
     header, offset = {}, 0
     for name, array in arrays.items():
         if array.dtype.name not in _SAFETENSORS_DTYPES:
@@ -98,12 +100,34 @@ def _write_safetensors_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as the library writes it
 
+    digest = hashlib.sha256()
+
     def write(stream) -> None:
-        stream.write(len(encoded).to_bytes(8, "little"))
-        stream.write(encoded)
-        for array in arrays.values():
-            stream.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+        def put(part) -> None:
+            digest.update(part)
+            stream.write(part)
+        put(len(encoded).to_bytes(8, "little"))
+        put(encoded)
+        for array in arrays.values():  # one contiguous copy at a time, where an array needs one
+            put(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
     write_atomic(path, write)
+    return digest.hexdigest()
+
+
+def _written_sha256_path(path: Path) -> Path:
+    """Where the writer of a staged file leaves its sha256: hidden, so not a checkpoint file, and removed by
+    rank 0 before the staging directory becomes the checkpoint."""
+    return path.with_name(f".{path.name}.sha256")
+
+
+def _staged_file_record(path: Path) -> dict:
+    """A staged file's lineage.json entry. Its sha256 is the one its writer computed from the bytes it wrote
+    (every rank hashes its own tensor files, in parallel) or, for rank 0's small JSON files, read back.
+    Either way a record of what was written, not a verification: the page cache would have served a re-read
+    too. What certifies the bytes on disk is the audit, which reads every file and compares it with this."""
+    written = _written_sha256_path(path)
+    sha256 = written.read_text() if written.is_file() else sha256_file(path)
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256}
 
 
 def numpy_dtype(ms_dtype) -> np.dtype:
@@ -309,9 +333,10 @@ class _Job(threading.Thread):
         self.seconds = time.perf_counter() - started
 
 
-def _write_files(target: Path, files: dict[str, dict[str, np.ndarray]]) -> None:
+def _write_files(staging: Path, files: dict[str, dict[str, np.ndarray]]) -> None:
+    """A rank's files in the staging directory, each with its sha256 next to it for rank 0's lineage.json."""
     for name, tensors in files.items():
-        _write_safetensors_atomic(target / name, tensors)
+        write_text_atomic(_written_sha256_path(staging / name), _write_safetensors_atomic(staging / name, tensors))
 
 
 @dataclass
@@ -459,12 +484,12 @@ def _finalize(save_path: Path, step: int, target: Path, metadata: dict, common: 
     write_json_atomic(staging / METADATA, metadata)
     if state is not None:
         write_json_atomic(staging / KILN_STATE, state)
-    files = [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(staging.iterdir()) if not p.name.startswith(".")]
+    files = [_staged_file_record(p) for p in sorted(staging.iterdir()) if not p.name.startswith(".")]
     write_json_atomic(staging / LINEAGE, {**lineage, "checkpoint": {"step": step, "files": files, "common": common}})
     write_json_atomic(staging / COMMON, common)
-    files += [{"name": name, "bytes": (staging / name).stat().st_size, "sha256": sha256_file(staging / name)}
-              for name in (LINEAGE, COMMON)]
+    files += [_staged_file_record(staging / name) for name in (LINEAGE, COMMON)]
+    for written in staging.glob(".*.sha256"):
+        written.unlink()
     os.replace(staging, target)  # no directory by that name: save() refused a complete one, removed any other
     write_text_atomic(save_path / TRACKER, f"{step}\n")
     record_in_index(save_path, step, lineage)
