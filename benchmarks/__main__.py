@@ -32,6 +32,10 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   per checkpoint and the raw-files sensor's cursor.
 - preprocessing memory (benchmarks/preprocess_memory.py): peak RSS of `kiln preprocess` on a corpus larger than
   RAM / 4 vs. on 600 MiB (bounded: the ratio stays near 1).
+- chunked preprocessing (benchmarks/chunked_preprocess.py, in processes of its own): a source of 16 chunks
+  (256 MiB; `--gib 1` for the issue's 1 GB) backfilled by `shard_chunks`, 2 steps at once under the
+  multiprocess executor, vs. one `kiln preprocess` of the same files, rounds alternating (target >= 0.9), and
+  Dagster's per-step overhead in seconds.
 """
 from __future__ import annotations
 
@@ -260,6 +264,8 @@ def main(argv=None) -> int:
             lineage_scale.run()
             # a corpus larger than RAM / 4, in processes of their own (about 30 min on 2 cores)
             subprocess.run([sys.executable, "-m", "benchmarks.preprocess_memory"], cwd=PROJECT_ROOT, check=True)
+            # a chunked source's backfill vs one kiln preprocess, each arm a process of its own (a few minutes)
+            subprocess.run([sys.executable, "-m", "benchmarks.chunked_preprocess"], cwd=PROJECT_ROOT, check=True)
     return 0
 
 
