@@ -9,8 +9,9 @@ in turn, round by round, so the machine's load falls on all alike. Per schedule:
   (v = 1: (p − 1)/(m + p − 1)). The analytic figure assumes a backward as long as a forward and free transfers;
   here a backward also runs the stage's forward again (training/parallel/pipeline.py) and the last stage's
   forward is that same run, and every transfer is a collective of its own.
-- activations kept per stage: the most stage-input hidden states a rank holds at once for its backwards (its
-  activations under full recompute), in MiB and in micro-batches (GPipe: all m; 1F1B: p − rank).
+- activations kept per stage: the most micro-batches a rank has forwarded and not yet backpropagated at once
+  (GPipe: all m; 1F1B: p − rank), and the bytes of stage-input hidden states it holds for them (its activations
+  under full recompute; the first stage keeps token ids only).
 
 Run as a script by msrun: ``python benchmarks/pipeline_bubble.py OUT SHARD``.
 """
@@ -53,16 +54,14 @@ def worker(out: str, shard: str) -> None:
     world = init_world()
     trainers = {name: Trainer(_config(shard, overrides), world, Path(out) / name, Reporter(None, enabled=False))
                 for name, (overrides, _) in SCHEDULES.items()}
-    figures = {name: {"idle": [], "kept_bytes": 0} for name in SCHEDULES}
+    figures = {name: {"idle": [], "in_flight": 0, "kept_bytes": 0} for name in SCHEDULES}
     for _ in range(ROUNDS):
         for name, trainer in trainers.items():
             trainer.train_step()
             result = trainer.pipeline.last_result
             figures[name]["idle"].append(1 - result.busy_s / result.wall_s)
+            figures[name]["in_flight"] = max(figures[name]["in_flight"], result.peak_in_flight)
             figures[name]["kept_bytes"] = max(figures[name]["kept_bytes"], result.peak_kept_bytes)
-    seq = trainers["gpipe"].seq_length
-    hidden = trainers["gpipe"].model.config.hidden_size
-    figures["micro_batch_bytes"] = seq * hidden * 4  # one sample's hidden states in fp32
     (Path(out) / f"rank{world.rank}.json").write_text(json.dumps(figures))
 
 
@@ -82,9 +81,10 @@ def run(report, shard: Path) -> None:
             report(f"pipeline {name} bubble (pp {PP}, {MICRO_BATCHES} micro-batches)", measured * 100, "% idle",
                    measured / analytic, f"the analytic {analytic:.1%}")
             for rank, figures in enumerate(ranks):
-                kept = figures[name]["kept_bytes"]
-                report(f"pipeline {name} activations kept, stage {rank}", kept / 2**20, "MiB",
-                       kept / figures["micro_batch_bytes"], "micro-batches' hidden states")
+                in_flight = figures[name]["in_flight"]
+                report(f"pipeline {name} stage {rank} keeps", figures[name]["kept_bytes"] / 2**20,
+                       f"MiB of hidden states ({in_flight} micro-batches in flight)", in_flight / MICRO_BATCHES,
+                       "all micro-batches")
 
 
 if __name__ == "__main__":

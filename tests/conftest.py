@@ -48,6 +48,23 @@ def train_alone(config, run_dir: Path) -> tuple[list[dict], dict]:
     return read_records(run_dir / "metrics.jsonl"), {p.name: p.asnumpy() for p in trainer.model.get_parameters()}
 
 
+def assert_resumes_as_one_process(config, run_dir: Path, step: int, single: list[dict], expected: dict,
+                                  loss_rtol: float, weight_atol: float) -> None:
+    """One process resumes ``config`` (its checkpoint.load_path saved at ``step`` by a parallel run) and trains on
+    as the uninterrupted single-process run did: the next step's loss (``single``: that run's records) and the
+    final weights (``expected``)."""
+    from training.parallel.mesh import World
+    from training.reporting import Reporter, read_records
+    from training.trainer import Trainer
+
+    resumed = Trainer(config, World(0, 1), run_dir, Reporter(run_dir / "metrics.jsonl", enabled=True))
+    assert resumed.step == step
+    resumed.train()
+    assert read_records(run_dir / "metrics.jsonl")[0]["loss"] == pytest.approx(single[step]["loss"], rel=loss_rtol)
+    for param in resumed.model.get_parameters():
+        np.testing.assert_allclose(param.asnumpy(), expected[param.name], rtol=0, atol=weight_atol, err_msg=param.name)
+
+
 def pytest_collection_modifyitems(items):
     """The slow files (those that launch msrun, a Dagster webserver or a browser) run first. `make test` runs the
     files on two pytest-xdist workers, each file whole on one of them; a long file started last would leave a core

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import MICRO_CONFIG  # noqa: E402
-from fsdp_cases import DEEPSEEK, STEPS, case_config  # noqa: E402
+from fsdp_cases import DEEPSEEK, case_config  # noqa: E402
 from training.parallel.mesh import init_world  # noqa: E402
 from training.reporting import Reporter  # noqa: E402
 from training.trainer import Trainer, configure_runtime  # noqa: E402
@@ -24,7 +24,8 @@ PP2 = ["parallelism.pipeline_parallel=2"]
 REPLICATED_DP = ["parallelism.data_parallel_shard=1"]
 # name -> (reference, overrides); the world is 4 workers
 CASES = {
-    "pp2_gpipe": ("qwen3", PP2 + REPLICATED_DP + ["parallelism.pipeline_parallel_schedule=gpipe"]),
+    # ZeRO-3 (the default strategy) over the two data-parallel ranks of each stage
+    "pp2_gpipe": ("qwen3", PP2 + ["parallelism.pipeline_parallel_schedule=gpipe"]),
     # ZeRO-1 over the two data-parallel ranks of each stage; its step-2 checkpoint resumes in one process
     "pp2_1f1b_zero1": ("qwen3", PP2 + ["parallelism.pipeline_parallel_schedule=1f1b",
                                        "parallelism.data_parallel_shard_strategy=optim",

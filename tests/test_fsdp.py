@@ -7,13 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import MICRO_CONFIG, run_under_msrun, train_alone, write_random_documents
+from conftest import MICRO_CONFIG, assert_resumes_as_one_process, run_under_msrun, train_alone, write_random_documents
 from fsdp_cases import CASES, DEEPSEEK, DEEPSEEK_CASES, STEPS, case_config
 from training.parallel import fsdp
 from training.parallel.mesh import World, world_group
 from training.checkpoint import load_checkpoint
-from training.reporting import Reporter, read_records
-from training.trainer import Trainer
+from training.reporting import read_records
 
 pytestmark = pytest.mark.msrun
 # fp32 sums over 4 ranks in another order than one process's accumulation. Measured: losses and grad norms
@@ -61,12 +60,7 @@ def test_a_zero3_checkpoint_of_four_ranks_resumes_in_one_process(runs, tmp_path)
     state = json.loads((checkpoint / "metadata.json").read_text())["state_dict_metadata"]
     assert state["embedding.word_embeddings.weight"]["axis_fragmentations"] == [4, 1]  # each rank wrote a quarter
     config = case_config(str(root / "data/random"), [f"checkpoint.load_path={checkpoint}"])
-    resumed = Trainer(config, World(0, 1), tmp_path, Reporter(tmp_path / "metrics.jsonl", enabled=True))
-    assert resumed.step == 2
-    resumed.train()
-    assert read_records(tmp_path / "metrics.jsonl")[0]["loss"] == pytest.approx(single[-1]["loss"], rel=LOSS_RTOL)
-    for param in resumed.model.get_parameters():
-        np.testing.assert_allclose(param.asnumpy(), expected[param.name], rtol=0, atol=WEIGHT_ATOL, err_msg=param.name)
+    assert_resumes_as_one_process(config, tmp_path, 2, single, expected, LOSS_RTOL, WEIGHT_ATOL)
 
 
 def test_resharding_after_forward_gathers_again_in_backward_with_the_same_gradients(monkeypatch):

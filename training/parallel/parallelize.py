@@ -14,10 +14,15 @@ from training.parallel.pipeline import build_pipeline
 from training.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def sharding_units(model: nn.Cell) -> list[nn.Cell]:
+def sharding_units(model: nn.Cell, pipelined: bool = False) -> list[nn.Cell]:
     """What FSDP gathers as one: each decoder and MTP layer, and the model itself for the rest (embedding, final
-    norm, output layer), as MindFormers wraps them; outermost first."""
-    units = [model, *model.decoder.layers]
+    norm, output layer), as MindFormers wraps them; outermost first. A pipeline stage calls the embedding, the
+    final norm and the output layer itself, not the model: under pipeline parallelism they are the units."""
+    root = [model]
+    if pipelined:
+        root = [model.embedding, model.decoder.final_layernorm] + (
+            [model.output_layer] if model.output_layer is not None else [])
+    units = [*root, *model.decoder.layers]
     if model.mtp is not None:
         units += list(model.mtp.layers)
     return units
@@ -28,7 +33,7 @@ def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulat
     tensor_parallel = apply_tensor_parallel(model, mesh, p.sequence_parallel) if mesh.dims.tp > 1 else None
     expert_parallel = apply_expert_parallel(model, mesh, p) if mesh.dims.ep > 1 else None
     # each layer's routed experts gather as a unit of their own under expert parallelism, as MindFormers wraps them
-    units = sharding_units(model) + list(expert_parallel.expert_cells if expert_parallel else ())
+    units = sharding_units(model, mesh.dims.pp > 1) + list(expert_parallel.expert_cells if expert_parallel else ())
     context_parallel = apply_context_parallel(model, mesh, config) if mesh.dims.cp > 1 else None
     pipeline = build_pipeline(model, mesh, config, accumulation, tensor_parallel) if mesh.dims.pp > 1 else None
     data_parallel = DataParallel(model, mesh, p.data_parallel_shard_strategy,
@@ -41,5 +46,5 @@ def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulat
     data_parallel.context_parallel = context_parallel  # the trainer gives each rank its tokens of every micro-batch
     data_parallel.pipeline = pipeline  # the trainer runs the step's micro-batches through its stages
     if pipeline:
-        pipeline.set_loss_scale(data_parallel.loss_scale())
+        pipeline.finish(data_parallel.loss_scale())
     return data_parallel

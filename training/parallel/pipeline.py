@@ -43,6 +43,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from training.config import ConfigError, ParallelismConfig
+from training.checkpoint import numpy_dtype
 from training.model.moe import MoELayer
 from training.optim import clip_grad_norm
 from training.parallel import comm
@@ -294,13 +295,14 @@ class _Objective(nn.Cell):
 class PipelineResult:
     """One step's outcome on this rank: gradients of ``Pipeline.params`` (summed over micro-batches, scaled), the
     mean over micro-batches of this rank's part of the loss and of each loss component (0 where the part lives
-    on other stages), and what the schedule cost here: seconds computing, seconds in all, and the most bytes of
-    stage inputs kept for backwards at once."""
+    on other stages), and what the schedule cost here: seconds computing, seconds in all, and at most how many
+    micro-batches were forwarded and not yet backpropagated (whose stage inputs it kept), and their bytes."""
     grads: tuple[Tensor, ...]
     loss: float
     components: dict[str, float]
     busy_s: float = 0.0
     wall_s: float = 0.0
+    peak_in_flight: int = 0
     peak_kept_bytes: int = 0
 
 
@@ -329,7 +331,7 @@ class Pipeline:
         self.micro_batches = micro_batches
         self.hidden_size, self.dtype = model.config.hidden_size, model.compute_dtype
         self.sequence_shards = dims.tp if sequence_parallel else 1
-        self.grad_fns: list = []  # one per chunk, once the loss scale is known (set_loss_scale)
+        self.grad_fns: list = []  # one per chunk, once the loss scale is known (finish)
         # this rank's parameters in the model's order, which the data-parallel reduction and the optimizer follow
         self.param_names = {p.name for chunk in self.chunks for p in chunk.params}
         self.params: list[Parameter] = [p for p in model.trainable_params() if p.name in self.param_names]
@@ -345,9 +347,20 @@ class Pipeline:
         self.embedding_name = model.embedding.word_embeddings.weight.name
         self.holders = self.holding_pipeline_ranks()
         self.embedding_on = sorted(self.holders[self.embedding_name])
+        # every rank built the whole model from the seed, so its stage starts from the single-process weights; the
+        # other stages' weights are dropped (an empty tensor under the same name)
+        for param in model.trainable_params():
+            if param.name not in self.param_names:
+                param.set_data(Tensor(np.zeros((0,), numpy_dtype(param.dtype))), slice_shape=True)
 
-    def set_loss_scale(self, scale: float) -> None:
-        """The factor on each micro-batch's loss before its backward (``DataParallel.loss_scale``)."""
+    def finish(self, scale: float) -> None:
+        """Once the data-parallel strategy is applied: the stage's parameters as the model now holds them (ZeRO-3
+        replaced each sharded one by its chunk, under the same name), and the backward of each chunk with
+        ``scale`` on each micro-batch's loss (``DataParallel.loss_scale``)."""
+        current = {p.name: p for p in self.model.trainable_params()}
+        for chunk in self.chunks:
+            chunk.params = [current[p.name] for p in chunk.params]
+        self.params = [current[p.name] for p in self.params]
         self.grad_fns = [ms.value_and_grad(_Objective(chunk, scale), None if chunk.first else 0, chunk.params,
                                            has_aux=True) for chunk in self.chunks]
 
@@ -395,7 +408,7 @@ class Pipeline:
 
     def absent_layouts(self) -> dict[str, TensorLayout]:
         """For loading: a layout for every parameter (and its optimizer state) of other stages, in which this rank
-        holds nothing, so the loader skips them."""
+        holds nothing, so the loader skips them (their shapes are this rank's empty placeholders)."""
         world = len(self.pp_of_rank)
         mine = tuple(r != self.mesh.rank for r in range(world))
         return {f"{prefix}{p.name}": TensorLayout.replicated(tuple(p.shape), world).restrict(mine)
@@ -434,7 +447,7 @@ class Pipeline:
         rewind: dict[tuple[int, int], tuple] = {}  # dropout stream state and MoE counts before a forward
         grads = {p.name: None for p in self.params}
         loss_sum, components = 0.0, {name: 0.0 for name in self.component_names()}
-        busy, kept, peak = 0.0, 0, 0
+        busy, kept, peak, in_flight, peak_in_flight = 0.0, 0, 0, 0, 0
         started = time.perf_counter()
         for step in self.program:
             if isinstance(step, Transfer):
@@ -450,6 +463,7 @@ class Pipeline:
                     out, _, _ = chunk.forward(inputs[key], *batches[step.micro])
                     outbox[(FORWARD, chunk.stage + 1, step.micro)] = out
                 kept += self._nbytes(inputs[key])
+                in_flight += 1
             else:
                 x = inputs.pop(key)
                 dout = output_grads.pop(key, None)
@@ -471,12 +485,13 @@ class Pipeline:
                     if name in components:  # a plain dense model's loss is its LM loss: no parts reported
                         components[name] += float(value.asnumpy())
                 kept -= self._nbytes(x)
-            peak = max(peak, kept)
+                in_flight -= 1
+            peak, peak_in_flight = max(peak, kept), max(peak_in_flight, in_flight)
             busy += time.perf_counter() - t0
         ordered = tuple(grads[p.name] if grads[p.name] is not None else ops.zeros_like(p) for p in self.params)
         m = self.micro_batches
         return PipelineResult(ordered, loss_sum / m, {n: v / m for n, v in components.items()}, busy,
-                              time.perf_counter() - started, peak)
+                              time.perf_counter() - started, peak_in_flight, peak)
 
     def _transfer(self, transfer: Transfer, batches, inputs, output_grads, outbox) -> None:
         me = self.rank
@@ -547,11 +562,15 @@ def build_pipeline(model, mesh: DeviceMesh, config, micro_batches: int, tensor_p
     """This rank's stages of ``model`` (already cut for tensor parallelism), or a clear refusal of what a pipeline
     run cannot do here."""
     p = config.parallelism
-    if mesh.group("fsdp").size > 1 and p.data_parallel_shard_strategy == "optim_grads_params":
-        raise ConfigError("parallelism.data_parallel_shard_strategy optim_grads_params (ZeRO-3) with "
-                          "pipeline_parallel > 1 is not implemented: a stage runs the embedding, final norm and output "
-                          "layer outside the model's construct, where ZeRO-3 gathers them; use optim_grads (ZeRO-2) "
-                          "or optim")
+    if (mesh.group("fsdp").size > 1 and p.data_parallel_shard_strategy == "optim_grads_params"
+            and model.output_layer is None):
+        raise ConfigError("model.tie_word_embeddings with parallelism.data_parallel_shard_strategy optim_grads_params "
+                          "(ZeRO-3) and pipeline_parallel > 1 is not implemented: the last stage's output layer reads "
+                          "the embedding table outside the embedding, which is where ZeRO-3 gathers it; use "
+                          "optim_grads (ZeRO-2) or optim")
+    if config.training.eval_interval:
+        raise ConfigError("training.eval_interval with pipeline_parallel > 1 is not implemented: validation runs the "
+                          "whole model's forward on each rank, which holds one stage")
     if any(bool(value) for value in config.monitor.train_state.to_dict().values()):
         raise ConfigError("monitor.train_state with pipeline_parallel > 1 is not implemented: its statistics gather "
                           "one row per parameter from every rank, and each stage holds other parameters")
