@@ -31,6 +31,9 @@ from training.data.manifest import build_manifest
 from training.data.preprocess import tokenize_to_indexed
 
 SOURCES_CONFIG = Path(os.environ.get("KILN_SOURCES", PROJECT_ROOT / "configs" / "sources.yaml"))
+# checked when the code location loads: the data assets' code versions hash this file, and a missing or broken
+# one must be named here rather than hashed (the partitions are the chunks, registered at run time)
+load_sources(SOURCES_CONFIG)
 # `raw/<chunk>/<stem>.kiln.json`: every raw file of a chunk; `shards/<chunk>/<stem>.kiln.json`: the chunk's shards
 # and what they came from (an unchunked source is the chunk `<source>`, stem `<source>`; else `<source>/NNNNN`,
 # stem `<source>_NNNNN`: assets/chunks.py)

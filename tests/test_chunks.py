@@ -2,6 +2,7 @@
 multiprocess executor with 2 steps at once, the blend gathering every chunk, and lineage naming the chunk."""
 import json
 import random
+import string
 
 import dagster as dg
 import pytest
@@ -16,7 +17,7 @@ from training.data.merge import dataset_prefixes, merge_datasets
 from training.data.preprocess import tokenize_to_indexed
 from training.lineage import _consumed, lineage_inputs
 
-WORDS = "chunk shard partition backfill executor step merge lineage token corpus".split()
+WORDS = ["".join(random.Random(i).choices(string.ascii_lowercase, k=3 + i % 6)) for i in range(400)]
 
 
 def _write_file(path, seed, count=60):
@@ -25,14 +26,15 @@ def _write_file(path, seed, count=60):
                             + "\n" for _ in range(count)))
 
 
-def _chunked(tmp_path, files, per_chunk):
+def _chunked(tmp_path, files, per_chunk, builtin=True):
     user = tmp_path / "user"
     user.mkdir(exist_ok=True)
     for i in range(files):
         _write_file(user / f"f{i}.jsonl", i)
     sources = tmp_path / "sources.yaml"
     sources.write_text(f"sources:\n  web: {{files: ['{user}/*.jsonl'], files_per_chunk: {per_chunk}, weight: 3}}\n"
-                       "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 30000, weight: 1}\n")
+                       + ("  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 30000, weight: 1}\n"
+                          if builtin else f"  one_file: {{files: ['{user}/f0.jsonl'], weight: 1}}\n"))
     storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
                           sources_config=str(sources))
     return user, storage
@@ -64,13 +66,13 @@ def test_chunk_assignment_is_stable_and_the_sensor_requests_only_the_changed_chu
 
 
 def test_a_backfill_shards_every_chunk_two_steps_at_once_and_the_blend_gathers_them(tmp_path):
-    user, storage = _chunked(tmp_path, files=4, per_chunk=1)
-    res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=3_000))
+    user, storage = _chunked(tmp_path, files=4, per_chunk=1, builtin=False)  # a small unchunked source beside
+    res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=400, sample_lines=3_000))
     defs = build_definitions(res)
     job = defs.resolve_implicit_global_asset_job_def()
     with dg.instance_for_test() as instance:
         keys = register_source_chunks(instance, storage)
-        assert keys == ["stdlib_docs", "web/00000", "web/00001", "web/00002", "web/00003"]
+        assert keys == ["one_file", "web/00000", "web/00001", "web/00002", "web/00003"]
         whole_range = {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
         assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("raw_corpus")],
                                       tags=whole_range).success
@@ -100,7 +102,7 @@ def test_a_backfill_shards_every_chunk_two_steps_at_once_and_the_blend_gathers_t
                 asset_key=dg.AssetKey("token_shards"), asset_partitions=[key]), limit=1).records
             assert record.asset_materialization.metadata[f"tokens/{key}"].value > 0
 
-        assert dg.materialize(defs.assets, selection=["token_shards"], partition_key="stdlib_docs",
+        assert dg.materialize(defs.assets, selection=["token_shards"], partition_key="one_file",
                               instance=instance, resources=res).success
         assert dg.materialize(defs.assets, selection=["blend_manifest"], instance=instance, resources=res).success
 
