@@ -16,8 +16,10 @@ from conftest import MICRO_CONFIG  # noqa: E402
 from fsdp_cases import DEEPSEEK, train_cases  # noqa: E402
 
 # name -> overrides; the world is 4 workers, so cp 2 leaves dp 2 (ZeRO-3 over dp_shard × cp = 4 ranks)
+# validation after the last step (training.steps): one global batch of the held-out split
+VALIDATE_ONCE = ["training.eval_interval=1000", "training.eval_iters=1"]
 CASES = {
-    "ring_cp2_dp2": ["parallelism.context_parallel=2"],
+    "ring_cp2_dp2": ["parallelism.context_parallel=2", *VALIDATE_ONCE],
     "ulysses_cp2_dp2_zero1": ["parallelism.context_parallel=2", "parallelism.context_parallel_method=ulysses",
                               "parallelism.data_parallel_shard_strategy=optim"],
     "hybrid_cp4_zigzag": ["parallelism.context_parallel=4", "parallelism.context_parallel_method=hybrid",

@@ -10,7 +10,7 @@ import pytest
 from mindspore import Tensor
 
 from conftest import MICRO_CONFIG, run_under_msrun, write_random_documents
-from cp_cases import CASES, DEEPSEEK_CASES
+from cp_cases import CASES, DEEPSEEK_CASES, VALIDATE_ONCE
 from fsdp_cases import DEEPSEEK, STEPS, case_config
 from test_fsdp import single_process
 from training.checkpoint import load_checkpoint
@@ -21,8 +21,10 @@ from training.model.layers import causal_mask
 from training.parallel.context_parallel import (ContextAttention, ContextParallelPlan, block_mask,
                                                 RingAttention, check_context_parallel, token_positions)
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
-from training.reporting import Reporter, read_records
-from training.trainer import Trainer
+from training.evaluation import Validation
+from training.parallel.comm import Collectives
+from training.reporting import Reporter, is_step_record, read_records
+from training.trainer import Trainer, micro_batch_indices
 
 # fp32; the online softmax and the cp ranks' sums add in another order than one process. Losses and grad norms
 # within 1e-6 relative (measured: 3e-7). Final weights (3 AdamW steps, lr up to 3e-3, eps 1e-5): within 2e-6 but
@@ -56,7 +58,7 @@ def runs(tmp_path_factory):
 def test_context_parallel_trains_as_one_process(runs, case):
     root, references = runs
     single, expected = references[DEEPSEEK if case in DEEPSEEK_CASES else MICRO_CONFIG]
-    split = read_records(root / "cases" / case / "metrics.jsonl")
+    split = [m for m in read_records(root / "cases" / case / "metrics.jsonl") if is_step_record(m)]
     assert [m["step"] for m in split] == [m["step"] for m in single] == list(range(1, STEPS + 1))
     parts = [key for key in ("lm_loss", "mtp_1_loss", "load_balancing_loss") if key in single[0]]  # DeepSeek-V3
     for key in ("loss", "grad_norm", *parts):
@@ -65,6 +67,25 @@ def test_context_parallel_trains_as_one_process(runs, case):
     assert sorted(weights) == sorted(expected)
     for name, value in expected.items():
         assert_weights_match(weights[name], value, name)
+
+
+@pytest.mark.msrun
+def test_validation_in_a_context_parallel_run_is_one_process_validation(runs):
+    """ring_cp2_dp2 validates after its last step: each rank's held-out loss sums over its chunks add up to one
+    process's validation of the same weights (the run's final checkpoint)."""
+    root, _ = runs
+    logged = [m for m in read_records(root / "cases/ring_cp2_dp2/metrics.jsonl") if not is_step_record(m)]
+    assert [m["step"] for m in logged] == [STEPS]
+    config = case_config(str(root / "data/random"), VALIDATE_ONCE)
+    model = build_model(config.model)
+    weights = load_checkpoint(root / "cases/ring_cp2_dp2" / f"checkpoints/iteration_{STEPS:08d}").model
+    for param in model.get_parameters():
+        param.set_data(Tensor(weights[param.name]))
+    accumulation = config.training.global_batch_size  # one sample per micro-batch, as the cases read
+    validation = Validation(config, model, Collectives(World(0, 1)), accumulation=accumulation,
+                            use_positions=False, vocab_size=model.config.vocab_size,
+                            sample_indices=lambda first, micro: micro_batch_indices(first, micro, 0, 1, 1))
+    assert logged[0]["val_loss"] == pytest.approx(validation.evaluate(STEPS)["val_loss"], rel=LOSS_RTOL)
 
 
 @pytest.mark.msrun

@@ -272,7 +272,8 @@ def check_context_parallel(config: TrainConfig, model_config) -> None:
 
 
 def apply_context_parallel(model, mesh: DeviceMesh, config: TrainConfig) -> ContextParallelPlan:
-    """Give every attention layer of ``model`` the context-parallel core and its loss the cp-wide token count."""
+    """Give every attention layer of ``model`` the context-parallel core, its losses the cp-wide token count,
+    MTP the moves across chunks and each MoE layer's balancing loss the statistics over cp."""
     check_context_parallel(config, model.config)
     p = config.parallelism
     plan = ContextParallelPlan(mesh, p.context_parallel_method, p.ulysses_degree_in_cp or 1,

@@ -240,8 +240,11 @@ class DataParallel:
             for group in {id(s.group): s.group for _, _, s in unit_slots}.values():
                 group_slots = [slot for slot in unit_slots if slot[2].group is group]
                 unit.construct = _UnitGather(unit.construct, group_slots, group, reshard_after_forward)
-                if unit is self.model and hasattr(unit, "logits"):
-                    unit.logits = _UnitGather(unit.logits, group_slots, group, reshard_after_forward)
+                # the model's other entry points (inference logits, validation's loss sums) gather the same weights
+                for entry in ("logits", "sample_loss_sums") if unit is self.model else ():
+                    if hasattr(unit, entry):
+                        setattr(unit, entry, _UnitGather(getattr(unit, entry), group_slots, group,
+                                                         reshard_after_forward))
 
     # ---- what the trainer differentiates and updates -------------------------------------------------
     @property
