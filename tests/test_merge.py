@@ -1,34 +1,14 @@
 """`kiln merge`: Megatron merge_datasets.py semantics, and byte-identical to one pass over the same files."""
-import io
 import json
-import random
 
 import numpy as np
 import pytest
-import sentencepiece
+from test_preprocess import _documents, tokenizer_model  # noqa: F401 (a fixture: the tiny tokenizer)
 
 from training.cli import main
 from training.data.indexed import IndexedDatasetWriter
 from training.data.merge import dataset_prefixes, merge_datasets
 from training.data.preprocess import tokenize_to_indexed
-
-WORDS = "chunk merge shard kiln token corpus source file partition backfill".split()
-
-
-def _texts(seed, count):
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 30))) for _ in range(count)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_model(tmp_path_factory):
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(_texts(0, 300)), model_writer=model,
-                                             vocab_size=120, model_type="unigram", hard_vocab_limit=False,
-                                             minloglevel=2)
-    path = tmp_path_factory.mktemp("tokenizer") / "tiny.model"
-    path.write_bytes(model.getvalue())
-    return path
 
 
 def _jsonl(path, texts):
@@ -37,7 +17,7 @@ def _jsonl(path, texts):
 
 
 def test_merged_chunks_are_byte_identical_to_one_pass(tmp_path, tokenizer_model):
-    files = [_jsonl(tmp_path / f"file{i}.jsonl", _texts(i + 1, 40 + 17 * i)) for i in range(3)]
+    files = [_jsonl(tmp_path / f"file{i}.jsonl", _documents(i + 1, 40 + 17 * i)) for i in range(3)]
     keys = ["text", "title"]
     whole = tokenize_to_indexed(files, tokenizer_model, tmp_path / "whole" / "src", json_keys=keys, workers=1)
     # a chunk per file group, named as the chunks of a source are: sorted names follow the files' order
