@@ -101,6 +101,11 @@ def test_validation_leaves_training_unchanged_and_a_resumed_run_validates_bit_id
                                use_positions=False, vocab_size=512,
                                sample_indices=resumed.validation.sample_indices)
     assert validation_records(root / "resumed")[-1] == uninterrupted.evaluate(4)
+    # compiled (as where the training step compiles): the same loss within fp32 rounding
+    compiled = Validation(resumed.config, plain.model, plain.collectives, accumulation=resumed.accumulation,
+                          use_positions=False, vocab_size=512, sample_indices=resumed.validation.sample_indices,
+                          compiled=True)
+    assert compiled.evaluate(4)["val_loss"] == pytest.approx(uninterrupted.evaluate(4)["val_loss"], rel=1e-6)
 
 
 def test_validation_runs_every_eval_interval_steps_and_after_the_last(shard):

@@ -15,8 +15,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
+import mindspore as ms
 import numpy as np
-from mindspore import Tensor
+from mindspore import Tensor, nn
 
 from training.atomic import write_json_atomic
 from training.config import SPLITS, BlendedMegatronLoaderConfig, ConfigError, TrainConfig
@@ -46,13 +47,29 @@ def evaluating(model) -> Iterator[None]:
         model.set_train(was_training)
 
 
-def forward_loss_sums(model, batch: dict[str, np.ndarray], shard_inputs=None) -> tuple[np.ndarray, np.ndarray]:
+class HeldOutLoss(nn.Cell):
+    """``GPTModel.sample_loss_sums`` as a cell, so that it can be one compiled graph (``compiled``): eager, a
+    held-out forward of the demo model costs ten times the compiled one (benchmarks/validation.py). It is
+    compiled where the training step is (trainer.compile_blockers), and always called in evaluation mode."""
+
+    def __init__(self, model, compiled: bool):
+        super().__init__(auto_prefix=False)  # the model's parameter names stay its own
+        self.model = model
+        if compiled:
+            self.construct = ms.jit(self.construct)
+
+    def construct(self, *inputs):
+        return self.model.sample_loss_sums(*inputs)
+
+
+def forward_loss_sums(loss: HeldOutLoss, batch: dict[str, np.ndarray], shard_inputs=None
+                      ) -> tuple[np.ndarray, np.ndarray]:
     """Per sample of ``batch`` (stack_model_inputs): its summed loss over loss-masked tokens and their count
     (under context parallelism, ``shard_inputs`` given: over this rank's tokens of the samples)."""
     inputs = tuple(None if batch.get(key) is None else Tensor(batch[key]) for key in MODEL_INPUTS)
     if shard_inputs is not None:
         inputs = shard_inputs(inputs)
-    sums, tokens = model.sample_loss_sums(*inputs)
+    sums, tokens = loss(*inputs)
     return sums.asnumpy().astype(np.float64), tokens.asnumpy().astype(np.float64)
 
 
@@ -114,13 +131,15 @@ def split_field(loader: BlendedMegatronLoaderConfig, split: str) -> str:
 
 class Validation:
     """The same ``eval_iters`` global batches of the validation split at every evaluation, each cut over the
-    data-parallel ranks and micro-batches as a training step's batch is (``sample_indices``)."""
+    data-parallel ranks as a training step's batch is (``sample_indices``); a rank's micro-batches of one
+    global batch go through one forward (no gradients to hold), ``compiled`` or eager (HeldOutLoss)."""
 
     def __init__(self, config: TrainConfig, model, collectives, sample_indices, accumulation: int,
-                 use_positions: bool, vocab_size: int | None, shard_inputs=None):
+                 use_positions: bool, vocab_size: int | None, shard_inputs=None, compiled: bool = False):
         self.config = config
         self.shard_inputs = shard_inputs  # context parallelism: this rank's tokens of each sample
         self.model = model
+        self.loss = HeldOutLoss(model, compiled)
         self.collectives = collectives
         self.sample_indices = sample_indices  # (first sample of the batch, micro-batch) -> this rank's indices
         self.accumulation = accumulation
@@ -138,12 +157,12 @@ class Validation:
         loss_sum = tokens = 0.0
         with evaluating(self.model):
             for batch_index in range(self.config.training.eval_iters):
-                for micro in range(self.accumulation):
-                    items = [self.dataset[i] for i in self.sample_indices(batch_index * gbs, micro)]
-                    sums, counts = forward_loss_sums(self.model, stack_model_inputs(items, self.use_positions),
-                                                     self.shard_inputs)
-                    loss_sum += sums.sum()
-                    tokens += counts.sum()
+                items = [self.dataset[i] for micro in range(self.accumulation)
+                         for i in self.sample_indices(batch_index * gbs, micro)]
+                sums, counts = forward_loss_sums(self.loss, stack_model_inputs(items, self.use_positions),
+                                                 self.shard_inputs)
+                loss_sum += sums.sum()
+                tokens += counts.sum()
         # every rank of a tensor-parallel group holds the same sums: numerator and denominator count them alike;
         # context-parallel ranks hold parts of their samples' sums, which add up
         loss_sum, tokens = self.collectives.all_reduce_array(np.array([loss_sum, tokens]))
@@ -210,7 +229,8 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     from training.checkpoint import LINEAGE
     from training.lineage import read_lineage, results_sha256
     from training.model import build_model
-    from training.trainer import configure_runtime
+    from training.parallel.mesh import ParallelDims
+    from training.trainer import compile_blockers, configure_runtime
 
     checkpoint_dir = Path(checkpoint_dir)
     lineage, _ = read_lineage(checkpoint_dir, lineage_store)
@@ -221,6 +241,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     configure_runtime(config)
     model = build_model(config.model)
     _load_weights(model, checkpoint_dir)
+    loss = HeldOutLoss(model, compiled=not compile_blockers(config, ParallelDims(world=1), model))
     dataset = HeldOutSplit(config, split, batches, "--batches").build(model.config.vocab_size)
     names = _source_names(config, lineage)
     use_positions = config.train_dataset.dataloader.config.reset_position_ids
@@ -230,7 +251,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     with evaluating(model):
         for first in range(0, samples, lbs):
             items = [dataset[i] for i in range(first, min(first + lbs, samples))]
-            sums, counts = forward_loss_sums(model, stack_model_inputs(items, use_positions))
+            sums, counts = forward_loss_sums(loss, stack_model_inputs(items, use_positions))
             for item, loss_sum, tokens in zip(items, sums, counts):
                 per_source[item["dataset_id"]] += (loss_sum, tokens, 1)
     by_name: dict[str, np.ndarray] = {}
