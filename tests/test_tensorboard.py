@@ -2,13 +2,15 @@
 every log_interval steps, as TensorBoard's own reader reads them. End to end (training.run writing them while
 it trains): test_chain's single-process run calls assert_tensorboard_matches."""
 import json
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from training.config import TensorboardConfig
-from training.monitor import TensorBoardWriter
+from training.monitor import TensorBoardWriter, _summary_writer_class
 from training.reporting import Reporter
 
 # the record's keys under MindFormers' names where it has one, else their own (dashed)
@@ -55,3 +57,14 @@ def test_every_log_interval_th_record_is_written_with_each_scalar(tmp_path):
     reader.Reload()
     assert [(e.step, e.value) for e in reader.Scalars("mtp-1-loss")] == [(2, 7.0), (4, 5.0)]
     assert not {tag for tag in reader.Tags()["scalars"] if "norm" in tag} - {"grad-norm", "grad-norm_vs_samples"}
+
+
+def test_the_writer_is_imported_without_torch(monkeypatch):
+    """tensorboardX's writer module tries ``import torch`` (to accept torch tensors as values); with the interop
+    extra installed that loaded torch into every process writing TensorBoard, training ones included. Here
+    tensorboardX is imported afresh, as by a training process that has not loaded torch."""
+    for name in [name for name in sys.modules if name.split(".")[0] in ("torch", "tensorboardX")]:
+        monkeypatch.delitem(sys.modules, name)
+    writer_class = _summary_writer_class()
+    assert "torch" not in sys.modules and sys.modules["tensorboardX.writer"].numpy_compatible is np.ndarray
+    assert writer_class is sys.modules["tensorboardX"].SummaryWriter

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -209,13 +210,28 @@ _TENSORBOARD_NAMES = {"loss": "loss", "lr": "learning-rate", "grad_norm": "grad-
                       "tflops_per_device": "throughput", "global_batch_size": "batch-size"}
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without the ``import torch`` its writer module tries (only to
+    accept torch tensors as values; Kiln hands it floats). With torch installed (the interop extra) that import
+    took 7 of the 10 s of importing tensorboardX at load ~20, and loads torch into a MindSpore training process.
+    While ``sys.modules["torch"]`` is None, ``import torch`` raises ImportError, which tensorboardX expects."""
+    if "torch" in sys.modules:  # already loaded by someone else: nothing to save
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardWriter:
     """``monitor.tensorboard``: event files in ``output_dir``, written by tensorboardX's SummaryWriter (its
     queue holds ``queue_size`` events before a flush). Called with every step's record."""
 
     def __init__(self, config: TensorboardConfig, global_batch_size: int, resolved_yaml: str):
-        from tensorboardX import SummaryWriter  # only when asked for: the engine runs without it otherwise
-
+        SummaryWriter = _summary_writer_class()  # only when asked for: the engine runs without it otherwise
         self.interval = config.log_interval
         self.global_batch_size = global_batch_size
         self.writer = SummaryWriter(logdir=config.output_dir, max_queue=config.queue_size)
