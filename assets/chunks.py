@@ -98,18 +98,20 @@ def chunk_files(storage: KilnStorage, spec: SourceSpec, key: str) -> list[Path]:
     return [Path(f) for f in chunks[index]]
 
 
-def assign_source_chunks(storage: KilnStorage, spec: SourceSpec) -> list[str]:
-    """The source's chunk keys after assigning the files that appeared since the last call."""
-    if spec.files_per_chunk is not None:
-        assign_chunks(storage, spec)
-    return source_chunk_keys(storage, spec)
+def assign_source_chunks(storage: KilnStorage, spec: SourceSpec) -> dict[str, list[Path]]:
+    """chunk key → its files (none for a built-in source), after assigning the files that appeared since the
+    last call; the assignment is read once, however many chunks."""
+    if spec.files_per_chunk is None:
+        return {spec.name: [] if spec.builtin else spec.input_files()}
+    return {chunk_key(spec.name, i): [Path(f) for f in files] for i, files in enumerate(assign_chunks(storage, spec))}
 
 
 def register_source_chunks(instance: dg.DagsterInstance, storage: KilnStorage) -> list[str]:
     """Make the instance's chunks those of the configured sources: add the missing ones, delete those of sources
     no longer configured (a run over every chunk would fail on them). Returns the configured chunk keys."""
     sources = load_sources(storage.sources_config)
-    keys = [key for name, spec in sorted(sources.items()) for key in assign_source_chunks(storage, spec)]
+    keys = [key for name, spec in sorted(sources.items())
+            for key in ([name] if spec.files_per_chunk is None else assign_source_chunks(storage, spec))]
     known = instance.get_dynamic_partitions(source_chunks.name)
     if missing := [key for key in keys if key not in set(known)]:
         instance.add_dynamic_partitions(source_chunks.name, missing)

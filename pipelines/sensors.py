@@ -18,7 +18,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.chunks import ChunkError, assign_source_chunks, chunk_files, key_stem, source_chunks, source_of
+from assets.chunks import ChunkError, assign_source_chunks, key_stem, source_chunks, source_of
 from assets.data import blend_manifest, raw_corpus, token_shards
 from assets.evaluation import checkpoint_eval
 from assets.sources import SourcesConfigError, SourceSpec, load_sources
@@ -80,11 +80,10 @@ def raw_files_sensor(context: dg.SensorEvaluationContext, storage: KilnStorage) 
             states.update({key: state for key, state in cursor.items() if source_of(key) == name})
             continue
         new_keys += [key for key in keys if key not in registered]
-        for key in keys:
+        for key, files in keys.items():
             try:
-                files = [] if spec.builtin else chunk_files(storage, spec, key)
                 states[key] = source_state(spec, files, cursor.get(key, {}), sensor_hashes_path(storage, key))
-            except (SourcesConfigError, ChunkError, OSError) as exc:
+            except OSError as exc:
                 context.log.warning(f"chunk {key}: {exc}")
                 if key in cursor:
                     states[key] = cursor[key]
