@@ -285,9 +285,9 @@ def shards_of_run(context: dg.OpExecutionContext, results: list[tuple[str, dict,
                                        "tokenizer": dg.AssetIn(dagster_type=dg.Nothing)},
     group_name="data", kinds={"numpy"}, owners=["team:kiln"], tags={"stage": "tokenize", "format": "megatron-indexed"},
     backfill_policy=dg.BackfillPolicy.single_run(), automation_condition=EAGER_AFTER_CHECKS,
-    code_version=code_version_of(_tokenize_chunk, _workers_per_chunk, chunks_of_run.compute_fn.decorated_fn,
-                                 shards_of_run.compute_fn.decorated_fn, combined_result, replace_dir, preprocess,
-                                 indexed, SOURCES_CONFIG))
+    code_version=code_version_of(_tokenize_chunk, _workers_per_chunk, *(op.compute_fn.decorated_fn for op in (
+        chunks_of_run, tokenize_chunk, shards_of_run)), combined_result, replace_dir, chunks, preprocess, indexed,
+        SOURCES_CONFIG))
 def token_shards(raw_corpus, tokenizer):
     """Each chunk tokenized into Megatron `.bin/.idx` datasets (EOD after every document), a step per chunk.
 
