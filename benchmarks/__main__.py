@@ -15,6 +15,8 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
 - data index: GPTDataset index build for 1M documents, the 10M-sample blend vs a scalar loop, and
   sample fetching vs. the training consumption rate just measured;
 - monitoring: the training step with every `monitor.train_state` option on vs. off.
+- validation (benchmarks/validation.py): one evaluation at eval_iters 10 vs. 50 training steps (eval_interval 50),
+  paired per round (target <= 5% of training time).
 - Pipes: the trainer-side cost of one step report streamed to Dagster vs. the same report without Pipes.
 - checkpoints: the training-thread stall of an async save vs. a sync save (target <= 0.10), and its write
   throughput vs. dd to the same directory (target >= 0.5).
@@ -54,6 +56,7 @@ import numpy as np
 from benchmarks import (blend_settings, checkpoint_io, data_index, expert_parallel, lineage_scale, model_flops,
                         monitoring, parallel_memory, pipes_streaming, throughput)
 from benchmarks import pipeline_bubble
+from benchmarks import validation
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -256,6 +259,7 @@ def main(argv=None) -> int:
             # sample fetching against what training consumes at the same number of tokens per sample
             data_index.run(report, consume_samples_per_s=tokens_per_s / data_index.SEQ_LENGTH)
             monitoring.run(report)
+            validation.run(report)
             pipes_streaming.run(report)
             checkpoint_io.run(report)
             parallel_memory.run(report, shard)
