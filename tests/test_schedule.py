@@ -31,7 +31,9 @@ def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micr
     with dg.instance_for_test() as instance:
         tick = datetime.datetime(2026, 1, 2, 2, 0, tzinfo=datetime.timezone.utc)
         (request,) = schedule.evaluate_tick(
-            dg.build_schedule_context(instance=instance, scheduled_execution_time=tick)).run_requests
+            # the tick registers the sources' chunks (partitions) with the storage resource, as the daemon's does
+            dg.build_schedule_context(instance=instance, scheduled_execution_time=tick,
+                                      resources={"storage": storage})).run_requests
         result = defs.resolve_job_def(schedule.job_name).execute_in_process(
             run_config=request.run_config, tags=request.tags, instance=instance)
         assert result.success
