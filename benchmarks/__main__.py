@@ -22,11 +22,14 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   throughput vs. dd to the same directory (target >= 0.5).
 - parallelism: per-rank bytes of weights, gradients and optimizer state, and step time, of ZeRO-1/2/3 vs.
   replicated data parallelism at 1, 2 and 4 msrun workers (ZeRO-3 at N ranks ~ 1/N of DP's).
-- expert parallelism (benchmarks/expert_parallel.py): DeepSeek-V3 tiny's step at EP2 vs. DP on 2 msrun workers,
-  alternating, and the bytes its all-to-alls move per step vs. the uniform-routing count.
 - pipeline parallelism (benchmarks/pipeline_bubble.py): on 2 msrun workers, 8 micro-batches, the bubble of gpipe,
   1f1b and interleaved_1f1b (steps alternating) vs. the analytic (p-1)/(v*m+p-1), and the stage inputs each stage
   keeps for its backwards.
+- context parallelism (benchmarks/context_parallel.py): Qwen3 tiny at 512 tokens on 2 msrun workers, the step of
+  the ring (contiguous and zig-zag) and of Ulysses at CP2 vs. DP2 (alternating), and the bytes the attention
+  receives per step vs. the analytic count of a native ring / all-to-all.
+- expert parallelism (benchmarks/expert_parallel.py): DeepSeek-V3 tiny's step at EP2 vs. DP on 2 msrun workers,
+  alternating, and the bytes its all-to-alls move per step vs. the uniform-routing count.
 - lineage at scale (benchmarks/lineage_scale.py, in a process of its own; about an hour): with 10, 1,000 and
   10,000 checkpoints recorded as training_run records them and a source of 10,000 raw files, every tab of
   checkpoint, raw_corpus and token_shards in headless Chromium (target < 2 s and < 2x the 10-checkpoint
@@ -53,8 +56,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import (blend_settings, checkpoint_io, data_index, expert_parallel, lineage_scale, model_flops,
-                        monitoring, parallel_memory, pipes_streaming, throughput)
+from benchmarks import (blend_settings, checkpoint_io, context_parallel, data_index, expert_parallel, lineage_scale,
+                        model_flops, monitoring, parallel_memory, pipes_streaming, throughput)
 from benchmarks import pipeline_bubble
 from benchmarks import validation
 
@@ -263,8 +266,9 @@ def main(argv=None) -> int:
             pipes_streaming.run(report)
             checkpoint_io.run(report)
             parallel_memory.run(report, shard)
-            expert_parallel.run(report, shard)
             pipeline_bubble.run(report, shard)
+            expert_parallel.run(report, shard)
+            context_parallel.run(report, shard)
             lineage_scale.run()
             # a corpus larger than RAM / 4, in processes of their own (about 30 min on 2 cores)
             subprocess.run([sys.executable, "-m", "benchmarks.preprocess_memory"], cwd=PROJECT_ROOT, check=True)

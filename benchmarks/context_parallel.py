@@ -1,0 +1,149 @@
+"""Context parallelism on 2 msrun workers: step time against data parallelism, and the bytes the attention
+moves per step against the analytic count.
+
+configs/qwen3_tiny.yaml at a 512-token sequence, 2 samples per step in one micro-batch: DP 2 (each rank a
+whole sample) against CP 2 (each rank half of both samples) with the ring (contiguous and zig-zag chunks) and
+with Ulysses; ZeRO-1 everywhere, so the weights' collectives are the same in every variant. The variants' steps
+alternate round by round in one launch (the machine is shared: each round sees the same load).
+
+Bytes are counted where the CPU collectives receive them (``gather_list``: what every member gets from the
+others); the attention's are a CP variant's per-step count minus DP's (all-reduces are not counted: both
+variants run the same ones). Analytic, per rank and step over the layers and micro-batches, with one K/V
+block = batch × kv groups × s × (k dim + v dim) × 4 bytes (s = this rank's tokens):
+- ring of R: the forward passes R−1 K/V blocks on, the backward R−1 (block, its gradient so far) pairs and
+  one gradient home: (3R−2) blocks. CPU's ring step is an all-gather, which brings R−1 blocks, not one;
+  at R = 2 the two counts agree.
+- Ulysses of u: q, K/V and the output each switch sequence parts for head parts, forward and backward; a
+  native all-to-all receives (u−1)/u of each, the CPU one (all-gather, then a pick) u−1 whole tensors, u
+  times as much.
+Run as a script by msrun: ``python benchmarks/context_parallel.py OUT SHARD``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SEQ = 512
+ROUNDS = 5
+# the same global batch of 2 samples, one micro-batch per step: DP 2 reads one sample per rank, CP 2 both (halves)
+CP2 = ["parallelism.context_parallel=2", "training.local_batch_size=2"]
+VARIANTS = {"DP 2": ["training.local_batch_size=1"],
+            "CP 2 ring": CP2,
+            "CP 2 ring zig-zag": [*CP2, "parallelism.context_parallel_load_balance=true"],
+            "CP 2 Ulysses": [*CP2, "parallelism.context_parallel_method=ulysses"]}
+
+
+def _config(shard: str, overrides: list[str]):
+    sys.path.insert(0, str(PROJECT_ROOT))
+    from resources.tokenizer import SPECIAL_IDS
+    from training.config import load_config
+
+    data = "train_dataset.dataloader.config"
+    return load_config(PROJECT_ROOT / "configs/qwen3_tiny.yaml", [
+        f"{data}.data_path=[1.0, '{shard}']", f"{data}.eod={SPECIAL_IDS['eos']}", f"{data}.pad={SPECIAL_IDS['pad']}",
+        f"{data}.seq_length={SEQ}", f"model.seq_length={SEQ}", f"{data}.split='100,0,0'",
+        "training.global_batch_size=2", f"training.steps={ROUNDS + 1}",
+        "parallelism.data_parallel_shard_strategy=optim", "checkpoint.enable_save=false", *overrides])
+
+
+def kv_block_bytes(config) -> int:
+    """One layer's K/V on one rank: batch × kv groups × this rank's tokens × (k dim + v dim), float32."""
+    m = config.model
+    return config.training.local_batch_size * m["num_key_value_heads"] * (SEQ // 2) * 2 * m["head_dim"] * 4
+
+
+def analytic_bytes(variant: str, config, accumulation: int) -> float:
+    """The attention's bytes received per rank and step by a native ring / all-to-all (see the docstring)."""
+    m = config.model
+    kv = kv_block_bytes(config)
+    if "ring" in variant:
+        per_layer = (3 * 2 - 2) * kv
+    else:  # Ulysses, u = 2: half of q, K/V and the output (q and the output: every head, k's dim), both ways
+        q = out = kv * m["num_attention_heads"] // m["num_key_value_heads"] // 2
+        per_layer = 2 * (q + kv + out) / 2
+    return per_layer * m["num_hidden_layers"] * accumulation
+
+
+def worker(out: str, shard: str) -> None:
+    """One msrun worker: every variant's trainer, their steps alternating round by round."""
+    sys.path.insert(0, str(PROJECT_ROOT))
+    import numpy as np
+    from mindspore import Tensor
+
+    from training.parallel import comm
+    from training.parallel.mesh import init_world
+    from training.reporting import Reporter
+    from training.trainer import Trainer, configure_runtime
+
+    configure_runtime(_config(shard, []))
+    world = init_world()
+    received = [0, 0]  # bytes, calls
+    gather_list = comm._CpuBackend.gather_list
+
+    def counting(self, x, group):
+        received[0] += int(x.nbytes) * (group.size - 1)
+        received[1] += 1
+        return gather_list(self, x, group)
+    comm._CpuBackend.gather_list = counting
+    trainers = {name: Trainer(_config(shard, overrides), world, Path(out) / name, Reporter(None, enabled=False))
+                for name, overrides in VARIANTS.items()}
+    times = {name: [] for name in VARIANTS}
+    counted = {}
+    for round_ in range(ROUNDS + 1):
+        for name, trainer in trainers.items():
+            received[:] = [0, 0]
+            started = time.perf_counter()
+            trainer.train_step()
+            if round_:  # the first round compiles kernels
+                times[name].append(time.perf_counter() - started)
+            counted[name] = list(received)
+    ring = trainers["CP 2 ring"].parallel.context_parallel.ring_group
+    block = Tensor(np.zeros(kv_block_bytes(trainers["CP 2 ring"].config) // 4, np.float32))
+    gather_s = []
+    for _ in range(ROUNDS * 2):
+        started = time.perf_counter()
+        comm.ring_shift(block, ring).asnumpy()
+        gather_s.append(time.perf_counter() - started)
+    if world.is_main:
+        figures = {name: {"step_s": statistics.median(times[name]), "received": counted[name][0],
+                          "collectives": counted[name][1],
+                          "analytic": analytic_bytes(name, trainers[name].config, trainers[name].accumulation)
+                          if name != "DP 2" else 0.0}
+                   for name in VARIANTS}
+        figures["gather_s"] = statistics.median(gather_s)
+        (Path(out) / "figures.json").write_text(json.dumps(figures))
+
+
+def run(report, shard: Path) -> None:
+    from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-cp-") as tmp:
+        settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(),
+                                 log_dir=str(Path(tmp) / "log"), cluster_time_out=300)
+        subprocess.run(msrun_command(settings, [__file__, tmp, str(shard)]), check=True, cwd=PROJECT_ROOT,
+                       env=msrun_environment(os.environ), stdout=subprocess.DEVNULL)
+        figures = json.loads((Path(tmp) / "figures.json").read_text())
+    gather_s = figures.pop("gather_s")
+    dp = figures["DP 2"]
+    for name, f in figures.items():
+        report(f"{name} step, {SEQ} tokens", f["step_s"] * 1000, "ms", f["step_s"] / dp["step_s"], "DP 2's step")
+        if name != "DP 2":
+            attention = f["received"] - dp["received"]
+            report(f"{name} attention bytes per step", attention / 2**20, "MiB per rank",
+                   attention / f["analytic"], "the analytic count")
+            # what the step's extra time is: the attention's collectives at the measured latency of one
+            extra = f["collectives"] - dp["collectives"]
+            report(f"{name} attention collectives per step", extra, f"x {gather_s * 1000:.0f} ms",
+                   extra * gather_s / (f["step_s"] - dp["step_s"]), "the step's time over DP's")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")  # before MindSpore loads: single-threaded dispatch
+    worker(*sys.argv[1:])
