@@ -66,10 +66,12 @@ def _write_sources(work: Path, raw_files: int) -> Path:
 def _materialize_data(instance, storage) -> None:
     import dagster as dg
 
+    from assets.chunks import register_source_chunks
     from pipelines.definitions import ALL_ASSETS, resources
     from resources.tokenizer import TokenizerSettings
 
     res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=512, sample_lines=5_000))
+    register_source_chunks(instance, storage)  # the data assets' partitions: one chunk per source, named like it
     steps = [("raw_corpus", "stdlib_code"), ("raw_corpus", "stdlib_docs"), ("tokenizer", None),
              ("token_shards", "stdlib_code"), ("token_shards", "stdlib_docs"), ("raw_corpus", "stdlib_code"),
              ("token_shards", "stdlib_code"), ("blend_manifest", None)]
