@@ -2,7 +2,7 @@
 
 A worker that stops on an error a second attempt would meet again (its config, its data, its checkpoint,
 a run of non-finite steps past ``max_consecutive_skipped_steps``) prints one ``NOT_RETRIABLE`` line to its
-log before it exits. A launch that fails without such a line lost a process (a worker or msrun killed, a
+log before it exits (a config error: its one ``CONFIG_ERROR`` line, which says it all). A launch that fails without such a line lost a process (a worker or msrun killed, a
 node gone, a collective broken by either): resuming from the newest complete checkpoint heals that.
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 NOT_RETRIABLE = "[kiln] not retriable:"
+CONFIG_ERROR = "config error:"  # how training.run reports a ConfigError, on one line
 
 
 def not_retriable(exc: BaseException) -> bool:
@@ -44,4 +45,6 @@ def not_retriable_cause(log_dir: Path, before: dict[str, int]) -> str | None:
             for line in log.read().decode(errors="replace").splitlines():
                 if line.startswith(NOT_RETRIABLE):
                     return f"{path.name}: {line[len(NOT_RETRIABLE):].strip()}"
+                if line.startswith(CONFIG_ERROR):
+                    return f"{path.name}: {line}"
     return None

@@ -62,7 +62,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     from training.config import ConfigError, load_config
-    from training.failures import not_retriable, not_retriable_line
+    from training.failures import CONFIG_ERROR, not_retriable, not_retriable_line
 
     try:
         config = load_config(args.config, args.overrides)
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
         require_device_runtime(config.context.device_target)
         validate_model_section(config, args.tokenizer_model)
     except ConfigError as exc:
-        print(f"config error: {exc}\n{not_retriable_line(exc)}", file=sys.stderr)
+        print(f"{CONFIG_ERROR} {exc}", file=sys.stderr)
         return 2
     if "ASCEND_RT_VISIBLE_DEVICES" in os.environ and config.context.device_target != "Ascend":
         print(f"note: ASCEND_RT_VISIBLE_DEVICES is set but context.device_target is "
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
         summary = trainer.train()
     except ConfigError as exc:  # found while building the run's data (e.g. a validation split too small)
         reporter.close(exc)
-        print(f"config error: {exc}\n{not_retriable_line(exc)}", file=sys.stderr)
+        print(f"{CONFIG_ERROR} {exc}", file=sys.stderr)
         return 2
     except BaseException as exc:
         reporter.close(exc)

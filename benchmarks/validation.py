@@ -1,0 +1,58 @@
+"""Cost of validation during training (``training.eval_interval: 50``, ``eval_iters: 10``) on the demo model.
+
+One trainer (configs/qwen3_tiny.yaml, one process) and its Validation; each round times one training step and
+one whole evaluation (10 global batches of the validation split, forward only), the order swapped every
+round, so machine load drifts affect both alike. The overhead is one evaluation per 50 steps: the median over
+rounds of evaluation / (50 x step) within a round (target <= 5% of training time).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.monitoring import _random_shard, _trainer
+
+EVAL_INTERVAL, EVAL_ITERS = 50, 10
+
+
+def run(report, rounds: int = 6) -> None:
+    from training.evaluation import Validation
+    from training.trainer import compile_blockers, micro_batch_indices
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-validation-") as tmp:
+        work = Path(tmp)
+        # enough documents that the default split's 2% holds EVAL_ITERS global batches of validation samples
+        shard = _random_shard(work / "random", vocab_size=4096, documents=6000)
+        trainer = _trainer(shard, work, "run", {}, rounds + 1)
+        config = trainer.config
+        config = dataclasses.replace(config, training=dataclasses.replace(
+            config.training, eval_interval=EVAL_INTERVAL, eval_iters=EVAL_ITERS))
+        validation = Validation(config, trainer.model, trainer.collectives, accumulation=trainer.accumulation,
+                                use_positions=trainer.use_positions, vocab_size=trainer.model.config.vocab_size,
+                                sample_indices=lambda first, micro: micro_batch_indices(
+                                    first, micro, 0, 1, config.training.local_batch_size),
+                                compiled=not compile_blockers(config, trainer.mesh.dims, trainer.model))
+        trainer.train_step()  # the first step compiles kernels
+        validation.evaluate(1)  # and the first evaluation its forward's
+        steps, evaluations = [], []
+        for round_index in range(rounds):
+            for kind in (("step", "eval") if round_index % 2 == 0 else ("eval", "step")):
+                started = time.perf_counter()
+                trainer.train_step() if kind == "step" else validation.evaluate(trainer.step)
+                (steps if kind == "step" else evaluations).append(time.perf_counter() - started)
+        step, evaluation = statistics.median(steps), statistics.median(evaluations)
+        report("training step (median)", 1e3 * step, "ms")
+        report(f"validation, {EVAL_ITERS} global batches (median)", 1e3 * evaluation, "ms",
+               evaluation / step, "training step, paired per round")
+        overhead = statistics.median(e / (EVAL_INTERVAL * s) for e, s in zip(evaluations, steps))
+        report(f"validation overhead at eval_interval {EVAL_INTERVAL}, eval_iters {EVAL_ITERS}", 100 * overhead,
+               "% of training time", overhead / 0.05, "the 5% target")
+
+
+if __name__ == "__main__":
+    from benchmarks.__main__ import report
+
+    run(report)
