@@ -87,8 +87,9 @@ def test_resharding_after_forward_gathers_again_in_backward_with_the_same_gradie
     results = {}
     for reshard in (False, True):
         unit, gathers[:] = Unit(), []
-        slots = [(unit, name, fsdp._Sharded(tuple(p.shape), p)) for name, p in unit._params.items()]
-        unit.construct = fsdp._UnitGather(unit.construct, slots, world_group(World(0, 1)), reshard)
+        group = world_group(World(0, 1))
+        slots = [(unit, name, fsdp._Sharded(tuple(p.shape), p, group)) for name, p in unit._params.items()]
+        unit.construct = fsdp._UnitGather(unit.construct, slots, group, reshard)
         loss, grads = ms.value_and_grad(unit, grad_position=None, weights=unit.trainable_params())(x)
         results[reshard] = [loss.asnumpy(), *(g.asnumpy() for g in grads)], len(gathers)
     (kept, kept_gathers), (resharded, resharded_gathers) = results[False], results[True]
