@@ -18,8 +18,9 @@ from training.parallel.pipeline import (BACKWARD, FORWARD, Transfer, Work, analy
 from training.reporting import read_records
 
 # fp32 sums in another order than one process's: over the data-parallel ranks, the micro-batches of each stage, and
-# (the norm) the stages' squared norms summed in float32. Measured: losses within 2e-7 relative, grad norms within
-# 3e-7, final weights within 1e-6 absolute after 3 AdamW steps
+# (the norm) the stages' squared norms summed in float32. Measured: losses within 4e-7 relative (TP2 x PP2, whose
+# loss is vocabulary-parallel; the others within 6e-8), grad norms within 8e-8, final weights within 5.5e-7 absolute
+# after 3 AdamW steps
 LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 2e-6
 
