@@ -15,6 +15,7 @@ from training.data.loader import build_dataset, stack_model_inputs
 from training.evaluation import HeldOutSplit, Validation, perplexity, validation_line
 from training.monitor import TensorBoardWriter
 from training.reporting import Reporter, is_step_record, read_records
+from training.trainer import micro_batch_indices
 
 # a split with room for two global batches of validation samples in the conftest shard (200 documents); dropout
 # on, so a validation that drew masks from the training's stream would change the losses after it
@@ -106,6 +107,32 @@ def test_validation_leaves_training_unchanged_and_a_resumed_run_validates_bit_id
                           use_positions=False, vocab_size=512, sample_indices=resumed.validation.sample_indices,
                           compiled=True)
     assert compiled.evaluate(4)["val_loss"] == pytest.approx(uninterrupted.evaluate(4)["val_loss"], rel=1e-6)
+
+
+class LocalSums:
+    """The collectives of one data-parallel rank of two, the other rank's sums given (or recorded, for it)."""
+
+    def __init__(self, other=None):
+        self.other, self.local = other, None
+
+    def all_reduce_array(self, values):
+        self.local = values
+        return values if self.other is None else values + self.other
+
+
+def test_two_data_parallel_ranks_together_validate_what_one_process_does(runs):
+    _, plain, resumed = runs
+    config = resumed.config  # global batch 4 = 2 ranks x local batch 2, one micro-batch each
+
+    def rank(index, collectives):
+        return Validation(config, plain.model, collectives, accumulation=1, use_positions=False, vocab_size=512,
+                          sample_indices=lambda first, micro: micro_batch_indices(first, micro, index, 2, 2))
+    second = LocalSums()
+    rank(1, second).evaluate(4)
+    together = rank(0, LocalSums(other=second.local)).evaluate(4)
+    alone = Validation(config, plain.model, LocalSums(), accumulation=resumed.accumulation, use_positions=False,
+                       vocab_size=512, sample_indices=resumed.validation.sample_indices).evaluate(4)
+    assert together["val_loss"] == pytest.approx(alone["val_loss"], rel=1e-6)
 
 
 def test_validation_runs_every_eval_interval_steps_and_after_the_last(shard):

@@ -1,4 +1,5 @@
-"""Held-out loss: Megatron-style validation during training (``training.eval_interval``, ``eval_iters``).
+"""Held-out loss: Megatron-style validation during training (``training.eval_interval``, ``eval_iters``), and a
+checkpoint's evaluation on its run's test (or validation) split, per source (``kiln eval``, checkpoint_eval).
 
 The loss is the main LM head's cross entropy summed over the loss-masked tokens of every batch evaluated and
 divided by their count once, after the sums of all data-parallel ranks are added (a mean of per-batch means
