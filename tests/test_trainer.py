@@ -64,8 +64,21 @@ def metric(run_dir, name):
     return [m[name] for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
+# compiling costs CPU-seconds per graph and grows with the layers: one layer shows the same equivalences
+ONE_LAYER = "model.num_hidden_layers=1"
 # one micro-batch per step (local = global batch): the whole step (clip and AdamW included) is one graph
-WHOLE_STEP = ("fast_step.compile=true", "training.local_batch_size=4")
+WHOLE_STEP = ("fast_step.compile=true", "training.local_batch_size=4", ONE_LAYER)
+
+
+def assert_same_training(trainer, eager):
+    """Weights and optimizer state as the eager step's: the graph sums each gradient's squares in another order
+    (fp32), so the norm differs in its last bits and the weights by about that much through the clip factor."""
+    for t, e in zip(trainer.params, eager.params):
+        np.testing.assert_allclose(t.asnumpy(), e.asnumpy(), rtol=0, atol=1e-6, err_msg=t.name)
+    state, eager_state = trainer.optimizer.state_arrays(), eager.optimizer.state_arrays()
+    assert sorted(state) == sorted(eager_state) and state["global_step"] == eager_state["global_step"]
+    for name in state:
+        np.testing.assert_allclose(state[name], eager_state[name], rtol=0, atol=1e-7, err_msg=name)
 
 
 def test_the_compiled_whole_step_equals_the_eager_step_and_resumes_bit_identically(tmp_path, shard):
@@ -75,78 +88,70 @@ def test_the_compiled_whole_step_equals_the_eager_step_and_resumes_bit_identical
     resumed = make_trainer(tmp_path, shard, "resumed", *WHOLE_STEP,
                            f"checkpoint.load_path={tmp_path / 'compiled/checkpoints/iteration_00000003'}")
     resumed.train()
-    eager = make_trainer(tmp_path, shard, "eager", "training.local_batch_size=4")
+    eager = make_trainer(tmp_path, shard, "eager", "training.local_batch_size=4", ONE_LAYER)
     assert eager.step_mode.startswith("forward+backward eager") and "fast_step.compile is false" in eager.step_mode
     eager.train()
 
     uninterrupted, after_resume = losses(tmp_path / "compiled"), losses(tmp_path / "resumed")
     assert sorted(after_resume) == [4, 5, 6] and all(after_resume[s] == uninterrupted[s] for s in after_resume)
     assert all(np.array_equal(a.asnumpy(), b.asnumpy()) for a, b in zip(compiled.params, resumed.params))
-    # against eager: the graph sums each gradient's squares in another order (fp32), so the norm differs in its
-    # last bits and the weights by that much through the clip factor
     np.testing.assert_allclose(metric(tmp_path / "compiled", "loss"), metric(tmp_path / "eager", "loss"), rtol=1e-5)
     np.testing.assert_allclose(metric(tmp_path / "compiled", "grad_norm"), metric(tmp_path / "eager", "grad_norm"),
                                rtol=1e-5)
-    for c, e in zip(compiled.params, eager.params):
-        np.testing.assert_allclose(c.asnumpy(), e.asnumpy(), rtol=0, atol=1e-6, err_msg=c.name)
-    state, eager_state = compiled.optimizer.state_arrays(), eager.optimizer.state_arrays()
-    assert sorted(state) == sorted(eager_state) and state["global_step"] == eager_state["global_step"] == 6
-    for name in state:
-        np.testing.assert_allclose(state[name], eager_state[name], rtol=0, atol=1e-7, err_msg=name)
+    assert_same_training(compiled, eager)
 
 
-def test_the_compiled_whole_step_skips_a_nan_step_and_stops_on_too_many(tmp_path, shard):
+def test_with_accumulation_the_compiled_whole_step_equals_the_eager_one_through_nan_skips_and_the_stop(tmp_path,
+                                                                                                      shard):
     from training.optim import NonFiniteStepError
 
-    # two micro-batches per step: the NaN of the first reaches the update through the summed loss and gradients
-    trainer = make_trainer(tmp_path, shard, "skip", "fast_step.compile=true", "training.use_skip_step_on_nan=true",
-                           "training.max_consecutive_skipped_steps=1")
-    assert trainer.accumulation == 2 and trainer.step_mode.startswith("whole step compiled"), trainer.step_mode
-    micro_batch = trainer._micro_batch
+    def poisoned_trainer(name, *overrides):  # two micro-batches per step; a NaN in the first on steps 2, 4, 5
+        trainer = make_trainer(tmp_path, shard, name, ONE_LAYER, "training.use_skip_step_on_nan=true",
+                               "training.max_consecutive_skipped_steps=1", *overrides)
+        micro_batch = trainer._micro_batch
 
-    def poisoned(micro):  # a NaN loss mask makes the loss and every gradient NaN, as an overflow would
-        input_ids, labels, loss_mask, *rest = micro_batch(micro)
-        nan = micro == 0 and trainer.step + 1 in (2, 4, 5)
-        return (input_ids, labels, loss_mask * float("nan") if nan else loss_mask, *rest)
-    trainer._micro_batch = poisoned
-    trainer.train_step()
+        def poisoned(micro):  # a NaN loss mask makes the loss and every gradient NaN, as an overflow would
+            input_ids, labels, loss_mask, *rest = micro_batch(micro)
+            nan = micro == 0 and trainer.step + 1 in (2, 4, 5)
+            return (input_ids, labels, loss_mask * float("nan") if nan else loss_mask, *rest)
+        trainer._micro_batch = poisoned
+        return trainer
+
+    trainer, eager = poisoned_trainer("compiled", "fast_step.compile=true"), poisoned_trainer("eager")
+    assert trainer.accumulation == 2 and trainer.step_mode.startswith("whole step compiled"), trainer.step_mode
+    steps, eager_steps = [trainer.train_step()], [eager.train_step()]
     weights = {p.name: p.asnumpy().copy() for p in trainer.params}
     optimizer_state = trainer.optimizer.state_arrays()
-    skipped = trainer.train_step()
+    skipped = trainer.train_step()  # the NaN reaches the update through the summed loss and gradients
     assert skipped["skipped"] and np.isnan(skipped["loss"]) and skipped["lr"] == trainer.lr_schedule(1)
     assert all(np.array_equal(weights[p.name], p.asnumpy()) for p in trainer.params)
     after = trainer.optimizer.state_arrays()
     assert all(np.array_equal(optimizer_state[key], after[key]) for key in optimizer_state)  # global_step too
 
     applied = trainer.train_step()  # the NaN step left nothing in the gradient buffers
-    assert not applied["skipped"] and np.isfinite(applied["grad_norm"]) and trainer.optimizer.global_step == 2
-    assert applied["lr"] == trainer.lr_schedule(2)
-    assert all(not np.array_equal(weights[p.name], p.asnumpy()) for p in trainer.params)
+    assert not applied["skipped"] and trainer.optimizer.global_step == 2 and applied["lr"] == trainer.lr_schedule(2)
+    steps += [skipped, applied, trainer.train_step()]
+    eager_steps += [eager.train_step() for _ in range(3)]
+    assert [m["skipped"] for m in steps] == [m["skipped"] for m in eager_steps] == [False, True, False, True]
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose([m[name] for m in steps], [m[name] for m in eager_steps], rtol=1e-5)
+    assert_same_training(trainer, eager)
     weights = {p.name: p.asnumpy().copy() for p in trainer.params}
-    assert trainer.train_step()["skipped"]
-    with pytest.raises(NonFiniteStepError, match=r"step 5: .*2 steps in a row.*max_consecutive_skipped_steps = 1"):
-        trainer.train_step()
+    for each in (trainer, eager):
+        with pytest.raises(NonFiniteStepError, match=r"step 5: .*2 steps in a row.*max_consecutive_skipped_steps = 1"):
+            each.train_step()
     assert all(np.array_equal(weights[p.name], p.asnumpy()) for p in trainer.params)
     assert trainer.optimizer.global_step == 2
 
 
-def test_gradient_accumulation_compiled_whole_or_forward_backward_only_equals_the_eager_step(tmp_path, shard):
-    whole = make_trainer(tmp_path, shard, "whole", "fast_step.compile=true", "training.steps=3")
-    assert whole.accumulation == 2 and whole.step_mode.startswith("whole step compiled"), whole.step_mode
-    whole.train()
-    # gradient norms read on the host keep the clip and the update out of the graph
-    split = make_trainer(tmp_path, shard, "split", "fast_step.compile=true", "training.steps=3",
+def test_gradients_read_on_the_host_keep_the_update_out_of_the_graph_with_the_eager_losses(tmp_path, shard):
+    split = make_trainer(tmp_path, shard, "split", "fast_step.compile=true", "training.steps=2", ONE_LAYER,
                          "monitor.train_state.device_norm=true")
     assert split.step_mode.startswith("forward+backward compiled") and "device_norm" in split.step_mode
     split.train()
-    eager = make_trainer(tmp_path, shard, "eager", "training.steps=3")
+    eager = make_trainer(tmp_path, shard, "eager", "training.steps=2", ONE_LAYER)
     eager.train()
-    for run in ("whole", "split"):
-        np.testing.assert_allclose(metric(tmp_path / run, "loss"), metric(tmp_path / "eager", "loss"), rtol=1e-5)
-    np.testing.assert_allclose(metric(tmp_path / "whole", "grad_norm"), metric(tmp_path / "eager", "grad_norm"),
-                               rtol=1e-5)
-    for w, e in zip(whole.params, eager.params):
-        np.testing.assert_allclose(w.asnumpy(), e.asnumpy(), rtol=0, atol=1e-6, err_msg=w.name)
+    np.testing.assert_allclose(metric(tmp_path / "split", "loss"), metric(tmp_path / "eager", "loss"), rtol=1e-5)
 
 
 @pytest.mark.parametrize("config, overrides, reasons", [
