@@ -4,13 +4,9 @@
 case saving a checkpoint at step 2 and its last (sharded as the case lays its tensors out) under
 ``OUT/<case>/checkpoints``.
 """
-import os
 import sys
 from pathlib import Path
 
-# single-threaded dispatch, as training.run sets it before MindSpore loads (fast_step.host_blocking_dispatch): the
-# workers' busy-waiting dispatch threads on two loaded cores make each step several times slower
-os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import MICRO_CONFIG  # noqa: E402
 from fsdp_cases import DEEPSEEK, train_cases  # noqa: E402

@@ -4,13 +4,9 @@ several layouts of the micro DeepSeek-V3 (4 routed experts, top-2, expert biases
 ``python ep_cases.py OUT SHARD`` trains each case for a few steps, each saving its final checkpoint (sharded as
 the case lays its tensors out) under ``OUT/<case>/checkpoints``.
 """
-import os
 import sys
 from pathlib import Path
 
-# single-threaded dispatch, as training.run sets it before MindSpore loads (fast_step.host_blocking_dispatch): four
-# workers' busy-waiting dispatch threads on two loaded cores made each step several times slower
-os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fsdp_cases import DEEPSEEK, case_config, train_cases  # noqa: E402
 

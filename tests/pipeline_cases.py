@@ -4,14 +4,9 @@ layouts, each against the single-process run of the same model (``REFERENCES``).
 ``python pipeline_cases.py OUT SHARD`` trains each case for ``STEPS`` steps of 8 samples (local batch 1), saving
 its final checkpoint, sharded as the case lays its tensors out, under ``OUT/<case>/checkpoints``.
 """
-import os
 import sys
 from pathlib import Path
 
-# synchronous dispatch, as training.run sets it before MindSpore loads: MindSpore's dispatch thread busy-waits on one
-# of the 2 cores, which the 4 workers' blocking stage-to-stage transfers make far slower (measured with
-# benchmarks/pipeline_bubble.py at load ~35: 9 min threaded, 1.2 min synchronous)
-os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import MICRO_CONFIG  # noqa: E402
 from fsdp_cases import DEEPSEEK, case_config  # noqa: E402
