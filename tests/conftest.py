@@ -11,6 +11,10 @@ MICRO_CONFIG = "tests/configs/qwen3_micro.yaml"
 
 # msrun starts workers with the `python` on PATH: make it this interpreter's
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+# synchronous dispatch, as training.run sets it before MindSpore loads (fast_step.host_blocking_dispatch), for the
+# tests' own processes, the msrun workers and every subprocess: MindSpore's dispatch thread busy-waits on a core.
+# Measured: test_trainer 175 s threaded, 62 s synchronous; test_pipeline's 4 workers on 2 cores 1604 s vs 82 s
+os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
 
 
 def write_micro_sources(path: Path) -> Path:
@@ -29,11 +33,7 @@ def run_under_msrun(args: list[str], log_dir: Path, workers: int, *, timeout: fl
 
     settings = MsrunSettings(worker_num=workers, local_worker_num=workers, master_port=free_port(),
                              log_dir=str(log_dir), cluster_time_out=300)
-    # synchronous dispatch, as training.run sets it before MindSpore loads (fast_step.host_blocking_dispatch):
-    # MindSpore's dispatch thread busy-waits on a core, and with 4 workers on 2 cores waiting in blocking
-    # collectives each step got many times slower (tests/test_pipeline.py: 1604 s threaded, 82 s synchronous)
-    env = {"MS_DEV_HOST_BLOCKING_RUN": "1", **msrun_environment(os.environ)}
-    done = subprocess.run(msrun_command(settings, [str(a) for a in args]), env=env,
+    done = subprocess.run(msrun_command(settings, [str(a) for a in args]), env=msrun_environment(os.environ),
                           cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout)
     logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(Path(log_dir).glob("worker_*.log")))
     assert done.returncode == 0, logs or done.stdout[-3000:] + done.stderr[-3000:]
