@@ -13,9 +13,10 @@ The two alternate (ABBA...) and each round's ratio is reference seconds / backfi
 the backfill at least 0.9x as fast as one process). Per-step overhead: a chunk step's wall time from the
 executor starting its worker to the step's success, minus the seconds its tokenize_to_indexed call took.
 
-Measured here (2 shared cores at load 25-45, --gib 1, 2 rounds): kiln preprocess 383 / 276 s, backfill 596 / 559 s,
-0.57x median (target 0.9x not reached on this machine); per-step overhead 14.4 s median, 21.9 s max. Each step
-also starts Dagster's compute-log capture (two `tail` and two watcher processes per step).
+Measured here (2 shared cores, --gib 1): at load 2-7, kiln preprocess 23.5 / 23.7 s, backfill 36.2 / 35.9 s (0.65x,
+0.66x; per-step overhead 0.9-1.4 s median); at load 25-45, 383 / 276 s vs 596 / 559 s (0.64x, 0.49x; overhead
+14.4 s median). The 0.9x target is not reached. Each step also starts Dagster's compute-log capture (two `tail`
+and two watcher processes per step).
 """
 from __future__ import annotations
 
