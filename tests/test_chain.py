@@ -78,7 +78,8 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         specs = {spec.key.to_user_string(): spec for spec in build_definitions(res).resolve_all_asset_specs()}
         assert {key: (spec.group_name, bool(spec.owners), bool(spec.kinds), "stage" in spec.tags,
                       bool(spec.description)) for key, spec in specs.items()} == {
-            key: ("training" if key in ("training_run", "checkpoint") else "data", True, True, True, True)
+            key: ("training" if key in ("training_run", "checkpoint", "checkpoint_eval") else "data", True, True, True,
+                  True)
             for key in specs}
 
         # data parallel is exact: one process with gradient accumulation sees the same global batches
