@@ -24,7 +24,7 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   replicated data parallelism at 1, 2 and 4 msrun workers (ZeRO-3 at N ranks ~ 1/N of DP's).
 - pipeline parallelism (benchmarks/pipeline_bubble.py): on 2 msrun workers, 8 micro-batches, the bubble of gpipe,
   1f1b and interleaved_1f1b (steps alternating) vs. the analytic (p-1)/(v*m+p-1), and the stage inputs each stage
-  keeps for its backwards.
+  keeps for its backwards, the bytes sent between stages vs. the analytic count, and each schedule's step vs. DP2.
 - context parallelism (benchmarks/context_parallel.py): Qwen3 tiny at 512 tokens on 2 msrun workers, the step of
   the ring (contiguous and zig-zag) and of Ulysses at CP2 vs. DP2 (alternating), and the bytes the attention
   receives per step vs. the analytic count of a native ring / all-to-all.

@@ -1,4 +1,5 @@
-"""Pipeline parallelism on 2 msrun workers (pp 2): the bubble of each schedule and the activations each stage keeps.
+"""Pipeline parallelism on 2 msrun workers (pp 2): the bubble of each schedule, the activations each stage keeps, the
+bytes sent between stages, and the step time against data parallelism on the same 2 workers.
 
 configs/qwen3_tiny.yaml widened (hidden 256, 4 layers) trains with 8 micro-batches per step under ``gpipe``,
 ``1f1b`` and ``interleaved_1f1b`` (2 chunks per rank); the three trainers live in one launch and take their steps
@@ -13,6 +14,11 @@ in turn, round by round, so the machine's load falls on all alike. Per schedule:
 - activations kept per stage: the most micro-batches a rank has forwarded and not yet backpropagated at once
   (GPipe: all m; 1F1B: p − rank), and the bytes of stage-input hidden states it holds for them (its activations
   under full recompute; the first stage keeps token ids only).
+- bytes sent between stages per step, summed over the ranks, against the analytic count: each of the v·p − 1
+  boundaries between virtual stages carries every micro-batch's hidden states forward and their gradient back,
+  2 · m · (v·p − 1) · b · s · h · 4 bytes.
+- step time against DP2 (ZeRO-1, the same global batch as 4 accumulated micro-batches per rank), whose trainer
+  takes its steps in the same rounds; median over the rounds after the first.
 
 Run as a script by msrun: ``python benchmarks/pipeline_bubble.py OUT SHARD``.
 """
@@ -24,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +42,7 @@ SCHEDULES = {"gpipe": (["parallelism.pipeline_parallel_schedule=gpipe"], 1),
 # parallel_memory's widened qwen3_tiny, 8 micro-batches of one sample per step, 2 stages
 PIPELINE = [f"training.global_batch_size={MICRO_BATCHES}", "training.local_batch_size=1",
             f"parallelism.pipeline_parallel={PP}"]
+DATA_PARALLEL = ["parallelism.pipeline_parallel=1", "parallelism.data_parallel_shard_strategy=optim"]
 ROUNDS = 4
 
 
@@ -53,16 +61,24 @@ def worker(out: str, shard: str) -> None:
 
     configure_runtime(_config(shard, []))
     world = init_world()
+    arms = {name: overrides for name, (overrides, _) in SCHEDULES.items()} | {"dp": DATA_PARALLEL}
     trainers = {name: Trainer(_config(shard, overrides), world, Path(out) / name, Reporter(None, enabled=False))
-                for name, (overrides, _) in SCHEDULES.items()}
-    figures = {name: {"idle": [], "in_flight": 0, "kept_bytes": 0} for name in SCHEDULES}
+                for name, overrides in arms.items()}
+    figures = {name: {"idle": [], "in_flight": 0, "kept_bytes": 0, "sent_bytes": 0, "step_s": []} for name in arms}
     for _ in range(ROUNDS):
         for name, trainer in trainers.items():
+            started = time.perf_counter()
             trainer.train_step()
+            figures[name]["step_s"].append(time.perf_counter() - started)
+            if trainer.pipeline is None:
+                continue
             result = trainer.pipeline.last_result
             figures[name]["idle"].append(1 - result.busy_s / result.wall_s)
             figures[name]["in_flight"] = max(figures[name]["in_flight"], result.peak_in_flight)
             figures[name]["kept_bytes"] = max(figures[name]["kept_bytes"], result.peak_kept_bytes)
+            figures[name]["sent_bytes"] = result.sent_bytes
+    figures["shape"] = {"seq": trainers["gpipe"].seq_length, "hidden": trainers["gpipe"].model.config.hidden_size,
+                        "batch": trainers["gpipe"].config.training.local_batch_size}
     (Path(out) / f"rank{world.rank}.json").write_text(json.dumps(figures))
 
 
@@ -79,7 +95,15 @@ def run(report, shard: Path) -> None:
         subprocess.run(msrun_command(settings, [__file__, tmp, str(shard)]), check=True, cwd=PROJECT_ROOT, env=env,
                        stdout=subprocess.DEVNULL)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(PP)]
+        shape = ranks[0]["shape"]
+        dp_step = statistics.median(max(r["dp"]["step_s"][i] for r in ranks) for i in range(1, ROUNDS))
         for name, (_, interleave) in SCHEDULES.items():
+            step = statistics.median(max(r[name]["step_s"][i] for r in ranks) for i in range(1, ROUNDS))
+            report(f"pipeline {name} step (pp {PP})", step, "s", step / dp_step, "DP2 (ZeRO-1) on the same workers")
+            sent = sum(r[name]["sent_bytes"] for r in ranks)
+            analytic = 2 * MICRO_BATCHES * (interleave * PP - 1) * shape["batch"] * shape["seq"] * shape["hidden"] * 4
+            report(f"pipeline {name} sent between stages per step", sent / 2**20, "MiB", sent / analytic,
+                   "the analytic count")
             measured = statistics.mean(statistics.median(r[name]["idle"][1:]) for r in ranks)
             analytic = analytic_bubble(PP, MICRO_BATCHES, interleave)
             report(f"pipeline {name} bubble (pp {PP}, {MICRO_BATCHES} micro-batches)", measured * 100, "% idle",

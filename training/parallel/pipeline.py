@@ -296,7 +296,8 @@ class PipelineResult:
     """One step's outcome on this rank: gradients of ``Pipeline.params`` (summed over micro-batches, scaled), the
     mean over micro-batches of this rank's part of the loss and of each loss component (0 where the part lives
     on other stages), and what the schedule cost here: seconds computing, seconds in all, and at most how many
-    micro-batches were forwarded and not yet backpropagated (whose stage inputs it kept), and their bytes."""
+    micro-batches were forwarded and not yet backpropagated (whose stage inputs it kept), their bytes, and the
+    bytes it sent to other stages."""
     grads: tuple[Tensor, ...]
     loss: float
     components: dict[str, float]
@@ -304,6 +305,7 @@ class PipelineResult:
     wall_s: float = 0.0
     peak_in_flight: int = 0
     peak_kept_bytes: int = 0
+    sent_bytes: int = 0
 
 
 class Pipeline:
@@ -447,11 +449,11 @@ class Pipeline:
         rewind: dict[tuple[int, int], tuple] = {}  # dropout stream state and MoE counts before a forward
         grads = {p.name: None for p in self.params}
         loss_sum, components = 0.0, {name: 0.0 for name in self.component_names()}
-        busy, kept, peak, in_flight, peak_in_flight = 0.0, 0, 0, 0, 0
+        busy, kept, peak, in_flight, peak_in_flight, sent = 0.0, 0, 0, 0, 0, 0
         started = time.perf_counter()
         for step in self.program:
             if isinstance(step, Transfer):
-                self._transfer(step, batches, inputs, output_grads, outbox)
+                sent += self._transfer(step, batches, inputs, output_grads, outbox)
                 continue
             chunk = self.chunks[step.chunk]
             key = (chunk.stage, step.micro)
@@ -491,21 +493,24 @@ class Pipeline:
         ordered = tuple(grads[p.name] if grads[p.name] is not None else ops.zeros_like(p) for p in self.params)
         m = self.micro_batches
         return PipelineResult(ordered, loss_sum / m, {n: v / m for n, v in components.items()}, busy,
-                              time.perf_counter() - started, peak_in_flight, peak)
+                              time.perf_counter() - started, peak_in_flight, peak, sent)
 
-    def _transfer(self, transfer: Transfer, batches, inputs, output_grads, outbox) -> None:
+    def _transfer(self, transfer: Transfer, batches, inputs, output_grads, outbox) -> int:
+        """One hidden-state or gradient transfer between stages; the bytes this rank sent (0 when receiving)."""
         me = self.rank
         peer = transfer.dst if transfer.src == me else transfer.src
         pair = self.pairs[peer]
         sender = pair.ranks.index(self.peer_rank[transfer.src])
         key = (transfer.kind, transfer.stage, transfer.micro)
         if transfer.src == me:
-            comm.send_recv(outbox.pop(key), pair, sender)
-            return
+            sending = outbox.pop(key)
+            comm.send_recv(sending, pair, sender)
+            return self._nbytes(sending)
         input_ids = batches[transfer.micro][0]
         shape = (input_ids.shape[0], input_ids.shape[1] // self.sequence_shards, self.hidden_size)
         received = comm.send_recv(ops.zeros(shape, self.dtype), pair, sender)
         (inputs if transfer.kind == FORWARD else output_grads)[(transfer.stage, transfer.micro)] = received
+        return 0
 
     def _capture(self, chunk: _Chunk) -> tuple:
         return self.model.dropout_masks.state(), [moe._counts.copy() for moe in chunk.moe]
