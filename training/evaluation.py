@@ -63,11 +63,16 @@ class HeldOutLoss(nn.Cell):
         return self.model.sample_loss_sums(*inputs)
 
 
+def model_input_tensors(batch: dict[str, np.ndarray]) -> tuple[Tensor | None, ...]:
+    """A batch of ``stack_model_inputs`` as the model's positional inputs (None where the batch has none)."""
+    return tuple(None if batch.get(key) is None else Tensor(batch[key]) for key in MODEL_INPUTS)
+
+
 def forward_loss_sums(loss: HeldOutLoss, batch: dict[str, np.ndarray], shard_inputs=None
                       ) -> tuple[np.ndarray, np.ndarray]:
     """Per sample of ``batch`` (stack_model_inputs): its summed loss over loss-masked tokens and their count
     (under context parallelism, ``shard_inputs`` given: over this rank's tokens of the samples)."""
-    inputs = tuple(None if batch.get(key) is None else Tensor(batch[key]) for key in MODEL_INPUTS)
+    inputs = model_input_tensors(batch)
     if shard_inputs is not None:
         inputs = shard_inputs(inputs)
     sums, tokens = loss(*inputs)

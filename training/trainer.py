@@ -23,7 +23,7 @@ from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, c
                                  resolve_load_path, restore_rng_state)
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
-from training.evaluation import Validation, validation_line
+from training.evaluation import Validation, model_input_tensors, validation_line
 from training.model import GPTModel, build_model
 from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
 from training.optim import (AdamW, SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm,
@@ -391,8 +391,7 @@ class Trainer:
         indices = micro_batch_indices(self.consumed_samples, micro, self.mesh.data_shard_index, self.dp,
                                       self.config.training.local_batch_size)
         batch = stack_model_inputs([self.dataset[i % len(self.dataset)] for i in indices], self.use_positions)
-        inputs = tuple(None if batch.get(key) is None else Tensor(batch[key])
-                       for key in ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask"))
+        inputs = model_input_tensors(batch)
         context = self.parallel.context_parallel
         return inputs if context is None else context.shard_inputs(inputs)  # this rank's tokens of the samples
 
