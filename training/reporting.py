@@ -109,29 +109,27 @@ class Reporter:
             self._pipes.log.warning(message)
 
     def step(self, metrics: dict, line: str) -> None:
-        if not self.enabled:
-            return
-        if self._metrics:
-            self._metrics.write(json.dumps(metrics) + "\n")
-        self.info(line)
-        for sink in self._sinks:
-            sink(metrics)
-        if self._pipes and metrics["step"] % self.log_interval == 0:
-            self._pipes.report_custom_message({"event": METRICS_MESSAGE, "step": metrics["step"],
-                                               **scalar_metrics(metrics)})
+        """A training step's record; its scalars join the UI's curve every ``log_interval`` steps."""
+        on_curve = metrics["step"] % self.log_interval == 0
+        self._record(metrics, line, lambda sink: sink(metrics),
+                     {"step": metrics["step"], **scalar_metrics(metrics)} if on_curve else None)
 
     def evaluation(self, record: dict, line: str) -> None:
-        """A validation result ``{"step", "val_loss", "val_ppl"}``: a metrics.jsonl record of its own, the log
-        line, the sinks, and (every evaluation, whatever log_interval) a ``metrics`` message for the curve."""
+        """A validation result ``{"step", "val_loss", "val_ppl"}``: a metrics.jsonl record of its own, and a
+        point of the curve at every evaluation, whatever ``log_interval``."""
+        self._record(record, line, lambda sink: sink.evaluation(record), record)
+
+    def _record(self, record: dict, line: str, to_sink, curve_point: dict | None) -> None:
+        """One record to every place rank 0 reports: metrics.jsonl, the log, the sinks, and Pipes' curve."""
         if not self.enabled:
             return
         if self._metrics:
             self._metrics.write(json.dumps(record) + "\n")
         self.info(line)
         for sink in self._sinks:
-            sink.evaluation(record)
-        if self._pipes:
-            self._pipes.report_custom_message({"event": METRICS_MESSAGE, **record})
+            to_sink(sink)
+        if self._pipes and curve_point is not None:
+            self._pipes.report_custom_message({"event": METRICS_MESSAGE, **curve_point})
 
     def checkpoint(self, payload: dict) -> None:
         if self.enabled and self._pipes:
