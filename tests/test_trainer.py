@@ -1,6 +1,9 @@
 """The trainer in one process (no msrun): a step, a save, a resume, and an audit of what it saved."""
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mindspore as ms
@@ -487,3 +490,23 @@ def test_a_shard_with_ids_beyond_the_vocabulary_is_refused_naming_it_and_the_fie
     assert message.endswith("or set model.vocab_size to at least 1024")
     assert not (tmp_path / "run/checkpoints").exists()
 
+
+
+def test_threaded_dispatch_trains_to_the_same_losses_as_synchronous_dispatch(tmp_path, shard):
+    """The suite runs every process with synchronous dispatch (conftest); MindSpore's default threaded dispatch,
+    which ``fast_step.host_blocking_dispatch: false`` keeps, is this one child process's."""
+    overrides = [f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
+                 "train_dataset.dataloader.config.pad=3", *WHOLE_STEP, "training.steps=3"]
+    threaded = tmp_path / "threaded"
+    env = {k: v for k, v in os.environ.items() if k != "MS_DEV_HOST_BLOCKING_RUN"}
+    done = subprocess.run(
+        [sys.executable, "-m", "training.run", "--config", MICRO_CONFIG, "--output-dir", str(threaded),
+         "--set", "fast_step.host_blocking_dispatch=false", "--set", f"checkpoint.save_path={threaded / 'ckpt'}",
+         *[arg for override in overrides for arg in ("--set", override)]],
+        cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "whole step compiled" in done.stdout and "threaded dispatch" in done.stdout, done.stdout[-2000:]
+    synchronous = make_trainer(tmp_path, shard, "synchronous", *WHOLE_STEP, "training.steps=3")
+    assert "synchronous dispatch" in synchronous.step_mode
+    synchronous.train()
+    assert losses(threaded) == losses(tmp_path / "synchronous")
