@@ -52,6 +52,28 @@ def train_alone(config, run_dir: Path) -> tuple[list[dict], dict]:
     return read_records(run_dir / "metrics.jsonl"), {p.name: p.asnumpy() for p in trainer.model.get_parameters()}
 
 
+def validate_as_one_process(config, checkpoint: Path) -> float:
+    """The validation loss one process computes (``config``'s validation, micro-batches of one sample as the msrun
+    cases read them) of the weights in ``checkpoint``: what a parallel run's validation at that step must equal."""
+    from mindspore import Tensor
+
+    from training.checkpoint import load_checkpoint
+    from training.evaluation import Validation
+    from training.model import build_model
+    from training.parallel.comm import Collectives
+    from training.parallel.mesh import World
+    from training.trainer import micro_batch_indices
+
+    model = build_model(config.model)
+    weights = load_checkpoint(checkpoint).model
+    for param in model.get_parameters():
+        param.set_data(Tensor(weights[param.name]))
+    validation = Validation(config, model, Collectives(World(0, 1)), accumulation=config.training.global_batch_size,
+                            use_positions=False, vocab_size=model.config.vocab_size,
+                            sample_indices=lambda first, micro: micro_batch_indices(first, micro, 0, 1, 1))
+    return validation.evaluate(config.training.steps)["val_loss"]
+
+
 def assert_resumes_as_one_process(config, run_dir: Path, step: int, single: list[dict], expected: dict,
                                   loss_rtol: float, weight_atol: float) -> None:
     """One process resumes ``config`` (its checkpoint.load_path saved at ``step`` by a parallel run) and trains on

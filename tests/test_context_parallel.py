@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from conftest import MICRO_CONFIG, run_under_msrun, write_random_documents
+from conftest import MICRO_CONFIG, run_under_msrun, validate_as_one_process, write_random_documents
 from cp_cases import CASES, DEEPSEEK_CASES, VALIDATE_ONCE
 from fsdp_cases import DEEPSEEK, STEPS, case_config
 from test_fsdp import single_process
@@ -21,10 +21,8 @@ from training.model.layers import causal_mask
 from training.parallel.context_parallel import (ContextAttention, ContextParallelPlan, block_mask,
                                                 RingAttention, check_context_parallel, token_positions)
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
-from training.evaluation import Validation
-from training.parallel.comm import Collectives
 from training.reporting import Reporter, is_step_record, read_records
-from training.trainer import Trainer, micro_batch_indices
+from training.trainer import Trainer
 
 # fp32; the online softmax and the cp ranks' sums add in another order than one process. Losses and grad norms
 # within 1e-6 relative (measured: 3e-7). Final weights (3 AdamW steps, lr up to 3e-3, eps 1e-5): within 2e-6 but
@@ -77,15 +75,8 @@ def test_validation_in_a_context_parallel_run_is_one_process_validation(runs):
     logged = [m for m in read_records(root / "cases/ring_cp2_dp2/metrics.jsonl") if not is_step_record(m)]
     assert [m["step"] for m in logged] == [STEPS]
     config = case_config(str(root / "data/random"), VALIDATE_ONCE)
-    model = build_model(config.model)
-    weights = load_checkpoint(root / "cases/ring_cp2_dp2" / f"checkpoints/iteration_{STEPS:08d}").model
-    for param in model.get_parameters():
-        param.set_data(Tensor(weights[param.name]))
-    accumulation = config.training.global_batch_size  # one sample per micro-batch, as the cases read
-    validation = Validation(config, model, Collectives(World(0, 1)), accumulation=accumulation,
-                            use_positions=False, vocab_size=model.config.vocab_size,
-                            sample_indices=lambda first, micro: micro_batch_indices(first, micro, 0, 1, 1))
-    assert logged[0]["val_loss"] == pytest.approx(validation.evaluate(STEPS)["val_loss"], rel=LOSS_RTOL)
+    checkpoint = root / "cases/ring_cp2_dp2" / f"checkpoints/iteration_{STEPS:08d}"
+    assert logged[0]["val_loss"] == pytest.approx(validate_as_one_process(config, checkpoint), rel=LOSS_RTOL)
 
 
 @pytest.mark.msrun

@@ -138,14 +138,16 @@ def split_field(loader: BlendedMegatronLoaderConfig, split: str) -> str:
 class Validation:
     """The same ``eval_iters`` global batches of the validation split at every evaluation, each cut over the
     data-parallel ranks as a training step's batch is (``sample_indices``); a rank's micro-batches of one
-    global batch go through one forward (no gradients to hold), ``compiled`` or eager (HeldOutLoss)."""
+    global batch go through one forward (no gradients to hold), ``compiled`` or eager (HeldOutLoss), or through
+    ``loss_sums`` when given (a pipeline's stages: ``Pipeline.held_out_loss_sums``)."""
 
     def __init__(self, config: TrainConfig, model, collectives, sample_indices, accumulation: int,
-                 use_positions: bool, vocab_size: int | None, shard_inputs=None, compiled: bool = False):
+                 use_positions: bool, vocab_size: int | None, shard_inputs=None, compiled: bool = False,
+                 loss_sums=None):
         self.config = config
         self.shard_inputs = shard_inputs  # context parallelism: this rank's tokens of each sample
         self.model = model
-        self.loss = HeldOutLoss(model, compiled)
+        self.loss = loss_sums or HeldOutLoss(model, compiled)
         self.collectives = collectives
         self.sample_indices = sample_indices  # (first sample of the batch, micro-batch) -> this rank's indices
         self.accumulation = accumulation
@@ -170,7 +172,8 @@ class Validation:
                 loss_sum += sums.sum()
                 tokens += counts.sum()
         # every rank of a tensor-parallel group holds the same sums: numerator and denominator count them alike;
-        # context-parallel ranks hold parts of their samples' sums, which add up
+        # context-parallel ranks hold parts of their samples' sums, which add up; pipeline ranks before the last
+        # stage hold zeros
         loss_sum, tokens = self.collectives.all_reduce_array(np.array([loss_sum, tokens]))
         loss = float(loss_sum / max(tokens, 1.0))
         return {"step": step, "val_loss": loss, "val_ppl": perplexity(loss)}

@@ -249,7 +249,7 @@ class Trainer:
             sample_indices=lambda first, micro: micro_batch_indices(first, micro, self.mesh.data_shard_index, self.dp,
                                                                     config.training.local_batch_size),
             shard_inputs=self.parallel.context_parallel and self.parallel.context_parallel.shard_inputs,
-            compiled=not blockers,
+            compiled=not blockers, loss_sums=self.pipeline and self.pipeline.held_out_loss_sums,
         ) if config.training.eval_interval else None
         self.step = 0
         self.consumed_samples = 0

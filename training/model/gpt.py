@@ -190,7 +190,11 @@ class GPTModel(nn.Cell):
         """Each sample's summed LM loss over its loss-masked tokens, and how many tokens those are ([batch]
         each): held-out loss is averaged over tokens across batches and ranks, which a per-batch mean cannot
         give. The main head only (no MTP depth, no load-balancing term), as Megatron's validation loss."""
-        hidden = self._decode(input_ids, position_ids, attention_mask)[0]
+        return self.hidden_loss_sums(self._decode(input_ids, position_ids, attention_mask)[0], labels, loss_mask)
+
+    def hidden_loss_sums(self, hidden: Tensor, labels: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """``sample_loss_sums`` from the decoder's output ``hidden`` (after its final norm): what the last
+        pipeline stage computes of it."""
         logits = self._output(hidden)
         token_loss = self.token_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         mask = cast(loss_mask, ms.float32)

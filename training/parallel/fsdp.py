@@ -240,11 +240,19 @@ class DataParallel:
             for group in {id(s.group): s.group for _, _, s in unit_slots}.values():
                 group_slots = [slot for slot in unit_slots if slot[2].group is group]
                 unit.construct = _UnitGather(unit.construct, group_slots, group, reshard_after_forward)
-                # the model's other entry points (inference logits, validation's loss sums) gather the same weights
-                for entry in ("logits", "sample_loss_sums") if unit is self.model else ():
-                    if hasattr(unit, entry):
-                        setattr(unit, entry, _UnitGather(getattr(unit, entry), group_slots, group,
-                                                         reshard_after_forward))
+                for entry in self._entry_points(unit):
+                    if hasattr(self.model, entry):
+                        setattr(self.model, entry, _UnitGather(getattr(self.model, entry), group_slots, group,
+                                                               reshard_after_forward))
+
+    def _entry_points(self, unit: nn.Cell) -> tuple[str, ...]:
+        """The model's methods other than ``unit.construct`` that read the unit's weights, so gather them as well:
+        the model's inference logits and validation's loss sums; and, when the embedding is a unit of its own (a
+        pipeline stage) and the output layer is tied to it, the output matmul with the embedding table."""
+        if unit is self.model:
+            return ("logits", "sample_loss_sums")
+        tied = getattr(self.model, "output_layer", True) is None
+        return ("_output",) if tied and unit is getattr(self.model, "embedding", None) else ()
 
     # ---- what the trainer differentiates and updates -------------------------------------------------
     @property

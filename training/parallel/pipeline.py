@@ -29,7 +29,9 @@ last stage has nobody to send to, so its forward waits for its backward and runs
 
 The loss of each micro-batch exists on the last stage, its load-balancing parts on the stages of their MoE
 layers: every rank reports its part and the trainer sums them over the world (``Trainer.train_step``), so
-rank 0 logs the step's loss.
+rank 0 logs the step's loss. Validation (``training.eval_interval``) runs its batch forward only through the
+stages in order (``Pipeline.held_out_loss_sums``); its loss sums, on the last stage, are summed over the world
+as well.
 """
 from __future__ import annotations
 
@@ -252,20 +254,26 @@ class _Chunk:
             self.moe += [layer.transformer_layer.mlp for layer in model.mtp.layers
                          if isinstance(layer.transformer_layer.mlp, MoELayer)]
 
+    def decode(self, x, input_ids, position_ids, attention_mask) -> tuple[Tensor, tuple]:
+        """The stage's decoder layers over ``x`` (over the embedded tokens on the first stage), and the rotary
+        tables and the mask they read."""
+        tables = self.model._tables(input_ids.shape[1], position_ids, attention_mask)
+        if self.first:
+            x = self.model._embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, *tables)
+        return x, tables
+
     def forward(self, x, input_ids, labels, loss_mask, position_ids, attention_mask):
         """(output hidden states or None on the last stage, this stage's part of the loss or None, its named
         parts)."""
         model = self.model
-        cos, sin, mask = model._tables(input_ids.shape[1], position_ids, attention_mask)
-        if self.first:
-            x = model._embed(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+        x, tables = self.decode(x, input_ids, position_ids, attention_mask)
         components = {}
         loss = None
         if self.last:
             loss, components = model.head_loss(model.decoder.final_layernorm(x), input_ids, labels, loss_mask,
-                                               cos, sin, mask)
+                                               *tables)
             x = None
         aux = [moe.aux_loss for moe in self.moe if moe.aux_loss is not None]
         if aux:
@@ -497,20 +505,47 @@ class Pipeline:
 
     def _transfer(self, transfer: Transfer, batches, inputs, output_grads, outbox) -> int:
         """One hidden-state or gradient transfer between stages; the bytes this rank sent (0 when receiving)."""
-        me = self.rank
-        peer = transfer.dst if transfer.src == me else transfer.src
-        pair = self.pairs[peer]
-        sender = pair.ranks.index(self.peer_rank[transfer.src])
-        key = (transfer.kind, transfer.stage, transfer.micro)
-        if transfer.src == me:
-            sending = outbox.pop(key)
-            comm.send_recv(sending, pair, sender)
-            return self._nbytes(sending)
         input_ids = batches[transfer.micro][0]
-        shape = (input_ids.shape[0], input_ids.shape[1] // self.sequence_shards, self.hidden_size)
-        received = comm.send_recv(ops.zeros(shape, self.dtype), pair, sender)
+        if transfer.src == self.rank:
+            sending = outbox.pop((transfer.kind, transfer.stage, transfer.micro))
+            self._exchange(sending, transfer.src, transfer.dst, input_ids)
+            return self._nbytes(sending)
+        received = self._exchange(None, transfer.src, transfer.dst, input_ids)
         (inputs if transfer.kind == FORWARD else output_grads)[(transfer.stage, transfer.micro)] = received
         return 0
+
+    def _exchange(self, sending: Tensor | None, src: int, dst: int, input_ids: Tensor) -> Tensor | None:
+        """Hidden states (or their gradient) of the micro-batch ``input_ids`` from pipeline rank ``src`` to
+        ``dst``: what this rank holds after it (the received tensor on ``dst``, ``sending`` on any other rank,
+        which takes part only as the sender)."""
+        if self.rank not in (src, dst):
+            return sending
+        pair = self.pairs[dst if src == self.rank else src]
+        sender = pair.ranks.index(self.peer_rank[src])
+        if src == self.rank:
+            comm.send_recv(sending, pair, sender)
+            return sending
+        shape = (input_ids.shape[0], input_ids.shape[1] // self.sequence_shards, self.hidden_size)
+        return comm.send_recv(ops.zeros(shape, self.dtype), pair, sender)
+
+    def held_out_loss_sums(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None
+                           ) -> tuple[Tensor, Tensor]:
+        """Validation's forward (``evaluation.forward_loss_sums``) through the stages: the batch goes through every
+        virtual stage in order, each handing its hidden states to the next, with no backward to keep anything for.
+        The last stage's ranks return each sample's loss sum and token count (``GPTModel.hidden_loss_sums``), the
+        other ranks zeros, which add nothing when validation sums them over the world."""
+        sums = counts = ops.zeros(input_ids.shape[:1], ms.float32)
+        x = None
+        for stage in range(self.last_stage + 1):
+            if stage % self.pp == self.rank:
+                chunk = self.chunks[stage // self.pp]
+                x = chunk.decode(x, input_ids, position_ids, attention_mask)[0]
+                if chunk.last:
+                    sums, counts = self.model.hidden_loss_sums(self.model.decoder.final_layernorm(x), labels,
+                                                               loss_mask)
+            if stage < self.last_stage:
+                x = self._exchange(x, stage % self.pp, (stage + 1) % self.pp, input_ids)
+        return sums, counts
 
     def _capture(self, chunk: _Chunk) -> tuple:
         return self.model.dropout_masks.state(), [moe._counts.copy() for moe in chunk.moe]
@@ -567,15 +602,6 @@ def build_pipeline(model, mesh: DeviceMesh, config, micro_batches: int, tensor_p
     """This rank's stages of ``model`` (already cut for tensor parallelism), or a clear refusal of what a pipeline
     run cannot do here."""
     p = config.parallelism
-    if (mesh.group("fsdp").size > 1 and p.data_parallel_shard_strategy == "optim_grads_params"
-            and model.output_layer is None):
-        raise ConfigError("model.tie_word_embeddings with parallelism.data_parallel_shard_strategy optim_grads_params "
-                          "(ZeRO-3) and pipeline_parallel > 1 is not implemented: the last stage's output layer reads "
-                          "the embedding table outside the embedding, which is where ZeRO-3 gathers it; use "
-                          "optim_grads (ZeRO-2) or optim")
-    if config.training.eval_interval:
-        raise ConfigError("training.eval_interval with pipeline_parallel > 1 is not implemented: validation runs the "
-                          "whole model's forward on each rank, which holds one stage")
     if any(bool(value) for value in config.monitor.train_state.to_dict().values()):
         raise ConfigError("monitor.train_state with pipeline_parallel > 1 is not implemented: its statistics gather "
                           "one row per parameter from every rank, and each stage holds other parameters")
