@@ -17,7 +17,7 @@ from pydantic import Field
 
 from assets.data import EAGER_AFTER_CHECKS, blend_manifest, combined_hash
 from assets.versions import versioned_asset
-from resources.msrun import MsrunResource
+from resources.msrun import MsrunResource, OrphanedStep
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.atomic import write_json_atomic, write_text_atomic
 from training.checkpoint import LINEAGE, latest_complete_checkpoint
@@ -314,6 +314,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         command = msrun.run(context, ["-m", "training.run", "--config", str(config_file), "--output-dir",
                                       str(run_dir), "--lineage", str(lineage_file)],
                             log_dir=log_dir, on_custom_message=on_message)
+    except OrphanedStep:  # its run is failed already: a run retry resumes, this process must only end
+        raise
     except dg.Failure as failure:
         raise retry_or_fail(context, config, run_dir, attempt, failure,
                             not_retriable_cause(log_dir, logged_before)) from None
@@ -357,32 +359,58 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
 def attempt_config(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage
                    ) -> TrainingRunConfig:
     """A retry resumes what the failed attempt saved, whichever way that attempt started (a weights_only or
-    fresh start's retry would otherwise be refused for the checkpoints its first attempt wrote)."""
+    fresh start's retry would otherwise be refused for the checkpoints its first attempt wrote). A retry is the
+    step's (its retry policy, a lost process) or the run's (Dagster's run retries re-execute a run whose run
+    worker died)."""
     save_path = storage.run_dir(config.run_name) / "checkpoints"
-    if context.retry_number and save_path.exists() and latest_complete_checkpoint(save_path):
+    retried = context.retry_number or RUN_RETRY_NUMBER_TAG in context.run.tags
+    if retried and save_path.exists() and latest_complete_checkpoint(save_path):
         return config.model_copy(update={"start": "resume", "init_from": ""})
     return config
 
 
-ATTEMPTS = "attempts.jsonl"  # in the run dir: one record per launch of training_run
+ATTEMPTS = "attempts.jsonl"  # in the run dir: a record when a launch of training_run starts, one when it ends
+RUN_RETRY_NUMBER_TAG = "dagster/retry_number"  # set by Dagster on the runs its run retries launch
+LOST = "lost"  # an attempt that started and never ended: its step process or its run worker was killed
 
 
 def start_attempt(context: dg.AssetExecutionContext, run_dir: Path, train_config, metrics_path: Path) -> dict:
+    """Record that an attempt starts, numbered after every earlier attempt of its run group (the first run and
+    the runs retrying it), so an attempt whose process was killed before it could record its end is listed."""
     load_path = train_config.checkpoint.load_path
     resumed = latest_complete_checkpoint(Path(load_path)) if load_path and Path(load_path).is_dir() else None
     step = re.fullmatch(r"iteration_(\d+)", resumed.name) if resumed else None
-    return {"run_id": context.run_id, "attempt": context.retry_number + 1,
-            "resumed_from_step": int(step.group(1)) if step and not train_config.checkpoint.no_load_optim else 0,
-            "metrics_offset": metrics_path.stat().st_size if metrics_path.exists() else 0}
+    root_run_id = context.run.root_run_id or context.run.run_id
+    attempt = {"run_id": context.run.run_id, "root_run_id": root_run_id,
+               "attempt": len(run_group_attempts(run_dir, root_run_id)) + 1,
+               "resumed_from_step": int(step.group(1)) if step and not train_config.checkpoint.no_load_optim else 0,
+               "metrics_offset": metrics_path.stat().st_size if metrics_path.exists() else 0}
+    _append_attempt(run_dir, {**attempt, "outcome": "started", "cause": ""})
+    return attempt
 
 
 def finish_attempt(run_dir: Path, attempt: dict, outcome: str, cause: str) -> list[dict]:
-    """Append the attempt's outcome to ATTEMPTS; return every attempt of its Dagster run, this one last."""
+    """Record the attempt's outcome; return every attempt of its run group, this one last."""
+    _append_attempt(run_dir, {**attempt, "outcome": outcome, "cause": cause})
+    return run_group_attempts(run_dir, attempt["root_run_id"])
+
+
+def _append_attempt(run_dir: Path, record: dict) -> None:
     path = run_dir / ATTEMPTS
     drop_partial_line(path)
     with open(path, "a") as stream:
-        stream.write(json.dumps({**attempt, "outcome": outcome, "cause": cause}) + "\n")
-    return [a for a in read_records(path) if a["run_id"] == attempt["run_id"]]
+        stream.write(json.dumps(record) + "\n")
+
+
+def run_group_attempts(run_dir: Path, root_run_id: str) -> list[dict]:
+    """Each attempt of the run group once, as it ended; one that only started was lost with its process."""
+    latest: dict[int, dict] = {}
+    for record in read_records(run_dir / ATTEMPTS):
+        if record.get("root_run_id", record["run_id"]) == root_run_id:
+            latest[record["attempt"]] = record
+    return [record if record["outcome"] != "started" else
+            {**record, "outcome": LOST, "cause": "its step process or run worker was killed"}
+            for _, record in sorted(latest.items())]
 
 
 def retry_or_fail(context: dg.AssetExecutionContext, config: TrainingRunConfig, run_dir: Path, attempt: dict,
@@ -390,13 +418,14 @@ def retry_or_fail(context: dg.AssetExecutionContext, config: TrainingRunConfig, 
     """What a failed launch raises: a retry request when it lost a process, a failure saying why not when the
     workers stopped on an error a retry would meet again (or the retries are used up)."""
     cause = not_retriable or failure.description.splitlines()[0].split(";")[0]  # "msrun exited with code N"
-    retried = not_retriable is None and attempt["attempt"] <= config.max_retries
+    retries_left = config.max_retries - context.retry_number  # this run's; a run retry starts its own count
+    retried = not_retriable is None and retries_left > 0
     attempts = finish_attempt(run_dir, attempt, "retried" if retried else "failed", cause)
     metadata = {**failure.metadata, "attempt_history": dg.MetadataValue.md(attempts_table(attempts))}
     if retried:
         context.log.warning(f"attempt {attempt['attempt']} failed ({cause}); retrying in {config.retry_delay_s:g} s "
-                            f"from the newest complete checkpoint ({config.max_retries - attempt['attempt'] + 1} "
-                            f"retr{'y' if config.max_retries - attempt['attempt'] == 0 else 'ies'} left)")
+                            f"from the newest complete checkpoint ({retries_left} retr"
+                            f"{'y' if retries_left == 1 else 'ies'} left)")
         return dg.RetryRequested(max_retries=config.max_retries, seconds_to_wait=config.retry_delay_s)
     why = (f"not retried: a worker stopped on an error a retry would meet again ({not_retriable})"
            if not_retriable else f"not retried: max_retries ({config.max_retries}) used up")

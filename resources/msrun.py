@@ -56,6 +56,16 @@ def echo_msrun_output(stream, out, glog_v: int) -> None:
         out.flush()
 
 
+class OrphanedStep(dg.Failure):
+    """The run worker that started this step process died (kill -9, the OOM killer). The code server fails its
+    run and Dagster's run retries start another, which must not find this step still training; no step retry
+    either: nothing is left to run it."""
+
+    def __init__(self, run_worker: int):
+        super().__init__(f"the process that started this step (pid {run_worker}, the Dagster run worker) died: "
+                         f"msrun stopped, so that no retry of the run trains beside it", allow_retries=False)
+
+
 class _MessageHandler:
     """Hands rank 0's custom messages to the callback. A callback error is logged and the message kept for
     one retry after msrun exits: recording a checkpoint (instance storage busy, a bug) must not stop a
@@ -217,10 +227,13 @@ class MsrunResource(dg.ConfigurableResource):
             echo = threading.Thread(target=echo_msrun_output, args=(proc.stdout, sys.stdout, int(env["GLOG_v"])),
                                     daemon=True)
             echo.start()
+            started_by = os.getppid()
             try:
                 while proc.poll() is None:
                     time.sleep(0.5)
                     messages.drain(session)
+                    if os.getppid() != started_by:
+                        raise OrphanedStep(started_by)
                 context.log.info(f"[msrun] exited with code {proc.returncode}")
             except BaseException:  # UI cancel arrives as DagsterExecutionInterruptedError
                 context.log.warning(f"[msrun] interrupted: SIGINT -> msrun pid {proc.pid}")
