@@ -2,6 +2,7 @@
 ends the asset with the reason; a config refused before launch is not retried either. (A killed worker, retried
 and resumed under materialize(): test_resume.)"""
 import dagster as dg
+import numpy as np
 import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT
@@ -57,3 +58,44 @@ def test_a_training_run_refused_before_launch_is_not_retried_and_says_why(tmp_pa
     assert not result.success and "STEP_UP_FOR_RETRY" not in kinds and not launched
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     assert "training.max_norm must be > 0" in failure.event_specific_data.error.message
+
+
+def test_a_run_retry_resumes_and_lists_the_attempt_its_killed_run_lost(tmp_path):
+    """Dagster's run retry of a run whose run worker died (a new run, tagged dagster/retry_number, in the first
+    run's group): it resumes whatever start the run had, and numbers its attempt after the one the dead run
+    started and never ended, which the history lists as lost."""
+    from types import SimpleNamespace
+
+    from assets.training import (TrainingRunConfig, attempt_config, attempts_table, finish_attempt,
+                                 run_group_attempts, start_attempt)
+    from resources.storage import KilnStorage
+
+    from training.checkpoint import save_checkpoint
+    from training.parallel.comm import Collectives
+    from training.parallel.mesh import World
+
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"))
+    run_dir = storage.run_dir("r")
+    world = World(rank=0, size=1)  # the checkpoint the killed run saved before it died
+    save_checkpoint(save_path=run_dir / "checkpoints", step=4, model={"w": np.ones(3, np.float32)}, optim={},
+                    common={"global_step": 4, "consumed_samples": 16, "global_batch_size": 4}, lineage={},
+                    prefix="checkpoint", save_max=1, world=world, collectives=Collectives(world))
+    train_config = SimpleNamespace(checkpoint=SimpleNamespace(load_path="", no_load_optim=False))
+
+    def context(run_id: str, root_run_id: str | None, tags: dict) -> SimpleNamespace:
+        return SimpleNamespace(retry_number=0, run=SimpleNamespace(run_id=run_id, root_run_id=root_run_id, tags=tags))
+
+    fresh = TrainingRunConfig(run_name="r", start="fresh")
+    first = context("A", None, {})
+    assert attempt_config(first, fresh, storage).start == "fresh"  # not a retry: a fresh start is refused later
+    start_attempt(first, run_dir, train_config, run_dir / "metrics.jsonl")  # its run worker is then killed
+    start_attempt(context("X", None, {}), run_dir, train_config, run_dir / "metrics.jsonl")  # another run group
+
+    retry = context("B", "A", {"dagster/retry_number": "1", "dagster/parent_run_id": "A"})
+    assert attempt_config(retry, fresh, storage).start == "resume"
+    attempt = start_attempt(retry, run_dir, train_config, run_dir / "metrics.jsonl")
+    assert attempt["attempt"] == 2
+    attempts = finish_attempt(run_dir, attempt, "succeeded", "")
+    assert [(a["run_id"], a["attempt"], a["outcome"]) for a in attempts] == [("A", 1, "lost"), ("B", 2, "succeeded")]
+    assert "| 1 | 0 | lost | its step process or run worker was killed |" in attempts_table(attempts)
+    assert [a["outcome"] for a in run_group_attempts(run_dir, "X")] == ["lost"]
