@@ -5,7 +5,6 @@ Each asset records what it read and wrote (paths, bytes, counts, sha256) and ret
 Outputs are written under a temporary name and renamed, so a failed step never leaves half a file.
 """
 
-import hashlib
 import json
 import os
 import re
@@ -25,7 +24,7 @@ from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
 from training.atomic import replace_dir, write_json_atomic
 from training.data import corpus, indexed, preprocess
 from training.data.corpus import SUFFIXES, iter_texts, scan_corpus
-from training.data.hashing import sha256_file
+from training.data.hashing import PER_SOURCE_DATA_VERSION, combined_hash, sha256_file
 from training.data import manifest as manifest_module
 from training.data.manifest import build_manifest
 from training.data.preprocess import tokenize_to_indexed
@@ -42,9 +41,6 @@ SHARD_STATS = ("key", "docs", "tokens", "bin_sha256", "idx_sha256", "bin_bytes",
 # automation re-builds an asset only once every blocking check of its inputs passed: a corrupt shard found by
 # `shards_are_well_formed` must stop the automatic re-blend as it stops the blend in the same run
 EAGER_AFTER_CHECKS = dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
-
-def combined_hash(hashes: list[str]) -> str:
-    return hashlib.sha256("".join(hashes).encode()).hexdigest()
 
 TABLE_ROWS = 20  # rows of a per-file table in an event; every row is in the on-disk sidecar the event names
 
@@ -106,7 +102,6 @@ def _ingest_chunk(storage: KilnStorage, key: str) -> dg.MaterializeResult:
         data_version=dg.DataVersion(combined_hash([r["sha256"] for r in rows])),
     )
 
-PER_SOURCE_DATA_VERSION = "data_version"  # metadata `data_version/<chunk>` of a step over several chunks
 
 def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult:
     """Build every partition (chunk) of the step; a run over several reports them all (`combined_result`)."""

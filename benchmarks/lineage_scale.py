@@ -17,10 +17,13 @@ Chromium (Debian's, driven by Playwright, as tests/test_browser_ui.py does) agai
 that instance: the time from navigation until the page's last GraphQL answer arrived (best of 3 loads),
 and its ratio to the same tab on a copy of the instance frozen at the first level, served by a second
 webserver at the same time and loaded alternately (the machine is shared); ``kiln lineage --consumers``, ``kiln audit`` and
-``python -m pipelines.audit`` (wall time and peak RSS, from /usr/bin/time); the instance's bytes per
-checkpoint; and once, the raw-files sensor's cursor at RAW_FILES files.
+``python -m pipelines.audit`` (wall time and peak RSS, from /usr/bin/time; the cross-check twice: first with
+no code-version cache, as after a code change, then as every later run finds it); the instance's bytes per
+checkpoint, and where they go (SQLite's dbstat: pages per table and index, over the run databases and the
+index); and once, the raw-files sensor's cursor at RAW_FILES files. ``--no-ui`` leaves out the browser
+(most of the time at 10,000 checkpoints: recording them takes ~0.2 s each here).
 
-    python -m benchmarks.lineage_scale [--levels 10,1000,10000] [--raw-files 10000]
+    python -m benchmarks.lineage_scale [--levels 10,1000,10000] [--raw-files 10000] [--no-ui] [--work DIR]
 """
 from __future__ import annotations
 
@@ -153,6 +156,23 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _sqlite_pages(home: Path) -> dict[str, int]:
+    """Bytes of pages per table or index, summed over the instance's event log databases (run shards and
+    index.db); empty where this SQLite lacks the dbstat table."""
+    import sqlite3
+
+    totals: dict[str, int] = {}
+    for database in sorted((home / "history" / "runs").glob("*.db")):
+        with sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True) as connection:
+            try:
+                rows = connection.execute("SELECT name, SUM(pgsize) FROM dbstat GROUP BY name").fetchall()
+            except sqlite3.OperationalError:
+                return {}
+        for name, size in rows:
+            totals[name] = totals.get(name, 0) + size
+    return totals
+
+
 class Webserver:
     """dagster-webserver on the instance, its own process group, stopped by its id."""
 
@@ -224,6 +244,7 @@ def main(argv=None) -> int:
     parser.add_argument("--levels", default="10,1000,10000", help="checkpoint counts to measure at")
     parser.add_argument("--raw-files", type=int, default=10_000)
     parser.add_argument("--work", help="keep the generated data here (default: a temporary directory)")
+    parser.add_argument("--no-ui", action="store_true", help="measure everything but the browser's page loads")
     args = parser.parse_args(argv)
     levels = [int(n) for n in args.levels.split(",")]
     with tempfile.TemporaryDirectory(prefix="kiln-bench-lineage-") as tmp:
@@ -236,15 +257,15 @@ def main(argv=None) -> int:
                "KILN_DATA_ROOT": str(work / "data"), "KILN_RUNS_ROOT": str(work / "runs"),
                "KILN_AUTOMATION": "off", "PATH": f"{BIN}:{os.environ['PATH']}"}
         os.environ.update(env)  # the definitions read the sources config when imported: below, not before
-        return _measure(work, home, env, levels, args.raw_files)
+        return _measure(work, home, env, levels, args.raw_files, ui=not args.no_ui)
 
 
-def _measure(work: Path, home: Path, env: dict, levels: list[int], raw_files: int) -> int:
+def _measure(work: Path, home: Path, env: dict, levels: list[int], raw_files: int, ui: bool) -> int:
     import dagster as dg
 
     from pipelines.sensors import raw_files_sensor
     from resources.storage import KilnStorage
-    from pipelines.audit import cross_check
+    from pipelines.audit import CODE_VERSIONS_CACHE, cross_check_instance
     from training.lineage import audit_checkpoint, lineage_inputs, store_lineage_inputs
 
     storage = KilnStorage(data_root=str(work / "data"), runs_root=str(work / "runs"),
@@ -265,31 +286,39 @@ def _measure(work: Path, home: Path, env: dict, levels: list[int], raw_files: in
         report("sensor tick, nothing changed", time.perf_counter() - started, "s")
         pointer = store_lineage_inputs(storage.runs_root, lineage_inputs(storage.manifest_path(), storage.root))
         writer = CheckpointWriter(storage, pointer)
-        recorded, sizes, reference_home = 0, {}, work / "dagster_home_reference"
+        recorded, sizes, pages, reference_home = 0, {}, {}, work / "dagster_home_reference"
         for level in levels:
             seconds = _record_checkpoints(instance, storage, writer, range(recorded + 1, level + 1))
             report(f"recording checkpoints {recorded + 1:,}..{level:,}", seconds / (level - recorded) * 1e3,
                    "ms/checkpoint")
             recorded = level
-            sizes[level] = _dir_bytes(home)
+            sizes[level], pages[level] = _dir_bytes(home), _sqlite_pages(home)
             report(f"[{level:,} ckpt] instance size", sizes[level] / 1e6, "MB")
             newest = writer.save_path / f"iteration_{level:08d}"
+            cross_check_command = [sys.executable, "-m", "pipelines.audit", str(newest), "--dagster-home", str(home)]
+            CODE_VERSIONS_CACHE.unlink(missing_ok=True)
             for name, command in [
+                    # references: the interpreter's start, and the import floor of reading through Dagster
+                    ("python -c pass", [sys.executable, "-c", "pass"]),
+                    ("python -c 'import dagster'", [sys.executable, "-c", "import dagster"]),
                     ("kiln lineage --consumers", [str(BIN / "kiln"), "lineage", "--consumers", "stdlib_code",
                                                   "--runs-root", str(work / "runs")]),
                     ("kiln audit", [str(BIN / "kiln"), "audit", str(newest)]),
-                    ("pipelines.audit (cross-check)", [sys.executable, "-m", "pipelines.audit", str(newest),
-                                                       "--dagster-home", str(home)])]:
+                    ("pipelines.audit, no code-version cache", cross_check_command),
+                    ("pipelines.audit (cross-check)", cross_check_command)]:
                 seconds, megabytes, out = _timed(command, env)
                 report(f"[{level:,} ckpt] {name}", seconds, f"s, {megabytes:,.0f} MB peak")
-                if name == "pipelines.audit (cross-check)" and "OK: all" not in out:
+                # the blend manifest was recorded before every checkpoint: level x 2 events ago
+                if name.startswith("pipelines.audit") and "OK: all" not in out:
                     print(out[-2000:])
                     raise RuntimeError("the cross-check did not find every link")
             started = time.perf_counter()
             lineage, _ = audit_checkpoint(newest)
-            links = cross_check(instance, newest, lineage)
+            links, _ = cross_check_instance(str(home), newest, lineage)
             assert all(link.status in ("recorded", "superseded") for link in links), links
             report(f"[{level:,} ckpt] audit + cross-check, imports done", time.perf_counter() - started, "s")
+            if not ui:
+                continue
             if level == levels[0]:  # the reference: this instance as it is now, served next to every later level
                 shutil.copytree(home, reference_home)
             servers = [Webserver({**env, "DAGSTER_HOME": str(reference_home)}, workspace, work / "webserver_ref.log"),
@@ -303,10 +332,13 @@ def _measure(work: Path, home: Path, env: dict, levels: list[int], raw_files: in
                 mark = "" if seconds < TARGET_SECONDS and seconds < 2 * reference[tab] else "  MISSES TARGET"
                 report(f"[{level:,} ckpt] UI {tab}", seconds, "s", seconds / reference[tab],
                        f"at {levels[0]:,} checkpoints, alternating{mark}")
-        if len(levels) > 1:
-            low, high = levels[-2], levels[-1]
+        for low, high in zip(levels, levels[1:]):
             report(f"instance growth {low:,}..{high:,} checkpoints", (sizes[high] - sizes[low]) / (high - low) / 1e3,
                    "KB/checkpoint")
+            for name in sorted(pages[high], key=lambda n: pages[low].get(n, 0) - pages[high][n]):
+                grown = (pages[high][name] - pages[low].get(name, 0)) / (high - low)
+                if grown >= 10:  # bytes per checkpoint
+                    report(f"  {name}", grown, "bytes/checkpoint")
     return 0
 
 

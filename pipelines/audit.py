@@ -7,32 +7,56 @@ implies (the same hashes the assets report) up among that asset's recorded mater
 produced it, with which code version (and whether the code here now has another), and whether the asset has
 been re-materialized with other data since. The exit code is the file audit's: the cross-check reports (an
 instance may simply be another one). ``training/`` never imports this: ``kiln audit`` runs without Dagster.
+
+How the instance is read. Importing Dagster alone takes 0.8-1.5 s here (``python -X importtime``: its package
+init loads SQLAlchemy, alembic, the definitions API and components), more than the whole command should take,
+so for the two storages Kiln ships (deploy/dagster.yaml, deploy/dagster-postgres.yaml) the cross-check reads
+the rows it needs with the database's own client, and goes through Dagster's API for any other:
+
+- The rows: ``event_logs`` (id, run_id, event, dagster_event_type, asset_key, partition, timestamp),
+  ``asset_event_tags`` (Dagster indexes every materialization's ``dagster/data_version`` there, so a link is
+  one indexed lookup however long the history) and ``asset_keys.wipe_timestamp``: one schema for all of
+  Dagster's SQL storages, created and migrated by Dagster (``dagster/_core/storage/event_log/schema.py``).
+  Of an event, the serialized JSON Dagster stores, it reads the materialization's tags and text metadata.
+- SQLite (no ``storage`` in dagster.yaml, or ``storage: sqlite``): the index shard
+  ``<base>/history/runs/index.db``, which holds a copy of every asset event of every run, opened read-only.
+  Wiping an asset deletes its copies there.
+- PostgreSQL (``storage: postgres`` with ``postgres_db`` or ``postgres_url``): psycopg2, which
+  dagster-postgres installs. A wiped asset's events stay in the table; they are skipped, as Dagster skips
+  them, by the asset's wipe timestamp.
+- Anything else (another storage class, MySQL, tables without those columns, an event whose JSON does not
+  have that shape): ``EventLogStorage.fetch_materializations``, paged, as far as SEARCH_LIMIT.
+
+The code versions "now" come from Kiln's definitions, which import Dagster: they are cached in
+``.kiln/code_versions.json`` under the project, keyed by every file the versions hash (and the settings that
+choose config files), so only the first cross-check after a change pays for the import.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import sqlite3
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import dagster as dg
-# not re-exported by dagster: the instance's parts, so that the cross-check opens only the one it reads
-from dagster._core.instance.ref import InstanceRef
-from dagster._core.storage.event_log.base import EventLogStorage
+import yaml
 
 from assets.sources import SourcesConfigError
+from training.atomic import write_json_atomic
 from training.cli import LINEAGE_STORE_HELP
-from training.data.hashing import sha256_file
+from training.data.hashing import PER_SOURCE_DATA_VERSION, combined_hash, sha256_file
 from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
 
 DATA_VERSION = "dagster/data_version"
 CODE_VERSION = "dagster/code_version"
-SEARCH_PAGE = 500  # materializations fetched per query, newest first
-SEARCH_LIMIT = 20_000  # per link: older materializations than these are reported "outside the searched history"
+SEARCH_PAGE = 500  # Dagster's API: materializations fetched per query, newest first
+SEARCH_LIMIT = 20_000  # Dagster's API, per link: older ones are reported "outside the searched history"
+OUTSIDE = "outside the searched history"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # assets.data and pipelines.definitions read the sources config when imported: the functions that need them
 # import them, so that main() reports a missing or bad sources config (SourcesConfigError) instead of a traceback
 
@@ -63,8 +87,36 @@ class Recorded:
         return text
 
 
-def current_code_versions() -> dict[str, str]:
+# --- the code versions the definitions give the assets now -------------------------------------------------
+
+CODE_DIRS = ("assets", "pipelines", "resources", "training", "configs")  # all that code_version_of hashes
+CONFIG_SETTINGS = ("KILN_SOURCES", "KILN_TRAIN_CONFIG")  # environment settings naming hashed config files
+CODE_VERSIONS_CACHE = PROJECT_ROOT / ".kiln" / "code_versions.json"
+
+
+def code_fingerprint(root: Path = PROJECT_ROOT) -> str:
+    """What the code versions are computed from: every file under CODE_DIRS (path, size, mtime), the
+    settings naming config files and the files they name. A file edited, added or removed changes it."""
+    digest = hashlib.sha256()
+    paths = [p for d in CODE_DIRS for p in (root / d).rglob("*") if "__pycache__" not in p.parts and p.is_file()]
+    for name in CONFIG_SETTINGS:
+        value = os.environ.get(name, "")
+        digest.update(f"{name}={value}\0".encode())
+        if value:
+            paths.append(root / value)  # an absolute value stays itself
+    for path in sorted(paths):
+        try:
+            stat = path.stat()
+            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+        except OSError:
+            digest.update(f"{path}\0missing\0".encode())
+    return digest.hexdigest()
+
+
+def code_versions_from_definitions() -> dict[str, str]:
     """Each asset's code version as the code here defines it; a checkpoint carries training_run's."""
+    import dagster as dg
+
     from pipelines.definitions import ALL_ASSETS
 
     versions = {key.to_user_string(): version for asset in ALL_ASSETS if isinstance(asset, dg.AssetsDefinition)
@@ -72,10 +124,261 @@ def current_code_versions() -> dict[str, str]:
     return {**versions, "checkpoint": versions["training_run"]}
 
 
+def current_code_versions() -> dict[str, str]:
+    """code_versions_from_definitions(), from the cache while nothing it hashes has changed."""
+    fingerprint = code_fingerprint()
+    try:
+        cached = json.loads(CODE_VERSIONS_CACHE.read_text())
+        if cached["fingerprint"] == fingerprint:
+            return cached["versions"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no cache yet, or an unreadable one: computed and written again below
+    versions = code_versions_from_definitions()
+    try:
+        write_json_atomic(CODE_VERSIONS_CACHE, {"fingerprint": fingerprint, "versions": versions})
+    except OSError:
+        pass  # a read-only checkout: every cross-check imports the definitions
+    return versions
+
+
+# --- the materializations an instance recorded --------------------------------------------------------------
+
+@dataclass
+class Materialization:
+    run_id: str
+    tags: dict[str, str]
+    texts: dict[str, str] = field(default_factory=dict)  # its text metadata entries
+
+    def content(self, partition: str | None) -> str | None:
+        """The content hash it recorded for ``partition``: its data version, or, for a step that built
+        several sources at once (assets.data.per_source), the ``data_version/<source>`` entry."""
+        entry = self.texts.get(f"{PER_SOURCE_DATA_VERSION}/{partition}") if partition else None
+        return entry if entry is not None else self.tags.get(DATA_VERSION)
+
+
+class UnknownSchema(Exception):
+    """The instance's tables or events are not in the shape the SQL readers know: use Dagster's API."""
+
+
+class SqlEvents:
+    """Materializations read from Dagster's event log tables with a DB-API connection (module docstring)."""
+
+    REQUIRED = {"event_logs": {"id", "run_id", "event", "dagster_event_type", "asset_key", "partition",
+                               "timestamp"},
+                "asset_event_tags": {"event_id", "asset_key", "key", "value"},
+                "asset_keys": {"asset_key", "wipe_timestamp"}}
+
+    def __init__(self, connection, placeholder: str, description: str):
+        self.connection, self.mark, self.description = connection, placeholder, description
+        self.complete = True  # every query covers the whole history
+
+    def check_schema(self, columns_of) -> None:
+        for table, needed in self.REQUIRED.items():
+            missing = needed - set(columns_of(table))
+            if missing:
+                raise UnknownSchema(f"{table} has no column {', '.join(sorted(missing))}")
+
+    def _query(self, key: str, partition: str | None, version: str | None = None, limit: int | None = None):
+        mark = self.mark
+        tag = (f" JOIN asset_event_tags t ON t.event_id = e.id AND t.asset_key = e.asset_key"
+               f" AND t.key = {mark} AND t.value = {mark}") if version is not None else ""
+        sql = (f"SELECT e.run_id, e.event FROM event_logs e{tag}"
+               f" LEFT JOIN asset_keys k ON k.asset_key = e.asset_key"
+               f" WHERE e.asset_key = {mark} AND e.dagster_event_type = 'ASSET_MATERIALIZATION'"
+               f" AND e.partition {'= ' + mark if partition is not None else 'IS NULL'}"
+               f" AND (k.wipe_timestamp IS NULL OR e.timestamp > k.wipe_timestamp) ORDER BY e.id DESC"
+               + (f" LIMIT {int(limit)}" if limit else ""))
+        params = ([DATA_VERSION, version] if version is not None else []) + [json.dumps([key])]
+        params += [partition] if partition is not None else []
+        cursor = self.connection.cursor()
+        cursor.execute(sql, params)
+        return cursor
+
+    def newest(self, key: str, partition: str | None) -> Materialization | None:
+        row = self._query(key, partition, limit=1).fetchone()
+        return parse_materialization(*row) if row else None
+
+    def with_data_version(self, key: str, partition: str | None, version: str) -> Materialization | None:
+        row = self._query(key, partition, version, limit=1).fetchone()
+        return parse_materialization(*row) if row else None
+
+    def history(self, key: str, partition: str | None) -> Iterator[Materialization]:
+        cursor = self._query(key, partition)
+        while rows := cursor.fetchmany(SEARCH_PAGE):
+            yield from (parse_materialization(*row) for row in rows)
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def parse_materialization(run_id: str, event: str) -> Materialization:
+    """The tags and text metadata of a stored ASSET_MATERIALIZATION event (Dagster's serialized JSON: the
+    metadata as ``metadata_entries``, Dagster 1.x's stored form, or as a ``metadata`` mapping)."""
+    try:
+        materialization = json.loads(event)["dagster_event"]["event_specific_data"]["materialization"]
+        entries = materialization.get("metadata_entries")
+        values = ({e["label"]: e["entry_data"] for e in entries} if entries is not None
+                  else dict(materialization.get("metadata") or {}))
+        texts = {label: value["text"] for label, value in values.items()
+                 if isinstance(value, dict) and isinstance(value.get("text"), str)}
+        return Materialization(run_id, dict(materialization.get("tags") or {}), texts)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise UnknownSchema(f"a materialization event of run {run_id} is not in the stored form this reads "
+                            f"({type(exc).__name__}: {exc})") from None
+
+
+class EmptyEvents:
+    """An instance that has recorded nothing yet (its SQLite index not created)."""
+
+    description = "no event log yet"
+    complete = True
+
+    def newest(self, key, partition):
+        return None
+
+    def with_data_version(self, key, partition, version):
+        return None
+
+    def history(self, key, partition):
+        return iter(())
+
+    def close(self) -> None:
+        pass
+
+
+class DagsterEvents:
+    """Materializations through Dagster's own API (``fetch_materializations``), for any storage: paged
+    newest first, SEARCH_PAGE at a time, up to SEARCH_LIMIT per link."""
+
+    def __init__(self, events, description: str):
+        self.events, self.description, self.complete = events, description, True
+
+    @classmethod
+    def open(cls, dagster_home: str, why: str) -> DagsterEvents:
+        """Only the event log storage of the instance, as its dagster.yaml configures it: not the run and
+        schedule storages a whole DagsterInstance also opens."""
+        from dagster._core.instance.ref import InstanceRef  # not re-exported by dagster
+
+        return cls(InstanceRef.from_dir(dagster_home).event_storage, f"Dagster's API ({why})")
+
+    def _page(self, key, partition, limit, cursor=None):
+        import dagster as dg
+
+        return self.events.fetch_materializations(
+            dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), asset_partitions=[partition] if partition else None),
+            limit=limit, cursor=cursor)
+
+    @staticmethod
+    def _materialization(record) -> Materialization:
+        materialization = record.asset_materialization
+        texts = {label: entry.value for label, entry in materialization.metadata.items()
+                 if isinstance(entry.value, str)}
+        return Materialization(record.run_id, dict(materialization.tags or {}), texts)
+
+    def newest(self, key, partition):
+        records = self._page(key, partition, 1).records
+        return self._materialization(records[0]) if records else None
+
+    def with_data_version(self, key, partition, version):
+        return None  # the API filters by partition, not by tag: history() finds it
+
+    def history(self, key, partition):
+        searched, cursor = 0, None
+        while searched < SEARCH_LIMIT:
+            page = self._page(key, partition, min(SEARCH_PAGE, SEARCH_LIMIT - searched), cursor)
+            searched += len(page.records)
+            yield from (self._materialization(record) for record in page.records)
+            if not page.has_more:
+                return
+            cursor = page.cursor
+        self.complete = False
+
+    def close(self) -> None:
+        self.events.dispose()
+
+
+class InstanceError(ValueError):
+    """The instance's dagster.yaml asks for a setting that is not there, or its database cannot be reached."""
+
+
+def _setting(value, where: str) -> str:
+    """A dagster.yaml value: as given, or ``{env: NAME}``."""
+    if isinstance(value, dict) and set(value) == {"env"}:
+        if value["env"] not in os.environ:
+            raise InstanceError(f"{where}: environment variable {value['env']} is not set")
+        return os.environ[value["env"]]
+    return str(value)
+
+
+def open_events(dagster_home: str):
+    """A reader of the instance's materializations: SQL for Kiln's two storages, Dagster's API otherwise."""
+    home = Path(dagster_home)
+    config_file = home / "dagster.yaml"
+    config = (yaml.safe_load(config_file.read_text()) if config_file.is_file() else None) or {}
+    if "event_log_storage" in config:
+        return DagsterEvents.open(dagster_home, f"{config_file}: event_log_storage is set")
+    storage = config.get("storage") or {"sqlite": {"base_dir": str(home)}}
+    kind = next(iter(storage)) if len(storage) == 1 else None
+    try:
+        if kind == "sqlite":
+            base = Path(_setting(storage["sqlite"].get("base_dir", str(home)), f"{config_file}: storage.sqlite.base_dir"))
+            return _sqlite_events(base / "history" / "runs" / "index.db")
+        if kind == "postgres":
+            return _postgres_events(storage["postgres"], f"{config_file}: storage.postgres")
+    except UnknownSchema as exc:
+        return DagsterEvents.open(dagster_home, str(exc))
+    return DagsterEvents.open(dagster_home, f"{config_file}: storage {', '.join(storage)}")
+
+
+def _sqlite_events(index: Path):
+    if not index.is_file():
+        return EmptyEvents()
+    # read-only; waits for a writer's lock as Dagster's own connections do
+    connection = sqlite3.connect(f"{index.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+    events = SqlEvents(connection, "?", f"SQLite, {index}")
+    try:
+        events.check_schema(lambda table: [row[1] for row in connection.execute(f"PRAGMA table_info({table})")])
+    except UnknownSchema:
+        connection.close()
+        raise
+    return events
+
+
+def _postgres_events(config: dict, where: str):
+    import psycopg2  # installed with dagster-postgres
+
+    if "postgres_url" in config:
+        scheme, _, rest = _setting(config["postgres_url"], f"{where}.postgres_url").partition("://")
+        connect = {"dsn": f"{scheme.split('+')[0]}://{rest}"}  # postgresql+psycopg2 is SQLAlchemy's spelling
+    else:
+        db = config.get("postgres_db") or {}
+        names = {"hostname": "host", "port": "port", "username": "user", "password": "password", "db_name": "dbname"}
+        connect = {libpq: _setting(db[key], f"{where}.postgres_db.{key}") for key, libpq in names.items() if key in db}
+        connect.update({name: _setting(value, f"{where}.postgres_db.params.{name}")
+                        for name, value in (db.get("params") or {}).items()})
+    try:
+        connection = psycopg2.connect(**connect)
+    except psycopg2.Error as exc:
+        raise InstanceError(f"{where}: cannot connect: {str(exc).strip()}") from None
+    connection.set_session(readonly=True, autocommit=True)
+    events = SqlEvents(connection, "%s", f"PostgreSQL, database {connection.info.dbname} on {connection.info.host}")
+
+    def columns_of(table):
+        cursor = connection.cursor()
+        cursor.execute("SELECT column_name FROM information_schema.columns WHERE table_name = %s", [table])
+        return [row[0] for row in cursor.fetchall()]
+    try:
+        events.check_schema(columns_of)
+    except UnknownSchema:
+        connection.close()
+        raise
+    return events
+
+
+# --- the cross-check -------------------------------------------------------------------------------------
+
 def expected_versions(checkpoint_dir: Path, lineage: dict) -> list[tuple[str, str | None, str]]:
     """(asset key, partition, data version) for each link, computed as the assets compute their versions."""
-    from assets.data import combined_hash
-
     links: list[tuple[str, str | None, str]] = []
     by_source: dict[str, dict[str, list[str]]] = {}  # by partition: a chunk, or an unchunked source
     for key in ("raw_files", "shards"):
@@ -97,8 +400,6 @@ def expected_versions(checkpoint_dir: Path, lineage: dict) -> list[tuple[str, st
 def checkpoint_version(checkpoint_dir: Path, lineage: dict) -> str:
     """As the training asset computes it: over every file of the directory, lineage.json and common.json
     included (written after the list in lineage.json), sorted by name."""
-    from assets.data import combined_hash
-
     hashes = {f["name"]: f["sha256"] for f in lineage["checkpoint"]["files"]}
     for name in ("lineage.json", "common.json"):
         path = checkpoint_dir / name
@@ -106,71 +407,49 @@ def checkpoint_version(checkpoint_dir: Path, lineage: dict) -> str:
     return combined_hash([hashes[name] for name in sorted(hashes)])
 
 
-def content_version(materialization: dg.AssetMaterialization, partition: str | None) -> str | None:
-    """The content hash a materialization recorded for ``partition``: its data version, or, for a step
-    that built several sources at once (``per_source``), the ``data_version/<source>`` entry."""
-    from assets.data import PER_SOURCE_DATA_VERSION
-
-    entry = materialization.metadata.get(f"{PER_SOURCE_DATA_VERSION}/{partition}") if partition else None
-    return entry.value if entry is not None else (materialization.tags or {}).get(DATA_VERSION)
-
-
-OUTSIDE = "outside the searched history"
-EventLog = dg.DagsterInstance | EventLogStorage  # what the cross-check reads: fetch_materializations
-
-
-@contextmanager
-def open_event_log(dagster_home: str) -> Iterator[EventLogStorage]:
-    """The event log storage of the instance in ``dagster_home``, as its dagster.yaml configures it (SQLite,
-    PostgreSQL, ...), without the run and schedule storages a whole DagsterInstance also opens: the cross-check
-    reads materializations only, and each storage costs its connection and schema-revision check (~0.15 s
-    of the command's ~1.2 s, measured on the SQLite instance)."""
-    events = InstanceRef.from_dir(dagster_home).event_storage
-    try:
-        yield events
-    finally:
-        events.dispose()
-
-
-def find_materialization(events: EventLog, key: str, partition: str | None, version: str
-                         ) -> tuple[dg.EventLogRecord | None, str | None, bool]:
+def find_materialization(events, key: str, partition: str | None, version: str
+                         ) -> tuple[Materialization | None, str | None, bool]:
     """(the newest materialization of ``key``[``partition``] with content ``version``, the newest one's
-    content, whether the whole history was searched). Pages back through the history, SEARCH_PAGE records
-    at a time, up to SEARCH_LIMIT: a link is found however many materializations came after it, and an
-    instance with more than that says so instead of "not recorded"."""
-    records_filter = dg.AssetRecordsFilter(asset_key=dg.AssetKey(key),
-                                           asset_partitions=[partition] if partition else None)
-    latest, searched, cursor = None, 0, None
-    while searched < SEARCH_LIMIT:
-        page = events.fetch_materializations(records_filter, limit=min(SEARCH_PAGE, SEARCH_LIMIT - searched),
-                                               cursor=cursor)
-        for record in page.records:
-            content = content_version(record.asset_materialization, partition)
-            latest = content if searched == 0 else latest
-            searched += 1
-            if content == version:
-                return record, latest, True
-        if not page.has_more:
-            return None, latest, True
-        cursor = page.cursor
-    return None, latest, False
+    content, whether the whole history was searched). A link is found however many materializations came
+    after it: by its data version where the instance indexes it, else by going back through the history."""
+    newest = events.newest(key, partition)
+    latest = newest.content(partition) if newest else None
+    found = events.with_data_version(key, partition, version)
+    if found is not None and found.content(partition) == version:
+        return found, latest, True
+    for materialization in events.history(key, partition):  # e.g. a version kept as per-source metadata
+        if materialization.content(partition) == version:
+            return materialization, latest, True
+    return None, latest, events.complete
 
 
-def cross_check(events: EventLog, checkpoint_dir: Path, lineage: dict) -> list[Recorded]:
-    """Each link of ``lineage`` looked up in ``events``: a DagsterInstance or only its event log storage."""
+def cross_check(events, checkpoint_dir: Path, lineage: dict) -> list[Recorded]:
+    """Each link of ``lineage`` looked up in ``events`` (SqlEvents, DagsterEvents)."""
     results = []
     code_now = current_code_versions()
     for key, partition, version in expected_versions(checkpoint_dir, lineage):
         name = f"{key}[{partition}]" if partition else key
-        record, latest, searched_all = find_materialization(events, key, partition, version)
-        if record is None:
+        found, latest, searched_all = find_materialization(events, key, partition, version)
+        if found is None:
             results.append(Recorded(name, version, "NOT RECORDED" if searched_all else OUTSIDE))
             continue
-        found = record.asset_materialization.tags or {}
         results.append(Recorded(name, version, "recorded" if latest == version else "superseded",
-                                run_id=record.run_id, code_version=found.get(CODE_VERSION),
+                                run_id=found.run_id, code_version=found.tags.get(CODE_VERSION),
                                 latest_data_version=latest, code_version_now=code_now.get(key)))
     return results
+
+
+def cross_check_instance(dagster_home: str, checkpoint_dir: Path, lineage: dict) -> tuple[list[Recorded], str]:
+    """The cross-check against the instance in ``dagster_home``, and how its events were read."""
+    events = open_events(dagster_home)
+    try:
+        return cross_check(events, checkpoint_dir, lineage), events.description
+    except UnknownSchema as exc:  # an event in another shape than the SQL reader knows
+        events.close()
+        events = DagsterEvents.open(dagster_home, str(exc))
+        return cross_check(events, checkpoint_dir, lineage), events.description
+    finally:
+        events.close()
 
 
 def cross_check_report(results: list[Recorded], instance_description: str) -> str:
@@ -219,19 +498,21 @@ def main(argv=None) -> int:
     except (ValueError, KeyError) as exc:
         return fail(str(exc))
     try:
-        with open_event_log(args.dagster_home) as events:
-            results = cross_check(events, checkpoint, lineage)
+        results, read_through = cross_check_instance(args.dagster_home, checkpoint, lineage)
     except SourcesConfigError as exc:
         return fail(f"{exc}; the cross-check compares code versions with Kiln's definitions, which read the sources "
                     f"config: set KILN_SOURCES to the sources.yaml the chain ran with")
+    except (InstanceError, yaml.YAMLError) as exc:
+        return fail(f"the instance's configuration: {exc}")
     instance_description = f"the instance in {args.dagster_home}"
     if args.json:
         report = json.loads(audit_json(checkpoint, lineage, checks))
         print(json.dumps({**report, "dagster_cross_check": {"instance": instance_description,
+                                                            "read_through": read_through,
                                                             "links": cross_check_json(results)}}, indent=2))
     else:
         print(audit_report(checkpoint, lineage, checks))
-        print(cross_check_report(results, instance_description))
+        print(cross_check_report(results, f"{instance_description} (read through {read_through})"))
     return audit_exit_code(checks)
 
 

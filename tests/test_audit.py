@@ -233,41 +233,145 @@ def test_copied_checkpoint_verifies_the_config_its_lineage_carries(tmp_path, cap
         capsys.readouterr().out
 
 
-def test_the_cross_check_finds_a_link_however_many_materializations_came_after(tmp_path, monkeypatch):
+def record_links(tmp_path, instance):
+    """A checkpoint's lineage and, in ``instance``, a run recording its links in each form the cross-check
+    meets: a manifest with 45 newer materializations after it (the cross-check once stopped at the newest
+    200), a chunk's version kept as per-source metadata, a wiped asset. Returns (checkpoint, lineage)."""
     import dagster as dg
 
-    import pipelines.audit
-    from pipelines.audit import cross_check, cross_check_report, expected_versions
+    from pipelines.audit import expected_versions
 
     config = tmp_path / "config.yaml"
     config.write_text("training: {}\n")
     checkpoint = write_checkpoint(tmp_path / "runs", "run", 1,
                                   lineage_inputs(write_manifest(tmp_path, (3, 1)), tmp_path), config)
     lineage = json.loads((checkpoint / "lineage.json").read_text())
-    (manifest_version,) = [v for key, _, v in expected_versions(checkpoint, lineage) if key == "blend_manifest"]
-    # materializations after the link over several pages (the cross-check once stopped at the newest 200)
-    versions = [manifest_version] + [f"{i:064x}" for i in range(45)]
+    version = {(key, partition): v for key, partition, v in expected_versions(checkpoint, lineage)}
 
     @dg.op
-    def record_blends(context):  # one run logging them all: a run per event would take 50 ms each
-        for version in versions:
-            context.log_event(dg.AssetMaterialization("blend_manifest", tags={"dagster/data_version": version}))
+    def record(context):  # one run logging them all: a run per event would take 50 ms each
+        def log(key, data_version, partition=None, metadata=None, code_version="c1"):
+            context.log_event(dg.AssetMaterialization(key, partition=partition, metadata=metadata, tags={
+                "dagster/data_version": data_version, "dagster/code_version": code_version}))
+        for data_version in [version["blend_manifest", None], *(f"{i:064x}" for i in range(45))]:
+            log("blend_manifest", data_version)
+        log("raw_corpus", version["raw_corpus", "b"], "b", code_version="c2")
+        log("tokenizer", version["tokenizer", None])
+        # a step over several chunks: the chunk's version in its metadata, the step's in the tag
+        log("token_shards", "e" * 64, "a", {"data_version/a": dg.MetadataValue.text(version["token_shards", "a"]),
+                                            "data_version/b": dg.MetadataValue.text("d" * 64)})
+        log("token_shards", "f" * 64, "a")
 
+    assert dg.GraphDefinition("record", node_defs=[record]).to_job().execute_in_process(instance=instance).success
+    instance.wipe_assets([dg.AssetKey("tokenizer")])
+    return checkpoint, lineage
+
+
+def check_recorded_links(results, lineage):
+    """What record_links recorded, as the cross-check must report it."""
+    assert {r.asset: (r.status, r.code_version, (r.latest_data_version or "")[:2]) for r in results} == {
+        "raw_corpus[a]": ("NOT RECORDED", None, ""), "tokenizer": ("NOT RECORDED", None, ""),
+        "raw_corpus[b]": ("recorded", "c2", results[1].data_version[:2]), "token_shards[a]": ("superseded", "c1", "ff"),
+        "token_shards[b]": ("NOT RECORDED", None, ""), "blend_manifest": ("superseded", "c1", "00"),
+        "checkpoint[run/iteration_00000001]": ("NOT RECORDED", None, "")}
+    assert results[1].run_id and all(r.run_id in (None, results[1].run_id) for r in results)
+
+
+def test_the_cross_check_finds_a_link_however_many_materializations_came_after(tmp_path, monkeypatch):
+    """On an instance Dagster wrote: its SQLite index read directly and Dagster's API find the same links
+    (tests/test_audit_postgres.py compares the two on PostgreSQL)."""
+    import dagster as dg
+
+    import pipelines.audit
+    from pipelines.audit import DagsterEvents, SqlEvents, cross_check, cross_check_instance, cross_check_report
+
+    monkeypatch.setattr(pipelines.audit, "CODE_VERSIONS_CACHE", tmp_path / "code_versions.json")
     with dg.instance_for_test() as instance:
-        assert dg.GraphDefinition("blends", node_defs=[record_blends]).to_job().execute_in_process(
-            instance=instance).success
-        monkeypatch.setattr(pipelines.audit, "SEARCH_PAGE", 10)
-        (blend,) = [r for r in cross_check(instance, checkpoint, lineage) if r.asset == "blend_manifest"]
-        assert (blend.status, blend.latest_data_version) == ("superseded", f"{44:064x}")
+        checkpoint, lineage = record_links(tmp_path, instance)
+        home = instance.root_directory
+        through_sql, read_through = cross_check_instance(home, checkpoint, lineage)
+        assert read_through == f"SQLite, {home}/history/runs/index.db"
+        check_recorded_links(through_sql, lineage)
+        monkeypatch.setattr(pipelines.audit, "SEARCH_PAGE", 10)  # the 46 over several pages
+        assert cross_check(DagsterEvents(instance, "the test instance"), checkpoint, lineage) == through_sql
 
-        # an instance with more history than the cross-check searches: said so, never "NOT RECORDED"
+        # Dagster's API pages as far as SEARCH_LIMIT: beyond it, said so, never "NOT RECORDED"; SQL sees it all
         monkeypatch.setattr(pipelines.audit, "SEARCH_LIMIT", 45)
-        results = cross_check(instance, checkpoint, lineage)
+        results = cross_check(DagsterEvents(instance, "the test instance"), checkpoint, lineage)
         (blend,) = [r for r in results if r.asset == "blend_manifest"]
         assert blend.status == "outside the searched history"
         report = cross_check_report(results, "the test instance")
         assert "outside the searched history (older than the newest 45 materializations): blend_manifest" in report
         assert "NOT RECORDED in the instance: raw_corpus[a]" in report
+        assert cross_check_instance(home, checkpoint, lineage)[0] == through_sql
+        assert isinstance(pipelines.audit.open_events(home), SqlEvents)
+
+
+def test_the_cross_check_imports_no_dagster_once_the_code_versions_are_cached(tmp_path):
+    """The SQL reader and a valid code-version cache: the whole command without importing Dagster."""
+    import dagster as dg
+
+    from pipelines.audit import checkpoint_version, code_versions_from_definitions
+
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {}\n")
+    checkpoint = write_checkpoint(tmp_path / "runs", "run", 1, {}, config)
+    version = checkpoint_version(checkpoint, json.loads((checkpoint / "lineage.json").read_text()))
+    versions = code_versions_from_definitions()
+    with dg.instance_for_test() as instance:
+        instance.report_runless_asset_event(dg.AssetMaterialization("checkpoint", partition="run/iteration_00000001",
+                                                                    tags={"dagster/data_version": version,
+                                                                          "dagster/code_version": "c9"}))
+        home = instance.root_directory
+        cache = tmp_path / "code_versions.json"
+        cache.write_text(json.dumps({"fingerprint": "as now", "versions": versions}))
+        script = f"""
+import importlib.abc, json, sys
+from pathlib import Path
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("dagster", "sqlalchemy"):
+            raise ImportError(f"{{name}} imported")
+sys.meta_path.insert(0, Block())
+import pipelines.audit as audit
+audit.CODE_VERSIONS_CACHE, audit.code_fingerprint = Path({str(cache)!r}), lambda: "as now"
+sys.exit(audit.main([{str(checkpoint)!r}, "--dagster-home", {home!r}, "--json"]))
+"""
+        done = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
+                              timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)["dagster_cross_check"]
+    assert report["read_through"] == f"SQLite, {home}/history/runs/index.db"
+    (link,) = report["links"]
+    assert (link["status"], link["code_version"], link["code_version_now"]) == (
+        "recorded", "c9", versions["training_run"])
+
+
+def test_code_versions_are_cached_until_what_they_hash_changes(tmp_path, monkeypatch):
+    import pipelines.audit
+    from pipelines.audit import code_fingerprint, code_versions_from_definitions, current_code_versions
+
+    monkeypatch.setattr(pipelines.audit, "CODE_VERSIONS_CACHE", tmp_path / "code_versions.json")
+    computed = []
+    monkeypatch.setattr(pipelines.audit, "code_versions_from_definitions",
+                        lambda: computed.append(1) or code_versions_from_definitions())
+    versions = current_code_versions()
+    assert versions["checkpoint"] == versions["training_run"] and "blend_manifest" in versions
+    assert current_code_versions() == versions and len(computed) == 1  # the second from the cache
+    # a setting naming another config file: computed again (a new process would hash that file)
+    monkeypatch.setenv("KILN_TRAIN_CONFIG", "configs/deepseek_v3_tiny.yaml")
+    current_code_versions()
+    assert len(computed) == 2
+
+    root = tmp_path / "project"
+    (root / "training").mkdir(parents=True)
+    module = root / "training" / "step.py"
+    module.write_text("lr = 1\n")
+    before = code_fingerprint(root)
+    module.write_text("lr = 10\n")
+    assert code_fingerprint(root) != before
+    (root / "training" / "new.py").write_text("")
+    assert len({before, code_fingerprint(root)}) == 2
 
 
 def test_a_training_steps_audits_hash_what_each_save_adds_and_reuse_the_upstream(tmp_path, monkeypatch):
