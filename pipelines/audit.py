@@ -156,8 +156,9 @@ class Materialization:
         return entry if entry is not None else self.tags.get(DATA_VERSION)
 
 
-class UnknownSchema(Exception):
-    """The instance's tables or events are not in the shape the SQL readers know: use Dagster's API."""
+class SqlReaderUnsupported(Exception):
+    """The SQL readers cannot read this instance (no database client, tables or an event of another shape):
+    Dagster's API reads it instead."""
 
 
 class SqlEvents:
@@ -176,7 +177,7 @@ class SqlEvents:
         for table, needed in self.REQUIRED.items():
             missing = needed - set(columns_of(table))
             if missing:
-                raise UnknownSchema(f"{table} has no column {', '.join(sorted(missing))}")
+                raise SqlReaderUnsupported(f"{table} has no column {', '.join(sorted(missing))}")
 
     def _query(self, key: str, partition: str | None, version: str | None = None, limit: int | None = None):
         mark = self.mark
@@ -223,7 +224,7 @@ def parse_materialization(run_id: str, event: str) -> Materialization:
                  if isinstance(value, dict) and isinstance(value.get("text"), str)}
         return Materialization(run_id, dict(materialization.get("tags") or {}), texts)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise UnknownSchema(f"a materialization event of run {run_id} is not in the stored form this reads "
+        raise SqlReaderUnsupported(f"a materialization event of run {run_id} is not in the stored form this reads "
                             f"({type(exc).__name__}: {exc})") from None
 
 
@@ -325,7 +326,7 @@ def open_events(dagster_home: str):
             return _sqlite_events(base / "history" / "runs" / "index.db")
         if kind == "postgres":
             return _postgres_events(storage["postgres"], f"{config_file}: storage.postgres")
-    except UnknownSchema as exc:
+    except SqlReaderUnsupported as exc:
         return DagsterEvents.open(dagster_home, str(exc))
     return DagsterEvents.open(dagster_home, f"{config_file}: storage {', '.join(storage)}")
 
@@ -338,14 +339,17 @@ def _sqlite_events(index: Path):
     events = SqlEvents(connection, "?", f"SQLite, {index}")
     try:
         events.check_schema(lambda table: [row[1] for row in connection.execute(f"PRAGMA table_info({table})")])
-    except UnknownSchema:
+    except SqlReaderUnsupported:
         connection.close()
         raise
     return events
 
 
 def _postgres_events(config: dict, where: str):
-    import psycopg2  # installed with dagster-postgres
+    try:
+        import psycopg2  # the Makefile installs it with dagster-postgres, which Dagster's own reader needs too
+    except ImportError as exc:
+        raise SqlReaderUnsupported(f"no psycopg2 to read {where} with ({exc})") from None
 
     if "postgres_url" in config:
         scheme, _, rest = _setting(config["postgres_url"], f"{where}.postgres_url").partition("://")
@@ -369,7 +373,7 @@ def _postgres_events(config: dict, where: str):
         return [row[0] for row in cursor.fetchall()]
     try:
         events.check_schema(columns_of)
-    except UnknownSchema:
+    except SqlReaderUnsupported:
         connection.close()
         raise
     return events
@@ -444,7 +448,7 @@ def cross_check_instance(dagster_home: str, checkpoint_dir: Path, lineage: dict)
     events = open_events(dagster_home)
     try:
         return cross_check(events, checkpoint_dir, lineage), events.description
-    except UnknownSchema as exc:  # an event in another shape than the SQL reader knows
+    except SqlReaderUnsupported as exc:  # an event in another shape than the SQL reader knows
         events.close()
         events = DagsterEvents.open(dagster_home, str(exc))
         return cross_check(events, checkpoint_dir, lineage), events.description
