@@ -20,10 +20,17 @@ CASES = {
     # step 1, which the ep4 case resumes from
     "ep2_zero3_dense_shard2": [EP2, "parallelism.dense_fsdp_shard_size=2", "checkpoint.save_interleaved_steps=1"],
     # pipeline 2 × ep 2 (each stage's 2 ranks: MoE layer and MTP on the last), 1F1B over the step's 2 micro-batches;
-    # ZeRO-1 (the experts' gradients all-reduced whole over expert_dp, then chunked), without the safe tokens
+    # ZeRO-1 (the experts' gradients all-reduced whole over expert_dp, then chunked), without the safe tokens. Also
+    # saves at step 1, which pp2_zero3_from_ep2_pp2 resumes from
     "ep2_pp2_zero1_no_safe_tokens": [EP2, "parallelism.pipeline_parallel=2",
                                      "parallelism.data_parallel_shard_strategy=optim",
-                                     "parallelism.expert_parallel_use_safe_tokens=false"],
+                                     "parallelism.expert_parallel_use_safe_tokens=false",
+                                     "checkpoint.save_interleaved_steps=1"],
+    # the pipeline checkpoint into another layout of the stages' ranks: no expert parallelism, each stage's experts
+    # and dense weights ZeRO-3 chunks over its 2 data-parallel ranks (the step-1 files hold ZeRO-1 moments, whole
+    # weights, experts cut over ep)
+    "pp2_zero3_from_ep2_pp2": ["parallelism.pipeline_parallel=2", "checkpoint.load_path={out}/"
+                               "ep2_pp2_zero1_no_safe_tokens/checkpoints/iteration_00000001"],
     # context 2 × ep 2 with HSDP: ep carved out of dp_shard 1 × cp 2, so each ep group is a cp pair (ring
     # attention), holding whole experts (efsdp 1) replicated over dp_replicate 2, which sums their gradients
     "cp2_ep2_hsdp": [EP2, "parallelism.context_parallel=2", "parallelism.data_parallel_shard=1"],

@@ -1,5 +1,6 @@
 """Pipeline-parallel training cases run under msrun by tests/test_pipeline.py: one launch of 4 workers, several
-layouts, each against the single-process run of the same model (``REFERENCES``).
+layouts, each against the single-process run of the same model (``REFERENCES``). DeepSeek-V3 (MoE, MTP) under
+pipeline parallelism is one of tests/ep_cases.py's.
 
 ``python pipeline_cases.py OUT SHARD`` trains each case for ``STEPS`` steps of 8 samples (local batch 1), saving
 its final checkpoint, sharded as the case lays its tensors out, under ``OUT/<case>/checkpoints``.
@@ -9,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import MICRO_CONFIG  # noqa: E402
-from fsdp_cases import DEEPSEEK, case_config  # noqa: E402
+from fsdp_cases import case_config  # noqa: E402
 from training.parallel.mesh import init_world  # noqa: E402
 from training.reporting import Reporter  # noqa: E402
 from training.trainer import Trainer, configure_runtime  # noqa: E402
@@ -17,13 +18,11 @@ from training.trainer import Trainer, configure_runtime  # noqa: E402
 # 8 samples per step: 4 micro-batches per pipeline under data parallel 2, 8 under tensor parallel 2; a validation
 # split holding one such batch (the micro configs' 2% hold 4 samples)
 BATCH = ["training.global_batch_size=8", "train_dataset.dataloader.config.split=94,6,0"]
-# the micro Qwen3 with 4 layers, so 2 pipeline ranks × 2 chunks each get one
-FOUR_LAYERS = ["model.num_hidden_layers=4"]
-REFERENCES = {"qwen3": (MICRO_CONFIG, BATCH), "qwen3_4_layers": (MICRO_CONFIG, BATCH + FOUR_LAYERS),
-              "qwen3_tied": (MICRO_CONFIG, BATCH + ["model.tie_word_embeddings=true"]),
-              "deepseek_v3": (DEEPSEEK, BATCH)}
+# the micro Qwen3 with 4 layers, so that 2 pipeline ranks × 2 chunks, or 4 ranks, each get one; its output layer tied
+# to the embedding, whose copy on the last stage is then the output matmul's weight
+FOUR_LAYERS_TIED = ["model.num_hidden_layers=4", "model.tie_word_embeddings=true"]
+REFERENCES = {"qwen3": (MICRO_CONFIG, BATCH), "qwen3_4_layers_tied": (MICRO_CONFIG, BATCH + FOUR_LAYERS_TIED)}
 PP2 = ["parallelism.pipeline_parallel=2"]
-REPLICATED_DP = ["parallelism.data_parallel_shard=1"]
 # validation after the last step (training.steps): one global batch of the held-out split, forward through the stages
 VALIDATE_ONCE = ["training.eval_interval=1000", "training.eval_iters=1"]
 # name -> (reference, overrides); the world is 4 workers
@@ -34,19 +33,16 @@ CASES = {
     "pp2_1f1b_zero1": ("qwen3", PP2 + ["parallelism.pipeline_parallel_schedule=1f1b",
                                        "parallelism.data_parallel_shard_strategy=optim",
                                        "checkpoint.save_interleaved_steps=2"]),
-    # rank 0 runs layers 0 and 2, rank 1 layers 1 and 3
-    "pp2_interleaved": ("qwen3_4_layers", PP2 + REPLICATED_DP + VALIDATE_ONCE + [
+    # rank 0 runs layers 0 and 2, rank 1 layers 1 and 3; ZeRO-3 over the two data-parallel ranks of each stage, the
+    # last one gathering the embedding's chunks for the tied output matmul too
+    "pp2_interleaved_tied_zero3": ("qwen3_4_layers_tied", PP2 + VALIDATE_ONCE + [
         "parallelism.pipeline_parallel_schedule=interleaved_1f1b", "parallelism.pipeline_parallel_interleave_num=2",
         "parallelism.pipeline_parallel_layers_per_stage=['0-0,2-2', '1-1,3-3']"]),
-    # MoE layer and MTP on the last stage, with its copy of the embedding
-    "deepseek_pp2": ("deepseek_v3", PP2 + REPLICATED_DP),
-    "tp2_pp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]),
-    # the output layer tied to the embedding, whose ZeRO-3 chunks the last stage gathers for the output matmul too
-    "pp2_tied_zero3": ("qwen3_tied", PP2 + VALIDATE_ONCE),
-    # one layer per rank, 8 micro-batches through 4 stages
-    "pp4_1f1b": ("qwen3_4_layers", ["parallelism.pipeline_parallel=4"] + VALIDATE_ONCE),
-    # each stage's attention a ring over its cp pair; hidden states travel as each rank's sequence chunk
+    # each stage's attention a ring over its cp pair, hidden states travelling as each rank's sequence chunk
     "pp2_cp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.context_parallel=2"]),
+    "tp2_pp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]),
+    # one layer per rank, 8 micro-batches through 4 stages
+    "pp4_1f1b": ("qwen3_4_layers_tied", ["parallelism.pipeline_parallel=4"] + VALIDATE_ONCE),
 }
 
 

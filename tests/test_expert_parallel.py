@@ -1,7 +1,7 @@
 """Expert parallelism proven by equivalence: under msrun with 4 CPU workers, the micro DeepSeek-V3 trained with its
 routed experts cut over ep ranks (all-to-all dispatch) equals one process reading the same global batches —
-losses and their parts, grad norms, tokens per expert, final weights — and an ep2 checkpoint resumes at ep4 and
-loads whole in one process. The dispatcher's safe tokens and the refusals are checked in this process."""
+losses and their parts, grad norms, tokens per expert, final weights — an ep2 checkpoint resumes at ep4 and
+loads whole in one process, and a PP2 × EP2 checkpoint resumes in PP2 × ZeRO-3 and in one process. The dispatcher's safe tokens and the refusals are checked in this process."""
 import json
 
 import mindspore as ms
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from conftest import PROJECT_ROOT, run_under_msrun, write_random_documents
+from conftest import PROJECT_ROOT, assert_resumes_as_one_process, run_under_msrun, write_random_documents
 from ep_cases import CASES, STEPS, ep_config
 from test_context_parallel import assert_weights_match
 from training.checkpoint import load_checkpoint
@@ -89,6 +89,17 @@ def test_an_expert_parallel_checkpoint_resumes_in_one_process(runs, tmp_path):
         np.testing.assert_allclose(param.asnumpy(), expected[param.name], rtol=0, atol=WEIGHT_ATOL, err_msg=param.name)
     moments = {n: a for n, a in resumed.optimizer.state_arrays().items() if ".experts." in n}
     assert moments and all(a.shape[0] == 4 for n, a in moments.items() if n.startswith("adam_m.")), moments.keys()
+
+
+@pytest.mark.msrun
+def test_a_pipeline_and_expert_parallel_checkpoint_resumes_in_one_process(runs, tmp_path):
+    """The PP2 × EP2 run's step-1 checkpoint (each stage's ranks writing its tensors, experts cut over ep, ZeRO-1
+    moments) trains on in one process as the uninterrupted single-process run did (pp2_zero3_from_ep2_pp2 resumes
+    it under msrun into PP2 × ZeRO-3)."""
+    root, single, expected = runs
+    checkpoint = root / "cases/ep2_pp2_zero1_no_safe_tokens/checkpoints/iteration_00000001"
+    config = ep_config(str(root / "data/random"), [f"checkpoint.load_path={checkpoint}"])
+    assert_resumes_as_one_process(config, tmp_path, 1, single, expected, LOSS_RTOL, WEIGHT_ATOL)
 
 
 def test_safe_tokens_change_neither_outputs_nor_gradients():

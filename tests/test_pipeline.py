@@ -1,9 +1,9 @@
-"""Pipeline parallelism proven by equivalence: under msrun with 4 CPU workers, PP2 with each schedule (Qwen3: gpipe
-with ZeRO-3, 1f1b with ZeRO-1, the interleaved one with 4 layers in 2 chunks per rank), DeepSeek-V3 (MoE, MTP
-with its embedding copy on the last stage), TP2 × PP2, PP2 × CP2, PP4, and a tied output layer under ZeRO-3 train
-as one process reading the same global batches, and their validation through the stages gives one process's
-validation loss; a PP checkpoint (each stage writing its tensors) resumes in one process. The schedules
-themselves are checked as arithmetic: order, dependencies, bubble."""
+"""Pipeline parallelism proven by equivalence: under msrun with 4 CPU workers, the micro Qwen3 in PP2 with each
+schedule (gpipe with ZeRO-3, 1f1b with ZeRO-1, the interleaved one with 4 layers in 2 chunks per rank and a tied
+output layer under ZeRO-3), TP2 × PP2, PP2 × CP2 and PP4 trains as one process reading the same global batches,
+and validation through the stages gives one process's validation loss; a PP checkpoint (each stage writing its
+tensors) resumes in one process. DeepSeek-V3 (MoE, MTP) under PP is proven in tests/test_expert_parallel.py. The
+schedules themselves are checked as arithmetic: order, dependencies, bubble."""
 import json
 
 import numpy as np
@@ -23,7 +23,7 @@ from training.reporting import is_step_record, read_records
 # fp32 sums in another order than one process's: over the data-parallel ranks, the micro-batches of each stage, and
 # (the norm) the stages' squared norms summed in float32. Measured: losses within 4.3e-7 relative (TP2 x PP2, whose
 # loss is vocabulary-parallel; the others within 6e-8), grad norms within 1.8e-7, validation losses within 3.8e-7,
-# final weights within 1.7e-6 absolute after 3 AdamW steps (TP2 x PP2 and PP2 x CP2; the others within 1.6e-7).
+# final weights within 1.9e-6 absolute after 3 AdamW steps (PP2 x CP2; TP2 x PP2 1.7e-6; the others 1.6e-7).
 # PP2 x CP2's weights follow test_context_parallel's rule for near-zero gradients (its ring attention rounds alike)
 LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 2e-6
@@ -48,10 +48,6 @@ def test_pipeline_layout_trains_as_one_process(runs, case):
     assert [m["step"] for m in staged] == [m["step"] for m in single] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in staged] == pytest.approx([m["loss"] for m in single], rel=LOSS_RTOL)
     assert [m["grad_norm"] for m in staged] == pytest.approx([m["grad_norm"] for m in single], rel=LOSS_RTOL)
-    parts = [part for part in ("lm_loss", "mtp_1_loss", "load_balancing_loss") if part in single[0]]
-    assert parts == ([] if CASES[case][0] != "deepseek_v3" else ["lm_loss", "mtp_1_loss", "load_balancing_loss"])
-    for part in parts:  # DeepSeek-V3's loss parts, each from the stage computing it, summed on rank 0
-        assert [m[part] for m in staged] == pytest.approx([m[part] for m in single], rel=LOSS_RTOL)
     # the final checkpoint, each stage having written its own tensors, read back whole
     weights = load_checkpoint(root / "cases" / case / f"checkpoints/iteration_{STEPS:08d}").model
     assert sorted(weights) == sorted(expected)
