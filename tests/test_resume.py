@@ -114,18 +114,8 @@ def assert_all_end(tree: set[int], what: str) -> None:
 STEP_PROCESS = "import subprocess, sys; sys.exit(subprocess.Popen(sys.argv[1:], start_new_session=True).wait())"
 
 
-class LaunchConfig(dg.Config):
-    args: list[str]
-    log_dir: str
-
-
-@dg.asset
-def resumed_training(context: dg.AssetExecutionContext, config: LaunchConfig, msrun: MsrunResource) -> None:
-    msrun.run(context, config.args, Path(config.log_dir), on_custom_message=lambda message: None)
-
-
 @pytest.mark.msrun
-def test_kill_9_of_a_worker_the_step_process_or_msrun_leaves_no_process_and_resumes_every_later_loss(
+def test_kill_9_of_a_worker_or_the_step_process_leaves_no_process_and_resumes_every_later_loss(
         tmp_path, reference):
     shard, uninterrupted = reference
     save_path = tmp_path / "checkpoints"
@@ -156,32 +146,11 @@ def test_kill_9_of_a_worker_the_step_process_or_msrun_leaves_no_process_and_resu
     assert_all_end(kill_9(step.pid, step.pid), "step process killed")
     step.wait()
 
-    # 3. msrun itself, under the Dagster launcher: the workers die with it (PR_SET_PDEATHSIG), the launcher
-    # reaps msrun's `tail -f` helpers and fails the step naming the exit code
-    run_dir = tmp_path / "msrun_killed"
-    trees = []
-
-    def kill_msrun() -> None:
-        wait_for_steps(None, run_dir, 1)
-        (msrun,) = [pid for pid in descendants(os.getpid())
-                    if b"bin/msrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        trees.append(kill_9(msrun, msrun))
-    killer = threading.Thread(target=kill_msrun, daemon=True)
-    killer.start()
-    result = dg.materialize([resumed_training], raise_on_error=False, resources={
-        "msrun": MsrunResource(worker_num=2, local_worker_num=2)}, run_config={"ops": {"resumed_training": {
-            "config": {"args": training_args(run_dir, resume), "log_dir": str(run_dir / "msrun_log")}}}})
-    killer.join(timeout=60)
-    assert not result.success
-    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
-    assert "msrun exited with code -9" in failure.event_specific_data.error.message
-    assert_all_end(trees[0], "msrun killed")
-
-    # none of them left an incomplete checkpoint to resume from; the last resume trains to the end
+    # neither left an incomplete checkpoint to resume from; the last resume trains to the end
     train_under_msrun(tmp_path / "resumed", resume)
     after = losses(tmp_path / "resumed")
     assert sorted(after) == list(range(resumed_from + 1, STEPS + 1))
-    partial = {**losses(tmp_path / "step_process_killed"), **losses(tmp_path / "msrun_killed")}
+    partial = losses(tmp_path / "step_process_killed")
     assert partial and {s: uninterrupted[s] for s in partial} == partial
     assert {s: uninterrupted[s] for s in after} == after  # bit for bit
     assert tracked_step(save_path) == STEPS  # the final async save was finalized before exit
@@ -329,25 +298,40 @@ def storage_for_shard(root: Path, shard: Path) -> "KilnStorage":
     return storage
 
 
+def training_launches(msrun_pids: list[int], count: int) -> list[int]:
+    """Wait for this process's ``count``-th msrun (one per launch of training_run); return each one's pid."""
+    deadline = time.monotonic() + 300
+    while len(msrun_pids) < count:
+        assert time.monotonic() < deadline, f"no msrun launch number {count}"
+        msrun_pids += [pid for pid in descendants(os.getpid()) if pid not in msrun_pids
+                       and b"bin/msrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        time.sleep(0.05)
+    return msrun_pids
+
+
 @pytest.mark.msrun
-def test_training_run_retries_a_killed_worker_and_ends_as_the_uninterrupted_run(tmp_path, reference):
-    """kill -9 of a worker after the first checkpoint: Dagster retries training_run, which resumes from that
-    checkpoint and ends with the uninterrupted run's losses and checkpoint partitions, leaving no process."""
+def test_training_run_retries_a_killed_worker_then_a_killed_msrun_and_ends_as_the_uninterrupted_run(
+        tmp_path, reference):
+    """kill -9 of a worker after the first checkpoint, then of msrun (the launcher) once the retry trains: Dagster
+    retries training_run twice, each attempt resumes from the newest complete checkpoint, and the run ends with
+    the uninterrupted run's losses and checkpoint partitions, leaving no process."""
     from pipelines.definitions import ALL_ASSETS, resources
 
     shard, uninterrupted = reference
     storage = storage_for_shard(tmp_path, shard)
     run_dir = storage.run_dir("retried")
-    trees = []
+    trees, msrun_pids = [], []
 
-    def kill_a_worker_after_the_first_checkpoint() -> None:
+    def kill_a_worker_then_msrun() -> None:
         deadline = time.monotonic() + 300
         while not (run_dir / "checkpoints/iteration_00000002").is_dir() and time.monotonic() < deadline:
             time.sleep(0.05)
-        (msrun,) = [pid for pid in descendants(os.getpid())
-                    if b"bin/msrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        trees.append(kill_9(worker_pids(msrun)[-1], msrun))
-    killer = threading.Thread(target=kill_a_worker_after_the_first_checkpoint, daemon=True)
+        (first,) = training_launches(msrun_pids, 1)
+        trees.append(kill_9(worker_pids(first)[-1], first))
+        second = training_launches(msrun_pids, 2)[1]
+        wait_for_steps(None, run_dir, logged_steps(run_dir) + 1)  # the retry trains
+        trees.append(kill_9(second, second))
+    killer = threading.Thread(target=kill_a_worker_then_msrun, daemon=True)
     killer.start()
     with dg.instance_for_test() as instance:
         result = dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, raise_on_error=False,
@@ -357,16 +341,21 @@ def test_training_run_retries_a_killed_worker_and_ends_as_the_uninterrupted_run(
                                     "overrides": [f"training.steps={STEPS}", "checkpoint.save_interleaved_steps=2"]}}}})
         partitions = instance.get_dynamic_partitions("checkpoints")
     killer.join(timeout=60)
-    assert trees, "no worker was killed"
+    assert len(trees) == 2, "the worker and msrun were not both killed"
     assert_all_end(trees[0], "worker killed")
+    assert_all_end(trees[1], "msrun killed")  # its workers died with it, the launcher reaped its log tails
     assert result.success, [e.message for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
-    assert [e.event_type_value for e in result.all_events].count("STEP_UP_FOR_RETRY") == 1
+    assert [e.event_type_value for e in result.all_events].count("STEP_UP_FOR_RETRY") == 2
     (run,) = [m for m in result.asset_materializations_for_node("training_run") if m.asset_key.path == ["training_run"]]
     metadata = {k: v.value for k, v in run.metadata.items()}
-    assert metadata["attempts"] == 2 and metadata["resumed_from_step"] in (2, 4)
-    assert "| 1 | 0 | retried | msrun exited with code" in metadata["attempt_history"]
-    assert f"| 2 | {metadata['resumed_from_step']} | succeeded | - |" in metadata["attempt_history"]
-    # every step either attempt logged has the uninterrupted loss, bit for bit, and every step was logged
+    history = metadata["attempt_history"].splitlines()[2:]
+    assert metadata["attempts"] == 3 and len(history) == 3, metadata["attempt_history"]
+    assert history[0] == "| 1 | 0 | retried | msrun exited with code 1 |"  # a worker died: msrun failed the job
+    resumed = [int(row.split("|")[2]) for row in history]
+    assert resumed[1] in (2, 4) and resumed[1] <= resumed[2] == metadata["resumed_from_step"]
+    assert history[1] == f"| 2 | {resumed[1]} | retried | msrun exited with code -9 |"
+    assert history[2] == f"| 3 | {resumed[2]} | succeeded | - |"
+    # every step any attempt logged has the uninterrupted loss, bit for bit, and every step was logged
     logged = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
     assert {r["step"] for r in logged} == set(range(1, STEPS + 1))
     assert all(r["loss"] == uninterrupted[r["step"]] for r in logged)
