@@ -233,9 +233,12 @@ def test_copied_checkpoint_verifies_the_config_its_lineage_carries(tmp_path, cap
         capsys.readouterr().out
 
 
+NEWER_BLENDS = 12  # each stored event costs ~20 ms (~140 ms at load 16): a few pages of SEARCH_PAGE 5
+
+
 def record_links(tmp_path, instance):
     """A checkpoint's lineage and, in ``instance``, a run recording its links in each form the cross-check
-    meets: a manifest with 45 newer materializations after it (the cross-check once stopped at the newest
+    meets: a manifest with NEWER_BLENDS materializations after it (the cross-check once stopped at the newest
     200), a chunk's version kept as per-source metadata, a wiped asset. Returns (checkpoint, lineage)."""
     import dagster as dg
 
@@ -253,7 +256,7 @@ def record_links(tmp_path, instance):
         def log(key, data_version, partition=None, metadata=None, code_version="c1"):
             context.log_event(dg.AssetMaterialization(key, partition=partition, metadata=metadata, tags={
                 "dagster/data_version": data_version, "dagster/code_version": code_version}))
-        for data_version in [version["blend_manifest", None], *(f"{i:064x}" for i in range(45))]:
+        for data_version in [version["blend_manifest", None], *(f"{i:064x}" for i in range(NEWER_BLENDS))]:
             log("blend_manifest", data_version)
         log("raw_corpus", version["raw_corpus", "b"], "b", code_version="c2")
         log("tokenizer", version["tokenizer", None])
@@ -292,16 +295,17 @@ def test_the_cross_check_finds_a_link_however_many_materializations_came_after(t
         through_sql, read_through = cross_check_instance(home, checkpoint, lineage)
         assert read_through == f"SQLite, {home}/history/runs/index.db"
         check_recorded_links(through_sql, lineage)
-        monkeypatch.setattr(pipelines.audit, "SEARCH_PAGE", 10)  # the 46 over several pages
+        monkeypatch.setattr(pipelines.audit, "SEARCH_PAGE", 5)  # the blend's history over several pages
         assert cross_check(DagsterEvents(instance, "the test instance"), checkpoint, lineage) == through_sql
 
         # Dagster's API pages as far as SEARCH_LIMIT: beyond it, said so, never "NOT RECORDED"; SQL sees it all
-        monkeypatch.setattr(pipelines.audit, "SEARCH_LIMIT", 45)
+        monkeypatch.setattr(pipelines.audit, "SEARCH_LIMIT", NEWER_BLENDS)
         results = cross_check(DagsterEvents(instance, "the test instance"), checkpoint, lineage)
         (blend,) = [r for r in results if r.asset == "blend_manifest"]
         assert blend.status == "outside the searched history"
         report = cross_check_report(results, "the test instance")
-        assert "outside the searched history (older than the newest 45 materializations): blend_manifest" in report
+        assert (f"outside the searched history (older than the newest {NEWER_BLENDS} materializations): "
+                "blend_manifest") in report
         assert "NOT RECORDED in the instance: raw_corpus[a]" in report
         assert cross_check_instance(home, checkpoint, lineage)[0] == through_sql
         assert isinstance(pipelines.audit.open_events(home), SqlEvents)
