@@ -273,8 +273,8 @@ def test_loss_matches_numpy_deepseek_v3(overrides):
     weights = {name: p.asnumpy().astype(np.float64) for name, p in model.parameters_and_names()}
     ids, labels = random_ids(seed=1), random_ids(seed=2)
     mask = (np.random.RandomState(3).rand(*ids.shape) > 0.2).astype(np.float32)
-    loss = float(model(Tensor(ids), Tensor(labels), Tensor(mask)).asnumpy())
-    parts = model.loss_components()
+    loss, parts = model.loss_and_parts(Tensor(ids), Tensor(labels), Tensor(mask))
+    loss, parts = float(loss.asnumpy()), model.named_parts(parts)
     lm, depths, aux = numpy_deepseek_loss(weights, ids, labels, mask, config)
     assert parts["lm_loss"] == pytest.approx(lm, rel=1e-4)
     assert {k: v for k, v in parts.items() if k.startswith("mtp_")} == {
@@ -367,8 +367,11 @@ def test_moe_monitor_reports_every_interval_for_the_target_layers():
         MoeMonitor(MoeMonitorConfig(save_tokens_per_expert_interval=1), [])
 
 
-def test_resume_restores_expert_biases_and_reproduces_the_losses(tmp_path, shard):
-    """Expert biases are saved and loaded with the weights, so a resumed run routes as the uninterrupted one."""
+def test_the_compiled_step_equals_the_eager_one_and_resumes_bit_identically(tmp_path, shard):
+    """MLA, MoE (static dispatch, group-limited routing, sequence aux loss, expert biases) and MTP in one compiled
+    graph per step: the same losses and loss parts (rtol 1e-5), routing (tokens per expert, expert biases: equal),
+    grad norms (rtol 1e-5) and weights (atol 1e-6) as the eager step, and a resume from its checkpoint repeats
+    its losses bit for bit. One MoE layer and one MTP depth keep the graph's compile time down."""
     from training.config import load_config
     from training.reporting import Reporter
     from training.trainer import Trainer, configure_runtime
@@ -377,25 +380,40 @@ def test_resume_restores_expert_biases_and_reproduces_the_losses(tmp_path, shard
         config = load_config(PROJECT_ROOT / "tests/configs/deepseek_v3_micro.yaml", [
             f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
             "train_dataset.dataloader.config.pad=3", "training.steps=3", "training.global_batch_size=2",
-            "checkpoint.save_interleaved_steps=1",
+            "model.num_hidden_layers=1", "model.first_k_dense_replace=0", "checkpoint.save_interleaved_steps=1",
+            "monitor.moe_monitor.save_tokens_per_expert_interval=1",
             f"checkpoint.save_path={tmp_path / name / 'checkpoints'}", *overrides])
         configure_runtime(config)
         return Trainer(config, World(rank=0, size=1), tmp_path / name,
                        Reporter(tmp_path / name / "metrics.jsonl", enabled=True))
 
-    def losses(name):
-        return {m["step"]: m["loss"] for m in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())}
+    def records(name):
+        return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
-    full = trainer("full")
-    full.train()
-    resumed = trainer("resumed", f"checkpoint.load_path={tmp_path / 'full/checkpoints/iteration_00000001'}")
-    from safetensors.numpy import load_file
-    saved = load_file(next((tmp_path / "full/checkpoints/iteration_00000001").glob("*-model-*.safetensors")))
-    bias = dict(resumed.model.moe_layers())["decoder.layers.1"].expert_bias.asnumpy()
+    compiled = trainer("compiled", "fast_step.compile=true")
+    assert compiled.step_mode.startswith("whole step compiled"), compiled.step_mode
+    compiled.train()
+    eager = trainer("eager")
+    eager.train()
+    parts = ["loss", "lm_loss", "mtp_1_loss", "load_balancing_loss", "grad_norm"]
+    for name in parts:
+        np.testing.assert_allclose([r[name] for r in records("compiled")], [r[name] for r in records("eager")],
+                                   rtol=1e-5, err_msg=name)
+    assert [r["tokens_per_expert"] for r in records("compiled")] == [r["tokens_per_expert"] for r in records("eager")]
+    for got, want in zip(compiled.model.get_parameters(), eager.model.get_parameters()):
+        np.testing.assert_allclose(got.asnumpy(), want.asnumpy(), rtol=0, atol=1e-6, err_msg=got.name)
+
+    resumed = trainer("resumed", "fast_step.compile=true",
+                      f"checkpoint.load_path={tmp_path / 'compiled/checkpoints/iteration_00000002'}")
+    from safetensors.numpy import load_file  # expert biases are saved and loaded with the weights
+    saved = load_file(next((tmp_path / "compiled/checkpoints/iteration_00000002").glob("*-model-*.safetensors")))
+    bias = dict(resumed.model.moe_layers())["decoder.layers.0"].expert_bias.asnumpy()
     assert np.abs(bias).max() > 0
-    np.testing.assert_array_equal(bias, saved["decoder.layers.1.mlp.expert_bias"])
+    np.testing.assert_array_equal(bias, saved["decoder.layers.0.mlp.expert_bias"])
     resumed.train()
-    assert losses("resumed") == {step: loss for step, loss in losses("full").items() if step > 1}
+    assert [r["loss"] for r in records("resumed")] == [r["loss"] for r in records("compiled")][2:]
+    assert all(np.array_equal(a.asnumpy(), b.asnumpy())
+               for a, b in zip(compiled.model.get_parameters(), resumed.model.get_parameters()))
 
 
 # ---- training under msrun ------------------------------------------------------------------------------

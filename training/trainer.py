@@ -69,12 +69,9 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
     reasons = []
     if not config.fast_step.compile:
         reasons.append("fast_step.compile is false")
-    if model.config.has_moe:
-        reasons.append("MoE: the router's dispatch orders tokens by expert on the host (a numpy argsort with "
-                       "per-step counts) and the tokens-per-expert counts that move the expert biases are host "
-                       "state")
-    if model.mtp is not None:
-        reasons.append("MTP: each depth's loss is kept on the model for the log line")
+    if model.config.has_moe and dims.ep > 1:
+        reasons.append("expert parallel: the all-to-all dispatch sends each rank's rows in splits counted on the "
+                       "host from the router's choices")
     if model.config.hidden_dropout > 0:
         reasons.append("model.hidden_dropout > 0: dropout masks come from Kiln's host-side mask stream (so a "
                        "resume draws the same masks), which a graph would replay as constants")
@@ -93,17 +90,18 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
 
 
 class ScaledLoss(nn.Cell):
-    """The micro-batch loss, and the same loss scaled for its backward (``DataParallel.loss_scale``), whose
-    gradients then sum over micro-batches and ranks into the global batch's mean."""
+    """The micro-batch loss scaled for its backward (``DataParallel.loss_scale``), whose gradients then sum over
+    micro-batches and ranks into the global batch's mean; then the loss and its parts (``loss_part_names``)."""
 
-    def __init__(self, model: nn.Cell, scale: float):
+    def __init__(self, model: GPTModel, scale: float):
         super().__init__(auto_prefix=False)  # the model's parameter names stay its own
         self.model = model
         self.scale = scale
+        model.set_loss_scale(scale)
 
     def construct(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
-        loss = self.model(input_ids, labels, loss_mask, position_ids, attention_mask)
-        return loss * self.scale, loss
+        loss, parts = self.model.loss_and_parts(input_ids, labels, loss_mask, position_ids, attention_mask)
+        return loss * self.scale, loss, parts
 
 
 def whole_step_blockers(dims: ParallelDims, monitor: TrainStateMonitor, optimizer: AdamW) -> list[str]:
@@ -142,22 +140,22 @@ class CompiledStep(nn.Cell):
         self.loss_sum = Parameter(Tensor(0.0, ms.float32), name="grad_sum.loss", requires_grad=False)
 
     def _gradients(self, input_ids, labels, loss_mask, position_ids, attention_mask):
-        (_, loss), grads = ms.value_and_grad(self.loss, None, self.params, has_aux=True)(
+        (_, loss, parts), grads = ms.value_and_grad(self.loss, None, self.params, has_aux=True)(
             input_ids, labels, loss_mask, position_ids, attention_mask)
-        return loss, grads
+        return loss, parts, grads
 
     def accumulate(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
-        """A micro-batch before the last; returns its loss."""
-        loss, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
+        """A micro-batch before the last; returns its loss and the loss's parts."""
+        loss, parts, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
         for grad_sum, grad in zip(self.grad_sums, grads):
             ops.assign_add(grad_sum, grad)
         ops.assign_add(self.loss_sum, loss)
-        return loss
+        return loss, parts
 
     def construct(self, lr, eps, decay, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
-        """The last micro-batch and the update; returns its loss, each gradient's sum of squares and the global
-        gradient norm before clipping."""
-        loss, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
+        """The last micro-batch and the update; returns its loss, the loss's parts, each gradient's sum of squares
+        and the global gradient norm before clipping."""
+        loss, parts, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
         loss_sum = loss
         if self.accumulation > 1:
             grads = tuple(grad_sum + grad for grad_sum, grad in zip(self.grad_sums, grads))
@@ -168,7 +166,7 @@ class CompiledStep(nn.Cell):
         clipped, squares, grad_norm = clip_grad_norm_in_graph(grads, self.max_norm)
         if ops.logical_and(ops.isfinite(loss_sum), ops.isfinite(grad_norm)):
             self.update(clipped, lr, eps, decay)
-        return loss, squares, grad_norm
+        return loss, parts, squares, grad_norm
 
 
 def _lr_section(config: TrainConfig) -> dict:
@@ -403,11 +401,10 @@ class Trainer:
                                            self.config.training.max_norm)
         grads_sum, local_loss, components = None, 0.0, {}
         for micro in range(self.accumulation):
-            (_, loss), grads = self.grad_fn(*self._micro_batch(micro))
+            (_, loss, parts), grads = self.grad_fn(*self._micro_batch(micro))
             micro_loss = float(loss.asnumpy())
             local_loss += micro_loss / self.accumulation
-            for name, value in self.model.loss_components().items():  # MTP depths, load balancing
-                components[name] = components.get(name, 0.0) + value / self.accumulation
+            self._add_parts(components, parts)
             self.monitor.micro_batch(micro_loss, grads, self.parallel.loss_scale())
             grads_sum = grads if grads_sum is None else tuple(a + b for a, b in zip(grads_sum, grads))
         unclipped = self.parallel.reduce_gradients(grads_sum)  # what device_norm and the health check judge
@@ -415,27 +412,34 @@ class Trainer:
         grads, grad_norm = clip_grad_norm(unclipped, self.config.training.max_norm, norms)
         return local_loss, components, grads, unclipped, norms, grad_norm
 
-    def _compiled_whole_step(self) -> tuple[float, np.ndarray, float]:
-        """The loss, each gradient's norm and the global norm of a step that ``CompiledStep`` ran whole, its
-        update applied in the graph when both are finite. The host waits for the losses only at the end."""
+    def _add_parts(self, components: dict[str, float], parts: tuple) -> None:
+        """Adds a micro-batch's loss parts (MTP depths, load balancing) to the step's means in ``components``."""
+        for name, value in self.model.named_parts(parts).items():
+            components[name] = components.get(name, 0.0) + value / self.accumulation
+
+    def _compiled_whole_step(self) -> tuple[float, dict, np.ndarray, float]:
+        """The loss, its parts, each gradient's norm and the global norm of a step that ``CompiledStep`` ran whole,
+        its update applied in the graph when both are finite. The host waits for the losses only at the end."""
         lr, eps, decay = self.optimizer.kernel_hyperparameters(self.optimizer.global_step + 1)
         last = self.accumulation - 1
-        micro_losses = [self.compiled_step.accumulate(*self._micro_batch(micro)) for micro in range(last)]
+        micro_outputs = [self.compiled_step.accumulate(*self._micro_batch(micro)) for micro in range(last)]
         self.saver.before_update()  # an async save still copying the parameters must finish first
-        loss, squares, grad_norm = self.compiled_step(Tensor(lr, ms.float32), Tensor(eps, ms.float32),
-                                                      Tensor(decay, ms.float32), *self._micro_batch(last))
-        local_loss = 0.0
-        for micro_loss in (float(loss.asnumpy()) for loss in [*micro_losses, loss]):
+        loss, parts, squares, grad_norm = self.compiled_step(Tensor(lr, ms.float32), Tensor(eps, ms.float32),
+                                                             Tensor(decay, ms.float32), *self._micro_batch(last))
+        local_loss, components = 0.0, {}
+        for micro_loss, micro_parts in [*micro_outputs, (loss, parts)]:
+            micro_loss = float(micro_loss.asnumpy())
             local_loss += micro_loss / self.accumulation  # as the eager step sums them
+            self._add_parts(components, micro_parts)
             self.monitor.micro_batch(micro_loss, None)  # local_loss (gradients are not read: whole_step_blockers)
-        return local_loss, np.sqrt(squares.asnumpy().astype(np.float64)), float(grad_norm.asnumpy())
+        return local_loss, components, np.sqrt(squares.asnumpy().astype(np.float64)), float(grad_norm.asnumpy())
 
     def train_step(self) -> dict:
         started = time.perf_counter()
         if self.compiled_step is None:
             local_loss, components, grads, unclipped, norms, grad_norm = self._eager_gradients()
         else:
-            (local_loss, norms, grad_norm), components, unclipped = self._compiled_whole_step(), {}, None
+            (local_loss, components, norms, grad_norm), unclipped = self._compiled_whole_step(), None
         embedding_norm = (float(norms[self.embedding_index]) if self.pipeline is None
                           else self.pipeline.embedding_norm(norms))
         # Every rank decides alike: the loss is summed over ranks (a NaN anywhere is NaN everywhere) and

@@ -111,7 +111,7 @@ def roll_each_left(*tensors: Tensor) -> tuple[Tensor, ...]:
 
 class GPTModel(nn.Cell):
     """Causal LM built from ``config``'s specs. ``construct(input_ids, labels, loss_mask[, position_ids,
-    attention_mask])`` returns the training loss; ``loss_components()`` its parts from the last call."""
+    attention_mask])`` returns the training loss; ``loss_and_parts`` the loss and its parts."""
 
     def __init__(self, config: GPTConfig, seed: int | None = None):
         super().__init__()
@@ -128,7 +128,11 @@ class GPTModel(nn.Cell):
         # MTP layers reuse the last decoder layer's spec (as MindFormers' get_gpt_mtp_block_spec)
         self.mtp = MultiTokenPredictionBlock(init, config, layer_specs[-1]) if config.num_mtp_layers else None
         self.mask_repeats = config.mask_repeats()
-        self._last_components: dict[str, Tensor] = {}
+        # the parts of the loss besides itself, for the log: none for a plain dense model (its loss is the LM loss)
+        self._mtp_loss_names = [f"mtp_{k + 1}_loss" for k in range(config.num_mtp_layers)]
+        self._aux_loss_stats = [moe.stats for _, moe in self.moe_layers() if moe.has_aux_loss]  # not Cells: no child
+        self.loss_part_names = ((["lm_loss", *self._mtp_loss_names] if self.mtp is not None or config.has_moe else [])
+                                + (["load_balancing_loss"] if self._aux_loss_stats else []))
         # tensor parallelism replaces these: the collective bringing the hidden states to the (vocab-parallel)
         # output layer, and the per-token loss of logits over this rank's part of the vocabulary
         self.output_input_comm = None
@@ -209,16 +213,24 @@ class GPTModel(nn.Cell):
 
     def construct(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor, position_ids: Tensor | None = None,
                   attention_mask: Tensor | None = None) -> Tensor:
+        return self.loss_and_parts(input_ids, labels, loss_mask, position_ids, attention_mask)[0]
+
+    def loss_and_parts(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor, position_ids: Tensor | None = None,
+                       attention_mask: Tensor | None = None) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The training loss and its parts named by ``loss_part_names`` (no gradient through them), as outputs: a
+        compiled step returns them per micro-batch, so nothing of a forward is kept on the model for the log."""
         hidden, cos, sin, mask = self._decode(input_ids, position_ids, attention_mask)
-        if self.mtp is None and not self.config.has_moe:
-            return self._masked_mean_loss(self._output(hidden), labels, loss_mask)
+        if not self.loss_part_names:
+            return self._masked_mean_loss(self._output(hidden), labels, loss_mask), ()
         loss, components = self.head_loss(hidden, input_ids, labels, loss_mask, cos, sin, mask)
-        aux_losses = [moe.aux_loss for _, moe in self.moe_layers() if moe.aux_loss is not None]
-        if aux_losses:
-            components["load_balancing_loss"] = sum(aux_losses)
-            loss = loss + components["load_balancing_loss"]
-        self._last_components = {name: ops.stop_gradient(value) for name, value in components.items()}
-        return loss
+        if self._aux_loss_stats:
+            # values only: each layer's AuxLossGradient gives the load-balancing losses their gradients
+            balancing = self._aux_loss_stats[0].aux_loss
+            for stats in self._aux_loss_stats[1:]:
+                balancing = balancing + stats.aux_loss
+            components["load_balancing_loss"] = balancing
+            loss = loss + balancing
+        return loss, tuple([ops.stop_gradient(components[name]) for name in self.loss_part_names])
 
     def head_loss(self, hidden: Tensor, input_ids: Tensor, labels: Tensor, loss_mask: Tensor, cos: Tensor,
                   sin: Tensor, mask: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -233,14 +245,19 @@ class GPTModel(nn.Cell):
                 ids, labels, loss_mask = self.roll_inputs_left(ids, labels, loss_mask)
                 hidden = layer(self._embed(ids), hidden, cos, sin, mask)
                 depth_losses.append(self._masked_mean_loss(self._output(hidden), labels, loss_mask))
-                components[f"mtp_{k + 1}_loss"] = depth_losses[-1]
+                components[self._mtp_loss_names[k]] = depth_losses[-1]
             loss = loss + self.config.mtp_loss_scale * sum(depth_losses) / len(depth_losses)
         return loss, components
 
-    def loss_components(self) -> dict[str, float]:
-        """The parts of the last ``construct`` loss: lm_loss, mtp_{k}_loss per depth, load_balancing_loss
-        (empty for a plain dense model, whose loss is the LM loss)."""
-        return {name: float(value.asnumpy()) for name, value in self._last_components.items()}
+    def named_parts(self, parts: tuple) -> dict[str, float]:
+        """``loss_and_parts``' parts by name, as floats (a host sync)."""
+        return {name: float(value.asnumpy()) for name, value in zip(self.loss_part_names, parts)}
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The factor on the loss that gradients are taken of (``ScaledLoss.scale``), which the load-balancing
+        losses' gradients carry too (``AuxLossGradient``)."""
+        for _, moe in self.moe_layers():
+            moe.aux_loss_gradient.loss_scale = scale
 
     # ---- MoE bookkeeping ---------------------------------------------------------------------
     def moe_layers(self) -> list[tuple[str, MoELayer]]:

@@ -1,15 +1,25 @@
 """Mixture of experts (DeepSeek-V3 style): top-k router with group-limited routing and an aux-loss-free
 expert bias, routed experts as stacked weights, optional shared experts, optional load-balancing loss.
 
-Dispatch: the router's choices go to the host, the (token, choice) pairs are sorted by expert, and the
-rows grouped by expert go to the layer's own experts, which run as one batched matmul over a buffer padded to
-the busiest expert's count — or, under expert parallelism, to the all-to-all dispatcher of
-``training.parallel.expert_parallel``. The weighted outputs are scatter-added back per token
-(``unsorted_segment_sum``, whose gradient is a gather). Layouts (MindFormers' grouped GEMM):
-``experts.weight1`` [E, hidden, 2·ffn] with the gate in the first half of the last axis and up in the
-second, ``experts.weight2`` [E, ffn, hidden] (input-major: the transpose of an HF Linear weight).
+Dispatch, with every shape fixed by the micro-batch so the layer compiles (``GroupedExperts.dispatch``): each
+(token, choice) row gets a slot in a buffer cut into blocks of ``block_rows``; each expert's rows fill whole
+blocks of their own, in expert order, the rest of its last block zero. Each block then runs through its
+expert's weights (gathered per block) in one batched matmul, and each (token, choice) reads its output back
+from its slot. Slots come from a running count per expert (a cumsum of the choices' one-hots), so no sort
+and no host round trip. Under expert parallelism the rows instead go to the all-to-all dispatcher of
+``training.parallel.expert_parallel``, which needs the counts on the host: the router's choices are sorted by
+expert there (numpy), the layer's experts take their rows through ``GroupedExperts.construct``, and the
+outputs are scatter-added back per token. Layouts (MindFormers' grouped GEMM): ``experts.weight1``
+[E, hidden, 2·ffn] with the gate in the first half of the last axis and up in the second, ``experts.weight2``
+[E, ffn, hidden] (input-major: the transpose of an HF Linear weight).
+
+What a step needs besides the output (tokens per expert for the expert-bias update, the load-balancing loss
+for the loss and its log) goes to ``RoutingStats`` buffers the forward writes in the graph: they are not
+model parameters (not saved, not sharded) and a compiled step writes them as an eager one does.
 """
 from __future__ import annotations
+
+import itertools
 
 import mindspore as ms
 import numpy as np
@@ -55,6 +65,12 @@ class TopKRouter(nn.Cell):
         return scores, chosen, gates * self.scaling
 
 
+def _swiglu_experts(x: Tensor, weight1: Tensor, weight2: Tensor) -> Tensor:
+    """[n, rows, hidden] through n SwiGLU experts' stacked weights ([n, hidden, 2·ffn], [n, ffn, hidden])."""
+    gate, up = ops.chunk(ops.bmm(x, cast(weight1, x.dtype)), 2, axis=-1)
+    return ops.bmm(ops.silu(gate) * up, cast(weight2, x.dtype))
+
+
 class GroupedExperts(nn.Cell):
     """E SwiGLU experts as two stacked weights (see the module docstring for the layout)."""
 
@@ -65,8 +81,37 @@ class GroupedExperts(nn.Cell):
         self.weight1 = init.normal(experts, hidden, 2 * ffn)
         self.weight2 = init.normal(experts, ffn, hidden)
 
+    def dispatch(self, tokens: Tensor, expert_of_row: Tensor, one_hot: Tensor, counts: Tensor,
+                 top_k: int) -> Tensor:
+        """Every (token, choice) row through its expert, in static shapes (module docstring): ``tokens``
+        [T, hidden]; ``expert_of_row`` [T·k] int32, row t·k + j being token t's j-th choice; ``one_hot``
+        [T·k, E] its one-hot (fp32) and ``counts`` [E] its column sums. Returns [T·k, hidden].
+
+        Blocks of ``rows / (2·E)`` rows (at least 1) keep the padding under half the rows and the per-block
+        weight copies under 3·E experts' worth; fed the busiest expert's count instead, one batch per expert
+        would need a shape known only on the host."""
+        rows, hidden = one_hot.shape[0], tokens.shape[1]
+        experts = one_hot.shape[1]
+        block = max(rows // (2 * experts), 1)
+        blocks = -(-(rows + experts * (block - 1)) // block)       # enough for any counts summing to ``rows``
+        blocks_of_expert = ops.ceil(counts / block)
+        block_end = ops.cumsum(blocks_of_expert, 0)
+        rank = ((ops.cumsum(one_hot, 0) - one_hot) * one_hot).sum(1)   # earlier rows choosing the same expert
+        slot = (ops.gather(block_end - blocks_of_expert, expert_of_row, 0) * block + rank).astype(ms.int32)
+        token_of_slot = ops.tensor_scatter_elements(               # unused slots read the zero row (index T)
+            ops.fill(ms.int32, (blocks * block,), tokens.shape[0]), slot,
+            ops.arange(rows, dtype=ms.int32) // top_k)
+        padded = ops.gather(ops.cat([tokens, ops.zeros((1, hidden), tokens.dtype)], 0), token_of_slot, 0)
+        block_index = ops.arange(blocks, dtype=ms.float32).expand_dims(1)
+        ended = (block_end.expand_dims(0) <= block_index).astype(ms.float32).sum(1)  # experts before the block
+        expert_of_block = ops.minimum(ended, experts - 1).astype(ms.int32)  # blocks past the last hold zeros
+        out = _swiglu_experts(padded.reshape(blocks, block, hidden), ops.gather(self.weight1, expert_of_block, 0),
+                              ops.gather(self.weight2, expert_of_block, 0))
+        return ops.gather(out.reshape(blocks * block, hidden), slot, 0)
+
     def construct(self, x_sorted: Tensor, counts: np.ndarray) -> Tensor:
-        """x_sorted: [assignments, hidden], grouped by expert in expert order with ``counts[e]`` rows each.
+        """x_sorted: [assignments, hidden], grouped by expert in expert order with ``counts[e]`` rows each (the
+        expert-parallel dispatcher's rows, counted on the host).
 
         All experts run as one batched matmul over [E, capacity, hidden], capacity = the busiest expert's
         count, padding rows zero: in PyNative every op costs ~1 ms of dispatch, and a per-expert loop
@@ -81,17 +126,48 @@ class GroupedExperts(nn.Cell):
         rows = np.full(experts * capacity, assignments, np.int32)        # padding reads the zero row
         rows[slot] = np.arange(assignments, dtype=np.int32)
         padded = ops.gather(ops.cat([x_sorted, ops.zeros((1, hidden), x_sorted.dtype)], 0), Tensor(rows), 0)
-        gate, up = ops.chunk(ops.bmm(padded.reshape(experts, capacity, hidden),
-                                     cast(self.weight1, x_sorted.dtype)), 2, axis=-1)
-        out = ops.bmm(ops.silu(gate) * up, cast(self.weight2, x_sorted.dtype))
+        out = _swiglu_experts(padded.reshape(experts, capacity, hidden), self.weight1, self.weight2)
         return ops.gather(out.reshape(experts * capacity, hidden), Tensor(slot), 0)
+
+
+_stats_ids = itertools.count()
+
+
+class RoutingStats:
+    """What a MoE layer's forwards leave for the host, in buffers the graph writes (``ops.assign``): tokens per
+    expert summed since the last ``take_counts`` and the last forward's load-balancing loss. A plain object, so
+    the buffers are no Cell parameters: not in checkpoints, not sharded, no gradients."""
+
+    def __init__(self, num_experts: int):
+        number = next(_stats_ids)  # a graph needs its parameters' names distinct
+        self.tokens = Parameter(Tensor(np.zeros(num_experts, np.float32)), name=f"routing_stats.{number}.tokens",
+                                requires_grad=False)
+        self.aux_loss = Parameter(Tensor(0.0, ms.float32), name=f"routing_stats.{number}.aux_loss",
+                                  requires_grad=False)
+
+
+class AuxLossGradient(nn.Cell):
+    """Passes the layer's output through, and gives the load-balancing loss the gradient it gets as a term of the
+    scaled training loss (``loss_scale``, the trainer's ``ScaledLoss.scale``): the loss is added to the model's
+    loss as a value read from ``RoutingStats``, so its gradient has to enter here (Megatron's
+    MoEAuxLossAutoScaler does the same)."""
+
+    def __init__(self):
+        super().__init__()
+        self.loss_scale = 1.0
+
+    def construct(self, x: Tensor, aux_loss: Tensor) -> Tensor:
+        return x
+
+    def bprop(self, x: Tensor, aux_loss: Tensor, out: Tensor, dout: Tensor):
+        return dout, ops.ones_like(aux_loss) * self.loss_scale
 
 
 class MoELayer(nn.Cell):
     """Routed experts (+ shared experts) in place of the dense MLP; the router, the routed experts and
-    the shared experts (None: none) come from the spec. Keeps, per step, how many tokens each expert
-    received (``tokens_per_expert``), and the load-balancing loss of the last forward (``aux_loss``,
-    None when moe_aux_loss_coeff is 0 or the type is 'none')."""
+    the shared experts (None: none) come from the spec. Counts how many tokens each expert received
+    (``take_counts``; ``tokens_per_expert`` keeps the last step's for the checkpoint), and its load-balancing
+    loss of the last forward is ``aux_loss`` (None when moe_aux_loss_coeff is 0 or the type is 'none')."""
 
     def __init__(self, init: Init, config, router: ModuleSpec, experts: ModuleSpec,
                  shared_experts: ModuleSpec | None = None):
@@ -107,8 +183,9 @@ class MoELayer(nn.Cell):
         self.bias_update_rate = config.moe_router_bias_update_rate
         self.balancing = config.moe_router_load_balancing_type
         self.aux_coeff = config.moe_aux_loss_coeff
-        self.aux_loss: Tensor | None = None
-        self._counts = np.zeros(self.num_experts, np.int64)
+        self.has_aux_loss = self.balancing != "none" and self.aux_coeff != 0
+        self.stats = RoutingStats(self.num_experts)
+        self.aux_loss_gradient = AuxLossGradient()
         # sequence parallel: sums the loss statistics over the ranks holding the other parts of the sequences
         # (forward all-reduce, backward identity); None when this rank sees whole sequences
         self.sequence_shard_sum = None
@@ -119,40 +196,57 @@ class MoELayer(nn.Cell):
         # order, through its all-to-all dispatch; None: this layer's own experts take the rows
         self.token_dispatcher = None
 
+    @property
+    def aux_loss(self) -> Tensor | None:
+        """The last forward's load-balancing loss as a value (its gradient comes through ``AuxLossGradient``)."""
+        return self.stats.aux_loss if self.has_aux_loss else None
+
     def construct(self, x: Tensor) -> Tensor:
         batch, seq, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         scores, chosen, gates = self.router(tokens, self.expert_bias)
-        choices = chosen.asnumpy().reshape(-1)                     # [T·k], token t's j-th choice at t·k + j
-        order = np.argsort(choices, kind="stable")
-        counts = np.bincount(choices, minlength=self.num_experts)
-        token_of = Tensor((order // self.top_k).astype(np.int32))
-        x_sorted = ops.gather(tokens, token_of, 0)
-        gate_sorted = cast(ops.gather(gates.reshape(-1), Tensor(order.astype(np.int32)), 0), x.dtype)
-        run_experts = self.token_dispatcher or self.experts
-        routed = run_experts(x_sorted, counts) * gate_sorted.expand_dims(-1)
-        out = ops.unsorted_segment_sum(routed, token_of, tokens.shape[0]).reshape(x.shape)
+        expert_of_row = chosen.reshape(-1)                         # [T·k], token t's j-th choice at t·k + j
+        one_hot = ops.one_hot(expert_of_row, self.num_experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+        counts = one_hot.sum(0)
+        if self.token_dispatcher is None:
+            routed = self.experts.dispatch(tokens, expert_of_row, one_hot, counts, self.top_k)
+            out = (routed * cast(gates, x.dtype).reshape(-1, 1)).reshape(-1, self.top_k, hidden).sum(1)
+        else:
+            out = self._dispatch_on_host(tokens, chosen, gates)
+        out = out.reshape(x.shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        self._counts += counts
-        self.aux_loss = self._load_balancing_loss(scores, choices.reshape(batch, seq * self.top_k))
+        ops.assign_add(self.stats.tokens, counts)
+        if self.has_aux_loss:
+            aux_loss = self._load_balancing_loss(scores, one_hot.reshape(batch, seq * self.top_k, self.num_experts))
+            ops.assign(self.stats.aux_loss, ops.stop_gradient(aux_loss))
+            out = self.aux_loss_gradient(out, aux_loss)
         return out
 
-    def _load_balancing_loss(self, scores: Tensor, choices: np.ndarray) -> Tensor | None:
+    def _dispatch_on_host(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Tensor:
+        """The expert-parallel dispatcher's path: rows sorted by expert on the host, outputs scatter-added back."""
+        choices = chosen.asnumpy().reshape(-1)
+        order = np.argsort(choices, kind="stable")
+        token_of = Tensor((order // self.top_k).astype(np.int32))
+        gate_sorted = cast(ops.gather(gates.reshape(-1), Tensor(order.astype(np.int32)), 0), tokens.dtype)
+        routed = self.token_dispatcher(ops.gather(tokens, token_of, 0),
+                                       np.bincount(choices, minlength=self.num_experts))
+        return ops.unsorted_segment_sum(routed * gate_sorted.expand_dims(-1), token_of, tokens.shape[0])
+
+    def _load_balancing_loss(self, scores: Tensor, one_hot: Tensor) -> Tensor:
         """coeff · Σ_i f_i·P_i: f_i = E/(k·T)·(tokens choosing expert i), P_i = mean routing probability of
         expert i (scores normalised per token), over each sequence ('seq_aux_loss', then averaged) or over
-        the whole micro-batch ('aux_loss'). Under sequence parallelism the counts and probability sums are
-        summed over the sequence's shards first (one collective), as MindFormers' router does."""
-        if self.balancing == "none" or self.aux_coeff == 0:
-            return None
-        batch = choices.shape[0]
+        the whole micro-batch ('aux_loss'); ``one_hot`` [batch, seq·k, E] are the choices. Under sequence
+        parallelism the counts and probability sums are summed over the sequence's shards first (one
+        collective), as MindFormers' router does."""
+        batch = one_hot.shape[0]
         probs = scores / scores.sum(-1, keepdims=True)
         if self.balancing == "aux_loss":
-            choices, probs = choices.reshape(1, -1), probs.reshape(1, -1, self.num_experts)
+            one_hot, probs = one_hot.reshape(1, -1, self.num_experts), probs.reshape(1, -1, self.num_experts)
         else:
             probs = probs.reshape(batch, -1, self.num_experts)
-        rows = choices.shape[0]
-        counts = Tensor(np.stack([np.bincount(row, minlength=self.num_experts) for row in choices]).astype(np.float32))
+        rows = one_hot.shape[0]
+        counts = one_hot.sum(1)
         prob_sums = probs.sum(1)
         if self.sequence_shard_sum is not None:
             counts, prob_sums = ops.split(self.sequence_shard_sum(ops.cat((counts, prob_sums))), rows)
@@ -162,18 +256,30 @@ class MoELayer(nn.Cell):
         return (fraction * mean_probs).sum(-1).mean() * self.aux_coeff * self.aux_loss_share
 
     # ---- between steps ----
+    @property
+    def _counts(self) -> np.ndarray:
+        """Tokens per expert since the last ``take_counts`` (the pipeline saves and restores them around a
+        replayed forward)."""
+        return self.stats.tokens.asnumpy().astype(np.int64)
+
+    @_counts.setter
+    def _counts(self, counts: np.ndarray) -> None:
+        ops.assign(self.stats.tokens, Tensor(np.asarray(counts, np.float32)))
+
     def take_counts(self) -> np.ndarray:
         """Tokens per expert since the last call (all micro-batches of the step); resets them."""
-        counts, self._counts = self._counts, np.zeros(self.num_experts, np.int64)
+        counts = self._counts
+        self._counts = np.zeros(self.num_experts)
         return counts
 
     def update_expert_bias(self, counts: np.ndarray) -> None:
         """Aux-loss-free balancing: bias += rate · sign(mean count − count), from the step's counts summed
-        over data-parallel ranks; ``tokens_per_expert`` keeps those counts for the checkpoint."""
-        self.tokens_per_expert.set_data(Tensor(counts.astype(np.float32)))
+        over data-parallel ranks; ``tokens_per_expert`` keeps those counts for the checkpoint. Written in place
+        (``ops.assign``): a compiled step reads the buffers it was compiled with, which ``set_data`` replaces."""
+        ops.assign(self.tokens_per_expert, Tensor(counts.astype(np.float32)))
         if self.enable_expert_bias:
             step = self.bias_update_rate * np.sign(counts.mean() - counts)
-            self.expert_bias.set_data(Tensor((self.expert_bias.asnumpy() + step).astype(np.float32)))
+            ops.assign(self.expert_bias, Tensor((self.expert_bias.asnumpy() + step).astype(np.float32)))
 
     def expert_parameters(self) -> int:
         return int(np.prod(self.experts.weight1.shape) + np.prod(self.experts.weight2.shape))
