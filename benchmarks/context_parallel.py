@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -122,13 +121,10 @@ def worker(out: str, shard: str) -> None:
 
 
 def run(report, shard: Path) -> None:
-    from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
+    from training.launch import run_on_local_workers
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-cp-") as tmp:
-        settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(),
-                                 log_dir=str(Path(tmp) / "log"), cluster_time_out=300)
-        subprocess.run(msrun_command(settings, [__file__, tmp, str(shard)]), check=True, cwd=PROJECT_ROOT,
-                       env=msrun_environment(os.environ), stdout=subprocess.DEVNULL)
+        run_on_local_workers([__file__, tmp, shard], Path(tmp) / "log", 2)
         figures = json.loads((Path(tmp) / "figures.json").read_text())
     gather_s = figures.pop("gather_s")
     dp = figures["DP 2"]

@@ -16,9 +16,7 @@ backend's cost, not the dispatch's.) Run as a script by msrun: ``python benchmar
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -84,15 +82,10 @@ def worker(out: str, shard: str) -> None:
 
 
 def run(report, shard: Path) -> None:
-    from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
+    from training.launch import run_on_local_workers
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-ep-") as tmp:
-        settings = MsrunSettings(worker_num=2, local_worker_num=2, master_port=free_port(),
-                                 log_dir=str(Path(tmp) / "log"), cluster_time_out=300)
-        # single-threaded dispatch, as training.run runs the trainer (fast_step.host_blocking_dispatch)
-        env = msrun_environment({**os.environ, "MS_DEV_HOST_BLOCKING_RUN": "1"})
-        subprocess.run(msrun_command(settings, [__file__, tmp, str(shard)]), check=True, cwd=PROJECT_ROOT, env=env,
-                       stdout=subprocess.DEVNULL)
+        run_on_local_workers([__file__, tmp, shard], Path(tmp) / "log", 2)
         figures = json.loads((Path(tmp) / "expert_parallel.json").read_text())
     step = figures["step_s"]
     report("EP2 step, 2 ranks", step["EP2"] * 1000, "ms", step["EP2"] / step["DP"], "DP's step")

@@ -12,7 +12,6 @@ backward instead of gathering them again there: its step time shows what re-gath
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -85,17 +84,14 @@ def worker(out: str, shard: str) -> None:
 
 
 def run(report, shard: Path) -> None:
-    from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
+    from training.launch import run_on_local_workers
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-parallel-") as tmp:
         for world in (1, 2, 4):
             if world == 1:
                 subprocess.run([sys.executable, __file__, tmp, str(shard)], check=True, cwd=PROJECT_ROOT)
             else:
-                settings = MsrunSettings(worker_num=world, local_worker_num=world, master_port=free_port(),
-                                         log_dir=str(Path(tmp) / f"log{world}"), cluster_time_out=300)
-                subprocess.run(msrun_command(settings, [__file__, tmp, str(shard)]), check=True, cwd=PROJECT_ROOT,
-                               env=msrun_environment(os.environ), stdout=subprocess.DEVNULL)
+                run_on_local_workers([__file__, tmp, shard], Path(tmp) / f"log{world}", world)
             figures = json.loads((Path(tmp) / f"world{world}.json").read_text())
             dp = figures["DP"]
             for name, f in figures.items():

@@ -25,9 +25,7 @@ Run as a script by msrun: ``python benchmarks/pipeline_bubble.py OUT SHARD``.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -83,17 +81,13 @@ def worker(out: str, shard: str) -> None:
 
 
 def run(report, shard: Path) -> None:
-    from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
+    from training.launch import run_on_local_workers
     from training.parallel.pipeline import analytic_bubble
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-pipeline-") as tmp:
-        settings = MsrunSettings(worker_num=PP, local_worker_num=PP, master_port=free_port(),
-                                 log_dir=str(Path(tmp) / "log"), cluster_time_out=300)
-        # synchronous dispatch, as training.run sets it: with MindSpore's threaded dispatch a transfer returns before
-        # it completes and the wait for the other stage is charged to the next computation (measured: 0.6% idle)
-        env = {**msrun_environment(os.environ), "MS_DEV_HOST_BLOCKING_RUN": "1"}
-        subprocess.run(msrun_command(settings, [__file__, tmp, str(shard)]), check=True, cwd=PROJECT_ROOT, env=env,
-                       stdout=subprocess.DEVNULL)
+        # synchronous dispatch (the launch's default, as training.run's): with MindSpore's threaded dispatch a transfer
+        # returns before it completes and the wait for the other stage is charged to the next computation (0.6% idle)
+        run_on_local_workers([__file__, tmp, shard], Path(tmp) / "log", PP)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(PP)]
         shape = ranks[0]["shape"]
         dp_step = statistics.median(max(r["dp"]["step_s"][i] for r in ranks) for i in range(1, ROUNDS))

@@ -1,5 +1,4 @@
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,17 +25,13 @@ def write_micro_sources(path: Path) -> Path:
     return path
 
 
-def run_under_msrun(args: list[str], log_dir: Path, workers: int, *, timeout: float = 900) -> None:
+def run_under_msrun(args: list, log_dir: Path, workers: int, *, timeout: float = 900) -> None:
     """Run ``args`` (a script and its arguments, or ``-m module ...``) under msrun on ``workers`` local CPU workers
-    from the project root; a failed launch fails the test with the tail of every worker's log."""
-    from training.launch import MsrunSettings, free_port, msrun_command, msrun_environment
+    from the project root (as the benchmarks do); a failed launch fails the test with the tail of every worker's
+    log (LaunchFailed), one over ``timeout`` seconds with TimeoutError."""
+    from training.launch import run_on_local_workers
 
-    settings = MsrunSettings(worker_num=workers, local_worker_num=workers, master_port=free_port(),
-                             log_dir=str(log_dir), cluster_time_out=300)
-    done = subprocess.run(msrun_command(settings, [str(a) for a in args]), env=msrun_environment(os.environ),
-                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(Path(log_dir).glob("worker_*.log")))
-    assert done.returncode == 0, logs or done.stdout[-3000:] + done.stderr[-3000:]
+    run_on_local_workers(args, log_dir, workers, timeout=timeout)
 
 
 def train_alone(config, run_dir: Path) -> tuple[list[dict], dict]:

@@ -259,3 +259,33 @@ def test_a_msrun_killed_with_sigkill_leaves_none_of_its_processes(tmp_path):
     while alive(pids["tail"]):  # SIGKILLed by run_msrun; reaped by init
         assert time.monotonic() < deadline, "the tail -f helper outlived msrun"
         time.sleep(0.01)
+
+
+def test_a_launch_over_its_timeout_is_stopped_with_its_helpers(tmp_path):
+    """run_msrun with a timeout: msrun (a stand-in that starts a `tail -f` helper in its group) gets SIGINT, the
+    helper is killed with the group, and TimeoutError says how long it ran."""
+    from test_cancel import alive
+
+    stand_in = ["sh", "-c", f"tail -f /dev/null & echo $! > {tmp_path / 'tail.pid'}; exec sleep 600"]
+    with pytest.raises(TimeoutError, match="longer than 0.5 s"):
+        launch.run_msrun(stand_in, os.environ, timeout=0.5)
+    tail = int((tmp_path / "tail.pid").read_text())
+    deadline = time.monotonic() + 10
+    while alive(tail):
+        assert time.monotonic() < deadline, "the tail -f helper outlived the stopped launch"
+        time.sleep(0.01)
+
+
+def test_a_failed_local_launch_names_its_code_and_each_workers_log(tmp_path, monkeypatch):
+    """run_on_local_workers (the tests' and benchmarks' launch) with msrun replaced by a shell that writes two worker
+    logs and exits 3: it ran from the project root with synchronous dispatch, and LaunchFailed names both logs."""
+    def stand_in(settings, script_args):
+        log = Path(settings.log_dir)
+        return ["sh", "-c", f"echo \"$PWD $MS_DEV_HOST_BLOCKING_RUN {' '.join(script_args)}\" > {log / 'worker_0.log'}; "
+                            f"echo 'rank 1 crashing on purpose' > {log / 'worker_1.log'}; exit 3"]
+    monkeypatch.setattr(launch, "msrun_command", stand_in)
+    monkeypatch.delenv("MS_DEV_HOST_BLOCKING_RUN", raising=False)
+    with pytest.raises(launch.LaunchFailed, match="on 2 workers exited with 3") as failed:
+        launch.run_on_local_workers(["case.py", tmp_path], tmp_path / "log", 2)
+    assert f"{launch.PROJECT_ROOT} 1 case.py {tmp_path}" in str(failed.value)
+    assert "worker_1.log\nrank 1 crashing on purpose" in str(failed.value)

@@ -34,7 +34,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import IO, Mapping, Optional
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,6 +51,7 @@ FIELD_OF = {"WORKER_NUM": "worker_num", "LOCAL_WORKER": "local_worker_num", "MAS
             "CLUSTER_TIME_OUT": "cluster_time_out"}
 INTEGER_POSITIONS = {"WORKER_NUM", "LOCAL_WORKER", "MASTER_PORT", "NODE_RANK", "CLUSTER_TIME_OUT"}
 PYTHON_NAMES = ("python", "python3")
+STOP_GRACE_S = 30  # after SIGINT, msrun's handler kills every worker and exits: seconds it gets to do so
 
 
 class SettingError(ValueError):
@@ -134,23 +135,62 @@ def under_parent_death_signal(command: list[str]) -> list[str]:
     return [setpriv, "--pdeathsig=INT", "--", *command] if setpriv else command
 
 
-def run_msrun(command: list[str], env: Mapping[str, str]) -> int:
+def run_msrun(command: list[str], env: Mapping[str, str], *, cwd: Optional[Path] = None, output: Optional[IO] = None,
+              timeout: Optional[float] = None) -> int:
     """Run msrun's ``command`` to its end; return its exit code (negative: the signal that killed it). It runs
     in a process group of its own under the parent-death signal; Ctrl-C here is handed to it (its handler stops
-    the workers); once it has exited, whatever is left in its group is killed: msrun's ``tail -f`` helpers,
-    which outlive a msrun killed with SIGKILL (its workers die with it by themselves, training/run.py)."""
-    proc = subprocess.Popen(under_parent_death_signal(command), env=dict(env), start_new_session=True)
+    the workers), and so is a ``timeout`` (seconds), after which TimeoutError is raised; once it has exited,
+    whatever is left in its group is killed: msrun's ``tail -f`` helpers, which outlive a msrun killed with
+    SIGKILL (its workers die with it by themselves, training/run.py). ``output``: a file for msrun's stdout and
+    stderr (its echo of the workers' logs), else this process's."""
+    proc = subprocess.Popen(under_parent_death_signal(command), env=dict(env), cwd=cwd, stdout=output,
+                            stderr=subprocess.STDOUT if output else None, start_new_session=True)
     try:
         while True:
             try:
-                return proc.wait()
+                return proc.wait(timeout)
             except KeyboardInterrupt:
                 proc.send_signal(signal.SIGINT)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    pass
+                raise TimeoutError(f"msrun ran longer than {timeout:g} s and was stopped: {shlex.join(command)}") \
+                    from None
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+class LaunchFailed(RuntimeError):
+    """A local msrun launch that exited with an error; the message holds the tail of every worker's log."""
+
+
+def run_on_local_workers(script_args: list, log_dir: Path, workers: int, *, timeout: Optional[float] = None,
+                         env: Optional[Mapping[str, str]] = None) -> None:
+    """Run ``script_args`` (what follows ``python``: a script or ``-m module``, and its arguments) under msrun on
+    ``workers`` workers of this node, from the project root, on a free master port, with logs in ``log_dir``
+    (msrun's own output in ``msrun.out``). What the tests and the benchmarks launch: the workers dispatch
+    synchronously, as training.run does by default, unless ``env`` (default: this environment) says otherwise.
+    A failed launch raises LaunchFailed with the tail of every worker's log."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    settings = MsrunSettings(worker_num=workers, local_worker_num=workers, master_port=free_port(),
+                             log_dir=str(log_dir), cluster_time_out=300)
+    environment = msrun_environment(os.environ if env is None else env)
+    environment.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
+    with open(log_dir / "msrun.out", "w") as output:
+        code = run_msrun(msrun_command(settings, [str(a) for a in script_args]), environment, cwd=PROJECT_ROOT,
+                         output=output, timeout=timeout)
+    if code != 0:
+        logs = sorted(log_dir.glob("worker_*.log")) or [log_dir / "msrun.out"]
+        tails = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in logs)
+        raise LaunchFailed(f"msrun of {shlex.join(map(str, script_args))} on {workers} workers exited with "
+                           f"{code}:\n{tails}")
 
 
 def msrun_environment(base: Mapping[str, str], visible_devices: Optional[str] = None) -> dict[str, str]:
