@@ -34,14 +34,18 @@ def eval_command(path: Path, config: CheckpointEvalConfig) -> list[str]:
 
 
 def eval_metadata(record: dict, sidecar: Path) -> dict:
-    """Numbers as floats (the UI plots each across the partitions): loss and ppl overall and per source."""
-    per_source = {f"{name}_{kind}": dg.MetadataValue.float(values[kind])
+    """The curves as floats, which the UI plots across the partitions, one chart each in the order of their
+    names: ``loss``, ``loss_<source>`` for each source, ``ppl``, ``ppl_<source>``. The counts are text, as a
+    chart of them says nothing: the step is in the partition key, and every checkpoint of a run is evaluated
+    on the same samples, so the same tokens."""
+    per_source = {f"{kind}_{name}": dg.MetadataValue.float(values[kind])
                   for name, values in record["sources"].items() for kind in ("loss", "ppl")}
     first, end = record["sample_range"]
-    return {"step": record["checkpoint"]["step"], "split": record["split"],
-            "samples": dg.MetadataValue.text(f"{first}..{end - 1} of the {record['split']} split"),
-            "tokens": record["tokens"], "loss": dg.MetadataValue.float(record["loss"]),
-            "ppl": dg.MetadataValue.float(record["ppl"]), **per_source,
+    return {"split": record["split"],
+            "samples": dg.MetadataValue.text(f"{first}..{end - 1} of the {record['split']} split, "
+                                             f"{record['tokens']} loss tokens"),
+            "loss": dg.MetadataValue.float(record["loss"]), "ppl": dg.MetadataValue.float(record["ppl"]),
+            **per_source,
             "checkpoint": dg.MetadataValue.path(record["checkpoint"]["path"]),
             "sidecar": dg.MetadataValue.path(str(sidecar)),
             "shards": dg.MetadataValue.md("| source | shard | sha256 |\n|---|---|---|\n" + "\n".join(

@@ -110,6 +110,10 @@ def test_checkpoint_eval_is_requested_for_a_new_checkpoint_and_records_the_evalu
     (event,) = result.asset_materializations_for_node("checkpoint_eval")
     metadata = {k: v.value for k, v in event.metadata.items()}
     sidecar = json.loads((root / RUN / "checkpoints" / CHECKPOINT / "eval-test.json").read_text())
-    assert metadata["loss"] == sidecar["loss"] and metadata["docs_loss"] == sidecar["sources"]["docs"]["loss"]
-    assert metadata["split"] == "test" and metadata["samples"] == "0..3 of the test split" and metadata["step"] == 2
+    assert metadata["loss"] == sidecar["loss"] and metadata["loss_docs"] == sidecar["sources"]["docs"]["loss"]
+    assert metadata["split"] == "test" and metadata["checkpoint"].endswith(CHECKPOINT)
+    assert metadata["samples"] == f"0..3 of the test split, {sidecar['tokens']} loss tokens"
+    # the Plots tab draws the curves only: no chart of a count
+    plotted = {k for k, v in event.metadata.items() if isinstance(v, (dg.FloatMetadataValue, dg.IntMetadataValue))}
+    assert plotted == {f"{kind}{source}" for kind in ("loss", "ppl") for source in ("", "_code", "_docs")}
     assert event.tags["dagster/data_version"] == sidecar["results_sha256"]
