@@ -1,12 +1,14 @@
-"""The model's hand-written backward passes (RMSNorm, softmax) and the SwiGLU weight reorder, each against
-central finite differences of its own forward in float64."""
+"""The model's hand-written backward passes (RMSNorm, softmax), the SwiGLU weight reorder and the causal attention
+in query blocks, each against central finite differences of its own forward in float64."""
 from types import SimpleNamespace
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from training.model.layers import Init, RMSNormFunction, Softmax
+from training.model import attention
+from training.model.attention import SelfAttention
+from training.model.layers import Init, RMSNormFunction, Softmax, additive_mask
 from training.model.transformer import MLP
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -90,3 +92,27 @@ def test_swiglu_reorders_the_interleaved_fc1_rows():
         return float(loss().asnumpy())
 
     np.testing.assert_allclose(analytic, finite_differences(loss_at, [fc1.copy()])[0], rtol=1e-6, atol=1e-7)
+
+
+def test_causal_attention_in_query_blocks_is_the_full_masked_softmax():
+    """Query blocks read only the keys up to their end: output equal to softmax(q·kᵀ + mask)·v over all keys
+    (numpy), and gradients equal to finite differences, under a per-sample block-causal mask (a document
+    starting inside a block) with two q heads stacked on their KV group."""
+    assert attention.QUERY_BLOCKS == 4
+    batch, groups, per_group, seq, dim = 1, 1, 2, 8, 2  # 4 blocks of 2 queries
+    config = SimpleNamespace(num_attention_heads=groups * per_group, num_key_value_heads=groups, head_dim=dim,
+                             hidden_size=4, attention_bias=False, rms_norm_eps=1e-6, dtype=lambda name: ms.float64)
+    layer = SelfAttention(Init(0, 0.1), config)
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((batch, groups, per_group, seq, dim))
+    k, v = rng.standard_normal((2, batch, groups, seq, dim))
+    masked = np.triu(np.ones((batch, seq, seq), bool), k=1)
+    masked[:, 3:, :3] = True  # a document starts at position 3
+    mask = additive_mask(Tensor(masked[:, None].astype(np.float32)), per_group)
+
+    scores = np.einsum("bgpqd,bgkd->bgpqk", q, k) + np.where(masked, np.finfo(np.float32).min, 0.0)[:, None, None]
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("bgpqk,bgkd->bgpqd", probs / probs.sum(-1, keepdims=True), v)
+    got = layer._causal_attention(Tensor(q), Tensor(k), Tensor(v), mask).asnumpy()
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
+    check_gradients(lambda q, k, v: layer._causal_attention(q, k, v, mask), [q, k, v])

@@ -8,6 +8,11 @@ from mindspore import Tensor, nn, ops
 from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, Softmax, _bmm, _bmm_transpose_b,
                                    apply_rotary, cast)
 
+# Causal attention in query blocks: block i (of seq/QUERY_BLOCKS queries) multiplies, masks and softmaxes against
+# the keys up to its end only, (1+2+3+4)/16 = 62% of the full score square. On the throughput benchmark's Qwen3
+# (seq 512, compiled step) 4 blocks took 3% less CPU per step than 1, and 0.35 GB less peak RSS.
+QUERY_BLOCKS = 4
+
 
 class SelfAttention(nn.Cell):
     """Grouped-query attention with a fused, per-group ``linear_qkv`` and per-head RMSNorm on q and k.
@@ -15,7 +20,8 @@ class SelfAttention(nn.Cell):
     ``linear_qkv`` rows are grouped per KV group: [q heads of group 0, k0, v0, q heads of group 1, k1, v1, …].
     GQA without copying K/V: the q heads of one KV group are stacked along the query axis
     ([batch, groups, heads_per_group·seq, dim]), so one batched matmul per group serves all its heads;
-    the causal mask is stacked the same way (``mask_repeats`` = heads per group).
+    the causal mask is stacked the same way (``mask_repeats`` = heads per group). Keys after a query's block are
+    skipped (``QUERY_BLOCKS``).
 
     Under tensor parallelism each rank holds whole KV groups: ``num_groups``/``num_heads`` count this rank's."""
 
@@ -69,14 +75,27 @@ class SelfAttention(nn.Cell):
         k = apply_rotary(k, cos, sin)
         if self.context_attention is not None:
             out = self.context_attention(q, k, v)
-            return self.linear_proj(out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, self.num_heads * dim))
-        q = q.reshape(batch, groups, per_group * seq, dim)
+        else:
+            out = self._causal_attention(q, k, v, mask)
+        return self.linear_proj(out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, self.num_heads * dim))
 
-        # [batch, groups, per_group·seq, seq]; in float16 the mask's float32 minimum becomes -inf: still 0 weight
-        scores = cast(_bmm_transpose_b(q, k), self.softmax_dtype) + cast(mask, self.softmax_dtype)
-        if self.logit_tracker.enabled:
-            self.logit_tracker.update(scores.reshape(batch, groups, per_group, seq * seq))
-        probs = cast(self.softmax(scores), v.dtype)
-        out = _bmm(probs, v).reshape(batch, groups, per_group, seq, dim)
-        out = out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, self.num_heads * dim)
-        return self.linear_proj(out)
+    def _causal_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """softmax(q·kᵀ + mask)·v per head: q [batch, groups, per_group, seq, dim], k and v [batch, groups, seq,
+        dim], the result shaped as q. Query block i reads the keys up to its own end only (``QUERY_BLOCKS``), so
+        ``mask`` must mask every later key, as causal_mask and the dataset's block-causal masks do."""
+        batch, groups, per_group, seq, dim = q.shape
+        blocks = QUERY_BLOCKS if seq % QUERY_BLOCKS == 0 else 1
+        size = seq // blocks
+        mask = mask.reshape(*mask.shape[:-2], per_group, seq, seq)  # unstacked: [..., per_group, seq, seq]
+        outs = []
+        for i, q_block in enumerate(ops.split(q, size, axis=3)):
+            keys = (i + 1) * size
+            rows = mask[..., i * size:keys, :keys].reshape(*mask.shape[:-3], per_group * size, keys)
+            q_block = q_block.reshape(batch, groups, per_group * size, dim)
+            # [batch, groups, per_group·size, keys]; in float16 the mask's float32 minimum is -inf: still 0 weight
+            scores = cast(_bmm_transpose_b(q_block, k[:, :, :keys]), self.softmax_dtype) + cast(rows, self.softmax_dtype)
+            if self.logit_tracker.enabled:
+                self.logit_tracker.update(scores.reshape(batch, groups, per_group, size * keys))
+            probs = cast(self.softmax(scores), v.dtype)
+            outs.append(_bmm(probs, v[:, :, :keys]).reshape(batch, groups, per_group, size, dim))
+        return ops.cat(outs, axis=3)
