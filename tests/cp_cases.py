@@ -20,7 +20,10 @@ CASES = {
                               "parallelism.data_parallel_shard_strategy=optim"],
     "hybrid_cp4_zigzag": ["parallelism.context_parallel=4", "parallelism.context_parallel_method=hybrid",
                           "parallelism.ulysses_degree_in_cp=2", "parallelism.context_parallel_load_balance=true"],
-    "ring_cp4_zigzag": ["parallelism.context_parallel=4", "parallelism.context_parallel_load_balance=true"],
+    # with tensor parallel: each rank's heads, its zig-zag sequence chunk cut again over tp between the layers
+    # (sequence parallel). Rings longer than 2: hybrid_cp4_zigzag's cp 4, and a ring of 3 checked in one process
+    "ring_tp2_cp2_zigzag": ["parallelism.context_parallel=2", "parallelism.context_parallel_load_balance=true",
+                            "parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"],
 }
 # DeepSeek-V3 (MLA, MoE with a balancing loss and expert biases, MTP) against its own reference
 DEEPSEEK_CASES = {"deepseek_ring_cp2_dp2_zigzag": ["parallelism.context_parallel=2",

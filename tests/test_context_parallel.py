@@ -1,7 +1,8 @@
 """Context parallelism (ring / Ulysses / hybrid): the sequence split, the online-softmax merge against plain
 attention and float64 finite differences, the model's attention with the context-parallel core, the config's
-refusals; and, under msrun with 4 CPU workers (one launch, tests/cp_cases.py), every method trains as one
-process does (losses, grad norms, final weights), its sharded checkpoint resuming in one process."""
+refusals; and, under msrun with 4 CPU workers (one launch, tests/cp_cases.py), every method, and the ring with
+tensor parallelism, trains as one process does (losses, grad norms, final weights), its sharded
+checkpoint resuming in one process."""
 import json
 
 import mindspore as ms

@@ -256,9 +256,6 @@ def check_context_parallel(config: TrainConfig, model_config) -> None:
                         f"Ulysses degree {degree}, but model.num_attention_heads ({c.num_attention_heads}) and "
                         f"model.num_key_value_heads ({c.num_key_value_heads}) per tensor-parallel rank "
                         f"(tensor_parallel {p.tensor_parallel}) are not both divisible by it")
-    if p.tensor_parallel > 1:
-        problems.append("parallelism.context_parallel with parallelism.tensor_parallel > 1 is not implemented "
-                        "(nor tested): the sequence-parallel collectives would run inside each cp chunk")
     if config.monitor.train_state.max_attention_logit:
         problems.append("monitor.train_state.max_attention_logit with parallelism.context_parallel > 1: the "
                         "context-parallel attention never holds a layer's whole score matrix")
@@ -283,6 +280,14 @@ def apply_context_parallel(model, mesh: DeviceMesh, config: TrainConfig) -> Cont
     model.count_loss_tokens = plan.count_tokens
     model.roll_inputs_left = plan.roll_each_left
     for _, moe in model.moe_layers():  # the balancing loss's statistics over the whole sequences
-        moe.sequence_shard_sum = partial(comm.all_reduce, group=plan.cp_group)
+        over_cp = partial(comm.all_reduce, group=plan.cp_group)
+        # under sequence parallelism each cp chunk is cut again over tp: its statistics are summed over tp first
+        moe.sequence_shard_sum = over_cp if moe.sequence_shard_sum is None else _summed_in_turn(
+            moe.sequence_shard_sum, over_cp)
         moe.aux_loss_share = 1.0 / plan.cp
     return plan
+
+
+def _summed_in_turn(first, then):
+    """``then(first(x))``: two sums over orthogonal groups, each differentiating as its own axis needs."""
+    return lambda x: then(first(x))
