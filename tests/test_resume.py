@@ -1,6 +1,6 @@
-"""Resuming: a run whose worker, launching step process or msrun is killed with kill -9 leaves no process
-and resumes to the same losses; weight-only, changed batch size and Hugging Face loads; a checkpoint of one
-process resumes in two and vice versa."""
+"""Resuming: a run whose worker, launching step process or msrun is killed with kill -9 leaves no process, and
+training_run's retries resume it to the same losses; weight-only, changed batch size and Hugging Face loads; a
+checkpoint of one process resumes in two and vice versa."""
 import json
 import os
 import signal
@@ -115,47 +115,29 @@ STEP_PROCESS = "import subprocess, sys; sys.exit(subprocess.Popen(sys.argv[1:], 
 
 
 @pytest.mark.msrun
-def test_kill_9_of_a_worker_or_the_step_process_leaves_no_process_and_resumes_every_later_loss(
-        tmp_path, reference):
+def test_kill_9_of_the_step_process_leaves_no_process_and_a_complete_checkpoint(tmp_path, reference):
+    """The process that launched msrun (the Dagster step process) killed while async, redundancy-free saves run:
+    setpriv hands msrun a SIGINT, msrun kills its workers, nothing is left; the tracked checkpoint is whole and
+    every step logged has the uninterrupted loss. (A killed worker and a killed msrun, and the resumes after
+    them: the retry test below.)"""
     shard, uninterrupted = reference
     save_path = tmp_path / "checkpoints"
-    # 1. one worker: async, redundancy-free saves while running; the resumes read balanced across both ranks
-    killed = start_msrun(tmp_path / "killed", run_overrides(shard, save_path, "checkpoint.async_save=true",
-                                                           "checkpoint.remove_redundancy=true"))
-    wait_for_steps(killed, tmp_path / "killed", 5)
-    tree = kill_9(worker_pids(killed.pid)[-1], killed.pid)
-    assert killed.wait(timeout=300) != 0
-    assert_all_end(tree, "worker killed")
-    resumed_from = tracked_step(save_path)
-    assert resumed_from is not None and resumed_from in (4, 6), resumed_from
-    assert logged_steps(tmp_path / "killed") < STEPS
-    loaded = load_checkpoint(save_path / f"iteration_{resumed_from:08d}")  # complete: every tensor readable
-    assert loaded.common["global_step"] == resumed_from and loaded.optim
-    resume = run_overrides(shard, save_path, f"checkpoint.load_path={save_path}", "checkpoint.load_balanced=true",
-                           "checkpoint.load_worker_number=2", "checkpoint.async_save=true")
-
-    # 2. the step process that launched msrun: setpriv hands msrun a SIGINT, msrun kills its workers
     run_dir = tmp_path / "step_process_killed"
-    port = free_port()
-    command = MsrunResource(worker_num=2, local_worker_num=2).command(training_args(run_dir, resume),
-                                                                       run_dir / "msrun_log", port)
+    overrides = run_overrides(shard, save_path, "checkpoint.async_save=true", "checkpoint.remove_redundancy=true")
+    command = MsrunResource(worker_num=2, local_worker_num=2).command(training_args(run_dir, overrides),
+                                                                       run_dir / "msrun_log", free_port())
     run_dir.mkdir()
     step = subprocess.Popen([sys.executable, "-c", STEP_PROCESS, *command], env=msrun_environment(os.environ),
                             cwd=PROJECT_ROOT, stdout=open(run_dir / "msrun.out", "wb"), stderr=subprocess.STDOUT)
-    wait_for_steps(step, run_dir, 1)
+    wait_for_steps(step, run_dir, 5)
     assert_all_end(kill_9(step.pid, step.pid), "step process killed")
     step.wait()
-
-    # neither left an incomplete checkpoint to resume from; the last resume trains to the end
-    train_under_msrun(tmp_path / "resumed", resume)
-    after = losses(tmp_path / "resumed")
-    assert sorted(after) == list(range(resumed_from + 1, STEPS + 1))
-    partial = losses(tmp_path / "step_process_killed")
-    assert partial and {s: uninterrupted[s] for s in partial} == partial
-    assert {s: uninterrupted[s] for s in after} == after  # bit for bit
-    assert tracked_step(save_path) == STEPS  # the final async save was finalized before exit
-    out = (tmp_path / "resumed/msrun.out").read_text()
-    assert f"resumed from {save_path / f'iteration_{resumed_from:08d}'} at step {resumed_from}" in out
+    tracked = tracked_step(save_path)
+    assert tracked in (2, 4, 6) and logged_steps(run_dir) < STEPS, (tracked, logged_steps(run_dir))
+    loaded = load_checkpoint(save_path / f"iteration_{tracked:08d}")  # complete: every tensor readable
+    assert loaded.common["global_step"] == tracked and loaded.optim
+    logged = losses(run_dir)
+    assert logged and {s: uninterrupted[s] for s in logged} == logged  # bit for bit
 
 
 @pytest.mark.msrun
@@ -303,8 +285,11 @@ def training_launches(msrun_pids: list[int], count: int) -> list[int]:
     deadline = time.monotonic() + 300
     while len(msrun_pids) < count:
         assert time.monotonic() < deadline, f"no msrun launch number {count}"
-        msrun_pids += [pid for pid in descendants(os.getpid()) if pid not in msrun_pids
-                       and b"bin/msrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        try:
+            msrun_pids += [pid for pid in descendants(os.getpid()) if pid not in msrun_pids
+                           and b"bin/msrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        except OSError:  # a process ended while the tree was read (the killed launch's workers): read it again
+            pass
         time.sleep(0.05)
     return msrun_pids
 
@@ -320,9 +305,15 @@ def test_training_run_retries_a_killed_worker_then_a_killed_msrun_and_ends_as_th
     shard, uninterrupted = reference
     storage = storage_for_shard(tmp_path, shard)
     run_dir = storage.run_dir("retried")
-    trees, msrun_pids = [], []
+    trees, msrun_pids, errors = [], [], []
 
     def kill_a_worker_then_msrun() -> None:
+        try:
+            kill_in_turn()
+        except Exception as exc:  # noqa: BLE001 -- the test's assertion shows it
+            errors.append(repr(exc))
+
+    def kill_in_turn() -> None:
         deadline = time.monotonic() + 300
         while not (run_dir / "checkpoints/iteration_00000002").is_dir() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -338,10 +329,15 @@ def test_training_run_retries_a_killed_worker_then_a_killed_msrun_and_ends_as_th
                                 resources=resources(storage=storage, msrun=MsrunResource(worker_num=2, local_worker_num=2)),
                                 run_config={"ops": {"training_run": {"config": {
                                     "config_path": MICRO_CONFIG, "run_name": "retried", "retry_delay_s": 0.5,
-                                    "overrides": [f"training.steps={STEPS}", "checkpoint.save_interleaved_steps=2"]}}}})
+                                    # redundancy-free saves, read back balanced across both ranks (not async:
+                                    # a checkpoint completed by an async save in the instant before a kill is on
+                                    # disk but never sent to Dagster, so it gets no partition)
+                                    "overrides": [f"training.steps={STEPS}", "checkpoint.save_interleaved_steps=2",
+                                                  "checkpoint.remove_redundancy=true", "checkpoint.load_balanced=true",
+                                                  "checkpoint.load_worker_number=2"]}}}})
         partitions = instance.get_dynamic_partitions("checkpoints")
     killer.join(timeout=60)
-    assert len(trees) == 2, "the worker and msrun were not both killed"
+    assert len(trees) == 2, f"the worker and msrun were not both killed: {errors}"
     assert_all_end(trees[0], "worker killed")
     assert_all_end(trees[1], "msrun killed")  # its workers died with it, the launcher reaped its log tails
     assert result.success, [e.message for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
