@@ -28,6 +28,11 @@ CASES = {
     "tp2_sp_zero1_from_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
                                 "parallelism.data_parallel_shard_strategy=optim",
                                 "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002"],
+    # the whole step compiled, the gradient reduction in its graph, over HSDP's sub-groups: a reduce-scatter over
+    # the shards, then a sum over the replicas, divided after (one case: compiling costs seconds per rank)
+    "hsdp_zero2_compiled_divide_after": ["parallelism.data_parallel_shard=2", "fast_step.compile=true",
+                                         "parallelism.data_parallel_shard_strategy=optim_grads",
+                                         "parallelism.disable_gradient_division=false"],
 }
 # DeepSeek-V3 (MLA, MoE with expert biases and a balancing loss, MTP) against its own reference: ZeRO-3, and tensor +
 # sequence parallel inside ZeRO-3 (its plain tensor parallelism is also in tests/test_tensor_parallel.py)
@@ -54,7 +59,10 @@ def train_cases(out: str, shard: str, cases: list[tuple[str, list[str], str]]) -
     for name, overrides, model_config in cases:
         run_dir = Path(out) / name
         config = case_config(shard, [o.format(out=out) for o in overrides], run_dir / "checkpoints", model_config)
-        Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main)).train()
+        trainer = Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main))
+        trainer.train()
+        if world.is_main:
+            (run_dir / "step_mode.txt").write_text(trainer.step_mode)
 
 
 def main(out: str, shard: str) -> None:

@@ -84,6 +84,20 @@ def assert_same_training(trainer, eager):
         np.testing.assert_allclose(state[name], eager_state[name], rtol=0, atol=1e-7, err_msg=name)
 
 
+def test_the_step_builder_compiles_as_much_as_the_run_allows_and_sums_only_under_accumulation(tmp_path, shard):
+    """Building compiles nothing yet (a graph compiles at its first call): the choice and the buffers are checked."""
+    whole = make_trainer(tmp_path, shard, "whole", *WHOLE_STEP)  # one micro-batch per step: nothing to sum
+    assert whole.accumulation == 1 and whole.compiled_step is not None
+    assert whole.compiled_step.loss_sum is None and len(whole.compiled_step.grad_sums) == 0
+    accumulating = make_trainer(tmp_path, shard, "accumulating", "fast_step.compile=true", ONE_LAYER)
+    assert accumulating.accumulation == 2 and accumulating.compiled_step.loss_sum is not None
+    assert len(accumulating.compiled_step.grad_sums) == len(accumulating.params)
+    split = make_trainer(tmp_path, shard, "split", *WHOLE_STEP, "monitor.train_state.device_norm=true")
+    assert split.compiled_step is None and split.step_mode.startswith("forward+backward compiled"), split.step_mode
+    eager = make_trainer(tmp_path, shard, "eager", ONE_LAYER)
+    assert eager.compiled_step is None and "fast_step.compile is false" in eager.step_mode
+
+
 def test_the_compiled_whole_step_equals_the_eager_step_and_resumes_bit_identically(tmp_path, shard):
     compiled = make_trainer(tmp_path, shard, "compiled", *WHOLE_STEP)
     assert compiled.step_mode.startswith("whole step compiled"), compiled.step_mode

@@ -153,11 +153,15 @@ def clip_grad_norm(grads: Sequence[Tensor], max_norm: float, norms: np.ndarray |
     return tuple(grads), total_norm
 
 
-def clip_grad_norm_in_graph(grads: Sequence[Tensor], max_norm: float) -> tuple[tuple[Tensor, ...], Tensor, Tensor]:
+def clip_grad_norm_in_graph(grads: Sequence[Tensor], max_norm: float, whole_squares=None
+                            ) -> tuple[tuple[Tensor, ...], Tensor, Tensor]:
     """``clip_grad_norm`` inside a compiled graph: the clipped gradients, each gradient's sum of squares (fp32,
     as ``tensor_norms`` sums them) and the global norm (float64, as ``clip_grad_norm`` computes it). A sum of
-    squares is a dot product (one matmul): MindSpore's CPU ReduceSum is several times slower."""
+    squares is a dot product (one matmul): MindSpore's CPU ReduceSum is several times slower. ``whole_squares``
+    turns the sums of squares of gradient chunks into their whole tensors' (sharded data parallelism)."""
     squares = ops.stack([ops.matmul(g.reshape(1, -1), g.reshape(-1, 1)).reshape(()) for g in grads])
+    if whole_squares is not None:
+        squares = whole_squares(squares)
     total_norm = ops.sqrt(ops.sqrt(squares.astype(ms.float64)).square().sum())
     scale = ops.minimum(max_norm / (total_norm + 1e-6), 1.0).astype(ms.float32)  # x·1.0 is x, as when unclipped
     return tuple(g * scale for g in grads), squares, total_norm

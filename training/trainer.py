@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import mindspore as ms
 import numpy as np
@@ -29,6 +30,7 @@ from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainSt
 from training.optim import (AdamW, SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm,
                             clip_grad_norm_in_graph)
 from training.parallel.comm import Collectives
+from training.parallel.fsdp import DataParallel, GradientReduction
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
 from training.parallel.parallelize import parallelize
 from training.profiling import build_profiler, profile_root
@@ -77,15 +79,23 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
                        "resume draws the same masks), which a graph would replay as constants")
     if config.monitor.train_state.max_attention_logit:
         reasons.append("monitor.train_state.max_attention_logit: the per-head maxima are gathered on the host")
+    # measured with benchmarks/compiled_collectives_probe.py (MindSpore 2.10, CPU): a graph runs ops.AllReduce on
+    # any group and ops.AllGather on the world only; comm's collectives as the layers call them do not parse
+    not_parsed = ("comm's differentiable collectives (a Cell made per call around two lambdas) do not parse in "
+                  "mindspore.jit ('The object is not callable'), and a sub-group all-gather has no graph kernel on "
+                  "CPU (ops.AllGather: world group only; mint.distributed: not in graph mode)")
     if dims.tp > 1:
-        reasons.append("tensor parallel: the forward runs collectives between its matmuls")
+        reasons.append(f"tensor parallel: its layers call collectives between their matmuls; {not_parsed}")
     if dims.cp > 1:
-        reasons.append("context parallel: the attention passes K/V blocks or heads between ranks in the forward")
+        reasons.append(f"context parallel: the ring passes K/V blocks (an all-gather), Ulysses swaps sequence for "
+                       f"head shards (all-gathers), each a call of comm's on the cp group; {not_parsed}")
     if dims.pp > 1:
         reasons.append("pipeline parallel: each stage runs micro-batch by micro-batch, sending hidden states and "
                        "their gradients between its forwards and backwards")
     if dims.dp_shard > 1 and config.parallelism.data_parallel_shard_strategy == "optim_grads_params":
-        reasons.append("ZeRO-3: each layer gathers its parameter chunks when it runs")
+        reasons.append("ZeRO-3: each unit's forward is wrapped on the host (its gathered weights are set as Python "
+                       "attributes for the call and, resharding after forward, gathered again through saved-tensor "
+                       f"hooks), which a graph does not trace; {not_parsed}")
     return reasons
 
 
@@ -104,12 +114,11 @@ class ScaledLoss(nn.Cell):
         return loss * self.scale, loss, parts
 
 
-def whole_step_blockers(dims: ParallelDims, monitor: TrainStateMonitor, optimizer: AdamW) -> list[str]:
+def whole_step_blockers(monitor: TrainStateMonitor, optimizer: AdamW) -> list[str]:
     """Why the clip and the AdamW update of a compiled step stay outside its graphs (run eagerly after them);
-    empty when the whole step compiles (``CompiledStep``)."""
+    empty when the whole step compiles (``CompiledStep``; data parallelism's gradient reduction runs in its graph
+    too)."""
     reasons = []
-    if dims.dp > 1:
-        reasons.append("data parallel: gradients are reduced over the ranks between backward and update")
     if monitor.local_norm or monitor.device_norm:
         reasons.append("monitor.train_state.local_norm/device_norm read gradients on the host")
     low_precision = [name for name, param in zip(optimizer.names, optimizer.params) if param.dtype != ms.float32]
@@ -124,20 +133,26 @@ class CompiledStep(nn.Cell):
     the last and adds its gradients and loss to buffers; ``construct`` runs the last (or only) micro-batch, then
     the global-norm clip of the summed gradients and the AdamW update, applied only when the summed loss and the
     gradient norm are finite (the host then counts, skips or stops exactly as ``SkipStepOnNaN`` decides after an
-    eager step, from the same values). The sums run in the eager step's order, so they are the same bits."""
+    eager step, from the same values). The sums run in the eager step's order, so they are the same bits.
+    Under data parallelism ``reduction`` reduces the summed gradients over the ranks in the graph, as
+    ``DataParallel.reduce_gradients`` does eagerly, and sums the loss over them, so every rank applies or skips
+    the update alike."""
 
-    def __init__(self, loss: ScaledLoss, params: list, optimizer: AdamW, max_norm: float, accumulation: int):
+    def __init__(self, loss: ScaledLoss, params: list, optimizer: AdamW, max_norm: float, accumulation: int,
+                 reduction: GradientReduction | None = None):
         super().__init__(auto_prefix=False)  # parameter names stay the model's and the optimizer's
         self.loss = loss
         self.params = ParameterTuple(params)
         self.update = optimizer.compiled_update()
         self.max_norm = max_norm
         self.accumulation = accumulation
+        self.reduction = reduction
         # buffers only when there is something to sum: reading and zeroing them costs a pass over every gradient
         self.grad_sums = ParameterTuple(
             [Parameter(Tensor(np.zeros(p.shape, np.float32)), name=f"grad_sum.{p.name}", requires_grad=False)
              for p in params] if accumulation > 1 else [])
-        self.loss_sum = Parameter(Tensor(0.0, ms.float32), name="grad_sum.loss", requires_grad=False)
+        self.loss_sum = (Parameter(Tensor(0.0, ms.float32), name="grad_sum.loss", requires_grad=False)
+                         if accumulation > 1 else None)
 
     def _gradients(self, input_ids, labels, loss_mask, position_ids, attention_mask):
         (_, loss, parts), grads = ms.value_and_grad(self.loss, None, self.params, has_aux=True)(
@@ -163,10 +178,50 @@ class CompiledStep(nn.Cell):
             for grad_sum in self.grad_sums:
                 ops.assign(grad_sum, ops.zeros_like(grad_sum))
             ops.assign(self.loss_sum, ops.zeros_like(self.loss_sum))
-        clipped, squares, grad_norm = clip_grad_norm_in_graph(grads, self.max_norm)
+        whole_squares = None
+        if self.reduction is not None:
+            grads = self.reduction(grads)
+            loss_sum = self.reduction.loss_total(loss_sum)
+            whole_squares = self.reduction.whole_squares
+        clipped, squares, grad_norm = clip_grad_norm_in_graph(grads, self.max_norm, whole_squares)
         if ops.logical_and(ops.isfinite(loss_sum), ops.isfinite(grad_norm)):
             self.update(clipped, lr, eps, decay)
         return loss, parts, squares, grad_norm
+
+
+@dataclass
+class TrainStep:
+    """How a run computes its steps: the micro-batch loop calls ``grad_fn`` (forward + backward, compiled when
+    ``forward_compiled``) unless ``compiled`` runs the whole step; ``mode`` says which, and why not more."""
+    grad_fn: Callable
+    compiled: CompiledStep | None
+    forward_compiled: bool
+    mode: str
+
+
+def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, parallel: DataParallel,
+                     optimizer: AdamW, monitor: TrainStateMonitor, accumulation: int) -> TrainStep:
+    """The fastest step this run allows: the whole step compiled, else its forward and backward, else eager
+    (``compile_blockers``, ``whole_step_blockers``)."""
+    dispatch = ("synchronous dispatch" if os.environ.get("MS_DEV_HOST_BLOCKING_RUN") == "1"
+                else "threaded dispatch (fast_step.host_blocking_dispatch takes effect through training.run)")
+    scaled_loss = ScaledLoss(model, parallel.loss_scale())
+    grad_fn = ms.value_and_grad(scaled_loss, None, parallel.model_params, has_aux=True)
+    blockers = compile_blockers(config, dims, model)
+    if blockers:
+        return TrainStep(grad_fn, None, False, f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
+    outside = whole_step_blockers(monitor, optimizer)
+    if outside:
+        return TrainStep(ms.jit(grad_fn), None, True,
+                         f"forward+backward compiled (mindspore.jit), clip and update eager, {dispatch}; not in the "
+                         f"graph: {'; '.join(outside)}")
+    compiled = CompiledStep(scaled_loss, parallel.model_params, optimizer, config.training.max_norm, accumulation,
+                            parallel.compiled_reduction() if dims.world > 1 else None)
+    compiled.construct = ms.jit(compiled.construct)
+    compiled.accumulate = ms.jit(compiled.accumulate)
+    reduced = ", gradient reduction over the ranks" if dims.world > 1 else ""
+    return TrainStep(grad_fn, compiled, True,
+                     f"whole step compiled (mindspore.jit: forward, backward{reduced}, clip, AdamW), {dispatch}")
 
 
 def _lr_section(config: TrainConfig) -> dict:
@@ -210,26 +265,15 @@ class Trainer:
         self.pipeline = self.parallel.pipeline  # None unless pipeline parallel: then self.params are its stage's
         self.lr_schedule = build_lr_schedule(_lr_section(config), config.training.steps)
         self.optimizer = build_optimizer(config.optimizer.to_dict(), self.parallel.optimizer_params, self.lr_schedule)
+        ckpt = config.checkpoint
+        self.saver = CheckpointSaver(save_path=Path(ckpt.save_path), prefix=ckpt.prefix, save_max=ckpt.save_max,
+                                     world=world, collectives=self.collectives,
+                                     remove_redundancy=ckpt.remove_redundancy, async_save=ckpt.async_save)
         self.monitor = TrainStateMonitor(config.monitor.train_state, [p.name for p in self.params], self.collectives)
-        scaled_loss = ScaledLoss(self.model, self.parallel.loss_scale())
-        self.grad_fn = ms.value_and_grad(scaled_loss, None, self.params, has_aux=True)
-        self.compiled_step: CompiledStep | None = None
-        dispatch = ("synchronous dispatch" if os.environ.get("MS_DEV_HOST_BLOCKING_RUN") == "1"
-                    else "threaded dispatch (fast_step.host_blocking_dispatch takes effect through training.run)")
-        blockers = compile_blockers(config, self.mesh.dims, self.model)
-        outside = whole_step_blockers(self.mesh.dims, self.monitor, self.optimizer)
-        if blockers:
-            self.step_mode = f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}"
-        elif outside:
-            self.grad_fn = ms.jit(self.grad_fn)
-            self.step_mode = (f"forward+backward compiled (mindspore.jit), clip and update eager, {dispatch}; "
-                              f"not in the graph: {'; '.join(outside)}")
-        else:
-            self.compiled_step = CompiledStep(scaled_loss, self.params, self.optimizer, config.training.max_norm,
-                                              self.accumulation)
-            self.compiled_step.construct = ms.jit(self.compiled_step.construct)
-            self.compiled_step.accumulate = ms.jit(self.compiled_step.accumulate)
-            self.step_mode = f"whole step compiled (mindspore.jit: forward, backward, clip, AdamW), {dispatch}"
+        step = build_train_step(config, self.mesh.dims, self.model, self.parallel, self.optimizer, self.monitor,
+                                self.accumulation)
+        self.grad_fn, self.compiled_step, self.step_mode = step.grad_fn, step.compiled, step.mode
+
         self.model.track_max_attention_logits(config.monitor.train_state.max_attention_logit)
         self.health = HealthMonitor(config.monitor.health_checkpoint)
         self.loss_parts: list[str] = []  # lm_loss, mtp_k_loss, load_balancing_loss when the model has them
@@ -241,25 +285,25 @@ class Trainer:
 
         loader = config.train_dataset.dataloader
         self.use_positions = isinstance(loader, BlendedMegatronLoaderConfig) and loader.config.reset_position_ids
-        self.validation = Validation(
-            config, self.model, self.collectives, accumulation=self.accumulation, use_positions=self.use_positions,
-            vocab_size=self.model.config.vocab_size,
-            sample_indices=lambda first, micro: micro_batch_indices(first, micro, self.mesh.data_shard_index, self.dp,
-                                                                    config.training.local_batch_size),
-            shard_inputs=self.parallel.context_parallel and self.parallel.context_parallel.shard_inputs,
-            compiled=not blockers, loss_sums=self.pipeline and self.pipeline.held_out_loss_sums,
-        ) if config.training.eval_interval else None
+        self.validation = self._validation(step.forward_compiled) if config.training.eval_interval else None
         self.step = 0
         self.consumed_samples = 0
         self.resumed_from: str | None = None
-        ckpt = config.checkpoint
-        self.saver = CheckpointSaver(save_path=Path(ckpt.save_path), prefix=ckpt.prefix, save_max=ckpt.save_max,
-                                     world=world, collectives=self.collectives,
-                                     remove_redundancy=ckpt.remove_redundancy, async_save=ckpt.async_save)
         if config.checkpoint.load_path:
             self._resume(resolve_load_path(config.checkpoint.load_path))
         if ckpt.enable_save:
             self._refuse_second_history()
+
+    def _validation(self, compiled: bool) -> Validation:
+        """The held-out evaluation: this rank's samples and tokens of each micro-batch, as training reads them,
+        its forward compiled when the training step's is."""
+        return Validation(
+            self.config, self.model, self.collectives, accumulation=self.accumulation, use_positions=self.use_positions,
+            vocab_size=self.model.config.vocab_size,
+            sample_indices=lambda first, micro: micro_batch_indices(first, micro, self.mesh.data_shard_index, self.dp,
+                                                                    self.config.training.local_batch_size),
+            shard_inputs=self.parallel.context_parallel and self.parallel.context_parallel.shard_inputs,
+            compiled=compiled, loss_sums=self.pipeline and self.pipeline.held_out_loss_sums)
 
     # ---- state -------------------------------------------------------------------------------
     def _model_arrays(self) -> dict[str, np.ndarray]:
@@ -454,6 +498,7 @@ class Trainer:
                                f"skipped ({self.nan_policy.consecutive} in a row, {self.nan_policy.total} in total)")
         elif self.compiled_step is not None:
             self.optimizer.count_applied_update()  # the graph applied it: the loss and the norm are finite
+            self.parallel.after_update()
         else:
             self.saver.before_update()  # an async save still copying the parameters must finish first
             self.optimizer.step(grads)

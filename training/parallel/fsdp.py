@@ -59,6 +59,101 @@ class _Sharded:
     group: Group
 
 
+@dataclass(frozen=True)
+class _Bucket:
+    """One collective of the gradient reduction: the gradients at ``indices`` summed over ``group`` as one flat
+    buffer, then cut to this rank's dim-0 chunk over ``keep_rows_of`` when it is set; ``scatter``: only that chunk
+    is wanted from the sum (a reduce-scatter where the backend has one)."""
+    indices: tuple[int, ...]
+    group: Group
+    keep_rows_of: Group | None = None
+    scatter: bool = False
+
+
+# Inside a compiled graph only primitives run: measured with benchmarks/compiled_collectives_probe.py (MindSpore
+# 2.10, CPU, msrun), AllReduce runs in a mindspore.jit graph on the world and on sub-groups, while comm's
+# collectives (a Cell made per call) do not parse and mint.distributed's are not supported in graph mode. So the
+# graph's reduce-scatter is an all-reduce and this rank's rows, as comm's CPU backend does eagerly.
+class _BucketReduction(nn.Cell):
+    """A ``_Bucket`` inside a graph: takes and returns every gradient, replacing those of the bucket."""
+
+    def __init__(self, bucket: _Bucket, shapes: list[tuple[int, ...]]):
+        super().__init__()
+        self.indices = bucket.indices
+        self.shapes = tuple(tuple(shapes[i]) for i in bucket.indices)
+        self.sizes = tuple(int(np.prod(shape)) for shape in self.shapes)
+        self.all_reduce = ops.AllReduce(ops.ReduceOp.SUM, bucket.group.backend_name)
+        keep = bucket.keep_rows_of
+        self.rows = None if keep is None else tuple(
+            (keep.rank * (shape[0] // keep.size), shape[0] // keep.size) for shape in self.shapes)
+
+    def output_shapes(self, shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """Every gradient's shape after this bucket (a kept chunk has 1/size of the rows)."""
+        out = list(shapes)
+        for k, i in enumerate(self.indices):
+            out[i] = self.shapes[k] if self.rows is None else (self.rows[k][1], *self.shapes[k][1:])
+        return out
+
+    def construct(self, grads):
+        flat = self.all_reduce(ops.cat([grads[i].reshape(-1) for i in self.indices]))
+        parts = ops.split(flat, self.sizes)
+        out = list(grads)
+        for k, i in enumerate(self.indices):
+            part = parts[k].reshape(self.shapes[k])
+            if self.rows is not None:
+                part = ops.narrow(part, 0, self.rows[k][0], self.rows[k][1])
+            out[i] = part
+        return tuple(out)
+
+
+class _Primitive(nn.Cell):
+    """A primitive as a Cell, so several can be held in one CellList."""
+
+    def __init__(self, primitive):
+        super().__init__()
+        self.primitive = primitive
+
+    def construct(self, x):
+        return self.primitive(x)
+
+
+class GradientReduction(nn.Cell):
+    """``DataParallel.reduce_gradients`` for a compiled step (``DataParallel.compiled_reduction``): the same
+    buckets, in the same order and flat layout as the eager reduction, so the sums are the same; then
+    ``whole_squares`` makes the squared norms of cut gradients those of their whole tensors, and ``loss_total``
+    sums the step's loss over the world, so every rank's graph decides alike whether to apply the update."""
+
+    def __init__(self, buckets: list[_Bucket], shapes: list[tuple[int, ...]], scale: float | None,
+                 norm_groups: list[tuple[Group, tuple[bool, ...]]], world: Group):
+        super().__init__()
+        cells = []
+        for bucket in buckets:  # a bucket reduces what the ones before it left: chunks after a reduce-scatter
+            cells.append(_BucketReduction(bucket, shapes))
+            shapes = cells[-1].output_shapes(shapes)
+        self.buckets = nn.CellList(cells)
+        self.scale = scale  # 1/dp when the gradients are divided after the reduction
+        self.norm_masks = tuple(Tensor(np.array(cut)) for _, cut in norm_groups)
+        self.norm_sums = nn.CellList([_Primitive(ops.AllReduce(ops.ReduceOp.SUM, group.backend_name))
+                                      for group, _ in norm_groups])
+        self.world_sum = ops.AllReduce(ops.ReduceOp.SUM, world.backend_name)
+
+    def construct(self, grads):
+        for bucket in self.buckets:
+            grads = bucket(grads)
+        if self.scale is not None:
+            grads = tuple(g * self.scale for g in grads)
+        return grads
+
+    def whole_squares(self, squares):
+        """Each reduced gradient's sum of squares (a vector), summed over the groups that cut it."""
+        for mask, group_sum in zip(self.norm_masks, self.norm_sums):
+            squares = ops.select(mask, group_sum(squares * mask.astype(squares.dtype)), squares)
+        return squares
+
+    def loss_total(self, loss):
+        return self.world_sum(loss)
+
+
 class _UnitGather:
     """Wraps a unit's forward (ZeRO-3): all-gather the unit's parameter chunks in one collective, hand each
     full tensor to the layer that owns it for the duration of the call, then drop them.
@@ -268,52 +363,60 @@ class DataParallel:
     def reduce_gradients(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """The step's gradients (summed over micro-batches, each scaled by ``loss_scale``), reduced over the
         data-parallel ranks into what the optimizer updates: a chunk for sharded tensors, else whole."""
-        grads = self._sum_over_tp(grads)
-        out: list[Tensor | None] = [None] * len(grads)
+        out = list(grads)
+        for bucket in self.reduction_buckets():
+            tensors = [out[i] for i in bucket.indices]
+            if bucket.scatter:
+                reduced = self._reduce_scatter(tensors, bucket.group)
+            else:
+                reduced = self._all_reduce(tensors, bucket.group)
+                if bucket.keep_rows_of is not None:
+                    reduced = [_own_rows(g, bucket.keep_rows_of) for g in reduced]
+            for i, value in zip(bucket.indices, reduced):
+                out[i] = value
+        return tuple(out if self.divide_before_reduction else [g * (1.0 / self.dp) for g in out])
+
+    def reduction_buckets(self) -> list[_Bucket]:
+        """The collectives of ``reduce_gradients``, in order (a bucket may reduce what an earlier one did):
+        replicated weights that each tp rank applied to its part of the data (sequence shards, its heads) take
+        the sum of the tp ranks' gradients first; then each domain's gradients are summed over the ranks that
+        saw other tokens, a sharded one keeping its chunk."""
+        index = {p.name: i for i, p in enumerate(self.model_params)}
+        buckets = [_Bucket(tuple(i for n, i in index.items() if n in self.tp_summed), self.tp_group)]
         for domain in self._domains():
-            self._reduce_in_domain(grads, domain, out)
-        if not self.divide_before_reduction:
-            out = [g * (1.0 / self.dp) for g in out]
-        return tuple(out)
+            names = [n for n in index if self.domain_of[n] is domain]
+            whole = tuple(index[n] for n in names if n not in self.sharded)
+            cut = tuple(index[n] for n in names if n in self.sharded)
+            buckets.append(_Bucket(whole, domain.reduce))
+            if self.strategy == "optim":  # ZeRO-1: the whole gradient is reduced, then this rank's chunk kept
+                buckets.append(_Bucket(cut, domain.reduce, keep_rows_of=domain.shard))
+            elif self.strategy == "optim_grads":  # ZeRO-2: only this rank's chunk is kept from the reduction
+                buckets += [_Bucket(cut, domain.shard, keep_rows_of=domain.shard, scatter=True),
+                            _Bucket(cut, domain.replicate)]
+            else:  # ZeRO-3: the gather's backward already summed the chunk over the shard group
+                buckets.append(_Bucket(cut, domain.replicate))
+        return [b for b in buckets if b.indices and b.group.size > 1]
+
+    def compiled_reduction(self) -> GradientReduction:
+        """``reduce_gradients`` as a Cell a compiled step runs inside its graph."""
+        return GradientReduction(self.reduction_buckets(), [tuple(p.shape) for p in self.model_params],
+                                 None if self.divide_before_reduction else 1.0 / self.dp,
+                                 self._sharded_norm_groups(), self.mesh.group("world"))
 
     def _domains(self) -> list[_Domain]:
         """The domains of this model's parameters, dense first (the same order on every rank)."""
         return [d for d in (self.dense, self.experts) if d in self.domain_of.values()]
 
-    def _reduce_in_domain(self, grads: tuple[Tensor, ...], domain: _Domain, out: list) -> None:
-        """Fill ``out`` at the parameters of ``domain`` with their reduced gradients."""
-        whole, cut, replicate_cut = [], [], []
-        for i, param in enumerate(self.model_params):
-            if self.domain_of[param.name] is not domain:
-                continue
-            if param.name not in self.sharded:
-                whole.append(i)
-            elif self.strategy == "optim_grads_params":
-                replicate_cut.append(i)  # the gather's backward already summed it over the shard group
-            else:
-                cut.append(i)
-        for i, reduced in zip(whole, self._all_reduce([grads[i] for i in whole], domain.reduce)):
-            out[i] = reduced
-        if cut:
-            if self.strategy == "optim":  # ZeRO-1: the whole gradient is reduced, then this rank's chunk kept
-                reduced = self._all_reduce([grads[i] for i in cut], domain.reduce)
-                chunks = [_own_rows(g, domain.shard) for g in reduced]
-            else:  # ZeRO-2: only this rank's chunk is kept from the reduction
-                chunks = self._reduce_scatter([grads[i] for i in cut], domain.shard)
-                chunks = self._all_reduce(chunks, domain.replicate)
-            for i, chunk in zip(cut, chunks):
-                out[i] = chunk
-        for i, chunk in zip(replicate_cut, self._all_reduce([grads[i] for i in replicate_cut], domain.replicate)):
-            out[i] = chunk
-
-    def _sum_over_tp(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        """Replicated weights that each tp rank applied to its part of the data (sequence shards, its heads)
-        have the sum of the tp ranks' gradients as theirs."""
-        summed = [i for i, p in enumerate(self.model_params) if p.name in self.tp_summed]
-        out = list(grads)
-        for i, reduced in zip(summed, self._all_reduce([grads[i] for i in summed], self.tp_group)):
-            out[i] = reduced
-        return tuple(out)
+    def _sharded_norm_groups(self) -> list[tuple[Group, tuple[bool, ...]]]:
+        """Each group over which some reduced gradients are cut (FSDP's shard group, then tp or ep), and which:
+        a cut gradient's squared norm is the sum over that group of its chunks'."""
+        names = [name for name, _ in self.optimizer_params]
+        cuts = [(domain.shard, [n in self.sharded and self.domain_of[n] is domain for n in names])
+                for domain in self._domains()]
+        cuts += [(self.tp_group, [n not in self.expert_layouts and n in self.base_layouts
+                                  and self.base_layouts[n].is_sharded for n in names]),
+                 (self.ep_group, [n in self.expert_layouts for n in names])]
+        return [(group, tuple(cut)) for group, cut in cuts if any(cut) and group.size > 1]
 
     @staticmethod
     def _all_reduce(tensors: list[Tensor], group) -> list[Tensor]:
@@ -337,16 +440,9 @@ class DataParallel:
         """The L2 norm of each reduced gradient over its whole tensor: a chunk's squared norm is summed over
         each group that cut it (FSDP's shard group, then tp or ep), a tensor held whole is counted once."""
         squares = np.square(tensor_norms(grads))
-        names = [name for name, _ in self.optimizer_params]
-        cuts = [(domain.shard, [n in self.sharded and self.domain_of[n] is domain for n in names])
-                for domain in self._domains()]
-        cuts += [(self.tp_group, [n not in self.expert_layouts and n in self.base_layouts
-                                  and self.base_layouts[n].is_sharded for n in names]),
-                 (self.ep_group, [n in self.expert_layouts for n in names])]
-        for group, cut in cuts:
+        for group, cut in self._sharded_norm_groups():
             cut = np.array(cut, dtype=bool)
-            if cut.any() and group.size > 1:
-                squares[cut] = comm.all_reduce_array(squares[cut], group)
+            squares[cut] = comm.all_reduce_array(squares[cut], group)
         return np.sqrt(squares)
 
     def after_update(self) -> None:
