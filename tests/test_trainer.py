@@ -189,6 +189,20 @@ def test_a_step_that_cannot_compile_says_why(config, overrides, reasons):
     assert all(any(reason in blocker for blocker in blockers) for reason in reasons), blockers
 
 
+def test_context_parallel_and_zero3_say_which_collectives_a_graph_cannot_run():
+    from training.model import build_model
+    from training.parallel.mesh import ParallelDims
+    from training.trainer import compile_blockers
+
+    config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
+        "train_dataset.dataloader.config.data_path=['x']", "train_dataset.dataloader.config.eod=2",
+        "checkpoint.enable_save=false", "fast_step.compile=true",
+        "parallelism.data_parallel_shard_strategy=optim_grads_params"])
+    blockers = compile_blockers(config, ParallelDims(world=4, dp_shard=2, cp=2), build_model(config.model))
+    assert [b.split(":")[0] for b in blockers] == ["context parallel", "ZeRO-3"], blockers
+    assert all("do not parse in mindspore.jit" in b and "world group only" in b for b in blockers), blockers
+
+
 def saved_steps(run_dir):
     return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("iteration_*"))
 
