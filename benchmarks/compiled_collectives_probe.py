@@ -121,7 +121,8 @@ def _cases(group):
     return {
         "AllReduce primitive, forward": lambda: (forward(Primitive(all_reduce)), total),
         "AllReduce primitive, its own backward": lambda: (gradient(Primitive(all_reduce)), grad["all_reduce"]),
-        "AllReduce in a Cell with hand-written bprop, backward": lambda: (gradient(ReduceWithBprop()), grad["all_reduce"]),
+        "AllReduce in a Cell with hand-written bprop, backward": lambda: (
+            gradient(ReduceWithBprop()), grad["all_reduce"]),
         "AllGather primitive, forward": lambda: (forward(Primitive(ops.AllGather(group.backend_name))), gathered),
         "AllGather in a Cell with hand-written bprop (all-reduce + slice), backward": lambda: (
             gradient(GatherWithBprop()), grad["all_gather"]),
@@ -132,7 +133,8 @@ def _cases(group):
         "trace mode: comm.all_reduce, forward": lambda: (forward(CommAllReduce(), "trace"), total),
         "trace mode: comm.all_reduce, backward": lambda: (gradient(CommAllReduce(), "trace"), grad["all_reduce"]),
         "trace mode: comm.all_gather (list form), forward": lambda: (forward(CommAllGather(), "trace"), gathered),
-        "trace mode: comm.all_gather (list form), backward": lambda: (gradient(CommAllGather(), "trace"), grad["all_gather"]),
+        "trace mode: comm.all_gather (list form), backward": lambda: (
+            gradient(CommAllGather(), "trace"), grad["all_gather"]),
     }
 
 

@@ -209,7 +209,8 @@ def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, p
     grad_fn = ms.value_and_grad(scaled_loss, None, parallel.model_params, has_aux=True)
     blockers = compile_blockers(config, dims, model)
     if blockers:
-        return TrainStep(grad_fn, None, False, f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
+        return TrainStep(grad_fn, None, False,
+                         f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
     outside = whole_step_blockers(monitor, optimizer)
     if outside:
         return TrainStep(ms.jit(grad_fn), None, True,
