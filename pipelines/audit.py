@@ -339,6 +339,9 @@ def _sqlite_events(index: Path):
     events = SqlEvents(connection, "?", f"SQLite, {index}")
     try:
         events.check_schema(lambda table: [row[1] for row in connection.execute(f"PRAGMA table_info({table})")])
+    except sqlite3.Error as exc:  # e.g. a write-ahead log in a directory it may not create the index's -shm in
+        connection.close()
+        raise SqlReaderUnsupported(f"{index}: {exc}") from None
     except SqlReaderUnsupported:
         connection.close()
         raise
