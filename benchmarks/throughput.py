@@ -210,8 +210,10 @@ def worker_main(kind: str, config_path: str, overrides: list[str]) -> int:
     for line in sys.stdin:
         command, *args = line.split()
         if command == "steps":
-            print(json.dumps({"seconds": worker.steps(int(args[0])), "losses": getattr(worker, "losses", [])[-1:]}),
-                  flush=True)
+            cpu_started = time.process_time()
+            seconds = worker.steps(int(args[0]))
+            print(json.dumps({"seconds": seconds, "cpu_seconds": time.process_time() - cpu_started,
+                              "losses": getattr(worker, "losses", [])[-1:]}), flush=True)
         elif command == "profile":
             print(json.dumps({"profile": worker.profile()}), flush=True)
         elif command == "rss":
@@ -268,10 +270,13 @@ def compare(report, config_path: str, rounds: int, steps_per_round: int, overrid
         kiln = workers["kiln"].info
         print(f"   kiln fast step: {kiln['fast_step']}", flush=True)
         seconds = {kind: [] for kind in kinds}
+        cpu_seconds = {kind: [] for kind in kinds}
         for round_ in range(rounds):
             order = list(kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)])
             for kind in order:
-                seconds[kind].append(workers[kind].ask(f"steps {steps_per_round}")["seconds"])
+                answer = workers[kind].ask(f"steps {steps_per_round}")
+                seconds[kind].append(answer["seconds"])
+                cpu_seconds[kind].append(answer["cpu_seconds"])
         rss = {kind: worker.ask("rss")["rss_gb"] for kind, worker in workers.items()}
         table = workers["kiln"].ask("profile")["profile"] if profile else None
     finally:
@@ -299,6 +304,10 @@ def compare(report, config_path: str, rounds: int, steps_per_round: int, overrid
     if "torch compile" in kinds:
         ratios["kiln vs compile"] = statistics.median(c / k for c, k in zip(seconds["torch compile"], seconds["kiln"]))
         report(f"{name} kiln vs torch compile", ratios["kiln vs compile"], "×")
+    # on a loaded machine wall time mostly measures the other jobs; a process's CPU seconds move less (spin-waits
+    # count in them, so compare a framework with itself first)
+    print("   CPU s per step, median: " + ", ".join(
+        f"{kind} {statistics.median(cpu_seconds[kind]) / steps_per_round:.2f}" for kind in kinds), flush=True)
     print(f"   peak RSS GB: " + ", ".join(f"{kind} {gb:.2f}" for kind, gb in rss.items()), flush=True)
     if table:
         total = sum(ms for _, ms, _ in table)
