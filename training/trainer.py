@@ -101,7 +101,8 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
 
 class ScaledLoss(nn.Cell):
     """The micro-batch loss scaled for its backward (``DataParallel.loss_scale``), whose gradients then sum over
-    micro-batches and ranks into the global batch's mean; then the loss and its parts (``loss_part_names``)."""
+    micro-batches and ranks into the global batch's mean; then the loss and its parts (``loss_part_names``), all
+    in one flat tuple (a graph cannot return the empty tuple of a model without parts)."""
 
     def __init__(self, model: GPTModel, scale: float):
         super().__init__(auto_prefix=False)  # the model's parameter names stay its own
@@ -111,7 +112,7 @@ class ScaledLoss(nn.Cell):
 
     def construct(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
         loss, parts = self.model.loss_and_parts(input_ids, labels, loss_mask, position_ids, attention_mask)
-        return loss * self.scale, loss, parts
+        return (loss * self.scale, loss) + parts
 
 
 def whole_step_blockers(monitor: TrainStateMonitor, optimizer: AdamW) -> list[str]:
@@ -155,21 +156,21 @@ class CompiledStep(nn.Cell):
                          if accumulation > 1 else None)
 
     def _gradients(self, input_ids, labels, loss_mask, position_ids, attention_mask):
-        (_, loss, parts), grads = ms.value_and_grad(self.loss, None, self.params, has_aux=True)(
+        outputs, grads = ms.value_and_grad(self.loss, None, self.params, has_aux=True)(
             input_ids, labels, loss_mask, position_ids, attention_mask)
-        return loss, parts, grads
+        return outputs[1], outputs[2:], grads
 
     def accumulate(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
-        """A micro-batch before the last; returns its loss and the loss's parts."""
+        """A micro-batch before the last; returns its loss, then the loss's parts."""
         loss, parts, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
         for grad_sum, grad in zip(self.grad_sums, grads):
             ops.assign_add(grad_sum, grad)
         ops.assign_add(self.loss_sum, loss)
-        return loss, parts
+        return (loss,) + parts
 
     def construct(self, lr, eps, decay, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
-        """The last micro-batch and the update; returns its loss, the loss's parts, each gradient's sum of squares
-        and the global gradient norm before clipping."""
+        """The last micro-batch and the update; returns its loss, each gradient's sum of squares and the global
+        gradient norm before clipping, then the loss's parts."""
         loss, parts, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
         loss_sum = loss
         if self.accumulation > 1:
@@ -186,7 +187,7 @@ class CompiledStep(nn.Cell):
         clipped, squares, grad_norm = clip_grad_norm_in_graph(grads, self.max_norm, whole_squares)
         if ops.logical_and(ops.isfinite(loss_sum), ops.isfinite(grad_norm)):
             self.update(clipped, lr, eps, decay)
-        return loss, parts, squares, grad_norm
+        return (loss, squares, grad_norm) + parts
 
 
 @dataclass
@@ -446,7 +447,8 @@ class Trainer:
                                            self.config.training.max_norm)
         grads_sum, local_loss, components = None, 0.0, {}
         for micro in range(self.accumulation):
-            (_, loss, parts), grads = self.grad_fn(*self._micro_batch(micro))
+            outputs, grads = self.grad_fn(*self._micro_batch(micro))
+            loss, parts = outputs[1], outputs[2:]
             micro_loss = float(loss.asnumpy())
             local_loss += micro_loss / self.accumulation
             self._add_parts(components, parts)
@@ -469,10 +471,10 @@ class Trainer:
         last = self.accumulation - 1
         micro_outputs = [self.compiled_step.accumulate(*self._micro_batch(micro)) for micro in range(last)]
         self.saver.before_update()  # an async save still copying the parameters must finish first
-        loss, parts, squares, grad_norm = self.compiled_step(Tensor(lr, ms.float32), Tensor(eps, ms.float32),
+        loss, squares, grad_norm, *parts = self.compiled_step(Tensor(lr, ms.float32), Tensor(eps, ms.float32),
                                                              Tensor(decay, ms.float32), *self._micro_batch(last))
         local_loss, components = 0.0, {}
-        for micro_loss, micro_parts in [*micro_outputs, (loss, parts)]:
+        for micro_loss, *micro_parts in [*micro_outputs, (loss, *parts)]:
             micro_loss = float(micro_loss.asnumpy())
             local_loss += micro_loss / self.accumulation  # as the eager step sums them
             self._add_parts(components, micro_parts)
