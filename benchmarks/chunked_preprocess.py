@@ -21,8 +21,11 @@ and two watcher processes per step).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -130,10 +133,29 @@ def step_overheads(root: Path, run_id: str) -> list[float]:
     return [ends[step] - starts[step] - tokenizing[step_of[step]] for step in sorted(starts) if step in ends]
 
 
-def _timed(command: list[str]) -> float:
+def adopt_orphans() -> None:
+    """Make this process the subreaper of its descendants: a process whose parent exits (the forkserver, which
+    outlives the backfill process, and the step processes it reaped) is then reaped here, so its CPU time is
+    counted in this process's RUSAGE_CHILDREN instead of init's."""
+    PR_SET_CHILD_SUBREAPER = 36
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def _timed(command: list[str]) -> tuple[float, float]:
+    """Wall seconds of ``command`` and CPU seconds (user + system) of its whole process tree, every descendant
+    reaped (after adopt_orphans): on a loaded machine the CPU seconds vary much less than the wall time."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run(command, check=True, cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - started
+    wall = time.perf_counter() - started
+    while True:  # the orphans: they exit once they see their parent gone (the forkserver, compute-log watchers)
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def run(corpus_bytes: int, rounds: int) -> None:
@@ -151,20 +173,26 @@ def run(corpus_bytes: int, rounds: int) -> None:
                    "--keys", ",".join(keys)]
         print(f"chunked preprocess: {size / 2**20:,.0f} MiB in {len(keys)} chunks, {rounds} rounds alternating",
               flush=True)
-        ratios, overheads = [], []
+        adopt_orphans()
+        ratios, cpu_ratios, overheads = [], [], []
         for i in range(rounds):
             arms = ["reference", "backfill"] if i % 2 == 0 else ["backfill", "reference"]
-            seconds = {}
+            wall, cpu = {}, {}
             for arm in arms:
-                seconds[arm] = _timed(reference if arm == "reference" else chunked)
+                wall[arm], cpu[arm] = _timed(reference if arm == "reference" else chunked)
             run_id = (root / "last_run_id").read_text()
             overheads += step_overheads(root, run_id)
-            ratios.append(seconds["reference"] / seconds["backfill"])
-            print(f"  round {i + 1}: kiln preprocess {seconds['reference']:.1f} s, backfill {seconds['backfill']:.1f} s "
-                  f"({BACKFILL_CONCURRENCY} steps at once): {ratios[-1]:.2f} x", flush=True)
-        print(f"{'chunked backfill speed':<34} {size / 2**20 / (seconds['backfill']):>14,.1f} MiB/s  "
+            ratios.append(wall["reference"] / wall["backfill"])
+            cpu_ratios.append(cpu["reference"] / cpu["backfill"])
+            print(f"  round {i + 1} (load {os.getloadavg()[0]:.0f}): kiln preprocess {wall['reference']:.1f} s "
+                  f"({cpu['reference']:.1f} CPU-s), backfill {wall['backfill']:.1f} s ({cpu['backfill']:.1f} CPU-s, "
+                  f"{BACKFILL_CONCURRENCY} steps at once): {ratios[-1]:.2f} x, CPU {cpu_ratios[-1]:.2f} x", flush=True)
+        print(f"{'chunked backfill speed':<34} {size / 2**20 / (wall['backfill']):>14,.1f} MiB/s  "
               f"({statistics.median(ratios):.2f} × one kiln preprocess, median of {rounds} paired rounds; "
               f"target >= 0.9)")
+        print(f"{'chunked backfill CPU time':<34} {cpu['backfill']:>14,.1f} CPU-s  "
+              f"(kiln preprocess's CPU time / the backfill's: {statistics.median(cpu_ratios):.2f}, median; the "
+              f"wall ratio it tends to when other work keeps both cores busy)")
         print(f"{'per-step overhead':<34} {statistics.median(overheads):>14,.2f} s  "
               f"(median over {len(overheads)} chunk steps; max {max(overheads):.2f} s)", flush=True)
 

@@ -21,9 +21,18 @@ preprocess_then_train = dg.define_asset_job(
 
 
 # A step per chunk, as many at once as there are cores (the multiprocess executor's default max_concurrent);
-# forkserver with Kiln's Definitions loaded once, so a chunk's step starts by forking instead of importing Dagster
-# and Kiln again in a fresh interpreter (spawn, the default).
-CHUNK_EXECUTION = {"execution": {"config": {"start_method": {"forkserver": {"preload_modules": ["pipelines.definitions"]}}}}}
+# forkserver, so a chunk's step starts by forking a process that has imported what a step needs instead of
+# importing it again in a fresh interpreter (spawn, the default). That is Kiln's Definitions and, as much again
+# (~1 s per step on this machine, 500 modules: SQLAlchemy, Alembic, rich...), what each step's process imports to
+# open the instance and to capture its compute logs, and the filesystem IO manager's paths. Preloading those too
+# cut a 16-chunk backfill of tiny chunks from 24.4 to 13.7 CPU-seconds (0.56 s per step; benchmarks/
+# chunked_preprocess.py --corpus-mib 16, 2 rounds each, the same to 0.1 s). Dagster's private module names:
+# tests/test_chunks.py imports each, so a Dagster upgrade that moves one fails there, not silently here.
+STEP_PRELOAD_MODULES = ["pipelines.definitions", "dagster._core.instance.factory",
+                        "dagster._core.storage.sqlite_storage", "dagster._core.storage.local_compute_log_manager",
+                        "dagster._core.storage.migration.utils", "dagster._core.secrets.env_file",
+                        "upath.implementations.local"]
+CHUNK_EXECUTION = {"execution": {"config": {"start_method": {"forkserver": {"preload_modules": STEP_PRELOAD_MODULES}}}}}
 
 shard_chunks = dg.define_asset_job(
     "shard_chunks", selection=dg.AssetSelection.assets(token_shards), executor_def=dg.multiprocess_executor,

@@ -1,5 +1,6 @@
 """Chunked sources: stable chunk assignment, the sensor registering chunks, a backfill of the chunks under the
 multiprocess executor with 2 steps at once, the blend gathering every chunk, and lineage naming the chunk."""
+import importlib
 import json
 import random
 import string
@@ -10,6 +11,7 @@ import pytest
 from assets.chunks import assign_chunks, register_source_chunks, source_chunks
 from assets.sources import load_sources
 from pipelines.definitions import build_definitions, resources, shard_chunks_job
+from pipelines.jobs import CHUNK_EXECUTION, STEP_PRELOAD_MODULES
 from pipelines.sensors import raw_files_sensor
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
@@ -65,6 +67,13 @@ def test_chunk_assignment_is_stable_and_the_sensor_requests_only_the_changed_chu
         assert (requested, added) == (["web/00001", "web/00003"], ["web/00003"])
 
 
+@pytest.mark.parametrize("module", STEP_PRELOAD_MODULES)
+def test_each_module_the_chunk_steps_preload_exists(module):
+    """The forkserver skips a preload module it cannot import without a word (the steps then import what they need
+    themselves, ~1 s each): several are Dagster's private modules, which an upgrade may move."""
+    importlib.import_module(module)
+
+
 def test_a_backfill_shards_every_chunk_two_steps_at_once_and_the_blend_gathers_them(tmp_path):
     user, storage = _chunked(tmp_path, files=4, per_chunk=1, builtin=False)  # a small unchunked source beside
     res = resources(storage=storage, tokenizer_settings=TokenizerSettings(vocab_size=400, sample_lines=3_000))
@@ -80,8 +89,7 @@ def test_a_backfill_shards_every_chunk_two_steps_at_once_and_the_blend_gathers_t
 
         # the backfill: one run over the chunks of `web`, a step per chunk, under the multiprocess executor
         web = {"dagster/asset_partition_range_start": "web/00000", "dagster/asset_partition_range_end": "web/00003"}
-        run_config = {"execution": {"config": {"max_concurrent": 2, "start_method": {
-                          "forkserver": {"preload_modules": ["pipelines.definitions"]}}}},
+        run_config = {"execution": {"config": {**CHUNK_EXECUTION["execution"]["config"], "max_concurrent": 2}},
                       "resources": {"storage": {"config": {"data_root": storage.data_root, "runs_root": storage.runs_root,
                                                            "sources_config": storage.sources_config}}}}
         result = dg.execute_job(dg.reconstructable(shard_chunks_job), instance, run_config=run_config, tags=web)
