@@ -25,6 +25,8 @@ REFERENCES = {"qwen3": (MICRO_CONFIG, BATCH), "qwen3_4_layers_tied": (MICRO_CONF
 PP2 = ["parallelism.pipeline_parallel=2"]
 # validation after the last step (training.steps): one global batch of the held-out split, forward through the stages
 VALIDATE_ONCE = ["training.eval_interval=1000", "training.eval_iters=1"]
+# monitor.train_state's statistics that pipeline parallelism reports (local_norm and max_attention_logit are refused)
+MONITORED = [f"monitor.train_state.{field}=true" for field in ("device_norm", "param_norm", "local_loss", "device_loss")]
 # name -> (reference, overrides); the world is 4 workers
 CASES = {
     # ZeRO-3 (the default strategy) over the two data-parallel ranks of each stage
@@ -41,8 +43,9 @@ CASES = {
     # each stage's attention a ring over its cp pair, hidden states travelling as each rank's sequence chunk
     "pp2_cp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.context_parallel=2"]),
     "tp2_pp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]),
-    # one layer per rank, 8 micro-batches through 4 stages
-    "pp4_1f1b": ("qwen3_4_layers_tied", ["parallelism.pipeline_parallel=4"] + VALIDATE_ONCE),
+    # one layer per rank, 8 micro-batches through 4 stages; rank 0 reports the training-state statistics of every
+    # stage's parameters (whole tensors: no data parallel here)
+    "pp4_1f1b": ("qwen3_4_layers_tied", ["parallelism.pipeline_parallel=4"] + VALIDATE_ONCE + MONITORED),
 }
 
 

@@ -12,12 +12,12 @@ import pytest
 from conftest import (PROJECT_ROOT, assert_resumes_as_one_process, run_under_msrun, train_alone,
                       validate_as_one_process, write_random_documents)
 from fsdp_cases import STEPS
-from pipeline_cases import CASES, REFERENCES, VALIDATE_ONCE, reference_config
+from pipeline_cases import CASES, PP2 as PP2_LAYOUT, REFERENCES, VALIDATE_ONCE, reference_config
 from test_context_parallel import assert_weights_match
 from training.checkpoint import load_checkpoint
 from training.config import ConfigError
-from training.parallel.pipeline import (BACKWARD, FORWARD, Transfer, Work, analytic_bubble, schedule_programs,
-                                        stage_layer_ranges, work_order)
+from training.parallel.pipeline import (BACKWARD, FORWARD, Transfer, Work, analytic_bubble, build_pipeline,
+                                        schedule_programs, stage_layer_ranges, work_order)
 from training.reporting import is_step_record, read_records
 
 # fp32 sums in another order than one process's: over the data-parallel ranks, the micro-batches of each stage, and
@@ -69,6 +69,26 @@ def test_validation_through_the_stages_is_one_process_validation(runs, case):
     config = reference_config(str(root / "data/random"), CASES[case][0], overrides=VALIDATE_ONCE)
     checkpoint = root / "cases" / case / f"checkpoints/iteration_{STEPS:08d}"
     assert logged[0]["val_loss"] == pytest.approx(validate_as_one_process(config, checkpoint), rel=LOSS_RTOL)
+
+
+@pytest.mark.msrun
+def test_training_state_statistics_cover_every_stage(runs):
+    """pp4_1f1b monitors device_norm, param_norm, local_loss and device_loss: rank 0 reports the norms of every
+    stage's parameters (the tied embedding once), which make up the step's gradient norm and are the norms of one
+    process's final weights; the last stage's parts of the 8 micro-batches' losses average to the step's loss."""
+    root, references = runs
+    _, expected = references["qwen3_4_layers_tied"]
+    staged = [m for m in read_records(root / "cases/pp4_1f1b/metrics.jsonl") if is_step_record(m)]
+    for record in staged:
+        assert sorted(record["device_norm"]) == sorted(record["param_norm"]) == sorted(expected)
+        assert np.sqrt(np.sum(np.square(list(record["device_norm"].values())))) == pytest.approx(
+            record["grad_norm"], rel=1e-5)  # the norms are rounded to 6 decimals
+        local = np.array(record["local_loss"])  # [rank, micro-batch]: only the last stage holds a part
+        assert local.shape == (4, 8) and not local[:3].any()
+        assert local[3].mean() == pytest.approx(record["loss"], rel=LOSS_RTOL)
+        assert record["device_loss"] == record["loss"]
+    for name, norm in staged[-1]["param_norm"].items():
+        assert norm == pytest.approx(float(np.linalg.norm(expected[name])), abs=1e-5), name
 
 
 @pytest.mark.msrun
@@ -127,6 +147,14 @@ def test_1f1b_keeps_at_most_pp_minus_rank_micro_batches_in_flight_and_gpipe_all(
                 in_flight += 1 if work.kind == FORWARD else -1
                 peak = max(peak, in_flight)
             assert peak == bound
+
+
+@pytest.mark.parametrize("field", ["local_norm", "max_attention_logit"])
+def test_statistics_a_pipeline_does_not_measure_are_refused_by_name(field):
+    config = reference_config("unused", "qwen3", overrides=[*PP2_LAYOUT, f"monitor.train_state.{field}=true"])
+    with pytest.raises(ConfigError, match=rf"^monitor\.train_state\.{field} with parallelism\.pipeline_parallel > 1 "
+                                          "is not implemented: "):
+        build_pipeline(None, None, config, micro_batches=4, tensor_parallel=None)
 
 
 def test_stage_layers_auto_and_ranges():

@@ -443,8 +443,11 @@ class Trainer:
         """The step's loss on this rank, its loss parts, the clipped and the unclipped reduced gradients, each
         gradient's norm and the global norm, micro-batch by micro-batch (``grad_fn`` compiled or not)."""
         if self.pipeline is not None:  # the micro-batches go through the stages by the pipeline's schedule
-            return self.pipeline.gradients(self.parallel, [self._micro_batch(m) for m in range(self.accumulation)],
-                                           self.config.training.max_norm)
+            stepped = self.pipeline.gradients(self.parallel, [self._micro_batch(m) for m in range(self.accumulation)],
+                                              self.config.training.max_norm)
+            for micro_loss in self.pipeline.last_result.micro_losses:  # this rank's part of each (local_loss)
+                self.monitor.micro_batch(micro_loss, None)
+            return stepped
         grads_sum, local_loss, components = None, 0.0, {}
         for micro in range(self.accumulation):
             outputs, grads = self.grad_fn(*self._micro_batch(micro))
@@ -515,6 +518,8 @@ class Trainer:
         abnormal = self.health.observe(self.step + 1, float(grad_norm), embedding_norm)
         monitored = (self.monitor.record(unclipped, self.params, loss, self.model.pop_max_attention_logits())
                      if self.monitor.enabled else {})
+        if self.pipeline is not None:  # rank 0 reports every stage's parameter norms
+            monitored = self.pipeline.gather_monitored(monitored, self.config.monitor.train_state)
         self.step += 1
         self.consumed_samples += self.config.training.global_batch_size
         elapsed = time.perf_counter() - started

@@ -303,12 +303,13 @@ class _Objective(nn.Cell):
 class PipelineResult:
     """One step's outcome on this rank: gradients of ``Pipeline.params`` (summed over micro-batches, scaled), the
     mean over micro-batches of this rank's part of the loss and of each loss component (0 where the part lives
-    on other stages), and what the schedule cost here: seconds computing, seconds in all, and at most how many
+    on other stages), that part per micro-batch, and what the schedule cost here: seconds computing, seconds in all, and at most how many
     micro-batches were forwarded and not yet backpropagated (whose stage inputs it kept), their bytes, and the
     bytes it sent to other stages."""
     grads: tuple[Tensor, ...]
     loss: float
     components: dict[str, float]
+    micro_losses: list[float]  # this rank's part of each micro-batch's loss, by micro-batch (monitor's local_loss)
     busy_s: float = 0.0
     wall_s: float = 0.0
     peak_in_flight: int = 0
@@ -456,7 +457,8 @@ class Pipeline:
         outbox: dict[tuple[str, int, int], Tensor] = {}  # (kind, destination stage, micro) -> what to send
         rewind: dict[tuple[int, int], tuple] = {}  # dropout stream state and MoE counts before a forward
         grads = {p.name: None for p in self.params}
-        loss_sum, components = 0.0, {name: 0.0 for name in self.component_names()}
+        components = {name: 0.0 for name in self.component_names()}
+        micro_losses = [0.0] * self.micro_batches
         busy, kept, peak, in_flight, peak_in_flight, sent = 0.0, 0, 0, 0, 0, 0
         started = time.perf_counter()
         for step in self.program:
@@ -490,7 +492,7 @@ class Pipeline:
                 for param, grad in zip(chunk.params, g):
                     grads[param.name] = grad if grads[param.name] is None else grads[param.name] + grad
                 if loss is not None:
-                    loss_sum += float(loss.asnumpy())
+                    micro_losses[step.micro] += float(loss.asnumpy())
                 for name, value in parts.items():
                     if name in components:  # a plain dense model's loss is its LM loss: no parts reported
                         components[name] += float(value.asnumpy())
@@ -500,8 +502,8 @@ class Pipeline:
             busy += time.perf_counter() - t0
         ordered = tuple(grads[p.name] if grads[p.name] is not None else ops.zeros_like(p) for p in self.params)
         m = self.micro_batches
-        return PipelineResult(ordered, loss_sum / m, {n: v / m for n, v in components.items()}, busy,
-                              time.perf_counter() - started, peak_in_flight, peak, sent)
+        return PipelineResult(ordered, sum(micro_losses) / m, {n: v / m for n, v in components.items()},
+                              micro_losses, busy, time.perf_counter() - started, peak_in_flight, peak, sent)
 
     def _transfer(self, transfer: Transfer, batches, inputs, output_grads, outbox) -> int:
         """One hidden-state or gradient transfer between stages; the bytes this rank sent (0 when receiving)."""
@@ -576,6 +578,26 @@ class Pipeline:
         grads, _ = clip_grad_norm(unclipped, max_norm, np.array([grad_norm]))
         return result.loss, result.components, grads, unclipped, norms, grad_norm
 
+    def gather_monitored(self, record: dict, train_state) -> dict:
+        """Collective over the pipeline ranks: ``TrainStateMonitor.record``'s per-parameter norms (``device_norm``,
+        ``param_norm``: each rank selects among its stage's parameters) of every stage, in the model's parameter
+        order, so rank 0 reports them all; a tensor two stages hold (the embedding's copy) is the first one's.
+        The rest of the record is alike on every stage. ``train_state``: the monitor.train_state section, which
+        says which norms every rank gathers (a selector may pick none of a stage's parameters)."""
+        names = [p.name for p in self.model.trainable_params()]  # every stage's model names every parameter
+        out = dict(record)
+        for key in ("device_norm", "param_norm"):
+            if not getattr(train_state, key):
+                continue
+            values = record.get(key, {})
+            rows = np.zeros((2, len(names)))  # each norm, and whether this rank reports it
+            for i, name in enumerate(names):
+                if name in values and min(self.holders[name]) == self.rank:
+                    rows[:, i] = values[name], 1.0
+            norms, reported = comm.all_reduce_array(rows, self.mesh.group("pp"))
+            out[key] = {name: round(float(norm), 6) for name, norm, held in zip(names, norms, reported) if held}
+        return out
+
     def embedding_norm(self, norms: np.ndarray) -> float:
         """The embedding gradient's norm, from the first stage (every rank gets it)."""
         index = next((i for i, p in enumerate(self.params) if p.name == self.embedding_name), None)
@@ -602,8 +624,14 @@ def build_pipeline(model, mesh: DeviceMesh, config, micro_batches: int, tensor_p
     """This rank's stages of ``model`` (already cut for tensor parallelism), or a clear refusal of what a pipeline
     run cannot do here."""
     p = config.parallelism
-    if any(bool(value) for value in config.monitor.train_state.to_dict().values()):
-        raise ConfigError("monitor.train_state with pipeline_parallel > 1 is not implemented: its statistics gather "
-                          "one row per parameter from every rank, and each stage holds other parameters")
+    train_state = config.monitor.train_state
+    if train_state.local_norm:
+        raise ConfigError("monitor.train_state.local_norm with parallelism.pipeline_parallel > 1 is not implemented: "
+                          "a stage adds each micro-batch's gradients into the step's as its backwards run, in the "
+                          "schedule's order, and measures no gradient of a single micro-batch")
+    if train_state.max_attention_logit:
+        raise ConfigError("monitor.train_state.max_attention_logit with parallelism.pipeline_parallel > 1 is not "
+                          "implemented: each stage tracks only its own layers' maxima, and the report stacks every "
+                          "layer's (GPTModel.pop_max_attention_logits gives none while a layer has not run)")
     sequence_parallel = bool(tensor_parallel and tensor_parallel.sequence_parallel)
     return Pipeline(model, mesh, p, micro_batches, sequence_parallel)
