@@ -2,7 +2,7 @@
 layouts, each against the single-process run of the same model (``REFERENCES``). DeepSeek-V3 (MoE, MTP) under
 pipeline parallelism is one of tests/ep_cases.py's.
 
-``python pipeline_cases.py OUT SHARD`` trains each case for ``STEPS`` steps of 8 samples (local batch 1), saving
+``python pipeline_cases.py OUT SHARD`` trains each case for ``STEPS`` steps of 4 samples (local batch 1), saving
 its final checkpoint, sharded as the case lays its tensors out, under ``OUT/<case>/checkpoints``.
 """
 import sys
@@ -15,9 +15,9 @@ from training.parallel.mesh import init_world  # noqa: E402
 from training.reporting import Reporter  # noqa: E402
 from training.trainer import Trainer, configure_runtime  # noqa: E402
 
-# 8 samples per step: 4 micro-batches per pipeline under data parallel 2, 8 under tensor parallel 2; a validation
-# split holding one such batch (the micro configs' 2% hold 4 samples)
-BATCH = ["training.global_batch_size=8", "train_dataset.dataloader.config.split=94,6,0"]
+# 4 samples per step: 2 micro-batches per pipeline under data parallel 2, 4 without; a validation split holding one
+# such batch without repeating a sample
+BATCH = ["training.global_batch_size=4", "train_dataset.dataloader.config.split=94,6,0"]
 # the micro Qwen3 with 4 layers, so that 2 pipeline ranks × 2 chunks, or 4 ranks, each get one; its output layer tied
 # to the embedding, whose copy on the last stage is then the output matmul's weight
 FOUR_LAYERS_TIED = ["model.num_hidden_layers=4", "model.tie_word_embeddings=true"]
@@ -43,7 +43,7 @@ CASES = {
     # each stage's attention a ring over its cp pair, hidden states travelling as each rank's sequence chunk
     "pp2_cp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.context_parallel=2"]),
     "tp2_pp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]),
-    # one layer per rank, 8 micro-batches through 4 stages; rank 0 reports the training-state statistics of every
+    # one layer per rank, 4 micro-batches through 4 stages; rank 0 reports the training-state statistics of every
     # stage's parameters (whole tensors: no data parallel here)
     "pp4_1f1b": ("qwen3_4_layers_tied", ["parallelism.pipeline_parallel=4"] + VALIDATE_ONCE + MONITORED),
 }
