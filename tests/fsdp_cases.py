@@ -31,6 +31,7 @@ CASES = {
     # the whole step compiled, the gradient reduction in its graph, over HSDP's sub-groups: a reduce-scatter over
     # the shards, then a sum over the replicas, divided after (one case: compiling costs seconds per rank)
     "hsdp_zero2_compiled_divide_after": ["parallelism.data_parallel_shard=2", "fast_step.compile=true",
+                                         "fast_step.compile_reduction=true",
                                          "parallelism.data_parallel_shard_strategy=optim_grads",
                                          "parallelism.disable_gradient_division=false"],
 }

@@ -56,6 +56,7 @@ READ = {
     "context.max_device_memory": "training/trainer.py",
     "context.device_target": "training/trainer.py",
     "fast_step.compile": "training/trainer.py",
+    "fast_step.compile_reduction": "training/trainer.py",
     "fast_step.host_blocking_dispatch": "training/run.py",
     "parallelism.data_parallel_shard": "training/parallel/mesh.py",
     **{f"parallelism.{name}": "training/parallel/parallelize.py" for name in (

@@ -732,6 +732,9 @@ class FastStepConfig(Section):
     # forward + backward as one mindspore.jit graph where the model and parallel layout allow it (the trainer
     # logs which, and why not)
     compile: bool = True
+    # under data parallelism, the gradient reduction, clip and AdamW in the compiled step's graph too (with
+    # ``compile``); off by default: on CPU a DP 2 step took 1.19-1.32x as long so (benchmarks/context_parallel.py)
+    compile_reduction: bool = False
     # MS_DEV_HOST_BLOCKING_RUN=1 (set by `training.run` before MindSpore loads): single-threaded dispatch; the
     # default dispatch thread busy-waits on a core, which halves matmul speed on a 2-core CPU
     host_blocking_dispatch: bool = True

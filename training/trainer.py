@@ -115,11 +115,15 @@ class ScaledLoss(nn.Cell):
         return (loss * self.scale, loss) + parts
 
 
-def whole_step_blockers(monitor: TrainStateMonitor, optimizer: AdamW) -> list[str]:
+def whole_step_blockers(config: TrainConfig, dims: ParallelDims, monitor: TrainStateMonitor,
+                        optimizer: AdamW) -> list[str]:
     """Why the clip and the AdamW update of a compiled step stay outside its graphs (run eagerly after them);
     empty when the whole step compiles (``CompiledStep``; data parallelism's gradient reduction runs in its graph
-    too)."""
+    too when ``fast_step.compile_reduction`` asks for it)."""
     reasons = []
+    if dims.world > 1 and not config.fast_step.compile_reduction:
+        reasons.append("data parallel: fast_step.compile_reduction is false (the gradient reduction, clip and update "
+                       "in the graph measured slower on CPU: benchmarks/context_parallel.py)")
     if monitor.local_norm or monitor.device_norm:
         reasons.append("monitor.train_state.local_norm/device_norm read gradients on the host")
     low_precision = [name for name, param in zip(optimizer.names, optimizer.params) if param.dtype != ms.float32]
@@ -212,7 +216,7 @@ def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, p
     if blockers:
         return TrainStep(grad_fn, None, False,
                          f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
-    outside = whole_step_blockers(monitor, optimizer)
+    outside = whole_step_blockers(config, dims, monitor, optimizer)
     if outside:
         return TrainStep(ms.jit(grad_fn), None, True,
                          f"forward+backward compiled (mindspore.jit), clip and update eager, {dispatch}; not in the "
