@@ -13,10 +13,15 @@ The two alternate (ABBA...) and each round's ratio is reference seconds / backfi
 the backfill at least 0.9x as fast as one process). Per-step overhead: a chunk step's wall time from the
 executor starting its worker to the step's success, minus the seconds its tokenize_to_indexed call took.
 
+Each arm's CPU seconds (user + system of its whole process tree, the forkserver and its step processes
+included) are printed too: on a loaded machine they vary much less than the wall time.
+
 Measured here (2 shared cores, --gib 1): at load 2-7, kiln preprocess 23.5 / 23.7 s, backfill 36.2 / 35.9 s (0.65x,
-0.66x; per-step overhead 0.9-1.4 s median); at load 25-45, 383 / 276 s vs 596 / 559 s (0.64x, 0.49x; overhead
-14.4 s median). The 0.9x target is not reached. Each step also starts Dagster's compute-log capture (two `tail`
-and two watcher processes per step).
+0.66x; per-step overhead 0.9-1.4 s median), with only pipelines.definitions preloaded. With the step processes'
+instance, compute-log and IO-manager modules preloaded too (pipelines/jobs.py; the two versions run side by side
+from a worktree, 1 round), at load 19-24: backfill 67.0 CPU-s
+(before: 76.2), kiln preprocess 48.7 (49.6): 0.73x of its CPU time (before 0.65x), 0.69x in wall time (before
+0.65x). The 0.9x target is not reached; what a step still costs is Dagster's (README: Preprocessing a large corpus).
 """
 from __future__ import annotations
 
