@@ -54,8 +54,8 @@ def _hook_seconds(trainer, repeats: int = 20) -> float:
     per-micro-batch hooks and its record, plus the max-logit reductions on attention scores."""
     from mindspore import Tensor
 
-    loss, grads = trainer.grad_fn(*trainer._micro_batch(0))
-    loss = float(loss.asnumpy())
+    outputs, grads = trainer.grad_fn(*trainer._micro_batch(0))  # (scaled loss, loss, loss parts...), gradients
+    loss = float(outputs[1].asnumpy())
     model = trainer.model.config
     heads, groups = model.num_attention_heads, model.num_key_value_heads
     seq, batch = trainer.seq_length, trainer.config.training.local_batch_size
