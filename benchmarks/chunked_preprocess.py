@@ -19,9 +19,10 @@ included) are printed too: on a loaded machine they vary much less than the wall
 Measured here (2 shared cores, --gib 1): at load 2-7, kiln preprocess 23.5 / 23.7 s, backfill 36.2 / 35.9 s (0.65x,
 0.66x; per-step overhead 0.9-1.4 s median), with only pipelines.definitions preloaded. With the step processes'
 instance, compute-log and IO-manager modules preloaded too (pipelines/jobs.py; the two versions run side by side
-from a worktree, 1 round), at load 19-24: backfill 67.0 CPU-s
-(before: 76.2), kiln preprocess 48.7 (49.6): 0.73x of its CPU time (before 0.65x), 0.69x in wall time (before
-0.65x). The 0.9x target is not reached; what a step still costs is Dagster's (README: Preprocessing a large corpus).
+from a worktree, 2 rounds each, load 12-24): backfill 67.0 / 62.9 CPU-s (before: 76.2 / 72.5), kiln preprocess
+48.6-49.6: 0.75x of its CPU time (before 0.66x, medians), 0.69x / 0.73x in wall time (before 0.65x / 0.52x),
+per-step overhead 4.4 s median (before 12.4 s). The 0.9x target is not reached; what a step still costs is
+Dagster's (README: Preprocessing a large corpus).
 """
 from __future__ import annotations
 
