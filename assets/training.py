@@ -214,7 +214,7 @@ def _checkpoint_event(message: dict, key: str, code_version: str, audit: str, li
     """Only what the UI needs per checkpoint: the instance keeps every event of every checkpoint, and SQLite
     gives an event larger than what is left of its page a page of its own (4 KB), in the run's database and
     again in the index. The throughput and optimizer scalars are on training_run's observations; the files
-    with their sha256 in lineage.json; the path follows from the partition key (README: Long runs)."""
+    with their sha256 in lineage.json; the path follows from the partition key (docs/long-runs.md)."""
     return dg.AssetMaterialization(
         asset_key="checkpoint", partition=key,
         metadata={

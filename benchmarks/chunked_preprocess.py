@@ -22,7 +22,7 @@ instance, compute-log and IO-manager modules preloaded too (pipelines/jobs.py; t
 from a worktree, 2 rounds each, load 12-24): backfill 67.0 / 62.9 CPU-s (before: 76.2 / 72.5), kiln preprocess
 48.6-49.6: 0.75x of its CPU time (before 0.66x, medians), 0.69x / 0.73x in wall time (before 0.65x / 0.52x),
 per-step overhead 4.4 s median (before 12.4 s). The 0.9x target is not reached; what a step still costs is
-Dagster's (README: Preprocessing a large corpus).
+Dagster's (docs/data.md: Preprocessing a large corpus).
 """
 from __future__ import annotations
 
