@@ -61,10 +61,12 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
                  for name, value in events[-1].metadata.items()}
         assert {kinds[k] for k in [("raw_corpus", "dir"), ("token_shards", "dir"), ("tokenizer", "model_path"),
                                    ("blend_manifest", "manifest_path"), ("training_run", "run_dir"),
-                                   ("checkpoint", "path"), ("raw_corpus", "sidecar"), ("token_shards", "sidecar"),
-                                   ("checkpoint", "lineage"), ("tokenizer", "trained_on")]} == {"PathMetadataValue"}
+                                   ("raw_corpus", "sidecar"), ("token_shards", "sidecar"),
+                                   ("tokenizer", "trained_on")]} == {"PathMetadataValue"}
+        # a checkpoint's event holds only its step, loss, audit and lineage digest: its path is its partition key
+        assert sorted(name for key, name in kinds if key == "checkpoint") == ["audit", "lineage", "loss", "step"]
         assert {kinds[k] for k in [("tokenizer", "sha256"), ("token_shards", "tokenizer_sha256"),
-                                   ("blend_manifest", "sha256")]} == {"TextMetadataValue"}
+                                   ("blend_manifest", "sha256"), ("checkpoint", "lineage")]} == {"TextMetadataValue"}
         assert {kinds[k] for k in [("raw_corpus", "files"), ("token_shards", "shards"),
                                    ("blend_manifest", "sources")]} == {"TableMetadataValue"}
         # each checkpoint's audit on its own partition: the check itself is unpartitioned (one status, fast UI)
@@ -72,7 +74,7 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         assert len(audits) == 2 and all(re.fullmatch(r"passed: \d+ file\(s\) verified", a) for a in audits), audits
         assert {kinds[k] for k in [("blend_manifest", "summary"), ("training_run", "loss_curve")]} == {
             "MarkdownMetadataValue"}
-        assert {kinds[k] for k in [("checkpoint", "loss"), ("checkpoint", "tokens_per_s"),
+        assert {kinds[k] for k in [("checkpoint", "loss"), ("checkpoint", "step"),
                                    ("training_run", "final_loss"), ("blend_manifest", "tokens/stdlib_code")]} <= {
             "FloatMetadataValue", "IntMetadataValue"}
         specs = {spec.key.to_user_string(): spec for spec in build_definitions(res).resolve_all_asset_specs()}

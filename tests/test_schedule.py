@@ -7,7 +7,7 @@ import pytest
 
 from assets.training import TrainingRunConfig, render_training_config
 from conftest import MICRO_CONFIG
-from pipelines.audit import cross_check
+from pipelines.audit import DagsterEvents, cross_check
 from pipelines.definitions import build_definitions, resources
 from resources.msrun import MsrunResource
 from resources.storage import KilnStorage
@@ -60,7 +60,7 @@ def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micr
         # and the audit finds every link of the checkpoint's lineage among this run's records, the
         # per-source links included (one step built both sources, so their hashes are per-source metadata)
         final = tmp_path / "runs/nightly/checkpoints/iteration_00000006"
-        links = cross_check(instance, final, audit_checkpoint(final)[0])
+        links = cross_check(DagsterEvents(instance, "the test instance"), final, audit_checkpoint(final)[0])
         assert {r.asset: (r.status, r.run_id) for r in links} == {
             name: ("recorded", result.run_id) for name in [
                 "raw_corpus[stdlib_code]", "raw_corpus[stdlib_docs]", "tokenizer", "token_shards[stdlib_code]",

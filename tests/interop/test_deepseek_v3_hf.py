@@ -136,8 +136,9 @@ def test_mtp_depth_matches_deepseeks_formulation_on_transformers_modules(section
     labels = random_ids(section["vocab_size"], seed=11)
     mask = np.ones(ids.shape, np.float32)
     mask[0, 5] = 0
-    model(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)), Tensor(mask))
-    kiln_mtp_loss = model.loss_components()["mtp_1_loss"]
+    _, parts = model.loss_and_parts(Tensor(ids.astype(np.int32)), Tensor(labels.astype(np.int32)), Tensor(mask))
+    kiln_parts = model.named_parts(parts)
+    kiln_mtp_loss = kiln_parts["mtp_1_loss"]
 
     def rms(x, weight):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + section.get("rms_norm_eps", 1e-6)) * weight
@@ -165,7 +166,7 @@ def test_mtp_depth_matches_deepseeks_formulation_on_transformers_modules(section
         weight = torch.from_numpy(shifted(mask)).reshape(-1)
         reference = float((token_loss * weight).sum() / weight.sum())
     assert kiln_mtp_loss == pytest.approx(reference, rel=1e-5)
-    assert abs(kiln_mtp_loss - model.loss_components()["lm_loss"]) > 1e-3  # a different prediction, not a copy
+    assert abs(kiln_mtp_loss - kiln_parts["lm_loss"]) > 1e-3  # a different prediction, not a copy
 
 
 def test_fp8_checkpoint_is_dequantized_with_its_block_scales(section, tmp_path):
