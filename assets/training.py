@@ -20,7 +20,7 @@ from assets.versions import versioned_asset
 from resources.msrun import MsrunResource, OrphanedStep
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.atomic import write_json_atomic, write_text_atomic
-from training.checkpoint import LINEAGE, latest_complete_checkpoint
+from training.checkpoint import LINEAGE, complete_steps, iteration_dir, latest_complete_checkpoint
 from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import load_manifest, training_data_path
@@ -209,6 +209,31 @@ def lineage_digest(checkpoint_dir: Path) -> str:
         return f"(no lineage store entry: {type(exc).__name__})"
 
 
+def record_unreported_checkpoints(context: dg.OpExecutionContext, storage: KilnStorage, run_name: str,
+                                  metrics_path: Path, code_version: str, cache: AuditCache) -> list[str]:
+    """Record the run's complete checkpoints that never became partitions: an async save that completes in the
+    instant before its process is killed is on disk, and a retry resumes from it, but its message never reached
+    the step. Its materialization is rebuilt from what the save wrote (lineage.json's files) and the step's record
+    in metrics.jsonl, as rank 0 would have sent them. Returns their partition keys."""
+    save_path = storage.run_dir(run_name) / "checkpoints"
+    known = set(context.instance.get_dynamic_partitions(checkpoint_partitions.name))
+    records = {r["step"]: r for r in read_records(metrics_path) if is_step_record(r)}  # the last attempt's wins
+    recorded = []
+    for step in complete_steps(save_path):
+        directory = iteration_dir(save_path, step)
+        key = f"{run_name}/{directory.name}"
+        if key in known or step not in records:
+            continue
+        try:
+            files = json.loads((directory / LINEAGE).read_text())["checkpoint"]["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            files = []  # the audit recorded with it says what is wrong with lineage.json
+        record_checkpoint(context, storage, {**records[step], "path": str(directory), "files": files}, run_name,
+                          code_version, cache)
+        recorded.append(key)
+    return recorded
+
+
 def _checkpoint_event(message: dict, key: str, code_version: str, audit: str, lineage: str
                       ) -> dg.AssetMaterialization:
     """Only what the UI needs per checkpoint: the instance keeps every event of every checkpoint, and SQLite
@@ -308,6 +333,9 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     metrics_path = run_dir / "metrics.jsonl"
     drop_partial_line(metrics_path)  # the workers' reporter does the same: this run's records start here
     attempt = start_attempt(context, run_dir, train_config, metrics_path)
+    for key in record_unreported_checkpoints(context, storage, config.run_name, metrics_path, code_version,
+                                             audit_cache):
+        context.log.warning(f"checkpoint {key} was saved by an attempt killed before it reported it: recorded now")
     log_dir = run_dir / "msrun_logs"
     logged_before = log_sizes(log_dir)
     try:

@@ -8,10 +8,11 @@ import pytest
 import assets.data
 from assets.chunks import register_source_chunks
 from assets.training import (AUDIT_PROBLEMS_SHOWN, audit_evaluation, audit_summary, checkpoint_dir,
-                             forget_rotated_checkpoints)
+                             forget_rotated_checkpoints, record_unreported_checkpoints)
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, build_definitions, resources
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
+from training.lineage import AuditCache
 
 SOURCES = ["stdlib_code", "stdlib_docs"]
 
@@ -139,6 +140,34 @@ def _record_checkpoint(instance, storage, key, on_disk=True):
         (directory / "common.json").write_text("{}")
     instance.add_dynamic_partitions("checkpoints", [key])
     instance.report_runless_asset_event(dg.AssetMaterialization("checkpoint", partition=key))
+
+
+def test_a_checkpoint_saved_but_never_reported_is_recorded_when_the_run_starts_again(tmp_path):
+    """An async save that completed just before its process was killed: on disk and complete, never a partition."""
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"))
+    metrics = storage.run_dir("run") / "metrics.jsonl"
+    with dg.instance_for_test() as instance:
+        _record_checkpoint(instance, storage, "run/iteration_00000002")  # reported by the killed attempt
+        lost = checkpoint_dir(storage, "run/iteration_00000004")
+        lost.mkdir(parents=True)
+        (lost / "common.json").write_text("{}")
+        (lost / "lineage.json").write_text(json.dumps({"checkpoint": {"step": 4, "files": [], "common": {}}}))
+        metrics.write_text("".join(json.dumps({"step": s, "loss": 5.0 - s / 10}) + "\n" for s in (1, 2, 3, 4)))
+
+        @dg.op
+        def start_again(context) -> list:
+            return record_unreported_checkpoints(context, storage, "run", metrics, "v1", AuditCache())
+
+        result = dg.GraphDefinition("start_again", node_defs=[start_again]).to_job().execute_in_process(
+            instance=instance)
+        assert result.output_for_node("start_again") == ["run/iteration_00000004"]
+        assert sorted(instance.get_dynamic_partitions("checkpoints")) == ["run/iteration_00000002",
+                                                                          "run/iteration_00000004"]
+        events = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=dg.AssetKey("checkpoint")),
+                                                 limit=5).records
+        assert [e.partition_key for e in events] == ["run/iteration_00000004", "run/iteration_00000002"]
+        assert events[0].asset_materialization.metadata["loss"].value == pytest.approx(4.6)
+        assert "audit" in events[0].asset_materialization.metadata  # its audit, whatever it finds, is on record
 
 
 def test_rotated_checkpoints_stop_being_partitions_and_the_check_audits_the_newest(tmp_path):
