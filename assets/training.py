@@ -217,13 +217,17 @@ def record_unreported_checkpoints(context: dg.OpExecutionContext, storage: KilnS
     in metrics.jsonl, as rank 0 would have sent them. Returns their partition keys."""
     save_path = storage.run_dir(run_name) / "checkpoints"
     known = set(context.instance.get_dynamic_partitions(checkpoint_partitions.name))
+    unreported = [step for step in complete_steps(save_path)
+                  if f"{run_name}/{iteration_dir(save_path, step).name}" not in known]
+    if not unreported:  # the usual start: no need to read a long run's metrics.jsonl
+        return []
     records = {r["step"]: r for r in read_records(metrics_path) if is_step_record(r)}  # the last attempt's wins
     recorded = []
-    for step in complete_steps(save_path):
+    for step in unreported:
+        if step not in records:
+            continue
         directory = iteration_dir(save_path, step)
         key = f"{run_name}/{directory.name}"
-        if key in known or step not in records:
-            continue
         try:
             files = json.loads((directory / LINEAGE).read_text())["checkpoint"]["files"]
         except (OSError, ValueError, KeyError, TypeError):
