@@ -49,7 +49,17 @@ def eval_metadata(record: dict, sidecar: Path) -> dict:
             "checkpoint": dg.MetadataValue.path(record["checkpoint"]["path"]),
             "sidecar": dg.MetadataValue.path(str(sidecar)),
             "shards": dg.MetadataValue.md("| source | shard | sha256 |\n|---|---|---|\n" + "\n".join(
-                f"| {s['source']} | {s['path']} | {s['sha256'][:16]} |" for s in record["shards"]))}
+                f"| {s['source']} | {s['path']} | {s['sha256'][:16]} |" for s in record["shards"])),
+            **({"unevaluated_sources": dg.MetadataValue.md(_unevaluated_table(record["unevaluated_sources"]))}
+               if record.get("unevaluated_sources") else {})}
+
+
+def _unevaluated_table(sources: list[dict]) -> str:
+    """The sources whose held-out split gives no sample (no document of theirs, or too few tokens), and why."""
+    rows = "\n".join(f"| {s['source']} | {s['documents']} | {s['held_out_documents']} | {s['held_out_tokens']} | "
+                     f"{s['reason']} |" for s in sources)
+    return ("| source not evaluated | documents | held-out documents | held-out tokens | why |\n"
+            "|---|---|---|---|---|\n" + rows)
 
 
 @versioned_asset(PROJECT_ROOT / "training" / "evaluation.py", eval_command, eval_metadata,

@@ -1,6 +1,7 @@
 """A checkpoint's held-out evaluation: `kiln eval` (no Dagster) per source on the test split, its sidecar verified
 by `kiln audit` and listed by `kiln lineage --consumers`; the checkpoint_eval asset, partitioned like checkpoint,
 requested by its automation condition when a checkpoint partition appears."""
+import copy
 import json
 
 import dagster as dg
@@ -20,19 +21,21 @@ CHECKPOINT = "iteration_00000002"
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Two steps on two sources (code 0.6, docs 0.4) with an 80/10/10 split; lineage names each source's shard."""
+    """Two steps on three sources (code 0.5, docs 0.3, notes 0.2) with an 80/10/10 split, which gives the 4
+    documents of notes no test document (3 train, 1 valid); lineage names each source's shard."""
     root = tmp_path_factory.mktemp("eval")
-    shards = {name: write_random_documents(root / f"data/shards/{name}", seed=seed)
-              for name, seed in (("code", 1), ("docs", 2))}
+    shards = {name: write_random_documents(root / f"data/shards/{name}", seed=seed, documents=documents)
+              for name, seed, documents in (("code", 1, 200), ("docs", 2, 200), ("notes", 3, 4))}
     lineage = {"data_root": str(root / "data"), "shards": [
         {"source": name, "path": f"shards/{name}.{ext}", "sha256": sha256_file(f"{prefix}.{ext}")}
         for name, prefix in shards.items() for ext in ("bin", "idx")]}
     trainer = make_trainer(root, shards["code"], RUN,
-                           f"train_dataset.dataloader.config.data_path=[0.6, '{shards['code']}', 0.4, "
-                           f"'{shards['docs']}']", "train_dataset.dataloader.config.split='80,10,10'",
+                           f"train_dataset.dataloader.config.data_path=[0.5, '{shards['code']}', 0.3, "
+                           f"'{shards['docs']}', 0.2, '{shards['notes']}']",
+                           "train_dataset.dataloader.config.split='80,10,10'",
                            "training.steps=2", "checkpoint.save_interleaved_steps=2", lineage=lineage)
     trainer.train()
-    return root, trainer
+    return root, trainer, shards
 
 
 def numpy_loss(trainer, items):
@@ -45,16 +48,31 @@ def numpy_loss(trainer, items):
     return -(picked * batch["loss_mask"]).sum(), batch["loss_mask"].sum()
 
 
+NOTES_LEFT_OUT = "4 document(s), split '80,10,10' gives the test split none of them"
+
+
 def test_kiln_eval_reports_each_source_on_the_test_split_and_audit_verifies_its_sidecar(trained, capsys):
-    root, trainer = trained
+    root, trainer, shards = trained
     checkpoint = root / RUN / "checkpoints" / CHECKPOINT
     assert kiln(["eval", str(checkpoint), "--batches", "2"]) == 0
-    assert f"wrote {checkpoint / 'eval-test.json'}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"wrote {checkpoint / 'eval-test.json'}" in out
+    assert f"notes        not evaluated: train_dataset.dataloader.config.data_path[5] {shards['notes']}: " \
+           f"{NOTES_LEFT_OUT}" in out
     record = json.loads((checkpoint / "eval-test.json").read_text())
     assert record["split"] == "test" and record["sample_range"] == [0, 8] and record["checkpoint"]["step"] == 2
-    assert {s["path"] for s in record["shards"]} == {f"shards/{n}.{e}" for n in ("code", "docs") for e in ("bin", "idx")}
+    assert {s["path"] for s in record["shards"]} == {f"shards/{n}.{e}" for n in ("code", "docs", "notes")
+                                                     for e in ("bin", "idx")}
+    # notes has no test document: the result names it, with its document count and the split, and evaluates the
+    # others as the blend of their own weights (code 0.5, docs 0.3)
+    (notes,) = record["unevaluated_sources"]
+    assert notes["source"] == "notes" and notes["shard"] == str(shards["notes"])
+    assert (notes["documents"], notes["held_out_documents"], notes["held_out_tokens"]) == (4, 0, 0)
+    assert notes["reason"].endswith(NOTES_LEFT_OUT)
+    others = copy.deepcopy(trainer.config)
+    others.train_dataset.dataloader.config.data_path = [0.5, str(shards["code"]), 0.3, str(shards["docs"])]
     # every source's loss and the overall one, against numpy over the same samples of the trained model
-    test = build_dataset(trainer.config, num_samples=8, split="test")
+    test = build_dataset(others, num_samples=8, split="test")
     trainer.model.set_train(False)
     sums = {}
     for i in range(8):
@@ -81,7 +99,7 @@ def test_kiln_eval_reports_each_source_on_the_test_split_and_audit_verifies_its_
 
 
 def test_kiln_eval_refuses_more_batches_than_the_split_holds_naming_both(trained, capsys):
-    root, _ = trained
+    root, _, _ = trained
     assert kiln(["eval", str(root / RUN / "checkpoints" / CHECKPOINT), "--batches", "50"]) == 2
     err = capsys.readouterr().err
     assert "--batches = 50 global batches of training.global_batch_size 4 = 200 test samples" in err
@@ -94,7 +112,7 @@ def test_checkpoint_eval_is_requested_for_a_new_checkpoint_and_records_the_evalu
     from pipelines.definitions import ALL_ASSETS, resources
     from resources.storage import KilnStorage
 
-    root, _ = trained
+    root, _, shards = trained
     key = f"{RUN}/{CHECKPOINT}"
     with dg.instance_for_test() as instance:
         defs = dg.Definitions(assets=[checkpoint, checkpoint_eval], resources=resources())
@@ -117,3 +135,6 @@ def test_checkpoint_eval_is_requested_for_a_new_checkpoint_and_records_the_evalu
     plotted = {k for k, v in event.metadata.items() if isinstance(v, (dg.FloatMetadataValue, dg.IntMetadataValue))}
     assert plotted == {f"{kind}{source}" for kind in ("loss", "ppl") for source in ("", "_code", "_docs")}
     assert event.tags["dagster/data_version"] == sidecar["results_sha256"]
+    # the source without test documents, named with why in a table
+    assert f"| notes | 4 | 0 | 0 | train_dataset.dataloader.config.data_path[5] {shards['notes']}: {NOTES_LEFT_OUT} |" \
+        in metadata["unevaluated_sources"]

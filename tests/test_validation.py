@@ -62,7 +62,7 @@ def test_validation_samples_come_from_documents_training_never_reads(shard):
         "train_dataset.dataloader.config.eod=2", "train_dataset.dataloader.config.split='90,10,0'",
         "checkpoint.enable_save=false", "training.steps=40", "training.eval_interval=5", "training.eval_iters=2"])
     train = build_dataset(config, num_samples=config.split_samples("train"))
-    valid = HeldOutSplit(config, "valid", batches=2).build(vocab_size=512)
+    valid = HeldOutSplit(config, "valid", batches=2).build(vocab_size=512).dataset
     trained_on, validated_on = documents_read(train), documents_read(valid)
     assert len(validated_on) > 1 and len(trained_on) > 100
     assert not trained_on & validated_on
@@ -145,7 +145,9 @@ def test_validation_runs_every_eval_interval_steps_and_after_the_last(shard):
 @pytest.mark.parametrize("overrides, too_small", [
     (["training.eval_iters=3"], r"lower training.eval_iters or give the valid split more documents "
                                 r"\(train_dataset.dataloader.config.split \('98,2,0'\)\)"),
-    (["train_dataset.dataloader.config.split='100,0,0'"], r"split \('100,0,0'\) gives the valid split none"),
+    (["train_dataset.dataloader.config.split='100,0,0'"],
+     r"split \('100,0,0'\) gives the valid split no sample of any source: train_dataset.dataloader.config."
+     r"data_path\[1\] \S+/random: 200 document\(s\), split '100,0,0' gives the valid split none of them"),
 ])
 def test_a_validation_split_too_small_for_eval_iters_is_a_config_error_naming_both(tmp_path, shard, overrides,
                                                                                    too_small):
@@ -153,6 +155,21 @@ def test_a_validation_split_too_small_for_eval_iters_is_a_config_error_naming_bo
                                           r" 4 = \d+ valid samples.*" + too_small):
         make_trainer(tmp_path, shard, "small", "training.eval_interval=2", *overrides)
     assert not (tmp_path / "small/checkpoints").exists()
+
+
+def test_validation_leaves_out_a_source_the_split_gives_no_document_and_the_run_log_says_why(tmp_path, shard,
+                                                                                              capsys):
+    # 98,2,0 of 10 documents rounds the validation split to none of them
+    small = write_random_documents(tmp_path / "data/shards/small", seed=1, documents=10)
+    trainer = make_trainer(tmp_path, shard, "blend", "training.eval_interval=2", "training.eval_iters=1",
+                           f"train_dataset.dataloader.config.data_path=[0.7, '{shard}', 0.3, '{small}']")
+    assert f"WARNING: validation loss leaves out train_dataset.dataloader.config.data_path[3] {small}: 10 " \
+           f"document(s), split '98,2,0' gives the valid split none of them" in capsys.readouterr().out
+    # the other source's 4 validation documents (of 200) give every sample, from its last 2%
+    dataset = trainer.validation.dataset
+    assert [part.indexed.prefix for part in dataset.datasets] == [shard]
+    assert {d for _, d in documents_read(dataset)} <= set(range(196, 200))
+    assert math.isfinite(trainer.validation.evaluate(0)["val_loss"])
 
 
 def test_an_evaluation_goes_to_metrics_jsonl_the_log_and_tensorboard(tmp_path, capsys):

@@ -63,6 +63,8 @@ def _eval(args) -> int:
     for name, result in record["sources"].items():
         print(f"  {name:<12} loss {result['loss']:.4f}  ppl {result['ppl']:.2f}  "
               f"({result['samples']} samples, {result['tokens']:,} tokens)")
+    for source in record["unevaluated_sources"]:
+        print(f"  {source['source']:<12} not evaluated: {source['reason']}")
     print(f"wrote {path}")
     return 0
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
@@ -79,6 +79,25 @@ def forward_loss_sums(loss: HeldOutLoss, batch: dict[str, np.ndarray], shard_inp
     return sums.asnumpy().astype(np.float64), tokens.asnumpy().astype(np.float64)
 
 
+@dataclass(frozen=True)
+class UnevaluatedSource:
+    """A source of the blend that a held-out split gives no sample, and why (for the result and the log)."""
+    entry: int  # its position in the split's blend (data_path order)
+    prefix: str
+    documents: int  # all of the source's documents
+    held_out_documents: int  # those the split gives the held-out split
+    held_out_tokens: int
+    reason: str
+
+
+@dataclass
+class HeldOutSamples:
+    """A held-out split's dataset over the sources it gives samples, and the sources it gives none."""
+    dataset: object  # BlendedDataset
+    entries: list[int]  # the blend entry (data_path position) of each of the dataset's sources (dataset_id)
+    unevaluated: list[UnevaluatedSource]
+
+
 @dataclass
 class HeldOutSplit:
     """``batches`` global batches of a held-out split of the run's blend (``split``: valid or test), and the
@@ -96,9 +115,11 @@ class HeldOutSplit:
         return (f"{self.asked_by} = {self.batches} global batches of training.global_batch_size "
                 f"{self.config.training.global_batch_size} = {self.needed} {self.split} samples")
 
-    def build(self, vocab_size: int | None):
-        """The split's dataset, holding ``needed`` samples without repeating one; a split too small for that
-        is a ConfigError naming ``asked_by`` and the field that sizes the split."""
+    def build(self, vocab_size: int | None) -> HeldOutSamples:
+        """The split's dataset over the sources it gives at least one sample (a small source may get no held-out
+        document: its loss is not evaluated, and the result says why), holding ``needed`` samples without
+        repeating one. No source with a sample, or a split too small for ``needed``, is a ConfigError naming
+        ``asked_by`` and the field that sizes the split."""
         loader = self.config.train_dataset.dataloader
         if not isinstance(loader, BlendedMegatronLoaderConfig):
             raise ConfigError(f"{self.asked_by}: train_dataset.dataloader.type {loader.type} has no {self.split} "
@@ -109,22 +130,72 @@ class HeldOutSplit:
             raise ConfigError(f"{self._asked()}, but train_dataset.dataloader.sizes[{SPLITS.index(self.split)}] "
                               f"builds {sized}: lower {self.asked_by} or raise that size")
         try:
-            dataset = build_dataset(self.config, num_samples=sized or self.needed, split=self.split,
+            entries, unevaluated, config = self._sources_with_samples(loader)
+            if not entries:
+                raise ConfigError(f"{self._asked()}, but {field} gives the {self.split} split no sample of any "
+                                  f"source: " + "; ".join(source.reason for source in unevaluated))
+            dataset = build_dataset(config, num_samples=sized or self.needed, split=self.split,
                                     vocab_size=vocab_size)
-        except ValueError as exc:  # the split gives a source no documents, or too few tokens for a sample
+        except ValueError as exc:  # a blend entry that cannot be read
             if isinstance(exc, ConfigError):
                 raise
-            raise ConfigError(f"{self._asked()}, but {field} gives the {self.split} split none: {exc}") from None
+            raise ConfigError(f"{self._asked()}, but {field}: {exc}") from None
         taken = np.bincount(dataset.source_index[:self.needed], minlength=len(dataset.datasets))
-        for source, (count, part) in enumerate(zip(taken, dataset.datasets)):
+        for entry, count, part in zip(entries, taken, dataset.datasets):
             per_epoch = len(part) if part.num_epochs == 1 else \
                 (part.tokens_per_epoch - part._extra_token) // part.seq_length
             if count > per_epoch:
-                raise ConfigError(f"{self._asked()}, but {field} gives source {source} ({part.indexed.prefix}) "
+                raise ConfigError(f"{self._asked()}, but {field} gives source {entry} ({part.indexed.prefix}) "
                                   f"{per_epoch} {self.split} sample(s) and {count} are needed: the same batches "
                                   f"would repeat samples; lower {self.asked_by} or give the {self.split} split "
                                   f"more documents ({field})")
-        return dataset
+        return HeldOutSamples(dataset, entries, unevaluated)
+
+    def _sources_with_samples(self, loader: BlendedMegatronLoaderConfig
+                              ) -> tuple[list[int], list[UnevaluatedSource], TrainConfig]:
+        """The blend entries whose share of the split holds one sample or more, the others with why, and the
+        config whose blend for the split is the former (the run's own when that is every entry)."""
+        from training.data.gpt_dataset import parse_data_path, split_document_range
+        from training.data.indexed import IndexedDataset
+
+        data = loader.config
+        split_index = SPLITS.index(self.split)
+        blend, ratios, where = data.blend_for(split_index)
+        if blend is None:  # mock data: one source, as long as asked
+            return [0], [], self.config
+        prefixes, weights = parse_data_path(blend, where)
+        sample_tokens = data.seq_length + int(data.add_extra_token_to_sequence)
+        entries, unevaluated = [], []
+        for entry, prefix in enumerate(prefixes):
+            source = IndexedDataset(prefix)
+            begin, end = split_document_range(ratios, split_index, source.num_documents)
+            tokens = int(source.sequence_lengths[begin:end].sum(dtype=np.int64))
+            if tokens >= sample_tokens:
+                entries.append(entry)
+                continue
+            short = (f"fewer than one sample's {sample_tokens} (train_dataset.dataloader.config.seq_length "
+                     f"{data.seq_length}{' + 1' if data.add_extra_token_to_sequence else ''})")
+            if end <= begin:
+                why = f"split {ratios!r} gives the {self.split} split none of them"
+            elif data.data_path is None:  # a blend per split reads each source whole
+                why = f"{tokens} tokens, {short}"
+            else:
+                why = f"split {ratios!r} gives the {self.split} split {end - begin} of them, {tokens} tokens, {short}"
+            unevaluated.append(UnevaluatedSource(
+                entry, str(prefix), source.num_documents, end - begin, tokens,
+                f"{where}[{2 * entry + 1 if weights else entry}] {prefix}: {source.num_documents} document(s), "
+                f"{why}"))
+        if not unevaluated:
+            return entries, [], self.config
+        kept = [x for entry in entries for x in ((weights[entry], prefixes[entry]) if weights else (prefixes[entry],))]
+        return entries, unevaluated, _with_blend(self.config, where.rsplit(".", 1)[1], kept)
+
+
+def _with_blend(config: TrainConfig, field: str, blend: list) -> TrainConfig:
+    """``config`` with ``train_dataset.dataloader.config.<field>`` set to ``blend``."""
+    loader = config.train_dataset.dataloader
+    dataloader = replace(loader, config=replace(loader.config, **{field: blend}))
+    return replace(config, train_dataset=replace(config.train_dataset, dataloader=dataloader))
 
 
 def split_field(loader: BlendedMegatronLoaderConfig, split: str) -> str:
@@ -152,7 +223,9 @@ class Validation:
         self.sample_indices = sample_indices  # (first sample of the batch, micro-batch) -> this rank's indices
         self.accumulation = accumulation
         self.use_positions = use_positions
-        self.dataset = HeldOutSplit(config, "valid", config.training.eval_iters).build(vocab_size)
+        held_out = HeldOutSplit(config, "valid", config.training.eval_iters).build(vocab_size)
+        self.dataset = held_out.dataset
+        self.unevaluated = held_out.unevaluated  # sources the validation split gives no sample: the run log says
 
     @staticmethod
     def due(training, step: int) -> bool:
@@ -208,13 +281,13 @@ def default_split(config: TrainConfig) -> str:
     return "test" if len(ratios) == 3 and ratios[2] > 0 else "valid"
 
 
-def _source_names(config: TrainConfig, lineage: dict) -> list[str]:
-    """The source name of each blend entry (data_path order), from the lineage's shard records; a shard no
-    record names (a run on hand-picked shards) is named by its file."""
+def _source_names(config: TrainConfig, split: str, lineage: dict) -> list[str]:
+    """The source name of each entry of ``split``'s blend, from the lineage's shard records; a shard no record
+    names (a run on hand-picked shards) is named by its file."""
     from training.data.gpt_dataset import parse_data_path
 
-    data = config.train_dataset.dataloader.config
-    prefixes, _ = parse_data_path(data.data_path or [], "data_path")
+    blend, _, where = config.train_dataset.dataloader.config.blend_for(SPLITS.index(split))
+    prefixes = parse_data_path(blend, where)[0] if blend is not None else []
     root = Path(lineage.get("data_root", "."))
     by_prefix = {str(root / shard["path"].rsplit(".", 1)[0]): shard["source"] for shard in lineage.get("shards") or []}
     return [by_prefix.get(str(Path(prefix)), Path(prefix).name) for prefix in prefixes] or ["mock"]
@@ -251,21 +324,21 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     model = build_model(config.model)
     _load_weights(model, checkpoint_dir)
     loss = HeldOutLoss(model, compiled=not compile_blockers(config, ParallelDims(world=1), model))
-    dataset = HeldOutSplit(config, split, batches, "--batches").build(model.config.vocab_size)
-    names = _source_names(config, lineage)
+    held_out = HeldOutSplit(config, split, batches, "--batches").build(model.config.vocab_size)
+    dataset, names = held_out.dataset, _source_names(config, split, lineage)
     use_positions = config.train_dataset.dataloader.config.reset_position_ids
     samples = batches * config.training.global_batch_size
-    per_source = np.zeros((len(names), 3))  # loss sum, tokens, samples
+    per_source = np.zeros((len(names), 3))  # loss sum, tokens, samples, per blend entry
     lbs = config.training.local_batch_size
     with evaluating(model):
         for first in range(0, samples, lbs):
             items = [dataset[i] for i in range(first, min(first + lbs, samples))]
             sums, counts = forward_loss_sums(loss, stack_model_inputs(items, use_positions))
             for item, loss_sum, tokens in zip(items, sums, counts):
-                per_source[item["dataset_id"]] += (loss_sum, tokens, 1)
+                per_source[held_out.entries[item["dataset_id"]]] += (loss_sum, tokens, 1)
     by_name: dict[str, np.ndarray] = {}
-    for name, row in zip(names, per_source):
-        by_name[name] = by_name.get(name, np.zeros(3)) + row
+    for entry in held_out.entries:
+        by_name[names[entry]] = by_name.get(names[entry], np.zeros(3)) + per_source[entry]
     total = per_source.sum(0)
 
     def summary(row: np.ndarray) -> dict:
@@ -282,6 +355,10 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
         "shards": [{"source": s["source"], "path": s["path"], "sha256": s["sha256"]}
                    for s in lineage.get("shards") or []],
         **summary(total), "sources": {name: summary(row) for name, row in by_name.items()},
+        # the sources the split gives no sample, and why: a small source may get no held-out document
+        "unevaluated_sources": [{"source": names[s.entry], "shard": s.prefix, "documents": s.documents,
+                                 "held_out_documents": s.held_out_documents, "held_out_tokens": s.held_out_tokens,
+                                 "reason": s.reason} for s in held_out.unevaluated],
         "evaluated_at": datetime.now(timezone.utc).isoformat(),
     }
     return {**record, "results_sha256": results_sha256(record)}

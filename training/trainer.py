@@ -292,6 +292,8 @@ class Trainer:
         loader = config.train_dataset.dataloader
         self.use_positions = isinstance(loader, BlendedMegatronLoaderConfig) and loader.config.reset_position_ids
         self.validation = self._validation(step.forward_compiled) if config.training.eval_interval else None
+        for source in self.validation.unevaluated if self.validation else ():
+            self.reporter.warning(f"validation loss leaves out {source.reason}")
         self.step = 0
         self.consumed_samples = 0
         self.resumed_from: str | None = None
