@@ -1,17 +1,22 @@
 """Mixture of experts (DeepSeek-V3 style): top-k router with group-limited routing and an aux-loss-free
 expert bias, routed experts as stacked weights, optional shared experts, optional load-balancing loss.
 
-Dispatch, with every shape fixed by the micro-batch so the layer compiles (``GroupedExperts.dispatch``): each
-(token, choice) row gets a slot in a buffer cut into blocks of ``block_rows``; each expert's rows fill whole
-blocks of their own, in expert order, the rest of its last block zero. Each block then runs through its
-expert's weights (gathered per block) in one batched matmul, and each (token, choice) reads its output back
-from its slot. Slots come from a running count per expert (a cumsum of the choices' one-hots), so no sort
-and no host round trip. Under expert parallelism the rows instead go to the all-to-all dispatcher of
-``training.parallel.expert_parallel``, which needs the counts on the host: the router's choices are sorted by
-expert there (numpy), the layer's experts take their rows through ``GroupedExperts.construct``, and the
-outputs are scatter-added back per token. Layouts (MindFormers' grouped GEMM): ``experts.weight1``
-[E, hidden, 2·ffn] with the gate in the first half of the last axis and up in the second, ``experts.weight2``
-[E, ffn, hidden] (input-major: the transpose of an HF Linear weight).
+Two dispatches, chosen by whether the forward is being compiled (``compiling``):
+- compiled (``GroupedExperts.dispatch``), every shape fixed by the micro-batch: each (token, choice) row gets a
+  slot in a buffer cut into blocks of rows/(2E) rows; each expert's rows fill whole blocks of their own, in
+  expert order, the rest of its last block zero. Each block then runs through its expert's weights (gathered
+  per block) in one batched matmul, and each (token, choice) reads its output back from its slot. Slots come
+  from a running count per expert (a cumsum of the choices' one-hots), so no sort and no host round trip.
+- eager, and always under expert parallelism (``MoELayer._dispatch_on_host``): the router's choices go to the
+  host and are sorted by expert (numpy); the rows, grouped by expert, go to the layer's experts
+  (``GroupedExperts.construct``: one batched matmul padded to the busiest expert's count) or to the
+  all-to-all dispatcher of ``training.parallel.expert_parallel``, and the outputs are scatter-added back per
+  token. Run op by op it is the faster of the two (benchmarks/moe_dispatch.py, deepseek_v3_bench's layer:
+  block dispatch 0.70-0.95x of it eagerly): fewer ops, no per-block weight copies, padding only up to the
+  busiest expert's count. Under a graph its host round trip and routing-dependent shapes cannot be.
+Both compute the same values within fp32 rounding (tests/test_deepseek_v3.py). Layouts (MindFormers' grouped
+GEMM): ``experts.weight1`` [E, hidden, 2·ffn] with the gate in the first half of the last axis and up in the
+second, ``experts.weight2`` [E, ffn, hidden] (input-major: the transpose of an HF Linear weight).
 
 What a step needs besides the output (tokens per expert for the expert-bias update, the load-balancing loss
 for the loss and its log) goes to ``RoutingStats`` buffers the forward writes in the graph: they are not
@@ -24,11 +29,24 @@ import itertools
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.ops.primitive import constexpr
 
 from training.model.layers import Init, _matmul_transpose_b, cast
 from training.model.spec import ModuleSpec, build_module
 
 LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss")
+
+
+@constexpr(check=False)
+def _is_none(value) -> bool:
+    return value is None
+
+
+def compiling() -> bool:
+    """True while ``mindspore.jit`` traces the caller, a constant of the graph; False when it runs eagerly. A graph
+    hands a constexpr no Python function objects (they arrive as None); MindSpore's own recompute asks the same
+    way (``mindspore.graph.api._run_in_jit``, whose body does not parse inside a jit)."""
+    return _is_none(compiling)
 
 
 class TopKRouter(nn.Cell):
@@ -110,8 +128,8 @@ class GroupedExperts(nn.Cell):
         return ops.gather(out.reshape(blocks * block, hidden), slot, 0)
 
     def construct(self, x_sorted: Tensor, counts: np.ndarray) -> Tensor:
-        """x_sorted: [assignments, hidden], grouped by expert in expert order with ``counts[e]`` rows each (the
-        expert-parallel dispatcher's rows, counted on the host).
+        """x_sorted: [assignments, hidden], grouped by expert in expert order with ``counts[e]`` rows each, counted
+        on the host (the eager dispatch's rows, or the expert-parallel dispatcher's).
 
         All experts run as one batched matmul over [E, capacity, hidden], capacity = the busiest expert's
         count, padding rows zero: in PyNative every op costs ~1 ms of dispatch, and a per-expert loop
@@ -208,7 +226,7 @@ class MoELayer(nn.Cell):
         expert_of_row = chosen.reshape(-1)                         # [T·k], token t's j-th choice at t·k + j
         one_hot = ops.one_hot(expert_of_row, self.num_experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
         counts = one_hot.sum(0)
-        if self.token_dispatcher is None:
+        if self.token_dispatcher is None and compiling():
             routed = self.experts.dispatch(tokens, expert_of_row, one_hot, counts, self.top_k)
             out = (routed * cast(gates, x.dtype).reshape(-1, 1)).reshape(-1, self.top_k, hidden).sum(1)
         else:
@@ -224,13 +242,14 @@ class MoELayer(nn.Cell):
         return out
 
     def _dispatch_on_host(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Tensor:
-        """The expert-parallel dispatcher's path: rows sorted by expert on the host, outputs scatter-added back."""
+        """The eager path (module docstring): rows sorted by expert on the host, through the expert-parallel
+        dispatcher or this layer's experts, outputs scatter-added back."""
         choices = chosen.asnumpy().reshape(-1)
         order = np.argsort(choices, kind="stable")
         token_of = Tensor((order // self.top_k).astype(np.int32))
         gate_sorted = cast(ops.gather(gates.reshape(-1), Tensor(order.astype(np.int32)), 0), tokens.dtype)
-        routed = self.token_dispatcher(ops.gather(tokens, token_of, 0),
-                                       np.bincount(choices, minlength=self.num_experts))
+        experts = self.experts if self.token_dispatcher is None else self.token_dispatcher
+        routed = experts(ops.gather(tokens, token_of, 0), np.bincount(choices, minlength=self.num_experts))
         return ops.unsorted_segment_sum(routed * gate_sorted.expand_dims(-1), token_of, tokens.shape[0])
 
     def _load_balancing_loss(self, scores: Tensor, one_hot: Tensor) -> Tensor:
