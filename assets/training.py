@@ -23,7 +23,7 @@ from training.atomic import write_json_atomic, write_text_atomic
 from training.checkpoint import LINEAGE, complete_steps, iteration_dir, latest_complete_checkpoint
 from training.config import ConfigError, apply_overrides, load_config, set_field
 from training.data.hashing import sha256_file
-from training.data.manifest import load_manifest, training_data_path
+from training.data.manifest import ManifestError, read_manifest, training_data_path
 from training.failures import log_sizes, not_retriable_cause
 from training.lineage import AuditCache, audit_checkpoint, lineage_inputs, store_lineage_inputs
 from training.parallel.mesh import ParallelDims
@@ -58,14 +58,14 @@ class TrainingRunConfig(dg.Config):
         "training.max_consecutive_skipped_steps, is never retried"))
     retry_delay_s: float = Field(default=60.0, description="seconds between a failed launch and its retry")
 
-def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_target: str) -> tuple[dict, Path]:
-    """The user's YAML with Kiln's wiring: data, seq_length, split and seed from the manifest, save/resume
-    paths from the run dir."""
+def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_target: str, manifest: dict
+                           ) -> tuple[dict, Path]:
+    """The user's YAML with Kiln's wiring: data, seq_length, split and seed from the blend ``manifest``
+    (storage's, as read_manifest read it), save/resume paths from the run dir."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", cfg.run_name):
         raise dg.Failure(f"run_name {cfg.run_name!r}: use letters, digits, '_', '.', '-' only")
     source = (PROJECT_ROOT / cfg.config_path).resolve()
     data = yaml.safe_load(source.read_text())
-    manifest = load_manifest(storage.manifest_path(), storage.root)
     # the blend manifest is the one place these are set (BlendConfig): the YAML may repeat a value, not change it
     from_manifest = {"train_dataset.dataloader.config.seq_length": "seq_length",
                      "train_dataset.dataloader.config.split": "split",
@@ -229,13 +229,24 @@ def record_unreported_checkpoints(context: dg.OpExecutionContext, storage: KilnS
         directory = iteration_dir(save_path, step)
         key = f"{run_name}/{directory.name}"
         try:
-            files = json.loads((directory / LINEAGE).read_text())["checkpoint"]["files"]
-        except (OSError, ValueError, KeyError, TypeError):
-            files = []  # the audit recorded with it says what is wrong with lineage.json
+            files = saved_files(directory)
+        except ValueError as exc:  # recorded all the same: the audit recorded with it fails and says why
+            context.log.warning(str(exc))
+            files = []
         record_checkpoint(context, storage, {**records[step], "path": str(directory), "files": files}, run_name,
                           code_version, cache)
         recorded.append(key)
     return recorded
+
+
+def saved_files(checkpoint_dir: Path) -> list[dict]:
+    """The files a checkpoint's save wrote, with their sha256, as its lineage.json lists them (the checkpoint's
+    data version); a ValueError naming the file when it cannot say."""
+    path = checkpoint_dir / LINEAGE
+    try:
+        return json.loads(path.read_text())["checkpoint"]["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: no list of the checkpoint's files ({type(exc).__name__}: {exc})") from None
 
 
 def _checkpoint_event(message: dict, key: str, code_version: str, audit: str, lineage: str
@@ -286,8 +297,13 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     A launch that lost a process is retried (`max_retries`, `retry_delay_s`), resuming where it saved last.
     """
     try:
+        # read once: the rendered config, the tokenizer checked and the lineage all come from this version of it
+        manifest, manifest_sha256 = read_manifest(storage.manifest_path(), storage.root)
+    except ManifestError as exc:  # a retry would read the same file: blend_manifest must be materialized again
+        raise dg.Failure(f"{exc}: materialize blend_manifest", allow_retries=False) from None
+    try:
         rendered, run_dir = render_training_config(attempt_config(context, config, storage), storage,
-                                                   msrun.device_target)
+                                                   msrun.device_target, manifest)
     except dg.Failure as exc:  # the run config asks for something impossible: a retry would ask again
         raise dg.Failure(exc.description, metadata=exc.metadata, allow_retries=False) from None
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -303,15 +319,14 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         from training.model import validate_model_section
         from training.parallel.expert_parallel import check_expert_parallel
 
-        tokenizer = load_manifest(storage.manifest_path(), storage.root)["tokenizer"]["path"]
-        model = validate_model_section(train_config, storage.root / tokenizer)
+        model = validate_model_section(train_config, storage.root / manifest["tokenizer"]["path"])
         check_expert_parallel(train_config.parallelism, model.n_routed_experts if model.has_moe else None)
     except ConfigError as exc:
         raise dg.Failure(f"training config {config.config_path}: {exc}", allow_retries=False) from None
     lineage_file = run_dir / "lineage_inputs.json"
     # the upstream chain goes to the lineage store once; every checkpoint's lineage.json points at it
-    write_json_atomic(lineage_file, store_lineage_inputs(storage.runs_root,
-                                                         lineage_inputs(storage.manifest_path(), storage.root)))
+    write_json_atomic(lineage_file, store_lineage_inputs(storage.runs_root, lineage_inputs(
+        storage.manifest_path(), storage.root, (manifest, manifest_sha256))))
     parallelism = train_config.parallelism
     sharding = f"FSDP {parallelism.data_parallel_shard_strategy}" if dims.dp_shard > 1 else "parameters replicated"
     mesh = f"{dims.describe()}; {sharding}" + (", sequence parallel" if dims.tp > 1 else "")
@@ -359,7 +374,11 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     steps = sorted({r["step"]: r for r in records if is_step_record(r)}.values(), key=lambda r: r["step"])
     validations = [r for r in records if not is_step_record(r)]
     final = latest_complete_checkpoint(Path(train_config.checkpoint.save_path))
-    final_files = json.loads((final / "lineage.json").read_text())["checkpoint"]["files"] if final else []
+    try:
+        final_files = saved_files(final) if final else []
+    except ValueError as exc:  # its checkpoints are on disk; the run's data version cannot be named
+        raise dg.Failure(f"training finished, but its final checkpoint cannot name its files: {exc}",
+                         allow_retries=False) from None
     metadata = {
         "run_dir": dg.MetadataValue.path(str(run_dir)), "config_sha256": dg.MetadataValue.text(sha256_file(config_file)),
         "msrun_command": dg.MetadataValue.text(" ".join(command)), "workers": msrun.worker_num,

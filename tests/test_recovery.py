@@ -44,20 +44,25 @@ def test_a_worker_stopped_by_a_config_error_is_not_retried_for_its_one_line(tmp_
     assert not_retriable_cause(tmp_path, {}) == f"worker_0.log: {err.splitlines()[0]}"
 
 
-def test_a_training_run_refused_before_launch_is_not_retried_and_says_why(tmp_path, shard, monkeypatch):
+@pytest.mark.parametrize("refused", ["config", "missing manifest"])
+def test_a_training_run_refused_before_launch_is_not_retried_and_says_why(tmp_path, shard, monkeypatch, refused):
     launched = []
     monkeypatch.setattr(MsrunResource, "run", lambda *args, **kwargs: launched.append(args))
     storage = storage_for_shard(tmp_path, shard)
+    overrides, why = ["training.max_norm=0"], "training.max_norm must be > 0"
+    if refused == "missing manifest":
+        storage.manifest_path().unlink()
+        overrides, why = [], f"{storage.manifest_path()}: unreadable manifest"
     with dg.instance_for_test() as instance:
         result = dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, raise_on_error=False,
                                 resources=resources(storage=storage, msrun=MsrunResource()),
                                 run_config={"ops": {"training_run": {"config": {
                                     "config_path": MICRO_CONFIG, "run_name": "refused", "retry_delay_s": 0,
-                                    "overrides": ["training.max_norm=0"]}}}})
+                                    "overrides": overrides}}}})
     kinds = [e.event_type_value for e in result.all_events]
     assert not result.success and "STEP_UP_FOR_RETRY" not in kinds and not launched
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
-    assert "training.max_norm must be > 0" in failure.event_specific_data.error.message
+    assert why in failure.event_specific_data.error.message
 
 
 def test_a_run_retry_resumes_and_lists_the_attempt_its_killed_run_lost(tmp_path):

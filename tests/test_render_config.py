@@ -10,7 +10,7 @@ from conftest import MICRO_CONFIG, PROJECT_ROOT
 from resources.storage import KilnStorage
 from training.atomic import write_json_atomic
 from training.config import load_config
-from training.data.manifest import build_manifest
+from training.data.manifest import build_manifest, load_manifest
 
 SHIPPED = ["configs/qwen3_tiny.yaml", "configs/deepseek_v3_tiny.yaml"]
 
@@ -31,7 +31,8 @@ def storage_with_manifest(tmp_path, seq_length, split, seed) -> KilnStorage:
 
 def render(storage, config_path, overrides=()):
     rendered, _ = render_training_config(TrainingRunConfig(config_path=str(config_path), run_name="r",
-                                                           overrides=list(overrides)), storage, "CPU")
+                                                           overrides=list(overrides)), storage, "CPU",
+                                         load_manifest(storage.manifest_path(), storage.root))
     return rendered
 
 

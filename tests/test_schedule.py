@@ -12,6 +12,7 @@ from pipelines.definitions import build_definitions, resources
 from resources.msrun import MsrunResource
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
+from training.data.manifest import load_manifest
 from training.lineage import audit_checkpoint
 
 pytestmark = pytest.mark.msrun
@@ -84,7 +85,8 @@ def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micr
     # how the next materialization of the run would start
     def start(mode, run_name="nightly", init_from=""):
         rendered, _ = render_training_config(TrainingRunConfig(config_path=MICRO_CONFIG, run_name=run_name,
-                                                               start=mode, init_from=init_from), storage, "CPU")
+                                                               start=mode, init_from=init_from), storage, "CPU",
+                                             load_manifest(storage.manifest_path(), storage.root))
         return rendered["checkpoint"]["load_path"], rendered["checkpoint"]["no_load_optim"]
 
     save_path = tmp_path / "runs/nightly/checkpoints"

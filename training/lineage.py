@@ -28,7 +28,7 @@ import yaml
 
 from training.atomic import write_atomic
 from training.data.hashing import sha256_file
-from training.data.manifest import load_manifest
+from training.data.manifest import read_manifest
 
 LINEAGE_VERSION = 2  # 2: upstream records in the lineage store, lineage.json points at them (1: inline)
 STORE_DIR = "lineage"  # under the runs root
@@ -37,11 +37,12 @@ EVAL_PREFIX = "eval-"  # a checkpoint's evaluation sidecars: <checkpoint>/eval-<
 EVAL_INDEX = "eval_index.jsonl"  # in a run's save path: one line per evaluation written
 
 
-def lineage_inputs(manifest_path: str | Path, data_root: str | Path) -> dict:
-    """The upstream part of a checkpoint's lineage, read from the blend manifest it trains on."""
+def lineage_inputs(manifest_path: str | Path, data_root: str | Path, read: tuple[dict, str] | None = None) -> dict:
+    """The upstream part of a checkpoint's lineage, from the blend manifest it trains on: ``read`` (the manifest
+    and its sha256, as ``read_manifest`` gave them to a caller that trains on them), else read here."""
     root = Path(data_root).resolve()
     manifest_path = Path(manifest_path).resolve()
-    manifest = load_manifest(manifest_path, root)
+    manifest, manifest_sha256 = read or read_manifest(manifest_path, root)
     shards, raw_files = [], []
     total_weight = sum(source["weight"] for source in manifest["sources"])
     for source in manifest["sources"]:
@@ -62,7 +63,7 @@ def lineage_inputs(manifest_path: str | Path, data_root: str | Path) -> dict:
     return {
         "kiln_lineage_version": LINEAGE_VERSION,
         "data_root": str(root),
-        "manifest": {"path": manifest_path.relative_to(root).as_posix(), "sha256": sha256_file(manifest_path)},
+        "manifest": {"path": manifest_path.relative_to(root).as_posix(), "sha256": manifest_sha256},
         "shards": shards,
         "tokenizer": {"path": manifest["tokenizer"]["path"], "sha256": manifest["tokenizer"]["sha256"]},
         "raw_files": raw_files,

@@ -5,6 +5,7 @@ storage at another mount point); a path that escapes the root is rejected.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -63,10 +64,17 @@ def build_manifest(*, sources: list[dict], tokenizer: dict, seq_length: int, spl
 
 
 def load_manifest(path: str | Path, data_root: str | Path) -> dict:
+    return read_manifest(path, data_root)[0]
+
+
+def read_manifest(path: str | Path, data_root: str | Path) -> tuple[dict, str]:
+    """The manifest and the sha256 of the bytes it was parsed from: one read, so what a run takes from the
+    manifest and the hash its lineage records cannot come from two versions of the file."""
     path = Path(path)
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        raw = path.read_bytes()
+        manifest = json.loads(raw)
+    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
         raise ManifestError(f"{path}: unreadable manifest ({exc})") from None
     if manifest.get("kiln_manifest_version") != MANIFEST_VERSION:
         raise ManifestError(f"{path}: kiln_manifest_version {manifest.get('kiln_manifest_version')!r}, "
@@ -76,7 +84,7 @@ def load_manifest(path: str | Path, data_root: str | Path) -> dict:
             relative_to_root(item, data_root)
         except ManifestError as exc:
             raise ManifestError(f"{path}: data_path[{2 * i + 1}]: {exc}") from None
-    return manifest
+    return manifest, hashlib.sha256(raw).hexdigest()
 
 
 def training_data_path(manifest: dict, data_root: str | Path) -> list:
