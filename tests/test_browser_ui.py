@@ -139,7 +139,8 @@ PAINTED_PIXELS = """canvas => {
 def _sources(tmp_path: Path) -> Path:
     """Two small sources, each with documents for the validation split checkpoint_eval reads. (The micro
     sources' code has 10 files, and the blend's default split 98,2,0 holds out round(0.02 x 10) = 0 of them:
-    kiln eval refuses that, naming the source.) Equal weights: a batch of 4 samples takes 2 from each."""
+    kiln eval would leave it out, and the charts checked here are per source.) Equal weights: a batch of 4
+    samples takes 2 from each."""
     path = tmp_path / "sources.yaml"
     path.write_text("sources:\n"
                     "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 80000}\n"
