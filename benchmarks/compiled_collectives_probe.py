@@ -77,13 +77,9 @@ def _cases(group):
         def bprop(self, t, out, dout):
             return (ops.narrow(all_reduce(dout), 0, rank * t.shape[0], t.shape[0]),)
 
-    class CommAllReduce(nn.Cell):  # Kiln's differentiable all-reduce as the model layers call it
-        def construct(self, t):
-            return comm.all_reduce(t, group)
-
-    class CommAllGather(nn.Cell):
-        def construct(self, t):
-            return comm.all_gather(t, 0, group)
+    def graph_ready(cell):  # comm's collective Cells as a compiled step uses them
+        comm.for_graph(cell)
+        return cell
 
     class ListGather(nn.Cell):  # the list form, the only sub-group all-gather in PyNative on CPU
         def construct(self, t):
@@ -116,8 +112,15 @@ def _cases(group):
 
     total, gathered = sum(xs), np.concatenate(xs)
     scale = group.global_rank + 1
-    grad = {"all_reduce": np.append(x_np * sum(r + 1 for r in group.ranks), scale * total.sum()),
-            "all_gather": np.append(x_np * sum(r + 1 for r in group.ranks), scale * gathered.sum())}
+    every_scale = sum(r + 1 for r in group.ranks)
+    # reduce-scatter: each member keeps its rows of the sum, so row block j of the gradient carries member j's scale
+    own_rows = np.split(total, group.size)[rank]
+    row_scales = np.repeat([r + 1.0 for r in group.ranks], x_np.shape[0] // group.size)[:, None]
+    grad = {"all_reduce": np.append(x_np * every_scale, scale * total.sum()),
+            "copy": np.append(x_np * every_scale, scale * x_np.sum()),
+            "reduce": np.append(x_np * scale, scale * total.sum()),
+            "all_gather": np.append(x_np * every_scale, scale * gathered.sum()),
+            "reduce_scatter": np.append(x_np * row_scales, scale * own_rows.sum())}
     return {
         "AllReduce primitive, forward": lambda: (forward(Primitive(all_reduce)), total),
         "AllReduce primitive, its own backward": lambda: (gradient(Primitive(all_reduce)), grad["all_reduce"]),
@@ -126,15 +129,17 @@ def _cases(group):
         "AllGather primitive, forward": lambda: (forward(Primitive(ops.AllGather(group.backend_name))), gathered),
         "AllGather in a Cell with hand-written bprop (all-reduce + slice), backward": lambda: (
             gradient(GatherWithBprop()), grad["all_gather"]),
-        "comm.all_reduce (a Cell made per call), forward": lambda: (forward(CommAllReduce()), total),
-        "comm.all_reduce (a Cell made per call), backward": lambda: (gradient(CommAllReduce()), grad["all_reduce"]),
         "mint.distributed.all_gather list form, forward": lambda: (forward(ListGather()), gathered),
-        "comm.all_gather, forward": lambda: (forward(CommAllGather()), gathered),
-        "trace mode: comm.all_reduce, forward": lambda: (forward(CommAllReduce(), "trace"), total),
-        "trace mode: comm.all_reduce, backward": lambda: (gradient(CommAllReduce(), "trace"), grad["all_reduce"]),
-        "trace mode: comm.all_gather (list form), forward": lambda: (forward(CommAllGather(), "trace"), gathered),
-        "trace mode: comm.all_gather (list form), backward": lambda: (
-            gradient(CommAllGather(), "trace"), grad["all_gather"]),
+        "comm.AllReduce, backward": lambda: (gradient(graph_ready(comm.AllReduce(group))), grad["all_reduce"]),
+        "comm.CopyToGroup (identity forward), backward": lambda: (
+            gradient(graph_ready(comm.CopyToGroup(group))), grad["copy"]),
+        "comm.ReduceFromGroup, backward": lambda: (gradient(graph_ready(comm.ReduceFromGroup(group))), grad["reduce"]),
+        "comm.AllGather after for_graph (all-reduce of a zero-padded buffer), forward": lambda: (
+            forward(graph_ready(comm.AllGather(group, 0))), gathered),
+        "comm.AllGather after for_graph, backward": lambda: (
+            gradient(graph_ready(comm.AllGather(group, 0))), grad["all_gather"]),
+        "comm.ReduceScatter after for_graph (all-reduce + slice), backward": lambda: (
+            gradient(graph_ready(comm.ReduceScatter(group, 0))), grad["reduce_scatter"]),
     }
 
 

@@ -29,6 +29,7 @@ from training.model import GPTModel, build_model
 from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
 from training.optim import (AdamW, SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm,
                             clip_grad_norm_in_graph)
+from training.parallel import comm
 from training.parallel.comm import Collectives
 from training.parallel.fsdp import DataParallel, GradientReduction
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
@@ -80,12 +81,11 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
     if config.monitor.train_state.max_attention_logit:
         reasons.append("monitor.train_state.max_attention_logit: the per-head maxima are gathered on the host")
     # measured with benchmarks/compiled_collectives_probe.py (MindSpore 2.10, CPU): a graph runs ops.AllReduce on
-    # any group and ops.AllGather on the world only; comm's collectives as the layers call them do not parse
-    not_parsed = ("comm's differentiable collectives (a Cell made per call around two lambdas) do not parse in "
+    # any group and ops.AllGather on the world only; comm's Cells (tensor parallelism's) parse after comm.for_graph,
+    # its per-call functions do not
+    not_parsed = ("comm's per-call collectives (a Cell made per call around two lambdas) do not parse in "
                   "mindspore.jit ('The object is not callable'), and a sub-group all-gather has no graph kernel on "
                   "CPU (ops.AllGather: world group only; mint.distributed: not in graph mode)")
-    if dims.tp > 1:
-        reasons.append(f"tensor parallel: its layers call collectives between their matmuls; {not_parsed}")
     if dims.cp > 1:
         reasons.append(f"context parallel: the ring passes K/V blocks (an all-gather), Ulysses swaps sequence for "
                        f"head shards (all-gathers), each a call of comm's on the cp group; {not_parsed}")
@@ -216,6 +216,7 @@ def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, p
     if blockers:
         return TrainStep(grad_fn, None, False,
                          f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
+    comm.for_graph(model)  # tensor parallelism's collectives, as all-reduces
     outside = whole_step_blockers(config, dims, monitor, optimizer)
     if outside:
         return TrainStep(ms.jit(grad_fn), None, True,

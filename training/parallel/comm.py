@@ -15,6 +15,10 @@ Differentiable (MindSpore tensors in and out; each backward is the adjoint colle
                                                                            flows back to the sender
     ring_shift(x, group)                 member r-1's x                  | backward: the ring_shift the other way
 
+The first five are also Cells (``AllReduce``, ``CopyToGroup``, ``ReduceFromGroup``, ``AllGather``,
+``ReduceScatter``), which a layer builds once and calls: the same Cell runs eagerly and, after
+``for_graph(model)``, inside a ``mindspore.jit`` graph (tensor parallelism compiles so). The others run eagerly.
+
 "This rank's slice" is chunk ``group.rank`` of ``group.size`` equal chunks; gathers concatenate in group
 order (ascending global rank). ``src`` / ``sender`` are indices in the group, not global ranks. Host-side
 helpers (numpy, not differentiable): ``all_reduce_array``, ``barrier``, ``share_arrays``; ``Collectives`` is
@@ -66,10 +70,14 @@ class _Backend:
     def __init__(self):
         self._all_reduce_ops: dict[str, ops.AllReduce] = {}
 
-    def all_reduce(self, x: Tensor, group: Group) -> Tensor:
+    def all_reduce_primitive(self, group: Group) -> ops.AllReduce:
+        """The group's sum, one primitive per group (it parses in a graph as well)."""
         if group.backend_name not in self._all_reduce_ops:
             self._all_reduce_ops[group.backend_name] = ops.AllReduce(ops.ReduceOp.SUM, group.backend_name)
-        return self._all_reduce_ops[group.backend_name](x)
+        return self._all_reduce_ops[group.backend_name]
+
+    def all_reduce(self, x: Tensor, group: Group) -> Tensor:
+        return self.all_reduce_primitive(group)(x)
 
     def broadcast(self, x: Tensor, src: int, group: Group) -> Tensor:
         buffer = x.copy()  # broadcast writes in place, and the caller's tensor is not ours to overwrite
@@ -164,12 +172,8 @@ def _backend() -> _Backend:
 
 
 class _WithBackward(nn.Cell):
-    """``forward`` with the hand-written ``backward`` as its gradient: MindSpore's own backward of its
-    collectives is missing on CPU (AllGather's needs ReduceScatter, which has no CPU kernel), and Megatron's
-    pairs (identity forward, all-reduce backward) have none at all. MindSpore never differentiates the
-    bodies, so the slicing and axis moves in them are safe from 2.10's wrong CPU gradient of a permuted
-    split view. ``backward`` reads only the output gradient, never the saved input or output (FSDP's
-    saved-tensor hooks drop those)."""
+    """``forward`` with the hand-written ``backward`` as its gradient, as ``GroupCollective`` (why: there). A Cell
+    made per call around two Python functions, so it runs eagerly only."""
 
     def __init__(self, forward: Callable[[Tensor], Tensor], backward: Callable[[Tensor], Tensor]):
         super().__init__()
@@ -186,46 +190,163 @@ def _differentiable(x: Tensor, forward: Callable[[Tensor], Tensor], backward: Ca
     return _WithBackward(forward, backward)(x)
 
 
-def all_reduce(x: Tensor, group: Group) -> Tensor:
-    if group.size == 1:
+# The collectives tensor parallelism puts between its matmuls, as Cells built once per call site and group: the
+# same Cell runs eagerly and inside mindspore.jit, where only primitives parse (benchmarks/compiled_collectives_probe.py:
+# ops.AllReduce on any group; mint.distributed not at all; ops.AllGather on the world group only, on CPU). Eagerly
+# its gathers and reduce-scatters go through the backend; ``for_graph`` switches them to all-reduce.
+
+
+class _BackendTransport(nn.Cell):
+    """All-gather and reduce-scatter along ``dim`` as the backend runs them eagerly (on CPU the list-form
+    all-gather, on Ascend HCCL's own); they do not parse in a graph."""
+
+    def __init__(self, group: Group, dim: int):
+        super().__init__()
+        self.group, self.dim = group, dim
+
+    def gather(self, x):
+        return _backend().all_gather(x, self.dim, self.group)
+
+    def reduce_scatter(self, x):
+        return _backend().reduce_scatter(x, self.dim, self.group)
+
+
+class _AllReduceTransport(nn.Cell):
+    """The same from the group's all-reduce alone, which parses in a graph on any group: the gather sums a buffer
+    that is zero outside this rank's part, so it moves ``size`` times a gather's bytes; the reduce-scatter
+    keeps this rank's part of the sum, as the CPU backend does eagerly."""
+
+    def __init__(self, group: Group, dim: int):
+        super().__init__()
+        self.sum = _backend().all_reduce_primitive(group)
+        self.slice = ops.Slice()  # the primitive: ops.narrow's Python argument check failed to compile in a bprop
+        self.rank, self.size, self.dim = group.rank, group.size, dim
+
+    def gather(self, x):
+        shape = list(x.shape)
+        pieces = []
+        if self.rank > 0:
+            pieces.append(ops.zeros(tuple(shape[:self.dim] + [self.rank * shape[self.dim]] + shape[self.dim + 1:]),
+                                    x.dtype))
+        pieces.append(x)
+        if self.rank < self.size - 1:
+            pieces.append(ops.zeros(tuple(shape[:self.dim] + [(self.size - 1 - self.rank) * shape[self.dim]]
+                                          + shape[self.dim + 1:]), x.dtype))
+        return self.sum(ops.cat(pieces, self.dim))
+
+    def reduce_scatter(self, x):
+        shape = list(x.shape)
+        part = shape[self.dim] // self.size
+        begin = [0] * len(shape)
+        begin[self.dim] = self.rank * part
+        shape[self.dim] = part
+        return self.slice(self.sum(x), tuple(begin), tuple(shape))
+
+
+class GroupCollective(nn.Cell):
+    """A differentiable collective over ``group`` (two or more ranks), called like a function; ``backward``, the
+    adjoint collective, is its gradient: MindSpore's own backward of its collectives is missing on CPU
+    (AllGather's needs ReduceScatter, which has no CPU kernel), and Megatron's pairs (identity forward,
+    all-reduce backward) have none. MindSpore never differentiates the bodies, so the slicing in them is safe
+    from 2.10's wrong CPU gradient of a permuted split view. ``backward`` reads only the output gradient, never
+    the saved input or output (FSDP's saved-tensor hooks drop those)."""
+
+    def __init__(self, group: Group, dim: int = 0):
+        super().__init__()
+        if group.size < 2:
+            raise ValueError(f"{type(self).__name__} over group {group.name!r} of size {group.size}: a group of "
+                             "one needs no collective")
+        self.sum = _backend().all_reduce_primitive(group)
+        self.transport = _BackendTransport(group, dim)
+
+    def bprop(self, x, out, dout):
+        return (self.backward(dout),)
+
+
+class AllReduce(GroupCollective):
+    """Sum over the group | backward: all-reduce."""
+
+    def construct(self, x):
+        return self.sum(x)
+
+    def backward(self, g):
+        return self.sum(g)
+
+
+class CopyToGroup(GroupCollective):
+    """Identity | backward: all-reduce (Megatron's "f": entering a region where each rank computes a part from
+    the same ``x``, e.g. a column-parallel linear, whose gradients with respect to ``x`` add up)."""
+
+    def construct(self, x):
         return x
-    reduce = lambda t: _backend().all_reduce(t, group)  # noqa: E731
-    return _differentiable(x, reduce, reduce)
+
+    def backward(self, g):
+        return self.sum(g)
+
+
+class ReduceFromGroup(GroupCollective):
+    """Sum over the group | backward: identity (Megatron's "g": leaving such a region by summing the ranks'
+    partial results, e.g. after a row-parallel linear)."""
+
+    def construct(self, x):
+        return self.sum(x)
+
+    def backward(self, g):
+        return g
+
+
+class AllGather(GroupCollective):
+    """Concat of every rank's ``x`` along ``dim`` | backward: reduce-scatter."""
+
+    def construct(self, x):
+        return self.transport.gather(x)
+
+    def backward(self, g):
+        return self.transport.reduce_scatter(g)
+
+
+class ReduceScatter(GroupCollective):
+    """Sum over the group, then this rank's part along ``dim`` | backward: all-gather."""
+
+    def construct(self, x):
+        return self.transport.reduce_scatter(x)
+
+    def backward(self, g):
+        return self.transport.gather(g)
+
+
+def for_graph(cell: nn.Cell) -> None:
+    """Make every ``GroupCollective`` in ``cell`` parse inside mindspore.jit: gathers and reduce-scatters become
+    all-reduces (a gather then moves group-size times the bytes). Call before compiling; eager calls after it
+    stay right, only slower."""
+    for _, sub in cell.cells_and_names():
+        if isinstance(sub, GroupCollective) and isinstance(sub.transport, _BackendTransport):
+            transport = sub.transport
+            sub.transport = _AllReduceTransport(transport.group, transport.dim)
+
+
+def all_reduce(x: Tensor, group: Group) -> Tensor:
+    return x if group.size == 1 else AllReduce(group)(x)
 
 
 def copy_to_group(x: Tensor, group: Group) -> Tensor:
-    """Enter a region where each rank computes a part from the same ``x`` (e.g. a column-parallel linear):
-    the parts' gradients with respect to ``x`` add up."""
-    if group.size == 1:
-        return x
-    return _differentiable(x, lambda t: t, lambda g: _backend().all_reduce(g, group))
+    return x if group.size == 1 else CopyToGroup(group)(x)
 
 
 def reduce_from_group(x: Tensor, group: Group) -> Tensor:
-    """Leave such a region by summing the ranks' partial results (e.g. after a row-parallel linear)."""
-    if group.size == 1:
-        return x
-    return _differentiable(x, lambda t: _backend().all_reduce(t, group), lambda g: g)
+    return x if group.size == 1 else ReduceFromGroup(group)(x)
+
+
+def all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
+    return x if group.size == 1 else AllGather(group, dim)(x)
+
+
+def reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
+    return x if group.size == 1 else ReduceScatter(group, dim)(x)
 
 
 def _gather(x: Tensor, dim: int, group: Group) -> Tensor:
     return _backend().all_gather(x, dim, group)
-
-
-def _reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
-    return _backend().reduce_scatter(x, dim, group)
-
-
-def all_gather(x: Tensor, dim: int, group: Group) -> Tensor:
-    if group.size == 1:
-        return x
-    return _differentiable(x, lambda t: _gather(t, dim, group), lambda g: _reduce_scatter(g, dim, group))
-
-
-def reduce_scatter(x: Tensor, dim: int, group: Group) -> Tensor:
-    if group.size == 1:
-        return x
-    return _differentiable(x, lambda t: _reduce_scatter(t, dim, group), lambda g: _gather(g, dim, group))
 
 
 def scatter_to_group(x: Tensor, dim: int, group: Group) -> Tensor:

@@ -26,7 +26,7 @@ each step then brings cp − 1 blocks where a true ring brings one (the benchmar
 """
 from __future__ import annotations
 
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Callable
 
 import mindspore as ms
@@ -280,14 +280,10 @@ def apply_context_parallel(model, mesh: DeviceMesh, config: TrainConfig) -> Cont
     model.count_loss_tokens = plan.count_tokens
     model.roll_inputs_left = plan.roll_each_left
     for _, moe in model.moe_layers():  # the balancing loss's statistics over the whole sequences
-        over_cp = partial(comm.all_reduce, group=plan.cp_group)
-        # under sequence parallelism each cp chunk is cut again over tp: its statistics are summed over tp first
-        moe.sequence_shard_sum = over_cp if moe.sequence_shard_sum is None else _summed_in_turn(
-            moe.sequence_shard_sum, over_cp)
+        over_cp = comm.AllReduce(plan.cp_group)
+        # under sequence parallelism each cp chunk is cut again over tp: its statistics are summed over tp first,
+        # then over cp, each sum differentiating as its own axis needs
+        moe.sequence_shard_sum = over_cp if moe.sequence_shard_sum is None else nn.SequentialCell(
+            [moe.sequence_shard_sum, over_cp])
         moe.aux_loss_share = 1.0 / plan.cp
     return plan
-
-
-def _summed_in_turn(first, then):
-    """``then(first(x))``: two sums over orthogonal groups, each differentiating as its own axis needs."""
-    return lambda x: then(first(x))

@@ -43,7 +43,6 @@ tp · dp_shard for a column-parallel weight, dim 0 into dp_shard × dim 1 into t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
@@ -73,19 +72,26 @@ class TensorParallelPlan:
         return tuple(name for name, layout in self.layouts.items() if layout.is_sharded)
 
 
-def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, vocab_start: int, group: Group) -> Tensor:
+class VocabParallelCrossEntropy(nn.Cell):
     """Per-token -log p(label) for ``logits`` [tokens, local vocab] holding the vocabulary ids ``vocab_start``
     onwards, labels [tokens] over the whole vocabulary. The row maximum (only for stability, no gradient), the
     sum of exponentials and the label's logit (from the rank holding it) are summed over ``group``; the
     backward of that sum is the identity, so each rank's logits get their softmax minus the one-hot."""
-    row_max = ops.stop_gradient(comm.all_gather(logits.amax(-1).expand_dims(0), 0, group).amax(0))
-    shifted = logits - row_max.expand_dims(-1)
-    local_labels = labels - vocab_start
-    here = ops.logical_and(local_labels >= 0, local_labels < logits.shape[-1])
-    label_logit = ops.gather_elements(shifted, 1, ops.where(here, local_labels, 0).reshape(-1, 1)).reshape(-1)
-    sums = comm.reduce_from_group(ops.stack((ops.exp(shifted).sum(-1), label_logit * here.astype(logits.dtype))),
-                                  group)
-    return ops.log(sums[0]) - sums[1]
+
+    def __init__(self, vocab_start: int, group: Group):
+        super().__init__()
+        self.vocab_start = vocab_start
+        self.gather_maxima = comm.AllGather(group, 0)
+        self.sum_over_ranks = comm.ReduceFromGroup(group)
+
+    def construct(self, logits, labels):
+        row_max = ops.stop_gradient(self.gather_maxima(logits.amax(-1).expand_dims(0)).amax(0))
+        shifted = logits - row_max.expand_dims(-1)
+        local_labels = labels - self.vocab_start
+        here = ops.logical_and(local_labels >= 0, local_labels < logits.shape[-1])
+        label_logit = ops.gather_elements(shifted, 1, ops.where(here, local_labels, 0).reshape(-1, 1)).reshape(-1)
+        sums = self.sum_over_ranks(ops.stack((ops.exp(shifted).sum(-1), label_logit * here.astype(logits.dtype))))
+        return ops.log(sums[0]) - sums[1]
 
 
 class _Sharder:
@@ -160,12 +166,11 @@ def apply_tensor_parallel(model: GPTModel, mesh: DeviceMesh, sequence_parallel: 
     head_local = set()
     if group.size > 1:
         _check(model, group.size, sequence_parallel)
+        # one Cell for every call site (it holds no state), so for_graph switches them all at once
         if sequence_parallel:
-            enter = partial(comm.all_gather, dim=SEQUENCE_DIM, group=group)
-            leave = partial(comm.reduce_scatter, dim=SEQUENCE_DIM, group=group)
+            enter, leave = comm.AllGather(group, SEQUENCE_DIM), comm.ReduceScatter(group, SEQUENCE_DIM)
         else:
-            enter = partial(comm.copy_to_group, group=group)
-            leave = partial(comm.reduce_from_group, group=group)
+            enter, leave = comm.CopyToGroup(group), comm.ReduceFromGroup(group)
         head_local = _parallelize(model, sharder, enter, leave, sequence_parallel)
     layouts = {p.name: sharder.layouts.get(p.name, TensorLayout.replicated(tuple(p.shape), sharder.world))
                for p in model.get_parameters()}
@@ -186,7 +191,7 @@ def _parallelize(model: GPTModel, sharder: _Sharder, enter, leave, sequence_para
     if model.output_layer is not None:
         sharder.cut(model.output_layer, "weight", 0)
     model.output_input_comm = enter
-    model.token_loss = partial(vocab_parallel_cross_entropy, vocab_start=embedding.vocab_start, group=group)
+    model.token_loss = VocabParallelCrossEntropy(embedding.vocab_start, group)
 
     head_local = set()
     for layer in _transformer_layers(model):
@@ -200,12 +205,12 @@ def _parallelize(model: GPTModel, sharder: _Sharder, enter, leave, sequence_para
             sharder.column_parallel(attention.linear_kvb, enter)
             attention.rope_key_comm = enter
         attention.num_heads //= tp
-        attention.logit_tracker.heads_comm = partial(comm.all_gather, dim=0, group=group)
+        attention.logit_tracker.heads_comm = comm.AllGather(group, 0)
         sharder.row_parallel(attention.linear_proj, leave)
         if isinstance(layer.mlp, MLP):
             sharder.column_parallel(layer.mlp.linear_fc1, enter)
             sharder.row_parallel(layer.mlp.linear_fc2, leave)
             layer.mlp.ffn //= tp
         elif isinstance(layer.mlp, MoELayer) and sequence_parallel:
-            layer.mlp.sequence_shard_sum = partial(comm.reduce_from_group, group=group)
+            layer.mlp.sequence_shard_sum = comm.ReduceFromGroup(group)
     return head_local
