@@ -90,6 +90,9 @@ def test_kiln_eval_reports_each_source_on_the_test_split_and_audit_verifies_its_
     assert "ok        evaluation  eval-test.json" in capsys.readouterr().out
     assert kiln(["lineage", "--consumers", "docs", "--runs-root", str(root)]) == 0
     assert f"evaluated: {checkpoint}/eval-test.json" in capsys.readouterr().out
+    # notes trained the checkpoint, but the evaluation read nothing of it
+    assert kiln(["lineage", "--consumers", "notes", "--runs-root", str(root)]) == 0
+    assert f"run {RUN} step 2: source notes" in (out := capsys.readouterr().out) and "evaluated:" not in out
     # an edited result fails the audit
     edited = {**record, "loss": record["loss"] - 1}
     (checkpoint / "eval-test.json").write_text(json.dumps(edited))

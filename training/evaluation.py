@@ -370,5 +370,5 @@ def write_evaluation(record: dict) -> Path:
 
     path = eval_sidecar(Path(record["checkpoint"]["path"]), record["split"])
     write_json_atomic(path, record)
-    record_evaluation_in_index(path.parent.parent, record["checkpoint"]["step"], path.name)
+    record_evaluation_in_index(path.parent.parent, record["checkpoint"]["step"], path.name, list(record["sources"]))
     return path

@@ -348,7 +348,7 @@ def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
     lineage index says which store entry each checkpoint trained on, and each entry is read once; only a
     checkpoint the index does not list (saved by a Kiln before the index) has its lineage.json read."""
     consumers = []
-    by_entry: dict[str, tuple[str, float | None] | None] = {}
+    by_entry: dict[str, tuple[tuple[str, float | None] | None, set[str]]] = {}
     for save_path in sorted(Path(runs_root).glob("*/checkpoints")):
         indexed = _read_index(save_path)
         evaluated = _read_eval_index(save_path)
@@ -359,18 +359,27 @@ def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
             entry = indexed.get(step)
             if entry is None:
                 lineage, _ = read_lineage(checkpoint_dir)
-                found = _consumed(lineage, target)
+                found, sources = _consumed(lineage, target), _sources_named(lineage, target)
                 step = lineage["checkpoint"]["step"]
             else:
                 if entry["inputs"] not in by_entry:
                     pointer = {"sha256": entry["inputs"], "store": entry["store"]}
-                    by_entry[entry["inputs"]] = _consumed(load_inputs_entry(checkpoint_dir, pointer), target)
-                found = by_entry[entry["inputs"]]
+                    inputs = load_inputs_entry(checkpoint_dir, pointer)
+                    by_entry[entry["inputs"]] = _consumed(inputs, target), _sources_named(inputs, target)
+                found, sources = by_entry[entry["inputs"]]
             if found is not None:
+                # an evaluation reads the sources its split gives samples: one that left the target's out did not
+                # consume it (an index line older than the list of sources counts as reading every one)
+                evaluations = sorted(sidecar for sidecar, read in evaluated.get(step, {}).items()
+                                     if read is None or sources & read)
                 consumers.append(Consumer(run=save_path.parent.name, step=step, checkpoint=str(checkpoint_dir),
-                                          matched=found[0], token_share=found[1],
-                                          evaluations=sorted(evaluated.get(step, set()))))
+                                          matched=found[0], token_share=found[1], evaluations=evaluations))
     return consumers
+
+
+def _sources_named(inputs: dict, target: str) -> set[str]:
+    """The sources of the upstream records ``target`` names (see _consumed)."""
+    return {r["source"] for key in ("raw_files", "shards") for r in inputs.get(key) or [] if _matches(r, target)}
 
 
 def consumers_report(target: str, consumers: list[Consumer]) -> str:
@@ -414,24 +423,27 @@ def evaluation_checks(checkpoint_dir: Path) -> list[Check]:
     return checks
 
 
-def record_evaluation_in_index(save_path: Path, step: int, sidecar: str) -> None:
-    """Append an evaluation written for checkpoint ``step`` to its save path's EVAL_INDEX (read by consumers)."""
+def record_evaluation_in_index(save_path: Path, step: int, sidecar: str, sources: list[str]) -> None:
+    """Append an evaluation written for checkpoint ``step``, and the ``sources`` it evaluated, to its save path's
+    EVAL_INDEX (read by consumers)."""
     from training.reporting import drop_partial_line
 
     index = Path(save_path) / EVAL_INDEX
     drop_partial_line(index)
     with open(index, "a") as stream:
-        stream.write(json.dumps({"step": step, "sidecar": sidecar}) + "\n")
+        stream.write(json.dumps({"step": step, "sidecar": sidecar, "sources": sources}) + "\n")
 
 
-def _read_eval_index(save_path: Path) -> dict[int, set[str]]:
-    """step -> the evaluation sidecars written for it (lines of EVAL_INDEX; a line cut by a crash is skipped)."""
+def _read_eval_index(save_path: Path) -> dict[int, dict[str, set[str] | None]]:
+    """step -> each evaluation sidecar written for it -> the sources it evaluated, None when its line predates
+    that list (lines of EVAL_INDEX, the last of a sidecar written again wins; a line cut by a crash is skipped)."""
     index = save_path / EVAL_INDEX
-    evaluated: dict[int, set[str]] = {}
+    evaluated: dict[int, dict[str, set[str] | None]] = {}
     for line in index.read_text().splitlines() if index.is_file() else []:
         try:
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue
-        evaluated.setdefault(entry["step"], set()).add(entry["sidecar"])
+        sources = entry.get("sources")
+        evaluated.setdefault(entry["step"], {})[entry["sidecar"]] = None if sources is None else set(sources)
     return evaluated
