@@ -87,15 +87,26 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
                   "mindspore.jit ('The object is not callable'), and a sub-group all-gather has no graph kernel on "
                   "CPU (ops.AllGather: world group only; mint.distributed: not in graph mode)")
     if dims.cp > 1:
-        reasons.append(f"context parallel: the ring passes K/V blocks (an all-gather), Ulysses swaps sequence for "
-                       f"head shards (all-gathers), each a call of comm's on the cp group; {not_parsed}")
+        reasons.append("context parallel: its attention is a host object that builds each call's ring masks with "
+                       "numpy and a RingAttention Cell around a lambda, whose hand-written backward reads the "
+                       "log-sum-exp its forward left on the Cell (a graph's bprop cannot read state its forward "
+                       f"set), and its ring step and Ulysses exchange are all-gathers; {not_parsed}. Compiling it "
+                       "needs that attention rebuilt as a Cell per layer, its masks fixed when built and its "
+                       "all-gathers made from all-reduce (comm.AllGather after comm.for_graph): not done yet")
     if dims.pp > 1:
-        reasons.append("pipeline parallel: each stage runs micro-batch by micro-batch, sending hidden states and "
-                       "their gradients between its forwards and backwards")
+        reasons.append("pipeline parallel: the schedule runs on the host, stage by stage and micro-batch by "
+                       "micro-batch, passing hidden states and their gradients between ranks as 2-rank broadcasts "
+                       "(mint.distributed: not in graph mode; send/recv are broken on CPU), so those transfers stay "
+                       "outside any graph. Compiling each stage's forward and its recomputing backward "
+                       "(Pipeline.grad_fns) between them is possible but not done yet: a stage is a host object "
+                       "whose forward returns optional outputs and a dict of loss parts, and its MoE counts and "
+                       "dropout stream are rewound on the host around the replay")
     if dims.dp_shard > 1 and config.parallelism.data_parallel_shard_strategy == "optim_grads_params":
         reasons.append("ZeRO-3: each unit's forward is wrapped on the host (its gathered weights are set as Python "
                        "attributes for the call and, resharding after forward, gathered again through saved-tensor "
-                       f"hooks), which a graph does not trace; {not_parsed}")
+                       "hooks), which a graph does not trace: a graph's weights are its Parameters, so the layers "
+                       "would have to take gathered tensors instead, and a graph keeps what its backward needs, so "
+                       f"it could not reshard after forward; {not_parsed}")
     return reasons
 
 
