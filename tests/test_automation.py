@@ -191,4 +191,4 @@ def test_a_second_training_step_waits_for_the_npu_slot(tmp_path):
         worker.join(timeout=600)  # a bound against hanging, not a speed target: the queued step polls for its slot
         assert not worker.is_alive()
         failure = outcome["result"].get_step_failure_events()[0].step_failure_data.error
-        assert failure.cause.cls_name == "ManifestError"  # it got as far as reading the manifest
+        assert "unreadable manifest" in failure.message  # it got as far as reading the manifest
