@@ -90,12 +90,20 @@ class SelfAttention(nn.Cell):
         outs = []
         for i, q_block in enumerate(ops.split(q, size, axis=3)):
             keys = (i + 1) * size
-            rows = mask[..., i * size:keys, :keys].reshape(*mask.shape[:-3], per_group * size, keys)
+            rows = _block(mask, i * size, size, keys).reshape(*mask.shape[:-3], per_group * size, keys)
             q_block = q_block.reshape(batch, groups, per_group * size, dim)
             # [batch, groups, per_group·size, keys]; in float16 the mask's float32 minimum is -inf: still 0 weight
-            scores = cast(_bmm_transpose_b(q_block, k[:, :, :keys]), self.softmax_dtype) + cast(rows, self.softmax_dtype)
+            scores = (cast(_bmm_transpose_b(q_block, _block(k, 0, keys, dim)), self.softmax_dtype)
+                      + cast(rows, self.softmax_dtype))
             if self.logit_tracker.enabled:
                 self.logit_tracker.update(scores.reshape(batch, groups, per_group, size * keys))
             probs = cast(self.softmax(scores), v.dtype)
-            outs.append(_bmm(probs, v[:, :, :keys]).reshape(batch, groups, per_group, size, dim))
+            outs.append(_bmm(probs, _block(v, 0, keys, dim)).reshape(batch, groups, per_group, size, dim))
         return ops.cat(outs, axis=3)
+
+
+def _block(x: Tensor, first_row: int, rows: int, columns: int) -> Tensor:
+    """x[..., first_row:first_row + rows, :columns] as a Slice: indexing compiles to StridedSlice, which on CPU
+    took ~20x as long for the same block (k, v and mask blocks: 48 calls, ~4% of the benchmark step)."""
+    leading = x.shape[:-2]
+    return ops.slice(x, (0,) * len(leading) + (first_row, 0), (*leading, rows, columns))
