@@ -104,3 +104,30 @@ def test_a_run_retry_resumes_and_lists_the_attempt_its_killed_run_lost(tmp_path)
     assert [(a["run_id"], a["attempt"], a["outcome"]) for a in attempts] == [("A", 1, "lost"), ("B", 2, "succeeded")]
     assert "| 1 | 0 | lost | its step process or run worker was killed |" in attempts_table(attempts)
     assert [a["outcome"] for a in run_group_attempts(run_dir, "X")] == ["lost"]
+
+
+def test_a_lost_process_is_retried_with_the_run_configs_delay_until_max_retries_is_used_up(tmp_path):
+    from types import SimpleNamespace
+
+    from assets.training import TrainingRunConfig, retry_or_fail, start_attempt
+
+    config = TrainingRunConfig(run_name="r", max_retries=2, retry_delay_s=7.5)
+    train_config = SimpleNamespace(checkpoint=SimpleNamespace(load_path="", no_load_optim=False))
+    failure = dg.Failure("msrun exited with code -9; worker_1.log ends with: ...")
+    warnings = []
+    outcomes = []
+    for retry_number in range(3):
+        context = SimpleNamespace(retry_number=retry_number, log=SimpleNamespace(warning=warnings.append),
+                                  run=SimpleNamespace(run_id="A", root_run_id=None, tags={}))
+        attempt = start_attempt(context, tmp_path, train_config, tmp_path / "metrics.jsonl")
+        outcomes.append(retry_or_fail(context, config, tmp_path, attempt, failure, not_retriable=None))
+    first, second, last = outcomes
+    assert isinstance(first, dg.RetryRequested) and isinstance(second, dg.RetryRequested)
+    assert (first.max_retries, first.seconds_to_wait) == (2, 7.5)
+    assert warnings[0] == ("attempt 1 failed (msrun exited with code -9); retrying in 7.5 s from the newest complete "
+                           "checkpoint (2 retries left)")
+    assert isinstance(last, dg.Failure) and not last.allow_retries
+    assert last.description.startswith("not retried: max_retries (2) used up\n\nmsrun exited with code -9")
+    assert last.metadata["attempt_history"].value.splitlines()[2:] == [
+        "| 1 | 0 | retried | msrun exited with code -9 |", "| 2 | 0 | retried | msrun exited with code -9 |",
+        "| 3 | 0 | failed | msrun exited with code -9 |"]
