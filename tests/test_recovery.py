@@ -9,7 +9,9 @@ from conftest import MICRO_CONFIG, PROJECT_ROOT
 from pipelines.definitions import ALL_ASSETS, resources
 from resources.msrun import MsrunResource
 from test_resume import storage_for_shard
+from training.checkpoint import CheckpointError
 from training.config import ConfigError
+from training.data.indexed import IndexedDatasetError
 from training.failures import NOT_RETRIABLE, log_sizes, not_retriable, not_retriable_cause
 from training.optim import NonFiniteStepError
 from training.run import main as train_main
@@ -29,6 +31,7 @@ def test_only_the_lines_a_launch_appended_count(tmp_path):
 
 def test_config_data_checkpoint_and_nan_errors_are_not_retriable():
     assert not_retriable(ConfigError("x")) and not_retriable(NonFiniteStepError("step 3: loss nan"))
+    assert not_retriable(IndexedDatasetError("x.bin: size does not match")) and not_retriable(CheckpointError("x"))
     assert not not_retriable(RuntimeError("the collective timed out")) and not not_retriable(OSError(104, "reset"))
 
 
