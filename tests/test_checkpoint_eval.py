@@ -13,6 +13,7 @@ from conftest import write_random_documents
 from test_trainer import make_trainer
 from training.cli import main as kiln
 from training.data.hashing import sha256_file
+from training.data.indexed import IndexedDataset
 from training.data.loader import build_dataset, stack_model_inputs
 
 RUN = "run"
@@ -99,6 +100,22 @@ def test_kiln_eval_reports_each_source_on_the_test_split_and_audit_verifies_its_
     assert kiln(["audit", str(checkpoint)]) == 1
     assert "MISMATCH  evaluation  eval-test.json" in capsys.readouterr().out
     (checkpoint / "eval-test.json").write_text(json.dumps(record))
+
+
+def test_kiln_eval_of_the_valid_split_leaves_out_a_source_whose_held_out_tokens_make_no_sample(trained, capsys):
+    root, _, shards = trained
+    checkpoint = root / RUN / "checkpoints" / CHECKPOINT
+    assert kiln(["eval", str(checkpoint), "--split", "valid", "--batches", "1"]) == 0
+    record = json.loads((checkpoint / "eval-valid.json").read_text())
+    assert record["split"] == "valid" and record["sample_range"] == [0, 4] and set(record["sources"]) == {"code", "docs"}
+    # 80,10,10 gives the validation split the last of notes' 4 documents, shorter than a sample of 32 + 1 tokens
+    tokens = int(IndexedDataset(shards["notes"]).sequence_lengths[3])
+    assert tokens < 33
+    (notes,) = record["unevaluated_sources"]
+    assert (notes["held_out_documents"], notes["held_out_tokens"]) == (1, tokens)
+    assert notes["reason"].endswith(f"4 document(s), split '80,10,10' gives the valid split 1 of them, {tokens} "
+                                    f"tokens, fewer than one sample's 33 (train_dataset.dataloader.config."
+                                    f"seq_length 32 + 1)")
 
 
 def test_kiln_eval_refuses_more_batches_than_the_split_holds_naming_both(trained, capsys):
