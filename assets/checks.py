@@ -91,9 +91,11 @@ def manifest_shards_match(storage: KilnStorage) -> dg.AssetCheckResult:
 
 @dg.asset_check(asset=checkpoint.key, name="audit",
                 description="`kiln audit` of a checkpoint: every file complete with its sha256, and the run "
-                            "config, manifest, shards, tokenizer and raw files it trained on unchanged. "
-                            "`training_run` records one per saved checkpoint (each also in that checkpoint's "
-                            "`audit` metadata); executed from here, it audits the newest recorded checkpoint.")
+                            "config, manifest, shards, tokenizer and raw files it trained on unchanged. Every "
+                            "checkpoint's result is in its own `audit` metadata; `training_run` records an "
+                            "evaluation here for every failed audit, at once, and for the newest checkpoint, so "
+                            "this check's status is the newest checkpoint's audit. Executed from here, it audits "
+                            "the newest recorded checkpoint.")
 def checkpoint_audit(context: dg.AssetCheckExecutionContext, storage: KilnStorage) -> dg.AssetCheckResult:
     newest = context.instance.get_latest_materialization_event(checkpoint.key)
     if newest is None:

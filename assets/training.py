@@ -147,7 +147,8 @@ def audit_evaluation(checkpoint_dir: Path, partition: str, cache: AuditCache | N
     problems are listed (at most AUDIT_PROBLEMS_SHOWN), never every file verified. An audit that cannot run
     (an unreadable lineage.json, a malformed record, a file that cannot be read) is a failed check saying
     why, never an exception: this runs while training does."""
-    metadata: dict = {"checkpoint": dg.MetadataValue.text(partition)}
+    metadata: dict = {"checkpoint": dg.MetadataValue.text(partition),
+                      "lineage": dg.MetadataValue.text(lineage_digest(checkpoint_dir))}
     try:
         _, checks = audit_checkpoint(checkpoint_dir, cache=cache)
     except Exception as exc:  # noqa: BLE001 -- reported as the check's result
@@ -186,18 +187,48 @@ def forget_rotated_checkpoints(instance: dg.DagsterInstance, storage: KilnStorag
     return gone
 
 
-def record_checkpoint(context: dg.OpExecutionContext, storage: KilnStorage, message: dict, run_name: str,
-                      code_version: str, cache: AuditCache) -> None:
-    """Record rank 0's message for a saved checkpoint: its audit, its partition, its materialization (the
-    audit's summary included), the audit check's evaluation; then forget the checkpoints rotation removed.
-    (benchmarks/lineage_scale.py records generated checkpoints through this same function.)"""
-    key = f"{run_name}/{Path(message['path']).name}"
-    evaluation = audit_evaluation(Path(message["path"]), key, cache)
-    context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
-    context.log_event(_checkpoint_event(message, key, code_version, audit_summary(evaluation),
-                                        lineage_digest(Path(message["path"]))))
-    context.log_event(evaluation)
-    forget_rotated_checkpoints(context.instance, storage, run_name)
+class CheckpointRecorder:
+    """Records a training run's saved checkpoints in the instance: each one's audit, partition and one event.
+
+    The event is a materialization holding the loss and the audit's one-line result, small enough that SQLite
+    puts two to a 4 KB page (docs/long-runs.md, growth rule). The audit check's evaluation is logged only when
+    the check's status must change or name the newest checkpoint: every failed audit, at once; the first
+    passed audit of an attempt and the first after a failure; and, when the attempt ends, the newest
+    checkpoint's. So the check's status is always the newest checkpoint's audit, every failure is in its
+    history, and a run of 10,000 passing checkpoints logs two evaluations, not 10,000.
+    (benchmarks/lineage_scale.py records generated checkpoints through this same class.)"""
+
+    def __init__(self, context: dg.OpExecutionContext, storage: KilnStorage, run_name: str, code_version: str):
+        self.context, self.storage, self.run_name, self.code_version = context, storage, run_name, code_version
+        self.cache = AuditCache()  # each checkpoint's audit hashes what its save added and reuses the rest
+        self.newest: dg.AssetCheckEvaluation | None = None  # the newest recorded checkpoint's audit
+        self.newest_logged = True
+
+    def record(self, message: dict) -> str:
+        """Rank 0's message for a saved checkpoint: its audit, partition and materialization (and the check's
+        evaluation when due); then forget the checkpoints rotation removed. Returns its partition key."""
+        path = Path(message["path"])
+        key = f"{self.run_name}/{path.name}"
+        evaluation = audit_evaluation(path, key, self.cache)
+        self.context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
+        self.context.log_event(checkpoint_event(message, key, self.code_version, audit_summary(evaluation)))
+        status_changes = self.newest is None or not (evaluation.passed and self.newest.passed)
+        self.newest, self.newest_logged = evaluation, False
+        if status_changes:
+            self._log_newest()
+        forget_rotated_checkpoints(self.context.instance, self.storage, self.run_name)
+        return key
+
+    def finish(self) -> None:
+        """At the attempt's end (however it ends): the check names the newest checkpoint, and no partition
+        outlives its directory (a message retried after msrun exited may record one rotated meanwhile)."""
+        if not self.newest_logged:
+            self._log_newest()
+        forget_rotated_checkpoints(self.context.instance, self.storage, self.run_name)
+
+    def _log_newest(self) -> None:
+        self.context.log_event(self.newest)
+        self.newest_logged = True
 
 
 def lineage_digest(checkpoint_dir: Path) -> str:
@@ -209,16 +240,15 @@ def lineage_digest(checkpoint_dir: Path) -> str:
         return f"(no lineage store entry: {type(exc).__name__})"
 
 
-def record_unreported_checkpoints(context: dg.OpExecutionContext, storage: KilnStorage, run_name: str,
-                                  metrics_path: Path, code_version: str, cache: AuditCache) -> list[str]:
+def record_unreported_checkpoints(recorder: CheckpointRecorder, metrics_path: Path) -> list[str]:
     """Record the run's complete checkpoints that never became partitions: an async save that completes in the
     instant before its process is killed is on disk, and a retry resumes from it, but its message never reached
     the step. Its materialization is rebuilt from what the save wrote (lineage.json's files) and the step's record
     in metrics.jsonl, as rank 0 would have sent them. Returns their partition keys."""
-    save_path = storage.run_dir(run_name) / "checkpoints"
-    known = set(context.instance.get_dynamic_partitions(checkpoint_partitions.name))
+    save_path = recorder.storage.run_dir(recorder.run_name) / "checkpoints"
+    known = set(recorder.context.instance.get_dynamic_partitions(checkpoint_partitions.name))
     unreported = [step for step in complete_steps(save_path)
-                  if f"{run_name}/{iteration_dir(save_path, step).name}" not in known]
+                  if f"{recorder.run_name}/{iteration_dir(save_path, step).name}" not in known]
     if not unreported:  # the usual start: no need to read a long run's metrics.jsonl
         return []
     records = {r["step"]: r for r in read_records(metrics_path) if is_step_record(r)}  # the last attempt's wins
@@ -227,15 +257,12 @@ def record_unreported_checkpoints(context: dg.OpExecutionContext, storage: KilnS
         if step not in records:
             continue
         directory = iteration_dir(save_path, step)
-        key = f"{run_name}/{directory.name}"
         try:
             files = saved_files(directory)
         except ValueError as exc:  # recorded all the same: the audit recorded with it fails and says why
-            context.log.warning(str(exc))
+            recorder.context.log.warning(str(exc))
             files = []
-        record_checkpoint(context, storage, {**records[step], "path": str(directory), "files": files}, run_name,
-                          code_version, cache)
-        recorded.append(key)
+        recorded.append(recorder.record({**records[step], "path": str(directory), "files": files}))
     return recorded
 
 
@@ -249,18 +276,15 @@ def saved_files(checkpoint_dir: Path) -> list[dict]:
         raise ValueError(f"{path}: no list of the checkpoint's files ({type(exc).__name__}: {exc})") from None
 
 
-def _checkpoint_event(message: dict, key: str, code_version: str, audit: str, lineage: str
-                      ) -> dg.AssetMaterialization:
-    """Only what the UI needs per checkpoint: the instance keeps every event of every checkpoint, and SQLite
-    gives an event larger than what is left of its page a page of its own (4 KB), in the run's database and
-    again in the index. The throughput and optimizer scalars are on training_run's observations; the files
-    with their sha256 in lineage.json; the path follows from the partition key (docs/long-runs.md)."""
+def checkpoint_event(message: dict, key: str, code_version: str, audit: str) -> dg.AssetMaterialization:
+    """Only what the UI needs per checkpoint, the loss (plotted over the partitions) and the audit's result:
+    the instance keeps every event of every checkpoint, and SQLite gives an event larger than ~1.85 KB a 4 KB
+    page of its own, in the run's database and again in the index (docs/long-runs.md). The step is the
+    partition key's; the scalars are on training_run's observations; the files with their sha256 and the
+    lineage digest in lineage.json, whose directory follows from the partition key."""
     return dg.AssetMaterialization(
         asset_key="checkpoint", partition=key,
-        metadata={
-            "step": message["step"], "loss": dg.MetadataValue.float(message["loss"]),  # plotted over partitions
-            "audit": dg.MetadataValue.text(audit), "lineage": dg.MetadataValue.text(lineage),
-        },
+        metadata={"loss": dg.MetadataValue.float(message["loss"]), "audit": dg.MetadataValue.text(audit)},
         tags={"dagster/data_version": combined_hash([f["sha256"] for f in message["files"]]),
               "dagster/code_version": code_version},
     )
@@ -337,8 +361,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         context.log.info(f"{what} {train_config.checkpoint.load_path}")
 
     saved: list[dict] = []
-    code_version = context.assets_def.code_versions_by_key[context.asset_key]
-    audit_cache = AuditCache()  # each checkpoint's audit hashes what its save added and reuses the rest
+    recorder = CheckpointRecorder(context, storage, config.run_name,
+                                  context.assets_def.code_versions_by_key[context.asset_key])
 
     def on_message(message: dict) -> None:
         if message.get("event") == METRICS_MESSAGE:
@@ -346,14 +370,13 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
             return
         if message.get("event") != CHECKPOINT_MESSAGE:
             return
-        record_checkpoint(context, storage, message, config.run_name, code_version, audit_cache)
+        recorder.record(message)
         saved.append(message)
 
     metrics_path = run_dir / "metrics.jsonl"
     drop_partial_line(metrics_path)  # the workers' reporter does the same: this run's records start here
     attempt = start_attempt(context, run_dir, train_config, metrics_path)
-    for key in record_unreported_checkpoints(context, storage, config.run_name, metrics_path, code_version,
-                                             audit_cache):
+    for key in record_unreported_checkpoints(recorder, metrics_path):
         context.log.warning(f"checkpoint {key} was saved by an attempt killed before it reported it: recorded now")
     log_dir = run_dir / "msrun_logs"
     logged_before = log_sizes(log_dir)
@@ -366,8 +389,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     except dg.Failure as failure:
         raise retry_or_fail(context, config, run_dir, attempt, failure,
                             not_retriable_cause(log_dir, logged_before)) from None
-    finally:  # a message retried after msrun exited may have recorded a checkpoint rotated meanwhile
-        forget_rotated_checkpoints(context.instance, storage, config.run_name)
+    finally:
+        recorder.finish()
     attempts = finish_attempt(run_dir, attempt, "succeeded", "")
     # every attempt's records; a step trained again after a retry counts once, as its last attempt logged it
     records = read_records(metrics_path, attempts[0]["metrics_offset"])

@@ -127,16 +127,14 @@ def _record_checkpoints(instance, storage, writer: CheckpointWriter, steps: rang
     """Write and record ``steps`` inside one Dagster run, through training_run's own code; seconds taken."""
     import dagster as dg
 
-    from assets.training import record_checkpoint, training_run
-    from training.lineage import AuditCache
-
-    code_version = training_run.code_versions_by_key[training_run.key]
+    from assets.training import CheckpointRecorder, training_run
 
     @dg.op
     def record(context) -> None:
-        cache = AuditCache()
+        recorder = CheckpointRecorder(context, storage, RUN_NAME, training_run.code_versions_by_key[training_run.key])
         for step in steps:
-            record_checkpoint(context, storage, writer.write(step), RUN_NAME, code_version, cache)
+            recorder.record(writer.write(step))
+        recorder.finish()
 
     started = time.perf_counter()
     assert dg.GraphDefinition("record_checkpoints", node_defs=[record]).to_job().execute_in_process(

@@ -53,7 +53,8 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         assert run["final_loss"] < run["first_loss"]
         assert sorted(instance.get_dynamic_partitions("checkpoints")) == [
             "micro/iteration_00000003", "micro/iteration_00000006"]
-        assert [m.metadata["step"].value for m in chain.materializations["checkpoint"]] == [3, 6]
+        assert [m.partition for m in chain.materializations["checkpoint"]] == [
+            "micro/iteration_00000003", "micro/iteration_00000006"]
         shards = chain.metadata("token_shards", "stdlib_code")
         assert shards["tokens"] > 10_000 and shards["dtype"] == "uint16"
         # what the UI shows: paths as paths, hashes as text, per-file tables, a markdown summary, plottable numbers
@@ -63,10 +64,10 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
                                    ("blend_manifest", "manifest_path"), ("training_run", "run_dir"),
                                    ("raw_corpus", "sidecar"), ("token_shards", "sidecar"),
                                    ("tokenizer", "trained_on")]} == {"PathMetadataValue"}
-        # a checkpoint's event holds only its step, loss, audit and lineage digest: its path is its partition key
-        assert sorted(name for key, name in kinds if key == "checkpoint") == ["audit", "lineage", "loss", "step"]
+        # a checkpoint's event holds only its loss and audit: its step and path follow from its partition key
+        assert sorted(name for key, name in kinds if key == "checkpoint") == ["audit", "loss"]
         assert {kinds[k] for k in [("tokenizer", "sha256"), ("token_shards", "tokenizer_sha256"),
-                                   ("blend_manifest", "sha256"), ("checkpoint", "lineage")]} == {"TextMetadataValue"}
+                                   ("blend_manifest", "sha256"), ("checkpoint", "audit")]} == {"TextMetadataValue"}
         assert {kinds[k] for k in [("raw_corpus", "files"), ("token_shards", "shards"),
                                    ("blend_manifest", "sources")]} == {"TableMetadataValue"}
         # each checkpoint's audit on its own partition: the check itself is unpartitioned (one status, fast UI)
@@ -74,7 +75,7 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         assert len(audits) == 2 and all(re.fullmatch(r"passed: \d+ file\(s\) verified", a) for a in audits), audits
         assert {kinds[k] for k in [("blend_manifest", "summary"), ("training_run", "loss_curve")]} == {
             "MarkdownMetadataValue"}
-        assert {kinds[k] for k in [("checkpoint", "loss"), ("checkpoint", "step"),
+        assert {kinds[k] for k in [("checkpoint", "loss"),
                                    ("training_run", "final_loss"), ("blend_manifest", "tokens/stdlib_code")]} <= {
             "FloatMetadataValue", "IntMetadataValue"}
         specs = {spec.key.to_user_string(): spec for spec in build_definitions(res).resolve_all_asset_specs()}

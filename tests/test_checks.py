@@ -1,18 +1,20 @@
 """Blocking checks: a corrupt shard stops the blend; a changed shard fails the manifest check; audits."""
 import json
 import shutil
+from pathlib import Path
 
 import dagster as dg
 import pytest
 
 import assets.data
 from assets.chunks import register_source_chunks
-from assets.training import (AUDIT_PROBLEMS_SHOWN, audit_evaluation, audit_summary, checkpoint_dir,
-                             forget_rotated_checkpoints, record_unreported_checkpoints)
+from assets.training import (AUDIT_PROBLEMS_SHOWN, CheckpointRecorder, audit_evaluation, audit_summary,
+                             checkpoint_dir, forget_rotated_checkpoints, record_unreported_checkpoints)
+from dagster._serdes import serialize_value
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, build_definitions, resources
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
-from training.lineage import AuditCache
+from training.data.hashing import sha256_file
 
 SOURCES = ["stdlib_code", "stdlib_docs"]
 
@@ -156,7 +158,7 @@ def test_a_checkpoint_saved_but_never_reported_is_recorded_when_the_run_starts_a
 
         @dg.op
         def start_again(context) -> list:
-            return record_unreported_checkpoints(context, storage, "run", metrics, "v1", AuditCache())
+            return record_unreported_checkpoints(CheckpointRecorder(context, storage, "run", "v1"), metrics)
 
         result = dg.GraphDefinition("start_again", node_defs=[start_again]).to_job().execute_in_process(
             instance=instance)
@@ -192,3 +194,62 @@ def test_rotated_checkpoints_stop_being_partitions_and_the_check_audits_the_newe
         evaluation = _check(result, "audit")
         assert not evaluation.passed and evaluation.metadata["checkpoint"].value == "run/iteration_00000003"
         assert "iteration_00000003/lineage.json: unreadable lineage" in evaluation.metadata["error"].value
+
+
+def _saved_checkpoint(storage: KilnStorage, run_name: str, step: int, config) -> dict:
+    """A checkpoint directory its audit passes (one weights file, common.json, lineage.json naming them and the
+    run config), and rank 0's message for it."""
+    directory = checkpoint_dir(storage, f"{run_name}/iteration_{step:08d}")
+    directory.mkdir(parents=True)
+    weights = directory / "model-0000000-0000001.safetensors"
+    weights.write_bytes(bytes([step]) * 64)
+    (directory / "common.json").write_text("{}")
+    files = [{"name": weights.name, "sha256": sha256_file(weights)}]
+    (directory / "lineage.json").write_text(json.dumps({
+        "checkpoint": {"step": step, "files": files, "common": {}},
+        "run": {"config_path": str(config), "config_sha256": sha256_file(config)}}))
+    return {"path": str(directory), "step": step, "loss": 5.0 - step / 10, "files": files}
+
+
+def test_one_event_per_checkpoint_and_the_audit_check_follows_the_newest(tmp_path):
+    """A checkpoint is one small materialization; the check is evaluated for every failed audit at once (a
+    failure is on the check as it always was) and otherwise only when its status changes or the attempt ends."""
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"))
+    config = tmp_path / "config.yaml"
+    config.write_text("training: {steps: 6}\n")
+    run_name = "qwen3_7b_pretraining_2026_12"  # a long name: the partition key is in the event twice
+    audit_key = dg.AssetCheckKey(dg.AssetKey("checkpoint"), "audit")
+
+    @dg.op
+    def train(context) -> None:
+        for steps, corrupted in [(range(1, 7), {3}), ([7], {7})]:  # two attempts, the second's one audit failing
+            recorder = CheckpointRecorder(context, storage, run_name, "v1")
+            for step in steps:
+                message = _saved_checkpoint(storage, run_name, step, config)
+                if step in corrupted:  # changed after its save hashed it
+                    (Path(message["path"]) / message["files"][0]["name"]).write_bytes(b"torn")
+                recorder.record(message)
+            recorder.finish()
+            checks.append(instance.get_latest_asset_check_evaluation_record(audit_key).event.dagster_event)
+
+    with dg.instance_for_test() as instance:
+        checks = []  # the check's latest evaluation after each attempt
+        result = dg.GraphDefinition("train", node_defs=[train]).to_job().execute_in_process(instance=instance)
+        events = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()]
+        assert [e.partition for e in events] == [f"{run_name}/iteration_{s:08d}" for s in range(1, 8)]
+        assert all(sorted(e.metadata) == ["audit", "loss"] for e in events)
+        assert [e.metadata["audit"].value.split(":")[0] for e in events] == \
+            ["passed"] * 2 + ["FAILED"] + ["passed"] * 3 + ["FAILED"]
+        # the first of the attempt, the failure, the recovery, the newest when the attempt ended; then a failure
+        logged = [(e.metadata["checkpoint"].value[-2:], e.passed) for e in result.get_asset_check_evaluations()]
+        assert logged == [("01", True), ("03", False), ("04", True), ("06", True), ("07", False)]
+        assert "model-0000000-0000001.safetensors" in result.get_asset_check_evaluations()[1].metadata["problems"].value
+        # the check's status is the newest checkpoint's audit: a failed audit leaves it failed, as before
+        assert [(c.event_specific_data.passed, c.event_specific_data.metadata["checkpoint"].value[-2:])
+                for c in checks] == [(True, "06"), (False, "07")]
+
+        # two events to a 4 KB page (docs/long-runs.md): measured on SQLite, an event of 1,874 bytes with a
+        # 32-character partition key packs two to a page and one of 1,889 does not; the key is in the row twice
+        (record,) = instance.fetch_materializations(dg.AssetRecordsFilter(
+            asset_key=dg.AssetKey("checkpoint"), asset_partitions=[f"{run_name}/iteration_00000006"]), limit=1).records
+        assert len(serialize_value(record.event_log_entry)) + len(record.partition_key) < 1_850

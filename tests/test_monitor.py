@@ -155,17 +155,17 @@ def test_config_errors_name_the_field(section, data, message):
 
 
 def test_checkpoint_materialization_carries_what_the_ui_shows_per_checkpoint():
-    from assets.training import _checkpoint_event
+    from assets.training import checkpoint_event
 
     message = {"step": 50, "path": "/runs/x/checkpoints/iteration_00000050", "loss": 5.5, "lr": 1e-3,
                "tokens_seen": 51200, "consumed_samples": 400, "grad_norm": 0.75, "tokens_per_s": 612.5,
                "samples_per_s": 4.8, "ckpt_status": 0,
                "files": [{"name": "common.json", "bytes": 10, "sha256": "ab" * 32}]}
-    event = _checkpoint_event(message, "x/iteration_00000050", "train-v1", "passed", "cd" * 32)
+    event = checkpoint_event(message, "x/iteration_00000050", "train-v1", "passed")
     assert event.partition == "x/iteration_00000050"
-    # step and loss plot over the partitions; the other scalars are on training_run's observations
-    assert {k: v.value for k, v in event.metadata.items()} == {"step": 50, "loss": 5.5, "audit": "passed",
-                                                               "lineage": "cd" * 32}
+    # the loss plots over the partitions, the step is the partition key's; the other scalars are on
+    # training_run's observations
+    assert {k: v.value for k, v in event.metadata.items()} == {"loss": 5.5, "audit": "passed"}
     assert event.tags["dagster/code_version"] == "train-v1"
 
 
