@@ -28,6 +28,8 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
 - context parallelism (benchmarks/context_parallel.py): Qwen3 tiny at 512 tokens on 2 msrun workers, the step of
   the ring (contiguous and zig-zag) and of Ulysses at CP2 vs. DP2 (alternating), and the bytes the attention
   receives per step vs. the analytic count of a native ring / all-to-all.
+- compiled tensor parallelism (benchmarks/compiled_parallel.py): Qwen3 tiny at 512 tokens on 2 msrun workers, TP2
+  compiled vs TP2 eager and DP2 compiled (alternating), and one layer's all-gather eagerly vs in a graph.
 - expert parallelism (benchmarks/expert_parallel.py): DeepSeek-V3 tiny's step at EP2 vs. DP on 2 msrun workers,
   alternating, and the bytes its all-to-alls move per step vs. the uniform-routing count.
 - lineage at scale (benchmarks/lineage_scale.py, in a process of its own; about an hour): with 10, 1,000 and
@@ -58,7 +60,7 @@ import numpy as np
 
 from benchmarks import (blend_settings, checkpoint_io, context_parallel, data_index, expert_parallel, lineage_scale,
                         model_flops, monitoring, parallel_memory, pipes_streaming, throughput)
-from benchmarks import pipeline_bubble
+from benchmarks import compiled_parallel, pipeline_bubble
 from benchmarks import validation
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -269,6 +271,7 @@ def main(argv=None) -> int:
             pipeline_bubble.run(report, shard)
             expert_parallel.run(report, shard)
             context_parallel.run(report, shard)
+            compiled_parallel.run(report, shard)
             lineage_scale.run()
             # a corpus larger than RAM / 4, in processes of their own (about 30 min on 2 cores)
             subprocess.run([sys.executable, "-m", "benchmarks.preprocess_memory"], cwd=PROJECT_ROOT, check=True)

@@ -1,0 +1,164 @@
+"""Compiled tensor parallelism on 2 msrun workers: its step against the same layout eager, and what an all-gather
+costs in a graph, where only all-reduce runs on a sub-group.
+
+Steps: configs/qwen3_tiny.yaml (or ``--config``) at a 512-token sequence, 2 samples per step in one micro-batch,
+ZeRO-1 everywhere: TP 2 with sequence parallelism eager (``fast_step.compile=false``) against the same compiled
+(forward and backward in one mindspore.jit graph, its gathers and reduce-scatters as all-reduces:
+``comm.for_graph``), and DP 2 compiled as the layout a run without tensor parallelism gets. The variants' steps
+alternate round by round in one launch (the machine is shared: each round sees the same load); each ratio is a
+median of per-round ratios.
+
+Gathers (the question for compiling ZeRO-3, whose units all-gather their weights): one decoder layer's weights,
+half on each rank, gathered whole. Eagerly the CPU backend uses mint.distributed's list-form all_gather; in a graph
+a sub-group all-gather must be an all-reduce of a zero-padded buffer (group-size times the bytes, summed), and
+only the world group has ops.AllGather. On 2 workers the group is the world, so both graph forms are timed.
+
+``python -m benchmarks.compiled_parallel [--config PATH] [--rounds N]``; run by msrun as
+``python benchmarks/compiled_parallel.py OUT SHARD CONFIG ROUNDS``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+SEQ = 512
+DEFAULT_CONFIG = "configs/qwen3_tiny.yaml"
+TP2 = ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true", "training.local_batch_size=2"]
+VARIANTS = {"TP 2 eager": [*TP2, "fast_step.compile=false"],
+            "TP 2 compiled": [*TP2, "fast_step.compile=true"],
+            "DP 2 compiled": ["training.local_batch_size=1", "fast_step.compile=true"]}
+
+
+def _config(shard: str, config_path: str, rounds: int, overrides: list[str]):
+    sys.path.insert(0, str(PROJECT_ROOT))
+    from resources.tokenizer import SPECIAL_IDS
+    from training.config import load_config
+
+    data = "train_dataset.dataloader.config"
+    return load_config(PROJECT_ROOT / config_path, [
+        f"{data}.data_path=[1.0, '{shard}']", f"{data}.eod={SPECIAL_IDS['eos']}", f"{data}.pad={SPECIAL_IDS['pad']}",
+        f"{data}.seq_length={SEQ}", f"model.seq_length={SEQ}", f"{data}.split='100,0,0'",
+        "training.global_batch_size=2", f"training.steps={rounds + 1}",
+        "parallelism.data_parallel_shard_strategy=optim", "checkpoint.enable_save=false", *overrides])
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # the first call compiles
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _gather_times(layer, group, repeats: int) -> dict[str, float]:
+    """Seconds to gather one layer's weights (half on each rank) eagerly and in a graph, medians."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore import Tensor, nn, ops
+
+    from training.parallel import comm
+
+    size = sum(int(np.prod(p.shape)) for p in layer.get_parameters())
+    half = Tensor(np.ones(size // group.size, np.float32))
+    padded = comm.AllGather(group, 0)
+    comm.for_graph(padded)
+
+    class WorldGather(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.gather = ops.AllGather(group.backend_name)
+
+        def construct(self, x):
+            return self.gather(x)
+
+    graph_padded, graph_world = ms.jit(padded), ms.jit(WorldGather())
+    return {"eager list-form all_gather": _median_seconds(lambda: comm.all_gather(half, 0, group).asnumpy(), repeats),
+            "graph all-reduce of a padded buffer": _median_seconds(lambda: graph_padded(half).asnumpy(), repeats),
+            "graph ops.AllGather (world group only)": _median_seconds(lambda: graph_world(half).asnumpy(), repeats),
+            "bytes": size * 4}
+
+
+def worker(out: str, shard: str, config_path: str, rounds: str) -> None:
+    """One msrun worker: every variant's trainer, their steps alternating round by round, then the gathers."""
+    sys.path.insert(0, str(PROJECT_ROOT))
+    from training.parallel.mesh import init_world, world_group
+    from training.reporting import Reporter
+    from training.trainer import Trainer, configure_runtime
+
+    rounds = int(rounds)
+    configure_runtime(_config(shard, config_path, rounds, []))
+    world = init_world()
+    trainers = {name: Trainer(_config(shard, config_path, rounds, overrides), world, Path(out) / name,
+                              Reporter(None, enabled=False))
+                for name, overrides in VARIANTS.items()}
+    times = {name: [] for name in VARIANTS}
+    for round_ in range(rounds + 1):
+        for name, trainer in trainers.items():
+            started = time.perf_counter()
+            trainer.train_step()
+            if round_:  # the first round compiles
+                times[name].append(time.perf_counter() - started)
+    gathers = _gather_times(trainers["DP 2 compiled"].model.decoder.layers[0], world_group(world), 2 * rounds)
+    if world.is_main:
+        (Path(out) / "figures.json").write_text(json.dumps({
+            "times": times, "modes": {name: t.step_mode for name, t in trainers.items()}, "gathers": gathers}))
+
+
+def run(report, shard: Path, config_path: str = DEFAULT_CONFIG, rounds: int = 5) -> None:
+    from training.launch import run_on_local_workers
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-compiled-parallel-") as tmp:
+        run_on_local_workers([__file__, tmp, shard, config_path, rounds], Path(tmp) / "log", 2)
+        figures = json.loads((Path(tmp) / "figures.json").read_text())
+    times = figures["times"]
+    eager = times["TP 2 eager"]
+    for name, mode in figures["modes"].items():
+        print(f"  {name}: {mode[:110]}")
+    for name, seconds in times.items():
+        per_round = [e / s for e, s in zip(eager, seconds)]
+        report(f"{name} step, {SEQ} tokens x 2", statistics.median(seconds) * 1000, "ms",
+               statistics.median(per_round), "speed of TP 2 eager, paired per round")
+    gathers = figures["gathers"]
+    size = gathers.pop("bytes")
+    eager_gather = gathers["eager list-form all_gather"]
+    for name, seconds in gathers.items():
+        report(f"gather of {size / 2**20:.2f} MiB: {name}", seconds * 1000, "ms", seconds / eager_gather,
+               "the eager gather's time")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=DEFAULT_CONFIG)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(PROJECT_ROOT))
+    import numpy as np
+
+    from benchmarks.__main__ import report
+    from training.data.indexed import IndexedDatasetWriter
+
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-shard-") as tmp:
+        shard = Path(tmp) / "random"  # what is trained does not change a step's time: random documents will do
+        rng = np.random.default_rng(0)
+        with IndexedDatasetWriter(shard, np.uint16) as writer:
+            for _ in range(64):
+                writer.add_document(np.append(rng.integers(4, 4096, size=rng.integers(100, 1000)), 2).astype(np.uint16))
+        run(report, shard, args.config, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and not sys.argv[1].startswith("-"):
+        os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")  # before MindSpore loads: single-threaded dispatch
+        worker(*sys.argv[1:])
+    else:
+        sys.exit(main())
