@@ -15,11 +15,14 @@ Measured (MindSpore 2.10.0 CPU, 2026-12-05; graph = jit's default "ast" capture)
   zero-padded buffer.
 - ``mint.distributed`` (the list-form all_gather, broadcast) cannot be parsed in a graph: "The name 'hccl' is
   not defined, or not supported in graph mode".
-- ``comm``'s collectives as the parallel layers call them (``_differentiable`` makes a Cell per call around
-  two lambdas) do not parse: "The object is not callable".
-- "trace" capture runs ``comm.all_reduce`` forward and backward; ``comm.all_gather`` (list form) fails to
-  trace forward ("DistCommAllGather's input 0 should be a Parameter or a Tensor, but got List"), and its
-  gradient case passing as well suggests that the traced gradient ran the collective outside a graph.
+- ``comm``'s per-call functions, when they made a Cell per call around two lambdas, did not parse ("The object is
+  not callable"); a graph needs a Cell built beforehand. Its Cells built once (``comm.AllReduce``, ``CopyToGroup``, ``ReduceFromGroup``, ``AllGather``,
+  ``ReduceScatter``), after ``comm.for_graph``, work forward and backward on sub-groups: the all-gather as an
+  all-reduce of a zero-padded buffer, the reduce-scatter as an all-reduce and a Slice (2026-12-05, 4 workers).
+  Tensor parallelism compiles with them.
+- "trace" capture (measured before the Cells existed) ran ``comm.all_reduce`` forward and backward; the list-form
+  all-gather failed to trace forward ("DistCommAllGather's input 0 should be a Parameter or a Tensor, but got
+  List").
 """
 from __future__ import annotations
 
