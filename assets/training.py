@@ -173,15 +173,24 @@ def audit_summary(evaluation: dg.AssetCheckEvaluation) -> str:
         f"FAILED: {failed} link(s) changed or missing, {verified} verified (see the audit check)"
 
 
-def forget_rotated_checkpoints(instance: dg.DagsterInstance, storage: KilnStorage, run_name: str) -> list[str]:
+def run_partitions(instance: dg.DagsterInstance, run_name: str) -> set[str]:
+    """The partition keys of run ``run_name``'s checkpoints."""
+    keys = instance.get_dynamic_partitions(checkpoint_partitions.name)
+    return {key for key in keys if key.startswith(f"{run_name}/")}
+
+
+def forget_rotated_checkpoints(instance: dg.DagsterInstance, storage: KilnStorage, run_name: str,
+                               partitions: set[str] | None = None) -> list[str]:
     """Delete the partitions of ``run_name``'s checkpoints that are no longer complete on disk (``save_max``
     rotation removed them), so the UI offers no action on a checkpoint that is gone. Their materializations
-    and audits stay in the event log."""
+    and audits stay in the event log. ``partitions``: the run's partition keys, when the caller keeps them
+    (reading every run's keys from the instance after each save grows with the number of checkpoints)."""
     save_path = storage.run_dir(run_name) / "checkpoints"
     # a directory named iteration_N is complete (the save renames it into place): one listing, not a stat each
     on_disk = set(os.listdir(save_path)) if save_path.is_dir() else set()
-    gone = [key for key in instance.get_dynamic_partitions(checkpoint_partitions.name)
-            if key.startswith(f"{run_name}/") and key.partition("/")[2] not in on_disk]
+    if partitions is None:
+        partitions = run_partitions(instance, run_name)
+    gone = sorted(key for key in partitions if key.partition("/")[2] not in on_disk)
     for key in gone:
         instance.delete_dynamic_partition(checkpoint_partitions.name, key)
     return gone
@@ -203,6 +212,7 @@ class CheckpointRecorder:
         self.cache = AuditCache()  # each checkpoint's audit hashes what its save added and reuses the rest
         self.newest: dg.AssetCheckEvaluation | None = None  # the newest recorded checkpoint's audit
         self.newest_logged = True
+        self.partitions: set[str] | None = None  # the run's partition keys, read once: one recorder adds them
 
     def record(self, message: dict) -> str:
         """Rank 0's message for a saved checkpoint: its audit, partition and materialization (and the check's
@@ -216,7 +226,11 @@ class CheckpointRecorder:
         self.newest, self.newest_logged = evaluation, False
         if status_changes:
             self._log_newest()
-        forget_rotated_checkpoints(self.context.instance, self.storage, self.run_name)
+        if self.partitions is None:
+            self.partitions = run_partitions(self.context.instance, self.run_name)
+        self.partitions.add(key)
+        self.partitions -= set(forget_rotated_checkpoints(self.context.instance, self.storage, self.run_name,
+                                                          self.partitions))
         return key
 
     def finish(self) -> None:

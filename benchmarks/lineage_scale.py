@@ -1,42 +1,47 @@
 """Lineage and the UI at the scale of a long run: 10 / 1,000 / 10,000 checkpoints, a source of 10,000 raw files.
 
-How the data is made and recorded (all in a temporary directory, DAGSTER_HOME included):
+How the data is made and recorded, one directory per level (DAGSTER_HOME included), built in a process of
+its own and kept under --work for the next run while the code that built it is unchanged (its key hashes
+Dagster's version, Kiln's assets, resources and lineage code, this module's builders and the sizes):
 - a file source ``stdlib_code`` of RAW_FILES small JSONL files (two generated documents each) next to the
   built-in ``stdlib_docs``; ``raw_corpus``, ``tokenizer``, ``token_shards`` and ``blend_manifest`` are
   materialized by Kiln's own assets into a persistent SQLite instance, ``raw_corpus`` and ``token_shards``
   twice (two events each on their Events tab);
 - checkpoints: one small MindFormers-layout directory per step (a 4 KB safetensors-named file,
   metadata.json, kiln_state.json, lineage.json pointing at the run's lineage store entry, common.json, and a
-  line in the lineage index), each handed to ``assets.training.record_checkpoint``, the function
-  ``training_run`` calls for rank 0's checkpoint message (audit, partition, materialization, audit check
-  evaluation, rotation sync), inside one Dagster run per level, as a training run records them. save_max is
-  not applied: every checkpoint stays a partition, the worst case for the UI.
+  line in the lineage index), each handed to ``assets.training.CheckpointRecorder``, which ``training_run``
+  uses for rank 0's checkpoint messages (audit, partition, materialization, the audit check's evaluation
+  when due, rotation sync), inside one Dagster run, as a training run records them; the rows are the same,
+  written faster by keeping each SQLite database open (kept_connections). save_max is not applied: every
+  checkpoint stays a partition, the worst case for the UI.
 
 Measured at each level: every tab of ``checkpoint``, ``raw_corpus`` and ``token_shards`` in headless
 Chromium (Debian's, driven by Playwright, as tests/test_browser_ui.py does) against ``dagster-webserver`` on
 that instance: the time from navigation until the page's last GraphQL answer arrived (best of 3 loads),
-and its ratio to the same tab on a copy of the instance frozen at the first level, served by a second
-webserver at the same time and loaded alternately (the machine is shared); ``kiln lineage --consumers``, ``kiln audit`` and
+and its ratio to the same tab on the first level's instance, served by a second webserver at the same time
+and loaded alternately (the machine is shared); ``kiln lineage --consumers``, ``kiln audit`` and
 ``python -m pipelines.audit`` (wall time and peak RSS, from /usr/bin/time; the cross-check twice: first with
 no code-version cache, as after a code change, then as every later run finds it); the instance's bytes per
-checkpoint, and where they go (SQLite's dbstat: pages per table and index, over the run databases and the
-index); and once, the raw-files sensor's cursor at RAW_FILES files. ``--no-ui`` leaves out the browser
-(most of the time at 10,000 checkpoints: recording them takes ~0.2 s each here).
+checkpoint between levels, and where they go (SQLite's dbstat: pages per table and index, over the run
+databases and the index); and the raw-files sensor's cursor at RAW_FILES files. ``--no-ui`` leaves out the
+browser.
 
     python -m benchmarks.lineage_scale [--levels 10,1000,10000] [--raw-files 10000] [--no-ui] [--work DIR]
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from types import MethodType
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -123,6 +128,36 @@ class CheckpointWriter:
                 "samples_per_s": 3.5, "ckpt_status": "ok", "files": sorted(files, key=lambda f: f["name"])}
 
 
+@contextmanager
+def kept_connections(instance):
+    """Dagster's SQLite event log opens a database engine for every statement (~10-15 ms each here, several per
+    checkpoint); while recording, each database's engine is kept open instead. The rows are the same, written
+    by the same storage code one transaction at a time: only the opening is saved."""
+    from sqlalchemy import create_engine
+
+    storage, engines = instance.event_log_storage, {}
+    opening = type(storage)._connect
+
+    @contextmanager
+    def connect(self, shard):
+        if shard not in self._initialized_dbs:  # Dagster's own first opening creates the database
+            with opening(self, shard):
+                pass
+        with self._db_lock:
+            if shard not in engines:
+                engines[shard] = create_engine(self.conn_string_for_shard(shard), connect_args={"timeout": 60})
+            with engines[shard].connect() as connection, connection.begin():
+                yield connection
+
+    storage._connect = MethodType(connect, storage)
+    try:
+        yield
+    finally:
+        del storage._connect
+        for engine in engines.values():
+            engine.dispose()
+
+
 def _record_checkpoints(instance, storage, writer: CheckpointWriter, steps: range) -> float:
     """Write and record ``steps`` inside one Dagster run, through training_run's own code; seconds taken."""
     import dagster as dg
@@ -137,8 +172,9 @@ def _record_checkpoints(instance, storage, writer: CheckpointWriter, steps: rang
         recorder.finish()
 
     started = time.perf_counter()
-    assert dg.GraphDefinition("record_checkpoints", node_defs=[record]).to_job().execute_in_process(
-        instance=instance, run_config=QUIET).success
+    with kept_connections(instance):
+        assert dg.GraphDefinition("record_checkpoints", node_defs=[record]).to_job().execute_in_process(
+            instance=instance, run_config=QUIET).success
     return time.perf_counter() - started
 
 
@@ -236,107 +272,159 @@ def _ui_loads(urls: list[str], rounds: int = 3) -> list[dict[str, float]]:
     return loads
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.lineage_scale", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--levels", default="10,1000,10000", help="checkpoint counts to measure at")
-    parser.add_argument("--raw-files", type=int, default=10_000)
-    parser.add_argument("--work", help="keep the generated data here (default: a temporary directory)")
-    parser.add_argument("--no-ui", action="store_true", help="measure everything but the browser's page loads")
-    args = parser.parse_args(argv)
-    levels = [int(n) for n in args.levels.split(",")]
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-lineage-") as tmp:
-        work = Path(args.work or tmp)
-        home = work / "dagster_home"
-        home.mkdir(parents=True)
-        (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-        sources = _write_sources(work, args.raw_files)
-        env = {**os.environ, "DAGSTER_HOME": str(home), "KILN_SOURCES": str(sources),
-               "KILN_DATA_ROOT": str(work / "data"), "KILN_RUNS_ROOT": str(work / "runs"),
-               "KILN_AUTOMATION": "off", "PATH": f"{BIN}:{os.environ['PATH']}"}
-        os.environ.update(env)  # the definitions read the sources config when imported: below, not before
-        return _measure(work, home, env, levels, args.raw_files, ui=not args.no_ui)
+BUILT = "built.json"  # in a level's directory, written last: what built it and the figures of building it
 
 
-def _measure(work: Path, home: Path, env: dict, levels: list[int], raw_files: int, ui: bool) -> int:
+def build_key(raw_files: int, level: int) -> str:
+    """What a built level depends on: Dagster's version, the code that records and audits (Kiln's assets,
+    resources and lineage, and this module's builders) and the sizes. A level built by other code is rebuilt."""
+    import inspect
+
+    import dagster as dg
+
+    digest = hashlib.sha256(f"{dg.__version__} {raw_files} {level}".encode())
+    for builder in (_write_sources, _materialize_data, CheckpointWriter, kept_connections, _record_checkpoints,
+                    _build_level):
+        digest.update(inspect.getsource(builder).encode())
+    for path in sorted([*PROJECT_ROOT.glob("assets/*.py"), *PROJECT_ROOT.glob("resources/*.py"),
+                        *PROJECT_ROOT.glob("training/data/*.py"), PROJECT_ROOT / "training/lineage.py",
+                        PROJECT_ROOT / "training/checkpoint.py", PROJECT_ROOT / "configs/sources.yaml"]):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def level_env(level_dir: Path) -> dict:
+    return {**os.environ, "DAGSTER_HOME": str(level_dir / "dagster_home"), "KILN_SOURCES": str(level_dir / "sources.yaml"),
+            "KILN_DATA_ROOT": str(level_dir / "data"), "KILN_RUNS_ROOT": str(level_dir / "runs"),
+            "KILN_AUTOMATION": "off", "PATH": f"{BIN}:{os.environ['PATH']}"}
+
+
+def _build_level(level_dir: Path, raw_files: int, level: int) -> None:
+    """In a process of its own (the definitions read the sources config when imported): the data chain on a
+    source of ``raw_files`` files, the sensor's cursor, then ``level`` checkpoints recorded as training does."""
     import dagster as dg
 
     from pipelines.sensors import raw_files_sensor
     from resources.storage import KilnStorage
-    from pipelines.audit import CODE_VERSIONS_CACHE, cross_check_instance
-    from training.lineage import audit_checkpoint, lineage_inputs, store_lineage_inputs
+    from training.lineage import lineage_inputs, store_lineage_inputs
 
-    storage = KilnStorage(data_root=str(work / "data"), runs_root=str(work / "runs"),
+    storage = KilnStorage(data_root=str(level_dir / "data"), runs_root=str(level_dir / "runs"),
                           sources_config=os.environ["KILN_SOURCES"])
-    workspace = work / "workspace.yaml"
-    workspace.write_text("load_from:\n  - python_module:\n      module_name: pipelines.definitions\n"
-                         f"      working_directory: {PROJECT_ROOT}\n      location_name: kiln\n")
-    with dg.DagsterInstance.from_config(str(home)) as instance:
+    built = {"raw_files": raw_files, "level": level}
+    with dg.DagsterInstance.from_config(os.environ["DAGSTER_HOME"]) as instance:
         started = time.perf_counter()
         _materialize_data(instance, storage)
-        report(f"data chain on {raw_files:,} raw files", time.perf_counter() - started, "s")
+        built["data_chain_s"] = time.perf_counter() - started
         context = dg.build_sensor_context(instance=instance, resources={"storage": storage})
         first = raw_files_sensor(context)
         context = dg.build_sensor_context(instance=instance, cursor=first.cursor, resources={"storage": storage})
         started = time.perf_counter()
         raw_files_sensor(context)
-        report(f"sensor cursor at {raw_files:,} raw files", len(first.cursor), "bytes")
-        report("sensor tick, nothing changed", time.perf_counter() - started, "s")
+        built.update(sensor_cursor_bytes=len(first.cursor), sensor_tick_s=time.perf_counter() - started)
         pointer = store_lineage_inputs(storage.runs_root, lineage_inputs(storage.manifest_path(), storage.root))
-        writer = CheckpointWriter(storage, pointer)
-        recorded, sizes, pages, reference_home = 0, {}, {}, work / "dagster_home_reference"
-        for level in levels:
-            seconds = _record_checkpoints(instance, storage, writer, range(recorded + 1, level + 1))
-            report(f"recording checkpoints {recorded + 1:,}..{level:,}", seconds / (level - recorded) * 1e3,
-                   "ms/checkpoint")
-            recorded = level
-            sizes[level], pages[level] = _dir_bytes(home), _sqlite_pages(home)
-            report(f"[{level:,} ckpt] instance size", sizes[level] / 1e6, "MB")
-            newest = writer.save_path / f"iteration_{level:08d}"
-            cross_check_command = [sys.executable, "-m", "pipelines.audit", str(newest), "--dagster-home", str(home)]
-            CODE_VERSIONS_CACHE.unlink(missing_ok=True)
-            for name, command in [
-                    # references: the interpreter's start, and the import floor of reading through Dagster
-                    ("python -c pass", [sys.executable, "-c", "pass"]),
-                    ("python -c 'import dagster'", [sys.executable, "-c", "import dagster"]),
-                    ("kiln lineage --consumers", [str(BIN / "kiln"), "lineage", "--consumers", "stdlib_code",
-                                                  "--runs-root", str(work / "runs")]),
-                    ("kiln audit", [str(BIN / "kiln"), "audit", str(newest)]),
-                    ("pipelines.audit, no code-version cache", cross_check_command),
-                    ("pipelines.audit (cross-check)", cross_check_command)]:
-                seconds, megabytes, out = _timed(command, env)
-                report(f"[{level:,} ckpt] {name}", seconds, f"s, {megabytes:,.0f} MB peak")
-                # the blend manifest was recorded before every checkpoint: level x 2 events ago
-                if name.startswith("pipelines.audit") and "OK: all" not in out:
-                    print(out[-2000:])
-                    raise RuntimeError("the cross-check did not find every link")
-            started = time.perf_counter()
-            lineage, _ = audit_checkpoint(newest)
-            links, _ = cross_check_instance(str(home), newest, lineage)
-            assert all(link.status in ("recorded", "superseded") for link in links), links
-            report(f"[{level:,} ckpt] audit + cross-check, imports done", time.perf_counter() - started, "s")
-            if not ui:
-                continue
-            if level == levels[0]:  # the reference: this instance as it is now, served next to every later level
-                shutil.copytree(home, reference_home)
-            servers = [Webserver({**env, "DAGSTER_HOME": str(reference_home)}, workspace, work / "webserver_ref.log"),
-                       Webserver(env, workspace, work / f"webserver_{level}.log")]
-            try:
-                reference, loads = _ui_loads([server.url for server in servers])
-            finally:
-                for server in servers:
-                    server.stop()
-            for tab, seconds in loads.items():
-                mark = "" if seconds < TARGET_SECONDS and seconds < 2 * reference[tab] else "  MISSES TARGET"
-                report(f"[{level:,} ckpt] UI {tab}", seconds, "s", seconds / reference[tab],
-                       f"at {levels[0]:,} checkpoints, alternating{mark}")
-        for low, high in zip(levels, levels[1:]):
-            report(f"instance growth {low:,}..{high:,} checkpoints", (sizes[high] - sizes[low]) / (high - low) / 1e3,
-                   "KB/checkpoint")
-            for name in sorted(pages[high], key=lambda n: pages[low].get(n, 0) - pages[high][n]):
-                grown = (pages[high][name] - pages[low].get(name, 0)) / (high - low)
-                if grown >= 10:  # bytes per checkpoint
-                    report(f"  {name}", grown, "bytes/checkpoint")
+        built["record_s"] = _record_checkpoints(instance, storage, CheckpointWriter(storage, pointer),
+                                                range(1, level + 1))
+    (level_dir / BUILT).write_text(json.dumps(built))
+
+
+def built_level(work: Path, raw_files: int, level: int) -> tuple[Path, dict]:
+    """The directory of a level built by this code (built now when there is none), and its build figures."""
+    level_dir = work / f"{raw_files}files-{level}ckpt-{build_key(raw_files, level)}"
+    if not (level_dir / BUILT).is_file():
+        shutil.rmtree(level_dir, ignore_errors=True)  # a build cut short, or its key's collision
+        (level_dir / "dagster_home").mkdir(parents=True)
+        (level_dir / "dagster_home" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+        _write_sources(level_dir, raw_files)
+        subprocess.run([sys.executable, "-m", "benchmarks.lineage_scale", "--build", str(level_dir),
+                        "--raw-files", str(raw_files), "--levels", str(level)],
+                       cwd=PROJECT_ROOT, env=level_env(level_dir), check=True)
+    return level_dir, json.loads((level_dir / BUILT).read_text())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.lineage_scale", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--levels", default="10,1000,10000", help="checkpoint counts to measure at")
+    parser.add_argument("--raw-files", type=int, default=10_000)
+    parser.add_argument("--work", default=str(PROJECT_ROOT / ".kiln" / "bench_lineage_scale"),
+                        help="where built levels are kept and found again")
+    parser.add_argument("--no-ui", action="store_true", help="measure everything but the browser's page loads")
+    parser.add_argument("--build", help=argparse.SUPPRESS)  # the level directory a child process builds
+    args = parser.parse_args(argv)
+    levels = [int(n) for n in args.levels.split(",")]
+    if args.build:
+        _build_level(Path(args.build), args.raw_files, levels[0])
+        return 0
+    return _measure(Path(args.work), levels, args.raw_files, ui=not args.no_ui)
+
+
+def _measure(work: Path, levels: list[int], raw_files: int, ui: bool) -> int:
+    from pipelines.audit import CODE_VERSIONS_CACHE, cross_check_instance
+    from training.lineage import audit_checkpoint
+
+    workspace = work / "workspace.yaml"
+    work.mkdir(parents=True, exist_ok=True)
+    workspace.write_text("load_from:\n  - python_module:\n      module_name: pipelines.definitions\n"
+                         f"      working_directory: {PROJECT_ROOT}\n      location_name: kiln\n")
+    dirs, pages = {}, {}
+    for level in levels:
+        dirs[level], built = built_level(work, raw_files, level)
+        report(f"[{level:,} ckpt] built in {dirs[level].name}: recording", built["record_s"] / level * 1e3,
+               "ms/checkpoint")
+    report(f"data chain on {raw_files:,} raw files (when built)", built["data_chain_s"], "s")
+    report(f"sensor cursor at {raw_files:,} raw files", built["sensor_cursor_bytes"], "bytes")
+    report("sensor tick, nothing changed", built["sensor_tick_s"], "s")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    for level in levels:
+        level_dir, env = dirs[level], level_env(dirs[level])
+        home = level_dir / "dagster_home"
+        pages[level] = _sqlite_pages(home)
+        report(f"[{level:,} ckpt] instance size", _dir_bytes(home) / 1e6, "MB")
+        newest = level_dir / "runs" / RUN_NAME / "checkpoints" / f"iteration_{level:08d}"
+        cross_check_command = [sys.executable, "-m", "pipelines.audit", str(newest), "--dagster-home", str(home)]
+        CODE_VERSIONS_CACHE.unlink(missing_ok=True)
+        for name, command in [
+                # references: the interpreter's start, and the import floor of reading through Dagster
+                ("python -c pass", [sys.executable, "-c", "pass"]),
+                ("python -c 'import dagster'", [sys.executable, "-c", "import dagster"]),
+                ("kiln lineage --consumers", [str(BIN / "kiln"), "lineage", "--consumers", "stdlib_code",
+                                              "--runs-root", str(level_dir / "runs")]),
+                ("kiln audit", [str(BIN / "kiln"), "audit", str(newest)]),
+                ("pipelines.audit, no code-version cache", cross_check_command),
+                ("pipelines.audit (cross-check)", cross_check_command)]:
+            seconds, megabytes, out = _timed(command, env)
+            report(f"[{level:,} ckpt] {name}", seconds, f"s, {megabytes:,.0f} MB peak")
+            # the blend manifest was recorded before every checkpoint
+            if name.startswith("pipelines.audit") and "OK: all" not in out:
+                print(out[-2000:])
+                raise RuntimeError("the cross-check did not find every link")
+        started = time.perf_counter()
+        lineage, _ = audit_checkpoint(newest)
+        links, _ = cross_check_instance(str(home), newest, lineage)
+        assert all(link.status in ("recorded", "superseded") for link in links), links
+        report(f"[{level:,} ckpt] audit + cross-check, imports done", time.perf_counter() - started, "s")
+        if not ui or level == levels[0]:
+            continue
+        # the reference: the first level's instance, served next to this one and loaded alternately
+        servers = [Webserver(level_env(dirs[levels[0]]), workspace, work / "webserver_ref.log"),
+                   Webserver(env, workspace, work / f"webserver_{level}.log")]
+        try:
+            reference, loads = _ui_loads([server.url for server in servers])
+        finally:
+            for server in servers:
+                server.stop()
+        for tab, seconds in loads.items():
+            report(f"[{levels[0]:,} ckpt] UI {tab}", reference[tab], "s")
+            mark = "" if seconds < TARGET_SECONDS and seconds < 2 * reference[tab] else "  MISSES TARGET"
+            report(f"[{level:,} ckpt] UI {tab}", seconds, "s", seconds / reference[tab],
+                   f"at {levels[0]:,} checkpoints, alternating{mark}")
+    for low, high in zip(levels, levels[1:]):
+        grown = {name: (pages[high][name] - pages[low].get(name, 0)) / (high - low) for name in pages[high]}
+        report(f"instance growth {low:,}..{high:,} checkpoints", sum(grown.values()) / 1e3,
+               "KB/checkpoint (SQLite pages)")
+        for name in sorted(grown, key=grown.get, reverse=True):
+            if grown[name] >= 10:  # bytes per checkpoint
+                report(f"  {name}", grown[name], "bytes/checkpoint")
     return 0
 
 
