@@ -14,12 +14,14 @@ import dagster as dg
 import numpy as np
 import pytest
 
-from conftest import MICRO_CONFIG, PROJECT_ROOT, run_under_msrun, write_random_documents
+from conftest import MICRO_CONFIG, PROJECT_ROOT, run_under_msrun, validate_as_one_process, write_random_documents
 from resources.msrun import MsrunResource, free_port
 from test_cancel import alive
 from test_trainer import losses, make_trainer
 from training.checkpoint import TRACKER, load_checkpoint, tracked_step
+from training.config import load_config
 from training.launch import MsrunSettings, msrun_command, msrun_environment
+from training.reporting import is_step_record, read_records
 
 STEPS = 8
 
@@ -299,7 +301,7 @@ def test_training_run_retries_a_killed_worker_then_a_killed_msrun_and_ends_as_th
         tmp_path, reference):
     """kill -9 of a worker after the first checkpoint, then of msrun (the launcher) once the retry trains: Dagster
     retries training_run twice, each attempt resumes from the newest complete checkpoint, and the run ends with
-    the uninterrupted run's losses and checkpoint partitions, leaving no process."""
+    the uninterrupted run's losses and checkpoint partitions, and its validation loss, leaving no process."""
     from pipelines.definitions import ALL_ASSETS, resources
 
     shard, uninterrupted = reference
@@ -334,7 +336,9 @@ def test_training_run_retries_a_killed_worker_then_a_killed_msrun_and_ends_as_th
                                     # disk but never sent to Dagster, so it gets no partition)
                                     "overrides": [f"training.steps={STEPS}", "checkpoint.save_interleaved_steps=2",
                                                   "checkpoint.remove_redundancy=true", "checkpoint.load_balanced=true",
-                                                  "checkpoint.load_worker_number=2"]}}}})
+                                                  "checkpoint.load_worker_number=2",
+                                                  # the split's 4 validation documents hold one global batch
+                                                  "training.eval_interval=4", "training.eval_iters=1"]}}}})
         partitions = instance.get_dynamic_partitions("checkpoints")
     killer.join(timeout=60)
     assert len(trees) == 2, f"the worker and msrun were not both killed: {errors}"
@@ -352,8 +356,14 @@ def test_training_run_retries_a_killed_worker_then_a_killed_msrun_and_ends_as_th
     assert history[1] == f"| 2 | {resumed[1]} | retried | msrun exited with code -9 |"
     assert history[2] == f"| 3 | {resumed[2]} | succeeded | - |"
     # every step any attempt logged has the uninterrupted loss, bit for bit, and every step was logged
-    logged = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    logged = [r for r in read_records(run_dir / "metrics.jsonl") if is_step_record(r)]
     assert {r["step"] for r in logged} == set(range(1, STEPS + 1))
     assert all(r["loss"] == uninterrupted[r["step"]] for r in logged)
     assert metadata["final_loss"] == uninterrupted[STEPS] and metadata["first_step"] == 1
+    # the last attempt's validation: one process's of the uninterrupted run's final weights (fp32: 2 ranks' sums
+    # against one process's micro-batches of one sample)
+    uninterrupted_final = shard.parents[2] / f"run/checkpoints/iteration_{STEPS:08d}"
+    assert metadata["validation_step"] == STEPS
+    assert metadata["final_val_loss"] == pytest.approx(
+        validate_as_one_process(load_config(run_dir / "config.yaml"), uninterrupted_final), rel=1e-6)
     assert sorted(partitions) == [f"retried/iteration_{s:08d}" for s in (2, 4, 6, 8)]
