@@ -98,7 +98,8 @@ class SelfAttention(nn.Cell):
             if self.logit_tracker.enabled:
                 self.logit_tracker.update(scores.reshape(batch, groups, per_group, size * keys))
             probs = cast(self.softmax(scores), v.dtype)
-            outs.append(_bmm(probs, _block(v, 0, keys, dim)).reshape(batch, groups, per_group, size, dim))
+            values = v.shape[-1]  # MLA's value heads are narrower than its query/key heads
+            outs.append(_bmm(probs, _block(v, 0, keys, values)).reshape(batch, groups, per_group, size, values))
         return ops.cat(outs, axis=3)
 
 
