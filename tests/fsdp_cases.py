@@ -25,20 +25,19 @@ CASES = {
     "hsdp_zero3_divide_after": ["parallelism.data_parallel_shard=2", "parallelism.disable_gradient_division=false",
                                 "parallelism.reshard_after_forward_policy=never"],
     "tp2_sp_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"],
-    "tp2_sp_zero1_from_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
-                                "parallelism.data_parallel_shard_strategy=optim",
-                                "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002"],
+    # resumed compiled, forward and backward in one graph (the default under data parallelism): tensor parallelism's
+    # collectives as all-reduces in it (comm.for_graph), the gradient reduction over tp and the shards eager. Compiled
+    # here rather than in a case of its own: that one took 41.8 s of the launch at load 13-16, this one costs the
+    # compile over its eager run (~25 s there)
+    "tp2_sp_zero1_compiled_from_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
+                                         "parallelism.data_parallel_shard_strategy=optim", "fast_step.compile=true",
+                                         "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002"],
     # the whole step compiled, the gradient reduction in its graph, over HSDP's sub-groups: a reduce-scatter over
     # the shards, then a sum over the replicas, divided after (one case: compiling costs seconds per rank)
     "hsdp_zero2_compiled_divide_after": ["parallelism.data_parallel_shard=2", "fast_step.compile=true",
                                          "fast_step.compile_reduction=true",
                                          "parallelism.data_parallel_shard_strategy=optim_grads",
                                          "parallelism.disable_gradient_division=false"],
-    # tensor + sequence parallel, forward and backward compiled (the default under data parallelism): its collectives
-    # as all-reduces in the graph (comm.for_graph); the gradient reduction over tp and the shards stays eager. One
-    # graph: with the reduction in it too, the accumulating step compiles two (measured 128 s at load 10)
-    "tp2_sp_zero2_compiled": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
-                              "parallelism.data_parallel_shard_strategy=optim_grads", "fast_step.compile=true"],
 }
 # DeepSeek-V3 (MLA, MoE with expert biases and a balancing loss, MTP) against its own reference: ZeRO-3, and tensor +
 # sequence parallel inside ZeRO-3 (its plain tensor parallelism is also in tests/test_tensor_parallel.py)
