@@ -8,6 +8,7 @@ import pytest
 from conftest import MICRO_CONFIG, PROJECT_ROOT
 from pipelines.definitions import ALL_ASSETS, resources
 from resources.msrun import MsrunResource
+from resources.storage import KilnStorage
 from test_resume import storage_for_shard
 from training.checkpoint import CheckpointError
 from training.config import ConfigError
@@ -51,10 +52,11 @@ def test_a_worker_stopped_by_a_config_error_is_not_retried_for_its_one_line(tmp_
 def test_a_training_run_refused_before_launch_is_not_retried_and_says_why(tmp_path, shard, monkeypatch, refused):
     launched = []
     monkeypatch.setattr(MsrunResource, "run", lambda *args, **kwargs: launched.append(args))
-    storage = storage_for_shard(tmp_path, shard)
-    overrides, why = ["training.max_norm=0"], "training.max_norm must be > 0"
-    if refused == "missing manifest":
-        storage.manifest_path().unlink()
+    if refused == "config":
+        storage = storage_for_shard(tmp_path, shard)
+        overrides, why = ["training.max_norm=0"], "training.max_norm must be > 0"
+    else:  # a data root where blend_manifest was never materialized
+        storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"))
         overrides, why = [], f"{storage.manifest_path()}: unreadable manifest"
     with dg.instance_for_test() as instance:
         result = dg.materialize(ALL_ASSETS, selection=["training_run"], instance=instance, raise_on_error=False,
@@ -76,8 +78,6 @@ def test_a_run_retry_resumes_and_lists_the_attempt_its_killed_run_lost(tmp_path)
 
     from assets.training import (TrainingRunConfig, attempt_config, attempts_table, finish_attempt,
                                  run_group_attempts, start_attempt)
-    from resources.storage import KilnStorage
-
     from training.checkpoint import save_checkpoint
     from training.parallel.comm import Collectives
     from training.parallel.mesh import World
