@@ -10,6 +10,7 @@ from training.model import attention
 from training.model.attention import SelfAttention
 from training.model.layers import Init, RMSNormFunction, Softmax, additive_mask
 from training.model.transformer import MLP
+from training.optim import clip_grad_norm_in_graph
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
@@ -116,3 +117,26 @@ def test_causal_attention_in_query_blocks_is_the_full_masked_softmax():
     got = layer._causal_attention(Tensor(q), Tensor(k), Tensor(v), mask).asnumpy()
     np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-14)
     check_gradients(lambda q, k, v: layer._causal_attention(q, k, v, mask), [q, k, v])
+
+
+def test_the_compiled_clip_sums_squares_and_scales_like_numpy():
+    """clip_grad_norm_in_graph's sums of squares (row sums as matmuls against ones) under mindspore.jit, for a
+    matrix, a vector and a 3-D gradient, against float64 numpy; the clipped gradients are scaled by
+    max_norm / (norm + 1e-6), and a norm under max_norm leaves them as they were."""
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(shape).astype(np.float32) for shape in ((6, 5), (7,), (2, 3, 4))]
+    squares64 = np.array([np.sum(a.astype(np.float64) ** 2) for a in arrays])
+    norm = float(np.sqrt(squares64.sum()))
+
+    def clip(max_norm):
+        def clipped(*grads):
+            return clip_grad_norm_in_graph(grads, max_norm)
+        return ms.jit(clipped)(*(Tensor(a) for a in arrays))
+
+    clipped, squares, total = clip(1.0)
+    np.testing.assert_allclose(squares.asnumpy(), squares64, rtol=1e-6)
+    np.testing.assert_allclose(float(total.asnumpy()), norm, rtol=1e-6)
+    for got, array in zip(clipped, arrays):
+        np.testing.assert_allclose(got.asnumpy(), array * (1.0 / (norm + 1e-6)), rtol=1e-6)
+    unclipped, _, _ = clip(2 * norm)
+    assert all(np.array_equal(got.asnumpy(), array) for got, array in zip(unclipped, arrays))
