@@ -225,6 +225,8 @@ def test_one_event_per_checkpoint_and_the_audit_check_follows_the_newest(tmp_pat
         for steps, corrupted in [(range(1, 7), {3}), ([7], {7})]:  # two attempts, the second's one audit failing
             recorder = CheckpointRecorder(context, storage, run_name, "v1")
             for step in steps:
+                if step == 7:  # save_max rotation deleted the oldest: its partition goes with the next record
+                    shutil.rmtree(checkpoint_dir(storage, f"{run_name}/iteration_00000001"))
                 message = _saved_checkpoint(storage, run_name, step, config)
                 if step in corrupted:  # changed after its save hashed it
                     (Path(message["path"]) / message["files"][0]["name"]).write_bytes(b"torn")
@@ -244,6 +246,8 @@ def test_one_event_per_checkpoint_and_the_audit_check_follows_the_newest(tmp_pat
         logged = [(e.metadata["checkpoint"].value[-2:], e.passed) for e in result.get_asset_check_evaluations()]
         assert logged == [("01", True), ("03", False), ("04", True), ("06", True), ("07", False)]
         assert "model-0000000-0000001.safetensors" in result.get_asset_check_evaluations()[1].metadata["problems"].value
+        assert sorted(instance.get_dynamic_partitions("checkpoints")) == [
+            f"{run_name}/iteration_{s:08d}" for s in range(2, 8)]
         # the check's status is the newest checkpoint's audit: a failed audit leaves it failed, as before
         assert [(c.event_specific_data.passed, c.event_specific_data.metadata["checkpoint"].value[-2:])
                 for c in checks] == [(True, "06"), (False, "07")]
