@@ -119,3 +119,25 @@ def register_source_chunks(instance: dg.DagsterInstance, storage: KilnStorage) -
         if source_of(key) not in sources:
             instance.delete_dynamic_partition(source_chunks.name, key)
     return keys
+
+
+def group_chunks(chunk_bytes: dict[str, int], step_bytes: int) -> list[list[str]]:
+    """The chunks, in order, cut into contiguous groups of about equal raw bytes, as many as fit ``step_bytes``
+    each (one group when they hold less in all; a chunk a group, as before, with ``step_bytes`` 0). A backfill
+    tokenizes a group per step, so what a step costs besides tokenizing (its process, the instance's schema
+    checks, a dozen events) is paid once per group instead of once per chunk. A chunk is never split: a run over
+    one chunk (a changed file) is still a step over that chunk alone."""
+    if isinstance(step_bytes, bool) or not isinstance(step_bytes, int) or step_bytes < 0:
+        raise ChunkError(f"step_bytes must be an integer >= 0, got {step_bytes!r}")
+    total = sum(chunk_bytes.values())
+    if step_bytes == 0:
+        return [[key] for key in chunk_bytes]
+    count = min(len(chunk_bytes), max(1, total // step_bytes))
+    groups: list[list[str]] = [[] for _ in range(count)]
+    before = 0
+    for key, size in chunk_bytes.items():
+        # a chunk joins the group its middle byte falls in: contiguous groups, each within a chunk of total/count
+        middle = (before + size / 2) / total if total else 0.0
+        groups[min(count - 1, int(middle * count))].append(key)
+        before += size
+    return [group for group in groups if group]

@@ -5,6 +5,7 @@ Each asset records what it read and wrote (paths, bytes, counts, sha256) and ret
 Outputs are written under a temporary name and renamed, so a failed step never leaves half a file.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import dagster as dg
 
 from assets import builtin_corpus, chunks
 from assets.builtin_corpus import write_builtin_source
-from assets.chunks import chunk_files, key_stem, source_chunk_keys, source_chunks, source_of
+from assets.chunks import chunk_files, group_chunks, key_stem, source_chunk_keys, source_chunks, source_of
 from assets.sources import load_sources
 from assets.versions import code_version_of, versioned_asset
 from resources.storage import PROJECT_ROOT, KilnStorage
@@ -103,37 +104,43 @@ def _ingest_chunk(storage: KilnStorage, key: str) -> dg.MaterializeResult:
     )
 
 
-def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult:
-    """Build every partition (chunk) of the step; a run over several reports them all (`combined_result`)."""
-    results = {key: build(key) for key in context.partition_keys}
-    return combined_result(results, context.asset_key.to_user_string(), context.log)
+def figures(result: dg.MaterializeResult) -> dict[str, int | float]:
+    """The numbers among a result's metadata (what a range's table shows per chunk)."""
+    return {k: v for k, v in result.metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
-def combined_result(results: dict[str, dg.MaterializeResult], asset: str, log) -> dg.MaterializeResult:
+def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult:
+    """Build every partition (chunk) of the step, logging each one's figures; a run over several reports them all
+    (`combined_result`)."""
+    results = {}
+    for key in context.partition_keys:
+        results[key] = build(key)
+        context.log.info(f"{context.asset_key.to_user_string()}[{key}]: "
+                         + ", ".join(f"{k}={v}" for k, v in figures(results[key]).items()))
+    return combined_result(results)
+
+def combined_result(results: dict[str, dg.MaterializeResult]) -> dg.MaterializeResult:
     """One result for a partition range: each chunk of a range gets the same metadata, a table row per chunk,
     `<figure>/<chunk>` numbers and `data_version/<chunk>` (the content hash a one-chunk step would report, which
     `python -m pipelines.audit` looks up), and no data version (Dagster derives one from the inputs and the code
     version) since a shared one would be wrong for each.
     """
     keys = list(results)
-    figures = {source: {k: v for k, v in r.metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-               for source, r in results.items()}
-    for source, numbers in figures.items():
-        log.info(f"{asset}[{source}]: " + ", ".join(f"{k}={v}" for k, v in numbers.items()))
+    figures_of = {source: figures(r) for source, r in results.items()}
     if len(keys) == 1:
         return results[keys[0]]
-    names = sorted({k for numbers in figures.values() for k in numbers})
-    rows = [{"source": source, **{k: numbers.get(k, 0) for k in names}} for source, numbers in figures.items()]
+    names = sorted({k for numbers in figures_of.values() for k in numbers})
+    rows = [{"source": source, **{k: numbers.get(k, 0) for k in names}} for source, numbers in figures_of.items()]
     metadata = {"sources": dg.MetadataValue.table(
         [dg.TableRecord(r) for r in rows],
         schema=dg.TableSchema(columns=[dg.TableColumn("source")] + [dg.TableColumn(k, "int") for k in names]))}
-    metadata.update({f"{k}/{source}": v for source, numbers in figures.items() for k, v in numbers.items()})
+    metadata.update({f"{k}/{source}": v for source, numbers in figures_of.items() for k, v in numbers.items()})
     metadata.update({f"{PER_SOURCE_DATA_VERSION}/{source}": dg.MetadataValue.text(r.data_version.value)
                      for source, r in results.items()})
     return dg.MaterializeResult(metadata=metadata)
 
-@versioned_asset(_ingest_chunk, per_source, combined_result, _part_files, replace_dir, builtin_corpus, corpus, chunks,
-                 SOURCES_CONFIG, partitions_def=source_chunks, group_name="data", kinds={"json"}, owners=["team:kiln"],
-                 tags={"stage": "ingest"}, backfill_policy=dg.BackfillPolicy.single_run())
+@versioned_asset(_ingest_chunk, per_source, figures, combined_result, _part_files, replace_dir, builtin_corpus, corpus,
+                 chunks, SOURCES_CONFIG, partitions_def=source_chunks, group_name="data", kinds={"json"},
+                 owners=["team:kiln"], tags={"stage": "ingest"}, backfill_policy=dg.BackfillPolicy.single_run())
 def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
     """A validated copy of one chunk's documents under `data/raw/<chunk>/` (a whole source unless it sets
     `files_per_chunk`).
@@ -249,30 +256,59 @@ def _tokenize_chunk(storage: KilnStorage, key: str, log, workers: int | None = N
         metadata["quarantine"] = dg.MetadataValue.path(str(target / Path(stats["quarantine"]).name))
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(shards_hash(shards)))
 
-def _workers_per_chunk(chunks_in_run: int) -> int:
-    """Tokenizing processes for each chunk step: the cores shared by the chunks the executor runs at once (the
-    multiprocess executor runs as many steps as there are cores by default), so steps do not fight for cores."""
-    cores = os.cpu_count() or 1
-    return max(1, cores // min(chunks_in_run, cores))
+class ChunkStepConfig(dg.Config):
+    """How a run over many chunks is cut into steps (`token_shards`' fan-out op, chunks_of_run)."""
+    step_mib: float = 512.0  # raw MiB a step tokenizes at least (contiguous chunks); 0: a step per chunk
 
-@dg.op(ins={"raw_corpus": dg.In(dg.Nothing), "tokenizer": dg.In(dg.Nothing)}, out=dg.DynamicOut(str))
-def chunks_of_run(context: dg.OpExecutionContext):
-    """One output per chunk of the run's partition range: each is tokenized by a step of its own."""
-    for key in context.partition_keys:
-        yield dg.DynamicOutput(key, mapping_key=re.sub(r"\W", "_", key))
+@dataclasses.dataclass(frozen=True)
+class ChunkStep:
+    """What one tokenizing step does: these chunks, in order, each with this many tokenizing processes."""
+    chunks: tuple[str, ...]
+    workers: int
+
+    @property
+    def mapping_key(self) -> str:
+        """The step's name in its key, `token_shards.tokenize_chunks[<first>_to_<last>]` (or `[<chunk>]`)."""
+        ends = self.chunks[:1] if len(self.chunks) == 1 else (self.chunks[0], self.chunks[-1])
+        return re.sub(r"\W", "_", "_to_".join(ends))
+
+def chunk_steps(storage: KilnStorage, keys: list[str], step_mib: float) -> list[ChunkStep]:
+    """The run's chunks cut into steps of about `step_mib` raw MiB each (`chunks.group_chunks`); each step
+    tokenizes with the cores shared by the steps the executor runs at once (as many steps as there are cores by
+    default), so steps do not fight for cores."""
+    if step_mib < 0:
+        raise dg.Failure(f"chunks_of_run config step_mib must be >= 0, got {step_mib}")
+    sizes = {key: sum(p.stat().st_size for p in raw_files(storage, key)) for key in keys}
+    groups = group_chunks(sizes, int(step_mib * 2**20))
+    cores = os.cpu_count() or 1
+    workers = max(1, cores // min(len(groups), cores))
+    return [ChunkStep(tuple(group), workers) for group in groups]
+
+@dg.op(ins={"raw_corpus": dg.In(dg.Nothing), "tokenizer": dg.In(dg.Nothing)}, out=dg.DynamicOut(ChunkStep))
+def chunks_of_run(context: dg.OpExecutionContext, config: ChunkStepConfig, storage: KilnStorage):
+    """One output per group of contiguous chunks of the run's partition range: each is tokenized by a step of
+    its own."""
+    for step in chunk_steps(storage, list(context.partition_keys), config.step_mib):
+        yield dg.DynamicOutput(step, mapping_key=step.mapping_key)
 
 @dg.op(tags={"stage": "tokenize"})
-def tokenize_chunk(context: dg.OpExecutionContext, storage: KilnStorage, key: str) -> tuple[str, dict, str]:
-    """(chunk, metadata, data version): an op's MaterializeResult would be taken for the asset's own."""
-    result = _tokenize_chunk(storage, key, context.log, workers=_workers_per_chunk(len(context.partition_keys)))
-    return key, dict(result.metadata), result.data_version.value
+def tokenize_chunks(context: dg.OpExecutionContext, storage: KilnStorage,
+                    step: ChunkStep) -> list[tuple[str, dict, str]]:
+    """(chunk, metadata, data version) of each chunk of the step: an op's MaterializeResult would be taken for
+    the asset's own."""
+    results = []
+    for key in step.chunks:
+        result = _tokenize_chunk(storage, key, context.log, workers=step.workers)
+        results.append((key, dict(result.metadata), result.data_version.value))
+    return results
 
 @dg.op(out=dg.Out(dg.Nothing))
-def shards_of_run(context: dg.OpExecutionContext, results: list[tuple[str, dict, str]]):
-    """The asset's materialization of every chunk of the run, from the chunk steps' results."""
+def shards_of_run(context: dg.OpExecutionContext, steps: list[list[tuple[str, dict, str]]]):
+    """The asset's materialization of every chunk of the run, from the tokenizing steps' results (which logged
+    each chunk's figures: one event per chunk fewer here, on the run's critical path)."""
     by_key = {key: dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(version))
-              for key, metadata, version in results}
-    result = combined_result({key: by_key[key] for key in context.partition_keys}, "token_shards", context.log)
+              for results in steps for key, metadata, version in results}
+    result = combined_result({key: by_key[key] for key in context.partition_keys})
     yield dg.Output(None, metadata=result.metadata, data_version=result.data_version)
 
 @dg.graph_asset(
@@ -280,20 +316,21 @@ def shards_of_run(context: dg.OpExecutionContext, results: list[tuple[str, dict,
                                        "tokenizer": dg.AssetIn(dagster_type=dg.Nothing)},
     group_name="data", kinds={"numpy"}, owners=["team:kiln"], tags={"stage": "tokenize", "format": "megatron-indexed"},
     backfill_policy=dg.BackfillPolicy.single_run(), automation_condition=EAGER_AFTER_CHECKS,
-    code_version=code_version_of(_tokenize_chunk, _workers_per_chunk, *(op.compute_fn.decorated_fn for op in (
-        chunks_of_run, tokenize_chunk, shards_of_run)), combined_result, replace_dir, chunks, preprocess, indexed,
-        SOURCES_CONFIG))
+    code_version=code_version_of(_tokenize_chunk, chunk_steps, *(op.compute_fn.decorated_fn for op in (
+        chunks_of_run, tokenize_chunks, shards_of_run)), figures, combined_result, replace_dir, chunks, preprocess,
+        indexed, SOURCES_CONFIG))
 def token_shards(raw_corpus, tokenizer):
-    """Each chunk tokenized into Megatron `.bin/.idx` datasets (EOD after every document), a step per chunk.
+    """Each chunk tokenized into Megatron `.bin/.idx` datasets (EOD after every document).
 
     `shards/<chunk>/<stem>_<key>_document` per json key, or `..._document_00000`, ... with the
     source's `max_shard_tokens`; bad records skipped under `on_bad_line: skip` are listed in
     `<stem>_quarantine.jsonl`. The directory is built aside and swapped in whole. A run over many chunks
-    (a backfill) fans out into one `tokenize_chunk` step per chunk, run side by side by the executor (the
+    (a backfill) fans out into `tokenize_chunks` steps, each over contiguous chunks of at least `step_mib` raw
+    MiB in all (`chunks_of_run`'s config; 0: a step per chunk), run side by side by the executor (the
     multiprocess executor: as many at once as there are cores). Re-materialized automatically (eager) when
     its raw chunk or the tokenizer changes.
     """
-    return shards_of_run(chunks_of_run(raw_corpus=raw_corpus, tokenizer=tokenizer).map(tokenize_chunk).collect())
+    return shards_of_run(chunks_of_run(raw_corpus=raw_corpus, tokenizer=tokenizer).map(tokenize_chunks).collect())
 
 def _blend_summary(manifest: dict, total: int) -> str:
     lines = [f"**{len(manifest['sources'])} sources, {total:,} tokens**, sequences of {manifest['seq_length']} "

@@ -1,28 +1,25 @@
-"""python -m benchmarks.chunked_preprocess [--corpus-mib M | --gib 1] [--rounds R] — a chunked source's backfill
-(the `shard_chunks` job: one step per chunk under the multiprocess executor, 2 at once) vs one `kiln preprocess`
-of the same files, and Dagster's per-step overhead.
+"""python -m benchmarks.chunked_preprocess [--corpus-mib M | --gib 1] [--rounds R] [--step-mib S ...] — a chunked
+source's backfill (the `shard_chunks` job under the multiprocess executor, 2 steps at once, each step tokenizing a
+group of contiguous chunks of at least S raw MiB) vs one `kiln preprocess` of the same files, and Dagster's
+per-step overhead.
 
 The corpus is the built-in `stdlib_code` source written again and again into 16 JSONL files of M/16 MiB each,
 a source with `files_per_chunk: 1`, so 16 chunks. Ingest and the tokenizer are built once, untimed (the
 reference has neither). Each round times, as whole processes from start to exit:
 - reference: `kiln preprocess` of the 16 files into one dataset (2 tokenizing workers, the CPU count);
-- backfill: a process that executes `shard_chunks` over the 16 chunks (what a run worker does: it loads the
-  code location, then the executor forks a step per chunk from a forkserver, 2 at a time, each tokenizing
-  with 1 worker), recording every chunk's materialization in a SQLite instance.
-The two alternate (ABBA...) and each round's ratio is reference seconds / backfill seconds (target >= 0.9:
-the backfill at least 0.9x as fast as one process). Per-step overhead: a chunk step's wall time from the
-executor starting its worker to the step's success, minus the seconds its tokenize_to_indexed call took.
+- a backfill per `--step-mib` value (default: 0, a step per chunk, and chunks_of_run's default): a process that
+  executes `shard_chunks` over the 16 chunks (what a run worker does: it loads the code location, then the
+  executor forks each step from a forkserver, 2 at a time, each tokenizing with 1 worker), recording every
+  chunk's materialization in a SQLite instance.
+The arms run in turn, in reverse order every other round, and each round's ratio is reference seconds / backfill
+seconds (target >= 0.9: the backfill at least 0.9x as fast as one process). Per-step overhead: a tokenizing
+step's wall time from the executor starting its worker to the step's success, minus the seconds its chunks'
+tokenize_to_indexed calls took (also given per chunk: the steps' overhead over the chunks they tokenized).
 
 Each arm's CPU seconds (user + system of its whole process tree, the forkserver and its step processes
 included) are printed too: on a loaded machine they vary much less than the wall time.
 
-Measured here (2 shared cores, --gib 1): at load 2-7, kiln preprocess 23.5 / 23.7 s, backfill 36.2 / 35.9 s (0.65x,
-0.66x; per-step overhead 0.9-1.4 s median), with only pipelines.definitions preloaded. With the step processes'
-instance, compute-log and IO-manager modules preloaded too (pipelines/jobs.py; the two versions run side by side
-from a worktree, 2 rounds each, load 12-24): backfill 67.0 / 62.9 CPU-s (before: 76.2 / 72.5), kiln preprocess
-48.6-49.6: 0.75x of its CPU time (before 0.66x, medians), 0.69x / 0.73x in wall time (before 0.65x / 0.52x),
-per-step overhead 4.4 s median (before 12.4 s). The 0.9x target is not reached; what a step still costs is
-Dagster's (docs/data.md: Preprocessing a large corpus).
+Figures, and where a step's time goes: docs/data.md, Preprocessing a large corpus.
 """
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ import argparse
 import ctypes
 import json
 import os
-import re
 import resource
 import statistics
 import subprocess
@@ -98,15 +94,17 @@ def _range_tags(keys: list[str]) -> dict:
     return {"dagster/asset_partition_range_start": keys[0], "dagster/asset_partition_range_end": keys[-1]}
 
 
-def backfill(root: Path, keys: list[str]) -> str:
-    """In this process (a run worker's part): `shard_chunks` over the chunks; returns the run id."""
+def backfill(root: Path, keys: list[str], step_mib: float) -> str:
+    """In this process (a run worker's part): `shard_chunks` over the chunks, steps of `step_mib` raw MiB;
+    returns the run id."""
     import dagster as dg
 
     from pipelines.definitions import shard_chunks_job
     from pipelines.jobs import CHUNK_EXECUTION
 
     execution = {**CHUNK_EXECUTION["execution"]["config"], "max_concurrent": BACKFILL_CONCURRENCY}
-    run_config = {"execution": {"config": execution}, "resources": {"storage": {"config": _storage_config(root)}}}
+    run_config = {"execution": {"config": execution}, "resources": {"storage": {"config": _storage_config(root)}},
+                  "ops": {"token_shards": {"ops": {"chunks_of_run": {"config": {"step_mib": step_mib}}}}}}
     with dg.DagsterInstance.from_config(str(root / "home")) as instance:
         result = dg.execute_job(dg.reconstructable(shard_chunks_job), instance, run_config=run_config,
                                 tags=_range_tags(keys))
@@ -115,28 +113,33 @@ def backfill(root: Path, keys: list[str]) -> str:
         return result.run_id
 
 
-def step_overheads(root: Path, run_id: str) -> list[float]:
-    """Per chunk step: seconds from the executor starting its worker to its success, minus tokenizing."""
+def step_overheads(root: Path, run_id: str, keys: list[str], step_mib: float) -> list[tuple[float, int]]:
+    """Per tokenizing step: (seconds from the executor starting its worker to its success, minus the seconds
+    its chunks' tokenize_to_indexed calls took; the number of chunks it tokenized)."""
     import dagster as dg
 
+    from assets.data import chunk_steps
+    from resources.storage import KilnStorage
+
+    chunks_of = {f"token_shards.tokenize_chunks[{step.mapping_key}]": step.chunks
+                 for step in chunk_steps(KilnStorage(**_storage_config(root)), keys, step_mib)}
     starts, ends = {}, {}
     with dg.DagsterInstance.from_config(str(root / "home")) as instance:
         for event in instance.all_logs(run_id):
-            step = event.step_key or ""
-            if not (event.is_dagster_event and step.startswith("token_shards.tokenize_chunk[")):
+            if not (event.is_dagster_event and event.step_key in chunks_of):
                 continue
             if event.dagster_event_type == dg.DagsterEventType.STEP_WORKER_STARTING:
-                starts[step] = event.timestamp
+                starts[event.step_key] = event.timestamp
             elif event.dagster_event_type == dg.DagsterEventType.STEP_SUCCESS:
-                ends[step] = event.timestamp
+                ends[event.step_key] = event.timestamp
         tokenizing = {}
         for record in instance.fetch_materializations(dg.AssetKey("token_shards"), limit=1000).records:
             if record.run_id == run_id:
                 metadata = record.asset_materialization.metadata
                 tokenizing.update({key: metadata[f"tokens/{key}"].value / metadata[f"tokens_per_s/{key}"].value
                                    for key in [k.split("/", 1)[1] for k in metadata if k.startswith("tokens/")]})
-    step_of = {"token_shards.tokenize_chunk[" + re.sub(r"\W", "_", key) + "]": key for key in tokenizing}  # data.py's
-    return [ends[step] - starts[step] - tokenizing[step_of[step]] for step in sorted(starts) if step in ends]
+    return [(ends[step] - starts[step] - sum(tokenizing[key] for key in chunks), len(chunks))
+            for step, chunks in chunks_of.items() if step in starts and step in ends]
 
 
 def adopt_orphans() -> None:
@@ -164,7 +167,7 @@ def _timed(command: list[str]) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def run(corpus_bytes: int, rounds: int) -> None:
+def run(corpus_bytes: int, rounds: int, step_mibs: list[float]) -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-chunks-bench-") as tmp:
         root = Path(tmp)
         (root / "corpus").mkdir()
@@ -172,50 +175,65 @@ def run(corpus_bytes: int, rounds: int) -> None:
         size = sum(f.stat().st_size for f in files)
         keys = prepare(root, files)
         model = root / "data" / "tokenizer" / "kiln.model"
-        reference = [sys.executable, "-m", "training.cli", "preprocess", "--tokenizer-model", str(model),
-                     "--output-prefix", str(root / "single" / "corpus"), "--append-eod",
-                     *[arg for f in files for arg in ("--input", str(f))]]
-        chunked = [sys.executable, "-m", "benchmarks.chunked_preprocess", "--backfill-in", str(root),
-                   "--keys", ",".join(keys)]
-        print(f"chunked preprocess: {size / 2**20:,.0f} MiB in {len(keys)} chunks, {rounds} rounds alternating",
-              flush=True)
+        commands = {"reference": [sys.executable, "-m", "training.cli", "preprocess", "--tokenizer-model", str(model),
+                                  "--output-prefix", str(root / "single" / "corpus"), "--append-eod",
+                                  *[arg for f in files for arg in ("--input", str(f))]]}
+        for step_mib in step_mibs:
+            commands[step_mib] = [sys.executable, "-m", "benchmarks.chunked_preprocess", "--backfill-in", str(root),
+                                  "--keys", ",".join(keys), "--step-mib", str(step_mib)]
+        print(f"chunked preprocess: {size / 2**20:,.0f} MiB in {len(keys)} chunks, {rounds} rounds, the arms in "
+              f"turn (reversed every other round): kiln preprocess, and a backfill with steps of at least "
+              f"{', '.join(f'{m:g}' for m in step_mibs)} raw MiB (0: a step per chunk)", flush=True)
         adopt_orphans()
-        ratios, cpu_ratios, overheads = [], [], []
+        wall = {arm: [] for arm in commands}
+        cpu = {arm: [] for arm in commands}
+        overheads = {step_mib: [] for step_mib in step_mibs}
         for i in range(rounds):
-            arms = ["reference", "backfill"] if i % 2 == 0 else ["backfill", "reference"]
-            wall, cpu = {}, {}
-            for arm in arms:
-                wall[arm], cpu[arm] = _timed(reference if arm == "reference" else chunked)
-            run_id = (root / "last_run_id").read_text()
-            overheads += step_overheads(root, run_id)
-            ratios.append(wall["reference"] / wall["backfill"])
-            cpu_ratios.append(cpu["reference"] / cpu["backfill"])
-            print(f"  round {i + 1} (load {os.getloadavg()[0]:.0f}): kiln preprocess {wall['reference']:.1f} s "
-                  f"({cpu['reference']:.1f} CPU-s), backfill {wall['backfill']:.1f} s ({cpu['backfill']:.1f} CPU-s, "
-                  f"{BACKFILL_CONCURRENCY} steps at once): {ratios[-1]:.2f} x, CPU {cpu_ratios[-1]:.2f} x", flush=True)
-        print(f"{'chunked backfill speed':<34} {size / 2**20 / (wall['backfill']):>14,.1f} MiB/s  "
-              f"({statistics.median(ratios):.2f} × one kiln preprocess, median of {rounds} paired rounds; "
-              f"target >= 0.9)")
-        print(f"{'chunked backfill CPU time':<34} {cpu['backfill']:>14,.1f} CPU-s  "
-              f"(kiln preprocess's CPU time / the backfill's: {statistics.median(cpu_ratios):.2f}, median; the "
-              f"wall ratio it tends to when other work keeps both cores busy)")
-        print(f"{'per-step overhead':<34} {statistics.median(overheads):>14,.2f} s  "
-              f"(median over {len(overheads)} chunk steps; max {max(overheads):.2f} s)", flush=True)
+            for arm in (list(commands) if i % 2 == 0 else list(commands)[::-1]):
+                seconds, cpu_seconds = _timed(commands[arm])
+                wall[arm].append(seconds)
+                cpu[arm].append(cpu_seconds)
+                if arm != "reference":
+                    overheads[arm] += step_overheads(root, (root / "last_run_id").read_text(), keys, arm)
+            print(f"  round {i + 1} (load {os.getloadavg()[0]:.0f}): kiln preprocess {wall['reference'][-1]:.1f} s "
+                  f"({cpu['reference'][-1]:.1f} CPU-s); " + "; ".join(
+                      f"steps of {m:g} MiB {wall[m][-1]:.1f} s ({cpu[m][-1]:.1f} CPU-s): "
+                      f"{wall['reference'][-1] / wall[m][-1]:.2f} x, CPU {cpu['reference'][-1] / cpu[m][-1]:.2f} x"
+                      for m in step_mibs), flush=True)
+        for m in step_mibs:
+            ratios = [r / b for r, b in zip(wall["reference"], wall[m])]
+            cpu_ratios = [r / b for r, b in zip(cpu["reference"], cpu[m])]
+            steps = overheads[m]
+            print(f"backfill, steps of >= {m:g} MiB ({len(steps) // rounds} steps, {BACKFILL_CONCURRENCY} at once):")
+            print(f"  {'speed':<30} {size / 2**20 / statistics.median(wall[m]):>10,.1f} MiB/s  "
+                  f"({statistics.median(ratios):.2f} x one kiln preprocess's, median of {rounds} paired rounds; "
+                  f"target >= 0.9)")
+            print(f"  {'CPU time':<30} {statistics.median(cpu[m]):>10,.1f} CPU-s  "
+                  f"(kiln preprocess's CPU time / the backfill's: {statistics.median(cpu_ratios):.2f}, median; the "
+                  f"wall ratio it tends to when other work keeps both cores busy)")
+            print(f"  {'per-step overhead':<30} {statistics.median(o for o, _ in steps):>10,.2f} s  "
+                  f"(median over {len(steps)} steps, max {max(o for o, _ in steps):.2f} s; "
+                  f"{sum(o for o, _ in steps) / sum(n for _, n in steps):.2f} s per chunk)", flush=True)
 
 
 def main(argv=None) -> int:
+    from assets.data import ChunkStepConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus-mib", type=int, default=256, help="corpus size (default 256 MiB: a few minutes)")
     parser.add_argument("--gib", type=float, help="corpus size in GiB instead (the issue's figure: --gib 1)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--step-mib", type=float, nargs="+", default=[0.0, ChunkStepConfig().step_mib],
+                        help="backfill arms: raw MiB per step (chunks_of_run's step_mib; default: 0, a step per "
+                             "chunk, and the default)")
     parser.add_argument("--backfill-in", type=Path, help=argparse.SUPPRESS)  # one timed backfill (a child)
     parser.add_argument("--keys", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.backfill_in:
-        run_id = backfill(args.backfill_in, args.keys.split(","))
+        run_id = backfill(args.backfill_in, args.keys.split(","), args.step_mib[0])
         (args.backfill_in / "last_run_id").write_text(run_id)
         return 0
-    run(int(args.gib * 2**30) if args.gib else args.corpus_mib * 2**20, args.rounds)
+    run(int(args.gib * 2**30) if args.gib else args.corpus_mib * 2**20, args.rounds, args.step_mib)
     return 0
 
 

@@ -8,7 +8,8 @@ import string
 import dagster as dg
 import pytest
 
-from assets.chunks import assign_chunks, register_source_chunks, source_chunks
+from assets.chunks import ChunkError, assign_chunks, group_chunks, register_source_chunks, source_chunks
+from assets.data import chunk_steps
 from assets.sources import load_sources
 from pipelines.definitions import build_definitions, resources, shard_chunks_job
 from pipelines.jobs import CHUNK_EXECUTION, STEP_PRELOAD_MODULES
@@ -67,6 +68,38 @@ def test_chunk_assignment_is_stable_and_the_sensor_requests_only_the_changed_chu
         assert (requested, added) == (["web/00001", "web/00003"], ["web/00003"])
 
 
+def test_chunks_are_grouped_into_contiguous_steps_of_about_equal_bytes():
+    sixteen = {f"web/{i:05d}": 64 for i in range(16)}
+    assert group_chunks(sixteen, 256) == [list(sixteen)[i:i + 4] for i in range(0, 16, 4)]
+    # 1,024 bytes hold five steps of 200 at most: cut as evenly as whole chunks allow, none below 192
+    assert [len(group) for group in group_chunks(sixteen, 200)] == [3, 3, 4, 3, 3]
+    assert group_chunks(sixteen, 0) == [[key] for key in sixteen]  # a step per chunk
+    assert group_chunks(sixteen, 10**9) == [list(sixteen)]  # less than a step in all: one step
+    # a chunk is never split: a big one is a step of its own, and a run over one chunk is one step over it
+    assert group_chunks({"a": 1, "b": 1000, "c": 1, "d": 1}, 300) == [["a"], ["b"], ["c", "d"]]
+    assert group_chunks({"web/00003": 64}, 256) == [["web/00003"]]
+    with pytest.raises(ChunkError, match="step_bytes must be an integer >= 0, got -1"):
+        group_chunks(sixteen, -1)
+
+
+def test_chunk_steps_share_the_cores_and_name_their_chunks(tmp_path, monkeypatch):
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                          sources_config=str(tmp_path / "sources.yaml"))
+    keys = [f"web/{i:05d}" for i in range(4)]
+    for key in keys:
+        storage.raw_dir(key).mkdir(parents=True)
+        (storage.raw_dir(key) / "part-00000.jsonl").write_bytes(b"x" * 2**19)  # half a MiB per chunk
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    steps = chunk_steps(storage, keys, step_mib=1)
+    assert [(step.chunks, step.workers, step.mapping_key) for step in steps] == [
+        (("web/00000", "web/00001"), 1, "web_00000_to_web_00001"),
+        (("web/00002", "web/00003"), 1, "web_00002_to_web_00003")]
+    (one,) = chunk_steps(storage, keys[3:], step_mib=1)  # one step alone has both cores
+    assert (one.chunks, one.workers, one.mapping_key) == (("web/00003",), 2, "web_00003")
+    with pytest.raises(dg.Failure, match="chunks_of_run config step_mib must be >= 0, got -1"):
+        chunk_steps(storage, keys, step_mib=-1)
+
+
 @pytest.mark.parametrize("module", STEP_PRELOAD_MODULES)
 def test_each_module_the_chunk_steps_preload_exists(module):
     """The forkserver skips a preload module it cannot import without a word (the steps then import what they need
@@ -87,27 +120,32 @@ def test_a_backfill_shards_every_chunk_two_steps_at_once_and_the_blend_gathers_t
                                       tags=whole_range).success
         assert dg.materialize(defs.assets, selection=["tokenizer"], instance=instance, resources=res).success
 
-        # the backfill: one run over the chunks of `web`, a step per chunk, under the multiprocess executor
+        # the backfill: one run over the chunks of `web` under the multiprocess executor, in steps of two chunks
+        # (step_mib: half of the four chunks' raw bytes), two steps at once
+        web_bytes = sum(p.stat().st_size for key in keys[1:] for p in (storage.root / "raw" / key).glob("part-*"))
         web = {"dagster/asset_partition_range_start": "web/00000", "dagster/asset_partition_range_end": "web/00003"}
         run_config = {"execution": {"config": {**CHUNK_EXECUTION["execution"]["config"], "max_concurrent": 2}},
                       "resources": {"storage": {"config": {"data_root": storage.data_root, "runs_root": storage.runs_root,
-                                                           "sources_config": storage.sources_config}}}}
+                                                           "sources_config": storage.sources_config}}},
+                      "ops": {"token_shards": {"ops": {"chunks_of_run": {"config": {"step_mib": web_bytes / 2**21}}}}}}
         result = dg.execute_job(dg.reconstructable(shard_chunks_job), instance, run_config=run_config, tags=web)
         assert result.success
         spans, running, most = {}, 0, 0
         for event in sorted(instance.all_logs(result.run_id), key=lambda e: e.timestamp):
             step = event.step_key or ""
-            if step.startswith("token_shards.tokenize_chunk[") and event.is_dagster_event:
+            if step.startswith("token_shards.tokenize_chunks[") and event.is_dagster_event:
                 if event.dagster_event_type == dg.DagsterEventType.STEP_START:
                     running += 1
                     most = max(most, running)
                     spans[step] = event.timestamp
                 elif event.dagster_event_type in (dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE):
                     running -= 1
-        # four chunk steps, never more than two at once; whether two do overlap depends on the machine's timing (in
-        # a loaded fresh-clone run each tiny step ended before the next had started), so that is not asserted here:
-        # benchmarks/chunked_preprocess.py measures what the concurrency gains
-        assert len(spans) == 4 and 1 <= most <= 2
+        # two steps of two chunks each, never more than two at once; whether the two do overlap depends on the
+        # machine's timing (in a loaded fresh-clone run each tiny step ended before the next had started), so that
+        # is not asserted here: benchmarks/chunked_preprocess.py measures what the concurrency gains
+        assert sorted(spans) == ["token_shards.tokenize_chunks[web_00000_to_web_00001]",
+                                 "token_shards.tokenize_chunks[web_00002_to_web_00003]"]
+        assert 1 <= most <= 2
         for key in keys[1:]:
             (record,) = instance.fetch_materializations(dg.AssetRecordsFilter(
                 asset_key=dg.AssetKey("token_shards"), asset_partitions=[key]), limit=1).records
