@@ -20,8 +20,8 @@ preprocess_then_train = dg.define_asset_job(
     executor_def=dg.in_process_executor)
 
 
-# A step per chunk, as many at once as there are cores (the multiprocess executor's default max_concurrent);
-# forkserver, so a chunk's step starts by forking a process that has imported what a step needs instead of
+# A step per group of contiguous chunks (token_shards' chunks_of_run: step_mib, 512 raw MiB by default), as many at
+# once as there are cores (the multiprocess executor's default max_concurrent); forkserver, so a step starts by forking a process that has imported what a step needs instead of
 # importing it again in a fresh interpreter (spawn, the default). That is Kiln's Definitions and, as much again
 # (~1 s per step on this machine, 500 modules: SQLAlchemy, Alembic, rich...), what each step's process imports to
 # open the instance and to capture its compute logs, and the filesystem IO manager's paths. Preloading those too
@@ -37,8 +37,9 @@ CHUNK_EXECUTION = {"execution": {"config": {"start_method": {"forkserver": {"pre
 shard_chunks = dg.define_asset_job(
     "shard_chunks", selection=dg.AssetSelection.assets(token_shards), executor_def=dg.multiprocess_executor,
     config=CHUNK_EXECUTION,
-    description="Tokenize the chunks of the run's partition range, one step per chunk, side by side (backfill "
-                "token_shards from this job's Partitions tab: a single run over the range).")
+    description="Tokenize the chunks of the run's partition range, a step per group of contiguous chunks "
+                "(token_shards.chunks_of_run's step_mib), side by side (backfill token_shards from this job's "
+                "Partitions tab: a single run over the range).")
 
 
 def all_sources_tags(instance: dg.DagsterInstance, storage: KilnStorage) -> dict[str, str]:
