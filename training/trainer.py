@@ -93,14 +93,6 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
                        f"set), and its ring step and Ulysses exchange are all-gathers; {not_parsed}. Compiling it "
                        "needs that attention rebuilt as a Cell per layer, its masks fixed when built and its "
                        "all-gathers made from all-reduce (comm.AllGather after comm.for_graph): not done yet")
-    if dims.pp > 1:
-        reasons.append("pipeline parallel: the schedule runs on the host, stage by stage and micro-batch by "
-                       "micro-batch, passing hidden states and their gradients between ranks as 2-rank broadcasts "
-                       "(mint.distributed: not in graph mode; send/recv are broken on CPU), so those transfers stay "
-                       "outside any graph. Compiling each stage's forward and its recomputing backward "
-                       "(Pipeline.grad_fns) between them is possible but not done yet: a stage is a host object "
-                       "whose forward returns optional outputs and a dict of loss parts, and its MoE counts and "
-                       "dropout stream are rewound on the host around the replay")
     if dims.dp_shard > 1 and config.parallelism.data_parallel_shard_strategy == "optim_grads_params":
         reasons.append("ZeRO-3: each unit's forward is wrapped on the host (its gathered weights are set as Python "
                        "attributes for the call and, resharding after forward, gathered again through saved-tensor "
@@ -228,6 +220,11 @@ def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, p
         return TrainStep(grad_fn, None, False,
                          f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
     comm.for_graph(model)  # tensor parallelism's collectives, as all-reduces
+    if parallel.pipeline is not None:
+        parallel.pipeline.compile()
+        return TrainStep(grad_fn, None, True, "pipeline stages compiled (mindspore.jit: each stage's forward and "
+                         "its recomputing backward), schedule, transfers between stages, clip and update on the "
+                         f"host (2-rank broadcasts: a graph cannot run them), {dispatch}")
     outside = whole_step_blockers(config, dims, monitor, optimizer)
     if outside:
         return TrainStep(ms.jit(grad_fn), None, True,

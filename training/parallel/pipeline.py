@@ -253,6 +253,9 @@ class _Chunk:
         if self.last and model.mtp is not None:
             self.moe += [layer.transformer_layer.mlp for layer in model.mtp.layers
                          if isinstance(layer.transformer_layer.mlp, MoELayer)]
+        # the loss parts this stage's forward gives, in one order; none: the stage holds no part of the loss
+        self.part_names = (["lm_loss", *model._mtp_loss_names] if self.last else []) + (
+            ["load_balancing_loss"] if any(moe.has_aux_loss for moe in self.moe) else [])
 
     def decode(self, x, input_ids, position_ids, attention_mask) -> tuple[Tensor, tuple]:
         """The stage's decoder layers over ``x`` (over the embedded tokens on the first stage), and the rotary
@@ -282,9 +285,22 @@ class _Chunk:
         return x, loss, components
 
 
+class _StageOutput(nn.Cell):
+    """A stage's forward before its backward: only the hidden states it sends on (a Cell, so it can compile)."""
+
+    def __init__(self, chunk: _Chunk):
+        super().__init__(auto_prefix=False)
+        self.chunk = chunk
+
+    def construct(self, x, input_ids, labels, loss_mask, position_ids, attention_mask):
+        return self.chunk.forward(x, input_ids, labels, loss_mask, position_ids, attention_mask)[0]
+
+
 class _Objective(nn.Cell):
     """What a stage's backward differentiates: its loss part times the loss scale, plus the output's dot product
-    with the received output gradient (so the gradients are the vector-Jacobian product with it)."""
+    with the received output gradient (so the gradients are the vector-Jacobian product with it). Besides, as
+    flat outputs (a compiled graph returns no None and no dict): the loss part (zero on a stage without one),
+    then its parts in ``chunk.part_names``' order."""
 
     def __init__(self, chunk: _Chunk, scale: float):
         super().__init__(auto_prefix=False)
@@ -295,8 +311,8 @@ class _Objective(nn.Cell):
         objective = 0.0 if loss is None else loss * self.scale
         if out is not None:
             objective = objective + (out * output_grad).sum()
-        parts = {name: ops.stop_gradient(value) for name, value in components.items()}
-        return objective, (ops.stop_gradient(loss) if loss is not None else None, parts)
+        loss = ops.zeros((), ms.float32) if loss is None else ops.stop_gradient(loss)
+        return objective, (loss,) + tuple(ops.stop_gradient(components[name]) for name in self.chunk.part_names)
 
 
 @dataclass
@@ -374,6 +390,14 @@ class Pipeline:
         self.params = [current[p.name] for p in self.params]
         self.grad_fns = [ms.value_and_grad(_Objective(chunk, scale), None if chunk.first else 0, chunk.params,
                                            has_aux=True) for chunk in self.chunks]
+        self.forwards = [_StageOutput(chunk) for chunk in self.chunks]
+
+    def compile(self) -> None:
+        """Each stage's forward and its recomputing backward as mindspore.jit graphs (fast_step.compile); the
+        schedule, the transfers between stages (2-rank broadcasts, which a graph cannot run) and the rewinding of
+        MoE counts around a replay stay on the host, between the graphs."""
+        self.forwards = [ms.jit(forward) for forward in self.forwards]
+        self.grad_fns = [ms.jit(grad_fn) for grad_fn in self.grad_fns]
 
     # ---- what the trainer asks -------------------------------------------------------------------------
     def component_names(self) -> list[str]:
@@ -472,8 +496,8 @@ class Pipeline:
                 inputs.setdefault(key, None)
                 if not chunk.last:  # the last stage's forward runs with its backward (nothing to send before)
                     rewind[key] = self._capture(chunk)
-                    out, _, _ = chunk.forward(inputs[key], *batches[step.micro])
-                    outbox[(FORWARD, chunk.stage + 1, step.micro)] = out
+                    outbox[(FORWARD, chunk.stage + 1, step.micro)] = self.forwards[step.chunk](
+                        inputs[key], *batches[step.micro])
                 kept += self._nbytes(inputs[key])
                 in_flight += 1
             else:
@@ -483,7 +507,7 @@ class Pipeline:
                 current = self._capture(chunk) if replayed else None
                 if replayed:
                     self._restore(chunk, replayed, counts=False)
-                (_, (loss, parts)), g = self.grad_fns[step.chunk](x, dout, *batches[step.micro])
+                (_, (loss, *parts)), g = self.grad_fns[step.chunk](x, dout, *batches[step.micro])
                 if replayed:
                     self._restore(chunk, current, counts=True)
                 if not chunk.first:
@@ -491,9 +515,9 @@ class Pipeline:
                     outbox[(BACKWARD, chunk.stage - 1, step.micro)] = dx
                 for param, grad in zip(chunk.params, g):
                     grads[param.name] = grad if grads[param.name] is None else grads[param.name] + grad
-                if loss is not None:
+                if chunk.part_names:  # the stage holds a part of the loss
                     micro_losses[step.micro] += float(loss.asnumpy())
-                for name, value in parts.items():
+                for name, value in zip(chunk.part_names, parts):
                     if name in components:  # a plain dense model's loss is its LM loss: no parts reported
                         components[name] += float(value.asnumpy())
                 kept -= self._nbytes(x)
