@@ -1,12 +1,13 @@
-"""Compiled tensor parallelism on 2 msrun workers: its step against the same layout eager, and what an all-gather
-costs in a graph, where only all-reduce runs on a sub-group.
+"""Compiled tensor and pipeline parallelism on 2 msrun workers: each one's step against the same layout eager and
+against DP 2 compiled, and what an all-gather costs in a graph, where only all-reduce runs on a sub-group.
 
-Steps: configs/qwen3_tiny.yaml (or ``--config``) at a 512-token sequence, 2 samples per step in one micro-batch,
-ZeRO-1 everywhere: TP 2 with sequence parallelism eager (``fast_step.compile=false``) against the same compiled
-(forward and backward in one mindspore.jit graph, its gathers and reduce-scatters as all-reduces:
-``comm.for_graph``), and DP 2 compiled as the layout a run without tensor parallelism gets. The variants' steps
-alternate round by round in one launch (the machine is shared: each round sees the same load); each ratio is a
-median of per-round ratios.
+Steps: configs/qwen3_tiny.yaml (or ``--config``) at a 512-token sequence, 2 samples per step, ZeRO-1 everywhere:
+TP 2 with sequence parallelism (one micro-batch of both samples) and PP 2 (1F1B, a micro-batch per sample), each
+eager (``fast_step.compile=false``) and compiled (TP: forward and backward in one mindspore.jit graph, its gathers
+and reduce-scatters as all-reduces, ``comm.for_graph``; PP: each stage's forward and recomputing backward, the
+transfers between them on the host), and DP 2 compiled (a sample per rank), the layout without either. The
+variants' steps alternate round by round in one launch (the machine is shared: each round sees the same load);
+each ratio is a median of per-round ratios.
 
 Gathers (the question for compiling ZeRO-3, whose units all-gather their weights): one decoder layer's weights,
 half on each rank, gathered whole. Eagerly the CPU backend uses mint.distributed's list-form all_gather; in a graph
@@ -31,8 +32,11 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SEQ = 512
 DEFAULT_CONFIG = "configs/qwen3_tiny.yaml"
 TP2 = ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true", "training.local_batch_size=2"]
+PP2 = ["parallelism.pipeline_parallel=2", "training.local_batch_size=1"]
 VARIANTS = {"TP 2 eager": [*TP2, "fast_step.compile=false"],
             "TP 2 compiled": [*TP2, "fast_step.compile=true"],
+            "PP 2 eager": [*PP2, "fast_step.compile=false"],
+            "PP 2 compiled": [*PP2, "fast_step.compile=true"],
             "DP 2 compiled": ["training.local_batch_size=1", "fast_step.compile=true"]}
 
 
@@ -120,13 +124,17 @@ def run(report, shard: Path, config_path: str = DEFAULT_CONFIG, rounds: int = 5)
         run_on_local_workers([__file__, tmp, shard, config_path, rounds], Path(tmp) / "log", 2)
         figures = json.loads((Path(tmp) / "figures.json").read_text())
     times = figures["times"]
-    eager = times["TP 2 eager"]
     for name, mode in figures["modes"].items():
         print(f"  {name}: {mode[:110]}")
+
+    def speed(name: str, reference: str) -> float:
+        return statistics.median(r / s for r, s in zip(times[reference], times[name]))
     for name, seconds in times.items():
-        per_round = [e / s for e, s in zip(eager, seconds)]
         report(f"{name} step, {SEQ} tokens x 2", statistics.median(seconds) * 1000, "ms",
-               statistics.median(per_round), "speed of TP 2 eager, paired per round")
+               speed(name, "DP 2 compiled"), "DP 2 compiled's speed, paired per round")
+    for layout in ("TP 2", "PP 2"):
+        report(f"{layout} compiled vs eager", statistics.median(times[f"{layout} compiled"]) * 1000, "ms",
+               speed(f"{layout} compiled", f"{layout} eager"), f"{layout} eager's speed, paired per round")
     gathers = figures["gathers"]
     size = gathers.pop("bytes")
     eager_gather = gathers["eager list-form all_gather"]
