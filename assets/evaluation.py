@@ -4,7 +4,7 @@ One partition per checkpoint partition. It materializes by itself when a checkpo
 by ``kiln_automation``) and runs ``kiln eval`` in a process of its own, holding a slot of the training pool
 (``npu``) and, where the msrun resource lists devices, a device lease: it waits for a free device instead of
 sharing one with a training run. The numbers are metadata (plotted across checkpoints in the UI, one series
-per source) and a sidecar beside the checkpoint, ``eval-<split>.json``, which ``kiln audit`` verifies.
+per source) and a sidecar beside the checkpoint, ``eval.json``, which ``kiln audit`` verifies.
 """
 import json
 import os

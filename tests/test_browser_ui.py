@@ -216,7 +216,7 @@ def test_materialize_the_chain_in_the_browser(tmp_path):
         failed = [run for run in runs if wait_for_run(client, run) != DagsterRunStatus.SUCCESS]
         assert not failed, _step_failures(tmp_path, failed)
         sources = sorted(json.loads(next((tmp_path / f"runs/{RUN_NAME}/checkpoints").glob(
-            f"iteration_{STEPS:08d}/eval-*.json")).read_text())["sources"])
+            f"iteration_{STEPS:08d}/eval.json")).read_text())["sources"])
         page.goto(f"{url}/assets/checkpoint_eval?view=overview")
         page.get_by_role("button", name=re.compile(r"Plots$")).click()
         curves = {title: _plot_painted_pixels(page, title) for title in ["loss", *(f"loss_{s}" for s in sources)]}

@@ -57,10 +57,10 @@ def test_kiln_eval_reports_each_source_on_the_test_split_and_audit_verifies_its_
     checkpoint = root / RUN / "checkpoints" / CHECKPOINT
     assert kiln(["eval", str(checkpoint), "--batches", "2"]) == 0
     out = capsys.readouterr().out
-    assert f"wrote {checkpoint / 'eval-test.json'}" in out
+    assert f"wrote {checkpoint / 'eval.json'}" in out
     assert f"notes        not evaluated: train_dataset.dataloader.config.data_path[5] {shards['notes']}: " \
            f"{NOTES_LEFT_OUT}" in out
-    record = json.loads((checkpoint / "eval-test.json").read_text())
+    record = json.loads((checkpoint / "eval.json").read_text())
     assert record["split"] == "test" and record["sample_range"] == [0, 8] and record["checkpoint"]["step"] == 2
     assert {s["path"] for s in record["shards"]} == {f"shards/{n}.{e}" for n in ("code", "docs", "notes")
                                                      for e in ("bin", "idx")}
@@ -88,26 +88,30 @@ def test_kiln_eval_reports_each_source_on_the_test_split_and_audit_verifies_its_
     assert record["loss"] == pytest.approx(total[0] / total[1], rel=1e-5)
 
     assert kiln(["audit", str(checkpoint)]) == 0
-    assert "ok        evaluation  eval-test.json" in capsys.readouterr().out
+    assert "ok        evaluation  eval.json" in capsys.readouterr().out
     assert kiln(["lineage", "--consumers", "docs", "--runs-root", str(root)]) == 0
-    assert f"evaluated: {checkpoint}/eval-test.json" in capsys.readouterr().out
+    assert f"evaluated: {checkpoint}/eval.json" in capsys.readouterr().out
     # notes trained the checkpoint, but the evaluation read nothing of it
     assert kiln(["lineage", "--consumers", "notes", "--runs-root", str(root)]) == 0
     assert f"run {RUN} step 2: source notes" in (out := capsys.readouterr().out) and "evaluated:" not in out
     # an edited result fails the audit
     edited = {**record, "loss": record["loss"] - 1}
-    (checkpoint / "eval-test.json").write_text(json.dumps(edited))
+    (checkpoint / "eval.json").write_text(json.dumps(edited))
     assert kiln(["audit", str(checkpoint)]) == 1
-    assert "MISMATCH  evaluation  eval-test.json" in capsys.readouterr().out
-    (checkpoint / "eval-test.json").write_text(json.dumps(record))
+    assert "MISMATCH  evaluation  eval.json" in capsys.readouterr().out
+    (checkpoint / "eval.json").write_text(json.dumps(record))
 
 
 def test_kiln_eval_of_the_valid_split_leaves_out_a_source_whose_held_out_tokens_make_no_sample(trained, capsys):
     root, _, shards = trained
     checkpoint = root / RUN / "checkpoints" / CHECKPOINT
     assert kiln(["eval", str(checkpoint), "--split", "valid", "--batches", "1"]) == 0
+    # the run's default is the test split (eval.json): another split's evaluation goes beside it, under its name
     record = json.loads((checkpoint / "eval-valid.json").read_text())
-    assert record["split"] == "valid" and record["sample_range"] == [0, 4] and set(record["sources"]) == {"code", "docs"}
+    assert record["split"] == "valid" and record["default_split"] == "test"
+    assert record["sample_range"] == [0, 4] and set(record["sources"]) == {"code", "docs"}
+    assert kiln(["audit", str(checkpoint)]) == 0
+    assert "ok        evaluation  eval-valid.json" in capsys.readouterr().out
     # 80,10,10 gives the validation split the last of notes' 4 documents, shorter than a sample of 32 + 1 tokens
     tokens = int(IndexedDataset(shards["notes"]).sequence_lengths[3])
     assert tokens < 33
@@ -147,7 +151,7 @@ def test_checkpoint_eval_is_requested_for_a_new_checkpoint_and_records_the_evalu
                                 run_config={"ops": {"checkpoint_eval": {"config": {"batches": 1}}}})
     (event,) = result.asset_materializations_for_node("checkpoint_eval")
     metadata = {k: v.value for k, v in event.metadata.items()}
-    sidecar = json.loads((root / RUN / "checkpoints" / CHECKPOINT / "eval-test.json").read_text())
+    sidecar = json.loads((root / RUN / "checkpoints" / CHECKPOINT / "eval.json").read_text())
     assert metadata["loss"] == sidecar["loss"] and metadata["loss_docs"] == sidecar["sources"]["docs"]["loss"]
     assert metadata["split"] == "test" and metadata["checkpoint"].endswith(CHECKPOINT)
     assert metadata["samples"] == f"0..3 of the test split, {sidecar['tokens']} loss tokens"

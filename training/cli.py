@@ -217,8 +217,8 @@ def main(argv=None) -> int:
     evaluate = commands.add_parser(
         "eval", help="held-out loss of a checkpoint, overall and per source, written beside it",
         description="Forward passes of the checkpoint's model over its run's held-out split, in this process "
-                    "(no Dagster); writes eval-<split>.json into the checkpoint directory, which kiln audit "
-                    "verifies. Exit 2 on bad input.")
+                    "(no Dagster); writes eval.json into the checkpoint directory (eval-<split>.json for the split "
+                    "that is not the run's default), which kiln audit verifies. Exit 2 on bad input.")
     evaluate.add_argument("checkpoint", help="an iteration_XXXXXXXX checkpoint directory")
     evaluate.add_argument("--split", choices=("test", "valid"),
                           help="default: test when the run's blend cuts a test split, else valid")

@@ -264,10 +264,13 @@ def validation_line(record: dict) -> str:
 EVAL_VERSION = 1
 
 
-def eval_sidecar(checkpoint_dir: Path, split: str) -> Path:
+def eval_sidecar(checkpoint_dir: Path, split: str, run_default: str) -> Path:
+    """``eval.json``, the checkpoint's evaluation on its run's default held-out split (what checkpoint_eval
+    writes), or ``eval-<split>.json`` for the other split, asked of `kiln eval --split`: a checkpoint may carry
+    both, and neither overwrites the other."""
     from training.lineage import EVAL_PREFIX
 
-    return Path(checkpoint_dir) / f"{EVAL_PREFIX}{split}.json"
+    return Path(checkpoint_dir) / (f"{EVAL_PREFIX}.json" if split == run_default else f"{EVAL_PREFIX}-{split}.json")
 
 
 def default_split(config: TrainConfig) -> str:
@@ -349,7 +352,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
         "kiln_eval_version": EVAL_VERSION,
         "checkpoint": {"path": str(checkpoint_dir.resolve()), "step": lineage["checkpoint"]["step"],
                        "lineage_sha256": sha256_file(checkpoint_dir / LINEAGE)},
-        "split": split, "sample_range": [0, samples], "batches": batches,
+        "split": split, "default_split": default_split(config), "sample_range": [0, samples], "batches": batches,
         "global_batch_size": config.training.global_batch_size, "seq_length": config.model["seq_length"],
         "data_root": lineage.get("data_root"),
         "shards": [{"source": s["source"], "path": s["path"], "sha256": s["sha256"]}
@@ -365,10 +368,10 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
 
 
 def write_evaluation(record: dict) -> Path:
-    """The record as its checkpoint's eval-<split>.json sidecar (written whole or not at all)."""
+    """The record as its checkpoint's evaluation sidecar (``eval_sidecar``; written whole or not at all)."""
     from training.lineage import record_evaluation_in_index
 
-    path = eval_sidecar(Path(record["checkpoint"]["path"]), record["split"])
+    path = eval_sidecar(Path(record["checkpoint"]["path"]), record["split"], record["default_split"])
     write_json_atomic(path, record)
     record_evaluation_in_index(path.parent.parent, record["checkpoint"]["step"], path.name, list(record["sources"]))
     return path

@@ -33,7 +33,7 @@ from training.data.manifest import read_manifest
 LINEAGE_VERSION = 2  # 2: upstream records in the lineage store, lineage.json points at them (1: inline)
 STORE_DIR = "lineage"  # under the runs root
 INDEX = "lineage_index.jsonl"  # in a run's save path, next to its iteration_* directories
-EVAL_PREFIX = "eval-"  # a checkpoint's evaluation sidecars: <checkpoint>/eval-<split>.json (training/evaluation.py)
+EVAL_PREFIX = "eval"  # a checkpoint's evaluation sidecars: eval.json, eval-<split>.json (training/evaluation.py)
 EVAL_INDEX = "eval_index.jsonl"  # in a run's save path: one line per evaluation written
 
 
@@ -300,7 +300,7 @@ class Consumer:
     checkpoint: str
     matched: str               # the lineage record that names the file, shard or source
     token_share: float | None  # its share of the run's training tokens; None in lineages older than shares
-    evaluations: list[str]     # its evaluation sidecars (eval-<split>.json), which read the same sources
+    evaluations: list[str]     # its evaluation sidecars (eval.json, eval-<split>.json), which read the same sources
 
 
 def _matches(record: dict, target: str) -> bool:
