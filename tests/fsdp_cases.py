@@ -38,10 +38,6 @@ CASES = {
                                          "fast_step.compile_reduction=true",
                                          "parallelism.data_parallel_shard_strategy=optim_grads",
                                          "parallelism.disable_gradient_division=false"],
-    # pipeline parallel with each stage's forward and recomputing backward compiled, the schedule and the transfers
-    # between the graphs on the host (1F1B, 2 micro-batches; pp 2 x ZeRO-1 over dp 2)
-    "pp2_zero1_compiled": ["parallelism.pipeline_parallel=2", "parallelism.data_parallel_shard_strategy=optim",
-                           "fast_step.compile=true"],
 }
 # DeepSeek-V3 (MLA, MoE with expert biases and a balancing loss, MTP) against its own reference: ZeRO-3, and tensor +
 # sequence parallel inside ZeRO-3 (its plain tensor parallelism is also in tests/test_tensor_parallel.py)

@@ -42,7 +42,10 @@ CASES = {
         "parallelism.pipeline_parallel_layers_per_stage=['0-0,2-2', '1-1,3-3']"]),
     # each stage's attention a ring over its cp pair, hidden states travelling as each rank's sequence chunk
     "pp2_cp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.context_parallel=2"]),
-    "tp2_pp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]),
+    # compiled: each stage's forward and recomputing backward a graph, tensor parallelism's collectives in them as
+    # all-reduces (the micro config trains eagerly unless a case compiles)
+    "tp2_pp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
+                                                "fast_step.compile=true"]),
     # one layer per rank, 4 micro-batches through 4 stages; rank 0 reports the training-state statistics of every
     # stage's parameters (whole tensors: no data parallel here)
     "pp4_1f1b": ("qwen3_4_layers_tied", ["parallelism.pipeline_parallel=4"] + VALIDATE_ONCE + MONITORED),
@@ -60,7 +63,10 @@ def main(out: str, shard: str) -> None:
     for name, (reference, overrides) in CASES.items():
         run_dir = Path(out) / name
         config = reference_config(shard, reference, run_dir / "checkpoints", overrides)
-        Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main)).train()
+        trainer = Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main))
+        trainer.train()
+        if world.is_main:
+            (run_dir / "step_mode.txt").write_text(trainer.step_mode)
 
 
 if __name__ == "__main__":

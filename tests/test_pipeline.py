@@ -46,6 +46,8 @@ def test_pipeline_layout_trains_as_one_process(runs, case):
     root, references = runs
     single, expected = references[CASES[case][0]]
     staged = [m for m in read_records(root / "cases" / case / "metrics.jsonl") if is_step_record(m)]
+    if "fast_step.compile=true" in CASES[case][1]:
+        assert (root / "cases" / case / "step_mode.txt").read_text().startswith("pipeline stages compiled")
     assert [m["step"] for m in staged] == [m["step"] for m in single] == list(range(1, STEPS + 1))
     assert [m["loss"] for m in staged] == pytest.approx([m["loss"] for m in single], rel=LOSS_RTOL)
     assert [m["grad_norm"] for m in staged] == pytest.approx([m["grad_norm"] for m in single], rel=LOSS_RTOL)
