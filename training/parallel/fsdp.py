@@ -71,9 +71,9 @@ class _Bucket:
 
 
 # Inside a compiled graph only primitives run: measured with benchmarks/compiled_collectives_probe.py (MindSpore
-# 2.10, CPU, msrun), AllReduce runs in a mindspore.jit graph on the world and on sub-groups, while comm's
-# collectives (a Cell made per call) do not parse and mint.distributed's are not supported in graph mode. So the
-# graph's reduce-scatter is an all-reduce and this rank's rows, as comm's CPU backend does eagerly.
+# 2.10, CPU, msrun), AllReduce runs in a mindspore.jit graph on the world and on sub-groups, while comm's per-call
+# functions do not parse (only its Cells built beforehand do) and mint.distributed's are not supported in graph
+# mode. So the graph's reduce-scatter is an all-reduce and this rank's rows, as comm's CPU backend does eagerly.
 class _BucketReduction(nn.Cell):
     """A ``_Bucket`` inside a graph: takes and returns every gradient, replacing those of the bucket."""
 
