@@ -28,7 +28,7 @@ import numpy as np
 
 from training.atomic import write_atomic, write_json_atomic, write_text_atomic
 from training.data.hashing import sha256_file
-from training.lineage import record_in_index
+from training.lineage import ITERATION_NAME, record_in_index
 from training.parallel.layout import TensorLayout
 from training.safetensors_io import SafetensorsFile, SafetensorsFileError, widen_bfloat16
 
@@ -41,7 +41,7 @@ MINDFORMERS_COMMON_KEYS = ("epoch_num", "step_num", "global_step", "loss_scale",
 KILN_STATE = "kiln_state.json"
 METADATA = "metadata.json"
 LINEAGE = "lineage.json"
-_ITERATION_RE = re.compile(r"^iteration_(\d{8})$")
+_ITERATION_RE = ITERATION_NAME
 _OPT_FILE_RE = re.compile(r"(^|-)opt-\d+-\d+\.safetensors$")
 # MindSpore's dtype names, as MindFormers writes them into metadata.json
 _MS_DTYPE_NAMES = {"float32": "Float32", "float16": "Float16", "int64": "Int64", "int32": "Int32",

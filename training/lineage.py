@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -33,6 +34,7 @@ from training.data.manifest import read_manifest
 LINEAGE_VERSION = 2  # 2: upstream records in the lineage store, lineage.json points at them (1: inline)
 STORE_DIR = "lineage"  # under the runs root
 INDEX = "lineage_index.jsonl"  # in a run's save path, next to its iteration_* directories
+ITERATION_NAME = re.compile(r"^iteration_(\d{8})$")  # a checkpoint directory's name (training.checkpoint)
 EVAL_PREFIX = "eval"  # a checkpoint's evaluation sidecars: eval.json, eval-<split>.json (training/evaluation.py)
 EVAL_INDEX = "eval_index.jsonl"  # in a run's save path: one line per evaluation written
 
@@ -332,14 +334,16 @@ def _read_index(save_path: Path) -> dict[int, dict]:
     """step -> index line of a save path's lineage index (a line cut by a crash is skipped)."""
     index = save_path / INDEX
     lines = index.read_text().splitlines() if index.is_file() else []
-    entries = {}
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        entries[entry["step"]] = entry
-    return entries
+    try:  # one decode for the whole index (10,000 json.loads took 0.4 s); line by line if one is cut
+        parsed = json.loads(f"[{','.join(lines)}]")
+    except json.JSONDecodeError:
+        parsed = []
+        for line in lines:
+            try:
+                parsed.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return {entry["step"]: entry for entry in parsed}
 
 
 def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
@@ -352,19 +356,23 @@ def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
     for save_path in sorted(Path(runs_root).glob("*/checkpoints")):
         indexed = _read_index(save_path)
         evaluated = _read_eval_index(save_path)
-        for checkpoint_dir in sorted(save_path.glob("iteration_*")):
-            if not (checkpoint_dir / "common.json").is_file():  # incomplete: not a checkpoint yet
-                continue
-            step = int(checkpoint_dir.name.removeprefix("iteration_"))
+        # names sorted as strings, and no stat of an indexed step (rank 0 indexes a checkpoint once it is
+        # complete): a run of 10,000 checkpoints took 1.4 s in Path sorting and common.json stats
+        run = save_path.parent.name
+        for name in sorted(name for name in os.listdir(save_path) if ITERATION_NAME.match(name)):
+            directory = f"{save_path}{os.sep}{name}"  # a string: one Path per checkpoint cost 0.5 s at 10,000
+            step = int(name.removeprefix("iteration_"))
             entry = indexed.get(step)
             if entry is None:
-                lineage, _ = read_lineage(checkpoint_dir)
+                if not Path(directory, "common.json").is_file():  # incomplete: not a checkpoint yet
+                    continue
+                lineage, _ = read_lineage(Path(directory))
                 found, sources = _consumed(lineage, target), _sources_named(lineage, target)
                 step = lineage["checkpoint"]["step"]
             else:
                 if entry["inputs"] not in by_entry:
                     pointer = {"sha256": entry["inputs"], "store": entry["store"]}
-                    inputs = load_inputs_entry(checkpoint_dir, pointer)
+                    inputs = load_inputs_entry(Path(directory), pointer)
                     by_entry[entry["inputs"]] = _consumed(inputs, target), _sources_named(inputs, target)
                 found, sources = by_entry[entry["inputs"]]
             if found is not None:
@@ -372,7 +380,7 @@ def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
                 # consume it (an index line older than the list of sources counts as reading every one)
                 evaluations = sorted(sidecar for sidecar, read in evaluated.get(step, {}).items()
                                      if read is None or sources & read)
-                consumers.append(Consumer(run=save_path.parent.name, step=step, checkpoint=str(checkpoint_dir),
+                consumers.append(Consumer(run=run, step=step, checkpoint=directory,
                                           matched=found[0], token_share=found[1], evaluations=evaluations))
     return consumers
 
