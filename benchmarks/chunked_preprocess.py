@@ -209,8 +209,8 @@ def run(corpus_bytes: int, rounds: int, step_mibs: list[float]) -> None:
                   f"({statistics.median(ratios):.2f} x one kiln preprocess's, median of {rounds} paired rounds; "
                   f"target >= 0.9)")
             print(f"  {'CPU time':<30} {statistics.median(cpu[m]):>10,.1f} CPU-s  "
-                  f"(kiln preprocess's CPU time / the backfill's: {statistics.median(cpu_ratios):.2f}, median; the "
-                  f"wall ratio it tends to when other work keeps both cores busy)")
+                  f"(kiln preprocess's CPU time / the backfill's: {statistics.median(cpu_ratios):.2f}, median; "
+                  f"steadier than the wall ratio when other work shares the cores)")
             print(f"  {'per-step overhead':<30} {statistics.median(o for o, _ in steps):>10,.2f} s  "
                   f"(median over {len(steps)} steps, max {max(o for o, _ in steps):.2f} s; "
                   f"{sum(o for o, _ in steps) / sum(n for _, n in steps):.2f} s per chunk)", flush=True)
