@@ -87,6 +87,13 @@ def test_consumers_lists_every_checkpoint_with_its_share(tmp_path, capsys):
     assert kiln(["lineage", "--consumers", "shards/a0.bin", "--runs-root", str(runs)]) == 0
     assert "run second step 10: shards/a0.bin, 50.0% of the run's tokens" in capsys.readouterr().out
 
+    # a line a crash cut short ends the index: the lines before it are read all the same; a directory being
+    # saved (no common.json yet, not indexed) is not a checkpoint
+    with open(runs / "first/checkpoints/lineage_index.jsonl", "a") as index:
+        index.write('{"step": 6, "inp')
+    (runs / "first/checkpoints/iteration_00000006").mkdir()
+    assert consumers("b") == [("first", 2, 0.25), ("first", 4, 0.25), ("second", 10, 0.5)]
+
     # indexed checkpoints are not read one by one (only the store entry is); a rotated one is not listed
     (runs / "first/checkpoints/iteration_00000002/lineage.json").write_text("{")
     shutil.rmtree(runs / "first/checkpoints/iteration_00000004")
