@@ -222,10 +222,17 @@ class CheckpointRecorder:
         evaluation = audit_evaluation(path, key, self.cache)
         self.context.instance.add_dynamic_partitions(checkpoint_partitions.name, [key])
         self.context.log_event(checkpoint_event(message, key, self.code_version, audit_summary(evaluation)))
-        status_changes = self.newest is None or not (evaluation.passed and self.newest.passed)
-        self.newest, self.newest_logged = evaluation, False
-        if status_changes:
-            self._log_newest()
+        if self.newest is not None and key < self.newest.metadata["checkpoint"].value:
+            # a message retried after newer ones (the instance refused it once): not the newest checkpoint
+            if not evaluation.passed:  # shown at once all the same
+                self.context.log_event(evaluation)
+                if self.newest.passed:  # the check is back to the newest's pass when the attempt ends
+                    self.newest_logged = False
+        else:
+            status_changes = self.newest is None or not (evaluation.passed and self.newest.passed)
+            self.newest, self.newest_logged = evaluation, False
+            if status_changes:
+                self._log_newest()
         if self.partitions is None:
             self.partitions = run_partitions(self.context.instance, self.run_name)
         self.partitions.add(key)

@@ -222,7 +222,9 @@ def test_one_event_per_checkpoint_and_the_audit_check_follows_the_newest(tmp_pat
 
     @dg.op
     def train(context) -> None:
-        for steps, corrupted in [(range(1, 7), {3}), ([7], {7})]:  # two attempts, the second's one audit failing
+        # three attempts: the second's one audit fails; the third's first message, failing, is retried after
+        # its second (the instance refused it once)
+        for steps, corrupted in [(range(1, 7), {3}), ([7], {7}), ([9, 8], {8})]:
             recorder = CheckpointRecorder(context, storage, run_name, "v1")
             for step in steps:
                 if step == 7:  # save_max rotation deleted the oldest: its partition goes with the next record
@@ -238,19 +240,21 @@ def test_one_event_per_checkpoint_and_the_audit_check_follows_the_newest(tmp_pat
         checks = []  # the check's latest evaluation after each attempt
         result = dg.GraphDefinition("train", node_defs=[train]).to_job().execute_in_process(instance=instance)
         events = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()]
-        assert [e.partition for e in events] == [f"{run_name}/iteration_{s:08d}" for s in range(1, 8)]
+        assert [e.partition for e in events] == [f"{run_name}/iteration_{s:08d}" for s in [*range(1, 8), 9, 8]]
         assert all(sorted(e.metadata) == ["audit", "loss"] for e in events)
         assert [e.metadata["audit"].value.split(":")[0] for e in events] == \
-            ["passed"] * 2 + ["FAILED"] + ["passed"] * 3 + ["FAILED"]
-        # the first of the attempt, the failure, the recovery, the newest when the attempt ended; then a failure
+            ["passed"] * 2 + ["FAILED"] + ["passed"] * 3 + ["FAILED", "passed", "FAILED"]
+        # the first of the attempt, the failure, the recovery, the newest when the attempt ended; then a failure;
+        # then the first of the third attempt, the older checkpoint's failure, and the newest's pass again
         logged = [(e.metadata["checkpoint"].value[-2:], e.passed) for e in result.get_asset_check_evaluations()]
-        assert logged == [("01", True), ("03", False), ("04", True), ("06", True), ("07", False)]
+        assert logged == [("01", True), ("03", False), ("04", True), ("06", True), ("07", False), ("09", True),
+                          ("08", False), ("09", True)]
         assert "model-0000000-0000001.safetensors" in result.get_asset_check_evaluations()[1].metadata["problems"].value
         assert sorted(instance.get_dynamic_partitions("checkpoints")) == [
-            f"{run_name}/iteration_{s:08d}" for s in range(2, 8)]
+            f"{run_name}/iteration_{s:08d}" for s in range(2, 10)]
         # the check's status is the newest checkpoint's audit: a failed audit leaves it failed, as before
         assert [(c.event_specific_data.passed, c.event_specific_data.metadata["checkpoint"].value[-2:])
-                for c in checks] == [(True, "06"), (False, "07")]
+                for c in checks] == [(True, "06"), (False, "07"), (True, "09")]
 
         # two events to a 4 KB page (docs/long-runs.md): measured on SQLite, an event of 1,874 bytes with a
         # 32-character partition key packs two to a page and one of 1,889 does not; the key is in the row twice
