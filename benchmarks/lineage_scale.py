@@ -331,7 +331,8 @@ def built_level(work: Path, raw_files: int, level: int) -> tuple[Path, dict]:
     """The directory of a level built by this code (built now when there is none), and its build figures."""
     level_dir = work / f"{raw_files}files-{level}ckpt-{build_key(raw_files, level)}"
     if not (level_dir / BUILT).is_file():
-        shutil.rmtree(level_dir, ignore_errors=True)  # a build cut short, or its key's collision
+        for stale in work.glob(f"{raw_files}files-{level}ckpt-*"):  # built by other code, or cut short
+            shutil.rmtree(stale)
         (level_dir / "dagster_home").mkdir(parents=True)
         (level_dir / "dagster_home" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
         _write_sources(level_dir, raw_files)
