@@ -81,9 +81,11 @@ class SelfAttention(nn.Cell):
         return self.linear_proj(out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, self.num_heads * dim))
 
     def _causal_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        """softmax(q·kᵀ + mask)·v per head: q [batch, groups, per_group, seq, dim], k and v [batch, groups, seq,
-        dim], the result shaped as q. Query block i reads the keys up to its own end only (``QUERY_BLOCKS``), so
-        ``mask`` must mask every later key, as causal_mask and the dataset's block-causal masks do."""
+        """softmax(q·kᵀ + mask)·v per head: q [batch, groups, per_group, seq, dim], k [batch, groups, seq, dim],
+        v [batch, groups, seq, dim_v] (MLA's value heads are narrower than its query-key heads), the result
+        [batch, groups, per_group, seq, dim_v]. Query block i reads the keys up to its own end only
+        (``QUERY_BLOCKS``), so ``mask`` must mask every later key, as causal_mask and the dataset's block-causal
+        masks do."""
         batch, groups, per_group, seq, dim = q.shape
         blocks = QUERY_BLOCKS if seq % QUERY_BLOCKS == 0 else 1
         size = seq // blocks
