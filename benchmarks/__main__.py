@@ -70,7 +70,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 def report(name: str, value: float, unit: str, ratio: float | None = None, reference: str = "") -> None:
     suffix = f"  ({ratio:.2f} × {reference})" if ratio is not None else ""
-    print(f"{name:<34} {value:>14,.1f} {unit}{suffix}", flush=True)
+    digits = 2 if unit == "×" else 1  # a ratio's second decimal is what a target such as 0.95 x is judged by
+    print(f"{name:<34} {value:>14,.{digits}f} {unit}{suffix}", flush=True)
 
 
 def _corpus(work: Path, kind: str, corpus_bytes: int) -> list[Path]:
