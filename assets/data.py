@@ -84,8 +84,10 @@ def _ingest_chunk(storage: KilnStorage, key: str) -> dg.MaterializeResult:
                 # validate before copying: errors name the user's file:line
                 scan_corpus(src, spec.json_keys, spec.on_bad_line)
                 shutil.copyfile(src, staging / f"part-{i:05d}{src.suffix}")
+        # the modification time (kept by the rename below) lets token_shards reuse the sha256 of an unchanged file
         rows = [{"path": str((target / p.name).relative_to(storage.root)),
-                 **scan_corpus(p, spec.json_keys, spec.on_bad_line)} for p in _part_files(staging)]
+                 **scan_corpus(p, spec.json_keys, spec.on_bad_line), "mtime_ns": p.stat().st_mtime_ns}
+                for p in _part_files(staging)]
         write_json_atomic(staging / f"{key_stem(key)}{SIDECAR}", {"source": spec.name, "chunk": key, "files": rows})
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -207,6 +209,23 @@ def _histogram_table(histogram: dict[str, int]) -> dg.MetadataValue:
     return dg.MetadataValue.table([dg.TableRecord({"tokens": k, "docs": v}) for k, v in histogram.items()],
                                   schema=schema)
 
+def raw_file_hashes(storage: KilnStorage, key: str, files: list[Path]) -> dict[str, str]:
+    """The sha256 of each of the chunk's raw files, by name: raw_corpus's sidecar's for a file that still has the
+    size and modification time recorded beside it (raw_corpus hashed it as it wrote it), else hashed again.
+    Reading a chunk a second time only to hash it cost a backfill ~1.3 CPU-s per GiB (docs/data.md)."""
+    sidecar = storage.raw_dir(key) / f"{key_stem(key)}{SIDECAR}"
+    try:
+        recorded = {Path(row["path"]).name: row for row in json.loads(sidecar.read_text())["files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        recorded = {}  # hash every file: what it says is unknown
+    hashes = {}
+    for path in files:
+        row, stat = recorded.get(path.name, {}), path.stat()
+        unchanged = (row.get("bytes"), row.get("mtime_ns")) == (stat.st_size, stat.st_mtime_ns) and "sha256" in row
+        hashes[path.name] = row["sha256"] if unchanged else sha256_file(path)
+    return hashes
+
+
 def _tokenize_chunk(storage: KilnStorage, key: str, log, workers: int | None = None) -> dg.MaterializeResult:
     source = source_of(key)
     spec = _source_spec(storage, source)
@@ -219,6 +238,7 @@ def _tokenize_chunk(storage: KilnStorage, key: str, log, workers: int | None = N
     shutil.rmtree(staging, ignore_errors=True)
     stem = key_stem(key)
     try:
+        raw_hashes = raw_file_hashes(storage, key, inputs)
         stats = tokenize_to_indexed(inputs, model_path, staging / stem, json_keys=spec.json_keys,
                                     append_eod=True, on_bad_line=spec.on_bad_line,
                                     max_shard_tokens=spec.max_shard_tokens, workers=workers)
@@ -228,7 +248,7 @@ def _tokenize_chunk(storage: KilnStorage, key: str, log, workers: int | None = N
             "source": source, "chunk": key, "docs": stats["docs"], "tokens": stats["tokens"],
             "dtype": stats["dtype"], "shards": shards,
             "tokenizer": {"path": str(model_path.relative_to(storage.root)), "sha256": sha256_file(model_path)},
-            "raw_files": [{"path": str(p.relative_to(storage.root)), "chunk": key, "sha256": sha256_file(p),
+            "raw_files": [{"path": str(p.relative_to(storage.root)), "chunk": key, "sha256": raw_hashes[p.name],
                            "bytes": p.stat().st_size} for p in inputs],
         }
         write_json_atomic(staging / f"{stem}{SIDECAR}", sidecar)

@@ -2,12 +2,14 @@
 import json
 
 import dagster as dg
+import pytest
 
 import assets.data
 from assets.chunks import register_source_chunks
-from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
+from assets.data import blend_manifest, raw_corpus, raw_file_hashes, token_shards, tokenizer
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
+from training.data.hashing import sha256_file
 from training.data.indexed import IndexedDataset
 
 DATA_ASSETS = [raw_corpus, tokenizer, token_shards, blend_manifest]
@@ -85,3 +87,16 @@ def test_token_shards_records_every_shard_and_the_skipped_records(tmp_path, monk
     assert blend["total_tokens"] == sum(s["tokens"] for s in manifest["sources"])
     assert (f"- `stdlib_code`: weight 50.0%, {code['tokens']:,} tokens "
             f"({code['tokens'] / blend['total_tokens']:.1%}) in {len(rows)} shard(s)") in blend["summary"]
+
+    # token_shards' lineage takes each raw file's sha256 from raw_corpus's sidecar while the file keeps the size
+    # and modification time recorded there, and hashes a file that changed since
+    raw_file = data / raw_files[0]["path"]
+    (lineage_row,) = json.loads(open(shards["sidecar"]).read())["raw_files"]
+    assert lineage_row["sha256"] == raw_files[0]["sha256"] == sha256_file(raw_file)
+    monkeypatch.setattr(assets.data, "sha256_file", lambda path: pytest.fail(f"{path} hashed again"))
+    assert raw_file_hashes(storage, "stdlib_code", [raw_file]) == {raw_file.name: raw_files[0]["sha256"]}
+    monkeypatch.undo()
+    edited = raw_file.read_bytes().replace(b"body number 1 ", b"body number 9 ", 1)
+    raw_file.write_bytes(edited)  # the same size, a later modification time
+    assert raw_file_hashes(storage, "stdlib_code", [raw_file]) == {raw_file.name: sha256_file(raw_file)}
+    assert sha256_file(raw_file) != raw_files[0]["sha256"]
