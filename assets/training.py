@@ -267,7 +267,7 @@ def record_unreported_checkpoints(recorder: CheckpointRecorder, metrics_path: Pa
     the step. Its materialization is rebuilt from what the save wrote (lineage.json's files) and the step's record
     in metrics.jsonl, as rank 0 would have sent them. Returns their partition keys."""
     save_path = recorder.storage.run_dir(recorder.run_name) / "checkpoints"
-    known = set(recorder.context.instance.get_dynamic_partitions(checkpoint_partitions.name))
+    known = run_partitions(recorder.context.instance, recorder.run_name)
     unreported = [step for step in complete_steps(save_path)
                   if f"{recorder.run_name}/{iteration_dir(save_path, step).name}" not in known]
     if not unreported:  # the usual start: no need to read a long run's metrics.jsonl

@@ -21,8 +21,9 @@ preprocess_then_train = dg.define_asset_job(
 
 
 # A step per group of contiguous chunks (token_shards' chunks_of_run: step_mib, 512 raw MiB by default), as many at
-# once as there are cores (the multiprocess executor's default max_concurrent); forkserver, so a step starts by forking a process that has imported what a step needs instead of
-# importing it again in a fresh interpreter (spawn, the default). That is Kiln's Definitions and, as much again
+# once as there are cores (the multiprocess executor's default max_concurrent); forkserver, so a step starts by
+# forking a process that has imported what a step needs instead of importing it again in a fresh interpreter
+# (spawn, the default). That is Kiln's Definitions and, as much again
 # (~1 s per step on this machine, 500 modules: SQLAlchemy, Alembic, rich...), what each step's process imports to
 # open the instance and to capture its compute logs, and the filesystem IO manager's paths. Preloading those too
 # cut a 16-chunk backfill of tiny chunks from 24.4 to 13.7 CPU-seconds (0.56 s per step; benchmarks/

@@ -41,7 +41,6 @@ MINDFORMERS_COMMON_KEYS = ("epoch_num", "step_num", "global_step", "loss_scale",
 KILN_STATE = "kiln_state.json"
 METADATA = "metadata.json"
 LINEAGE = "lineage.json"
-_ITERATION_RE = ITERATION_NAME
 _OPT_FILE_RE = re.compile(r"(^|-)opt-\d+-\d+\.safetensors$")
 # MindSpore's dtype names, as MindFormers writes them into metadata.json
 _MS_DTYPE_NAMES = {"float32": "Float32", "float16": "Float16", "int64": "Int64", "int32": "Int32",
@@ -527,7 +526,8 @@ def complete_steps(save_path: Path) -> list[int]:
     save_path = Path(save_path)
     if not save_path.is_dir():
         return []
-    return sorted(int(m.group(1)) for p in save_path.iterdir() if (m := _ITERATION_RE.match(p.name)) and is_complete(p))
+    return sorted(int(m.group(1)) for p in save_path.iterdir()
+                  if (m := ITERATION_NAME.match(p.name)) and is_complete(p))
 
 
 def _rotate(save_path: Path, save_max: int) -> None:
@@ -609,7 +609,7 @@ def resolve_load_path(load_path: str | Path) -> Path:
         path = iteration_dir(path, step)
         if not path.is_dir():
             raise CheckpointError(f"{path}: named by {TRACKER} but missing")
-    elif not _ITERATION_RE.match(path.name):
+    elif not ITERATION_NAME.match(path.name):
         raise CheckpointError(f"checkpoint.load_path {path}: neither a save root with {TRACKER}, "
                               f"an iteration_XXXXXXXX directory, nor a Hugging Face directory "
                               f"(config.json + *.safetensors)")

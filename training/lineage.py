@@ -330,12 +330,12 @@ def _consumed(inputs: dict, target: str) -> tuple[str, float | None] | None:
     return matched, None if None in shares else sum(shares)
 
 
-def _read_index(save_path: Path) -> dict[int, dict]:
-    """step -> index line of a save path's lineage index (a line cut by a crash is skipped)."""
-    index = save_path / INDEX
+def _index_lines(index: Path) -> list[dict]:
+    """The lines of an index file (JSONL, appended to by saves and evaluations), in order; none when it does not
+    exist; a line cut by a crash is skipped."""
     lines = index.read_text().splitlines() if index.is_file() else []
     try:  # one decode for the whole index (10,000 json.loads took 0.4 s); line by line if one is cut
-        parsed = json.loads(f"[{','.join(lines)}]")
+        return json.loads(f"[{','.join(lines)}]")
     except json.JSONDecodeError:
         parsed = []
         for line in lines:
@@ -343,7 +343,12 @@ def _read_index(save_path: Path) -> dict[int, dict]:
                 parsed.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-    return {entry["step"]: entry for entry in parsed}
+        return parsed
+
+
+def _read_index(save_path: Path) -> dict[int, dict]:
+    """step -> index line of a save path's lineage index."""
+    return {entry["step"]: entry for entry in _index_lines(save_path / INDEX)}
 
 
 def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
@@ -444,14 +449,9 @@ def record_evaluation_in_index(save_path: Path, step: int, sidecar: str, sources
 
 def _read_eval_index(save_path: Path) -> dict[int, dict[str, set[str] | None]]:
     """step -> each evaluation sidecar written for it -> the sources it evaluated, None when its line predates
-    that list (lines of EVAL_INDEX, the last of a sidecar written again wins; a line cut by a crash is skipped)."""
-    index = save_path / EVAL_INDEX
+    that list (lines of EVAL_INDEX, the last of a sidecar written again wins)."""
     evaluated: dict[int, dict[str, set[str] | None]] = {}
-    for line in index.read_text().splitlines() if index.is_file() else []:
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+    for entry in _index_lines(save_path / EVAL_INDEX):
         sources = entry.get("sources")
         evaluated.setdefault(entry["step"], {})[entry["sidecar"]] = None if sources is None else set(sources)
     return evaluated
