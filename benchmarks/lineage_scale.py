@@ -360,7 +360,8 @@ def main(argv=None) -> int:
 
 
 def _measure(work: Path, levels: list[int], raw_files: int, ui: bool) -> int:
-    from pipelines.audit import CODE_VERSIONS_CACHE, cross_check_instance
+    from assets.versions import CODE_VERSIONS_CACHE
+    from pipelines.audit import cross_check_instance
     from training.lineage import audit_checkpoint
 
     workspace = work / "workspace.yaml"

@@ -27,14 +27,13 @@ the rows it needs with the database's own client, and goes through Dagster's API
 - Anything else (another storage class, MySQL, tables without those columns, an event whose JSON does not
   have that shape): ``EventLogStorage.fetch_materializations``, paged, as far as SEARCH_LIMIT.
 
-The code versions "now" come from Kiln's definitions, which import Dagster: they are cached in
-``.kiln/code_versions.json`` under the project, keyed by every file the versions hash (and the settings that
-choose config files), so only the first cross-check after a change pays for the import.
+The code versions "now" are the ones Kiln's definitions give: ``assets.versions.current_code_versions``
+reads them from a cache or from the files their recipe names, and imports the definitions only when the code
+that chooses the parts may have changed (its module docstring).
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sqlite3
@@ -46,7 +45,7 @@ from pathlib import Path
 import yaml
 
 from assets.sources import SourcesConfigError
-from training.atomic import write_json_atomic
+from assets.versions import current_code_versions
 from training.cli import LINEAGE_STORE_HELP
 from training.data.hashing import PER_SOURCE_DATA_VERSION, combined_hash, sha256_file
 from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
@@ -56,7 +55,6 @@ CODE_VERSION = "dagster/code_version"
 SEARCH_PAGE = 500  # Dagster's API: materializations fetched per query, newest first
 SEARCH_LIMIT = 20_000  # Dagster's API, per link: older ones are reported "outside the searched history"
 OUTSIDE = "outside the searched history"
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 # assets.data and pipelines.definitions read the sources config when imported: the functions that need them
 # import them, so that main() reports a missing or bad sources config (SourcesConfigError) instead of a traceback
 
@@ -85,60 +83,6 @@ class Recorded:
         if self.code_version and self.code_version_now and self.code_version != self.code_version_now:
             text += f" (its code changed since: code version now {self.code_version_now})"
         return text
-
-
-# --- the code versions the definitions give the assets now -------------------------------------------------
-
-CODE_DIRS = ("assets", "pipelines", "resources", "training", "configs")  # all that code_version_of hashes
-CONFIG_SETTINGS = ("KILN_SOURCES", "KILN_TRAIN_CONFIG")  # environment settings naming hashed config files
-CODE_VERSIONS_CACHE = PROJECT_ROOT / ".kiln" / "code_versions.json"
-
-
-def code_fingerprint(root: Path = PROJECT_ROOT) -> str:
-    """What the code versions are computed from: every file under CODE_DIRS (path, size, mtime), the
-    settings naming config files and the files they name. A file edited, added or removed changes it."""
-    digest = hashlib.sha256()
-    paths = [p for d in CODE_DIRS for p in (root / d).rglob("*") if "__pycache__" not in p.parts and p.is_file()]
-    for name in CONFIG_SETTINGS:
-        value = os.environ.get(name, "")
-        digest.update(f"{name}={value}\0".encode())
-        if value:
-            paths.append(root / value)  # an absolute value stays itself
-    for path in sorted(paths):
-        try:
-            stat = path.stat()
-            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
-        except OSError:
-            digest.update(f"{path}\0missing\0".encode())
-    return digest.hexdigest()
-
-
-def code_versions_from_definitions() -> dict[str, str]:
-    """Each asset's code version as the code here defines it; a checkpoint carries training_run's."""
-    import dagster as dg
-
-    from pipelines.definitions import ALL_ASSETS
-
-    versions = {key.to_user_string(): version for asset in ALL_ASSETS if isinstance(asset, dg.AssetsDefinition)
-                for key, version in asset.code_versions_by_key.items() if version}
-    return {**versions, "checkpoint": versions["training_run"]}
-
-
-def current_code_versions() -> dict[str, str]:
-    """code_versions_from_definitions(), from the cache while nothing it hashes has changed."""
-    fingerprint = code_fingerprint()
-    try:
-        cached = json.loads(CODE_VERSIONS_CACHE.read_text())
-        if cached["fingerprint"] == fingerprint:
-            return cached["versions"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # no cache yet, or an unreadable one: computed and written again below
-    versions = code_versions_from_definitions()
-    try:
-        write_json_atomic(CODE_VERSIONS_CACHE, {"fingerprint": fingerprint, "versions": versions})
-    except OSError:
-        pass  # a read-only checkout: every cross-check imports the definitions
-    return versions
 
 
 # --- the materializations an instance recorded --------------------------------------------------------------

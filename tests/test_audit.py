@@ -292,10 +292,11 @@ def test_the_cross_check_finds_a_link_however_many_materializations_came_after(t
     (tests/test_audit_postgres.py compares the two on PostgreSQL)."""
     import dagster as dg
 
+    import assets.versions
     import pipelines.audit
     from pipelines.audit import DagsterEvents, SqlEvents, cross_check, cross_check_instance, cross_check_report
 
-    monkeypatch.setattr(pipelines.audit, "CODE_VERSIONS_CACHE", tmp_path / "code_versions.json")
+    monkeypatch.setattr(assets.versions, "CODE_VERSIONS_CACHE", tmp_path / "code_versions.json")
     with dg.instance_for_test() as instance:
         checkpoint, lineage = record_links(tmp_path, instance)
         home = instance.root_directory
@@ -322,7 +323,8 @@ def test_the_cross_check_imports_no_dagster_once_the_code_versions_are_cached(tm
     """The SQL reader and a valid code-version cache: the whole command without importing Dagster."""
     import dagster as dg
 
-    from pipelines.audit import checkpoint_version, code_versions_from_definitions
+    from assets.versions import code_versions_from_definitions
+    from pipelines.audit import checkpoint_version
 
     config = tmp_path / "config.yaml"
     config.write_text("training: {}\n")
@@ -344,8 +346,8 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in ("dagster", "sqlalchemy"):
             raise ImportError(f"{{name}} imported")
 sys.meta_path.insert(0, Block())
-import pipelines.audit as audit
-audit.CODE_VERSIONS_CACHE, audit.code_fingerprint = Path({str(cache)!r}), lambda: "as now"
+import assets.versions, pipelines.audit as audit
+assets.versions.CODE_VERSIONS_CACHE, assets.versions.code_fingerprint = Path({str(cache)!r}), lambda: "as now"
 sys.exit(audit.main([{str(checkpoint)!r}, "--dagster-home", {home!r}, "--json"]))
 """
         done = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,
@@ -356,33 +358,6 @@ sys.exit(audit.main([{str(checkpoint)!r}, "--dagster-home", {home!r}, "--json"])
     (link,) = report["links"]
     assert (link["status"], link["code_version"], link["code_version_now"]) == (
         "recorded", "c9", versions["training_run"])
-
-
-def test_code_versions_are_cached_until_what_they_hash_changes(tmp_path, monkeypatch):
-    import pipelines.audit
-    from pipelines.audit import code_fingerprint, code_versions_from_definitions, current_code_versions
-
-    monkeypatch.setattr(pipelines.audit, "CODE_VERSIONS_CACHE", tmp_path / "code_versions.json")
-    computed = []
-    monkeypatch.setattr(pipelines.audit, "code_versions_from_definitions",
-                        lambda: computed.append(1) or code_versions_from_definitions())
-    versions = current_code_versions()
-    assert versions["checkpoint"] == versions["training_run"] and "blend_manifest" in versions
-    assert current_code_versions() == versions and len(computed) == 1  # the second from the cache
-    # a setting naming another config file: computed again (a new process would hash that file)
-    monkeypatch.setenv("KILN_TRAIN_CONFIG", "configs/deepseek_v3_tiny.yaml")
-    current_code_versions()
-    assert len(computed) == 2
-
-    root = tmp_path / "project"
-    (root / "training").mkdir(parents=True)
-    module = root / "training" / "step.py"
-    module.write_text("lr = 1\n")
-    before = code_fingerprint(root)
-    module.write_text("lr = 10\n")
-    assert code_fingerprint(root) != before
-    (root / "training" / "new.py").write_text("")
-    assert len({before, code_fingerprint(root)}) == 2
 
 
 def test_a_training_steps_audits_hash_what_each_save_adds_and_reuse_the_upstream(tmp_path, monkeypatch):
