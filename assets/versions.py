@@ -22,6 +22,7 @@ definitions when it can. Three ways, fastest first (``current_code_versions``):
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import inspect
 import json
@@ -99,7 +100,7 @@ def _functions(node, prefix: str = ""):
             yield from _functions(child, name + ".<locals>.")
         elif isinstance(child, ast.ClassDef):
             yield from _functions(child, prefix + child.name + ".")
-        elif not isinstance(child, ast.Lambda):
+        elif isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):  # an expression defines none
             yield from _functions(child, prefix)
 
 
@@ -111,21 +112,28 @@ def _lines(path: str) -> list[str]:
     return linecache.getlines(path)
 
 
+@functools.lru_cache(maxsize=64)
+def _first_lines(source: str) -> dict[str, list[int]]:
+    """Each function's qualified name -> the first line of its code object (its first decorator's, else the
+    def's), of every function so named in ``source``. Cached: a module holds many parts."""
+    first_lines: dict[str, list[int]] = {}
+    for name, node in _functions(ast.parse(source)):
+        first_lines.setdefault(name, []).append(node.decorator_list[0].lineno if node.decorator_list else node.lineno)
+    return first_lines
+
+
 def function_source(path: str, qualname: str) -> str | None:
-    """``inspect.getsource`` of the function ``qualname`` defined in ``path``, without importing it: from its
-    first decorator (the code object's first line), back to a line that starts a definition as inspect goes,
-    through the block inspect's tokenizer ends. None when the file defines no such function or several."""
+    """``inspect.getsource`` of the function ``qualname`` defined in ``path``, without importing it: from the
+    code object's first line back to a line that starts a definition as inspect goes, through the block
+    inspect's tokenizer ends. None when the file defines no such function or several."""
     lines = _lines(path)
     try:
-        nodes = [node for name, node in _functions(ast.parse("".join(lines))) if name == qualname]
+        starts = _first_lines("".join(lines)).get(qualname, [])
     except (SyntaxError, ValueError):
         return None
-    if len(nodes) != 1:
+    if len(starts) != 1 or starts[0] > len(lines):
         return None
-    node = nodes[0]
-    start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
-    if start >= len(lines):
-        return None
+    start = starts[0] - 1
     while start > 0 and not _DEFINITION_LINE.match(lines[start]):
         start -= 1
     return "".join(inspect.getblock(lines[start:]))
@@ -215,7 +223,7 @@ def recipe_holds(recipe: dict) -> bool:
     for path, opened in recipe["opened"].items():
         stat = _stat(path)
         if stat != opened["stat"]:
-            if stat is None or _file_digest(path) != opened["sha256"]:
+            if _file_digest(path) != opened["sha256"]:
                 return False
             opened["stat"] = stat
     return all(_listing_digest(d) == digest for d, digest in recipe["listed"].items())
@@ -292,8 +300,9 @@ def record_recipe() -> tuple[dict[str, str], dict | None]:
     if None in assets.values():
         return versions, None  # a part no file names: every change imports the definitions
     recipe = {"settings": settings(), "assets": assets, "modules": modules,
+              # a file missing then is recorded too: one that appears may change what the import does
               "opened": {p: {"stat": _stat(p), "sha256": _file_digest(p)} for p in sorted(opened)
-                         if not p.endswith((".py", ".pyc")) and os.path.isfile(p)},
+                         if not p.endswith((".py", ".pyc"))},
               # a new package next to a module would be imported instead of it
               "listed": {d: _listing_digest(d) for d in sorted(listed | {os.path.dirname(p) for p in modules})}}
     return versions, recipe
