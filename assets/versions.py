@@ -12,10 +12,11 @@ definitions when it can. Three ways, fastest first (``current_code_versions``):
 2. Else from the *recipe* kept there: each asset's parts (a function as its file and qualified name, a
    module as its file, a path), recorded by ``code_version_of`` as the definitions were built; the parts'
    sources are read from the files exactly as ``inspect.getsource`` gives them. The recipe is what the code
-   run at import time chose, so it holds while that code is unchanged: every project module imported then,
-   compared without the bodies of the functions that did not run then (a profile of the import says which
-   did), with the directories listed and the other files opened during the import, and the ``KILN_*``
-   settings and Python version.
+   run at import time chose, so it holds while what that code is and reads is unchanged: every project
+   module imported then (none shadowed since by a package or an extension module of its name), compared
+   without the bodies of the functions that did not run then (a profile of the import says which did); the
+   files it opened and the directories it listed, but for the parts' sources; the ``KILN_*`` settings and
+   the Python version.
 3. Else the definitions are imported, in a fresh process so that the profile sees every import, and the
    versions and a new recipe written to the cache.
 """
@@ -32,6 +33,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from importlib.machinery import EXTENSION_SUFFIXES, all_suffixes
 from types import FunctionType, ModuleType
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -183,9 +185,8 @@ def _stat(path: str) -> list[int] | None:
 
 
 def _listing_digest(directory: str) -> str | None:
-    """The names in ``directory``, but hidden ones (editors' swap files) and __pycache__."""
     try:
-        names = sorted(n for n in os.listdir(directory) if not n.startswith(".") and n != "__pycache__")
+        names = sorted(os.listdir(directory))
     except OSError:
         return None
     return hashlib.sha256("\0".join(names).encode()).hexdigest()
@@ -203,6 +204,17 @@ def settings() -> dict[str, str]:
     return {"python": sys.version, **{k: v for k, v in sorted(os.environ.items()) if k.startswith("KILN_")}}
 
 
+def _shadowed(path: str) -> bool:
+    """Whether the import system would now find another module than the file ``path``: an extension module
+    of its name, or a package of its name next to it (both are looked for first)."""
+    directory, name = os.path.split(path)
+    stem = name.removesuffix(".py")
+    if any(os.path.isfile(os.path.join(directory, stem + suffix)) for suffix in EXTENSION_SUFFIXES):
+        return True
+    return stem != "__init__" and any(os.path.isfile(os.path.join(directory, stem, "__init__" + suffix))
+                                      for suffix in all_suffixes())
+
+
 def recipe_holds(recipe: dict) -> bool:
     """Whether the code run at import time is what it was when ``recipe`` was recorded. Updates the stats
     kept for the files found unchanged, so that the next check does not read them again."""
@@ -210,7 +222,7 @@ def recipe_holds(recipe: dict) -> bool:
         return False
     for path, module in recipe["modules"].items():
         stat = _stat(path)
-        if stat is None:
+        if stat is None or _shadowed(path):
             return False
         if stat != module["stat"]:
             try:
@@ -255,6 +267,20 @@ def code_versions_from_definitions() -> dict[str, str]:
     return {**versions, "checkpoint": versions["training_run"]}
 
 
+def _read_by_import_time_code(caller) -> bool:
+    """Whether a file or directory read by the frame ``caller`` is one the code run at import time read: not
+    the import system looking for modules (recipe_holds checks that none is shadowed), nor code_version_of
+    reading a part's source (the recipe reads it again)."""
+    if caller.f_code.co_filename.startswith("<frozen importlib"):
+        return False
+    frame = caller
+    while frame is not None:
+        if frame.f_code is _source_bytes.__code__:
+            return False
+        frame = frame.f_back
+    return True
+
+
 def _in_project(path: str) -> bool:
     return path.startswith(f"{PROJECT_ROOT}{os.sep}") and not path.startswith(f"{PROJECT_ROOT / '.venv'}{os.sep}")
 
@@ -269,13 +295,17 @@ def record_recipe() -> tuple[dict[str, str], dict | None]:
 
     imported_before = set(sys.modules)
     opened, listed = set(), set()
+    named = {os.path.abspath(PROJECT_ROOT / os.environ[name]) for name in CONFIG_SETTINGS if os.environ.get(name)}
     profiling = True
 
     def note(event: str, args: tuple) -> None:  # audit hooks cannot be removed: this one stops noting
-        if profiling and event in ("open", "os.listdir", "os.scandir") and isinstance(args[0], str):
+        if (profiling and event in ("open", "os.listdir", "os.scandir") and isinstance(args[0], str)
+                and _read_by_import_time_code(sys._getframe(1))):
             path = os.path.abspath(args[0])
-            if _in_project(path):
-                (opened if event == "open" else listed).add(path)
+            if event == "open" and (_in_project(path) or path in named):
+                opened.add(path)
+            elif _in_project(path):
+                listed.add(path)
 
     sys.addaudithook(note)
     profile = cProfile.Profile()
@@ -303,8 +333,7 @@ def record_recipe() -> tuple[dict[str, str], dict | None]:
               # a file missing then is recorded too: one that appears may change what the import does
               "opened": {p: {"stat": _stat(p), "sha256": _file_digest(p)} for p in sorted(opened)
                          if not p.endswith((".py", ".pyc"))},
-              # a new package next to a module would be imported instead of it
-              "listed": {d: _listing_digest(d) for d in sorted(listed | {os.path.dirname(p) for p in modules})}}
+              "listed": {d: _listing_digest(d) for d in sorted(listed)}}
     return versions, recipe
 
 

@@ -97,12 +97,20 @@ def test_the_recipe_is_dropped_when_the_code_choosing_it_may_have_changed(record
     jobs.write_text(old)
     # a file read while they were built
     assert not edited(sources, sources.read_text() + "# a comment\n")
-    # a package that would be imported instead of a module
+    # a package that would be imported instead of a module; a new module imports nothing by itself
     package = root / "training" / "data" / "corpus"
     package.mkdir()
     (package / "__init__.py").write_text("")
     assert not holds()
     shutil.rmtree(package)
+    new_module = root / "training" / "data" / "new_module.py"
+    new_module.write_text("")
+    assert holds()
+    new_module.unlink()  # training_run hashes the package: its version would change
+    # a config file only hashed, not read to choose parts (the training config): the recipe reads it again
+    training_config = root / "configs" / "qwen3_tiny.yaml"
+    assert str(training_config) in {part[1] for part in recipe(cache)["assets"]["training_run"]}
+    assert edited(training_config, training_config.read_text() + "# a comment\n")
     # a setting
     monkeypatch.setenv("KILN_AUTO_TRAIN", "1")
     assert not holds()
