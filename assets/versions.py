@@ -32,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from importlib.machinery import EXTENSION_SUFFIXES, all_suffixes
 from types import FunctionType, ModuleType
@@ -308,6 +309,7 @@ def record_recipe() -> tuple[dict[str, str], dict | None]:
                 listed.add(path)
 
     sys.addaudithook(note)
+    started = time.time_ns()
     profile = cProfile.Profile()
     profile.enable()
     try:
@@ -334,6 +336,11 @@ def record_recipe() -> tuple[dict[str, str], dict | None]:
               "opened": {p: {"stat": _stat(p), "sha256": _file_digest(p)} for p in sorted(opened)
                          if not p.endswith((".py", ".pyc"))},
               "listed": {d: _listing_digest(d) for d in sorted(listed)}}
+    # a file changed after the import read it would be recorded as it is now, not as it ran: none is kept
+    # (a second's margin: file times run behind the clock, and this process read its own module before)
+    if any(entry["stat"] and entry["stat"][1] > started - 10**9
+           for entry in [*modules.values(), *recipe["opened"].values()]):
+        return versions, None
     return versions, recipe
 
 

@@ -3,7 +3,9 @@ importing the definitions gives, before and after an edit, and the recipe is dro
 imported) whenever the code that chose it may have changed."""
 import ast
 import json
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,11 @@ from conftest import PROJECT_ROOT
 def recorded(tmp_path_factory):
     """A copy of the project's code, its definitions imported once: (root, cache, versions)."""
     root = tmp_path_factory.mktemp("project")
+    a_minute_ago = time.time_ns() - 60 * 10**9  # a file changed as the import ran is not recorded: none here
     for name in CODE_DIRS:
         shutil.copytree(PROJECT_ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+        for path in (root / name).rglob("*"):
+            os.utime(path, ns=(a_minute_ago, a_minute_ago))
     cache = root / ".kiln" / "code_versions.json"
     return root, cache, record_in_subprocess(cache, root)
 
@@ -66,6 +71,8 @@ def test_an_edited_function_changes_the_versions_as_importing_does(recorded, tmp
     assert from_files == imported
     changed = {key for key in before if imported[key] != before[key]}
     assert {"raw_corpus", "token_shards", "checkpoint_eval"} <= changed and "tokenizer" not in changed
+    # the edits were made within the second before that import: they may have come after it read the files
+    assert recipe(tmp_path / "code_versions.json") is None
 
 
 def test_the_recipe_is_dropped_when_the_code_choosing_it_may_have_changed(recorded, monkeypatch):
