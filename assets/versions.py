@@ -286,10 +286,11 @@ def _in_project(path: str) -> bool:
     return path.startswith(f"{PROJECT_ROOT}{os.sep}") and not path.startswith(f"{PROJECT_ROOT / '.venv'}{os.sep}")
 
 
-def record_recipe() -> tuple[dict[str, str], dict | None]:
-    """The definitions imported in this process: (their code versions, the recipe). Meant for a fresh
-    process (``record_in_subprocess``): a module imported before this keeps every function body in its
-    skeleton, as no profile saw its import."""
+def record_recipe(asked_at: int) -> tuple[dict[str, str], dict | None]:
+    """The definitions imported in this process: (their code versions, the recipe; None when a file it read
+    changed after ``asked_at``, time.time_ns() when the recording was asked for: the import may have read it
+    before). Meant for a fresh process (``record_in_subprocess``): a module imported before this keeps every
+    function body in its skeleton, as no profile saw its import."""
     import cProfile
 
     import dagster  # noqa: F401 -- imported outside the profile: it is not the project's code
@@ -309,7 +310,6 @@ def record_recipe() -> tuple[dict[str, str], dict | None]:
                 listed.add(path)
 
     sys.addaudithook(note)
-    started = time.time_ns()
     profile = cProfile.Profile()
     profile.enable()
     try:
@@ -337,8 +337,8 @@ def record_recipe() -> tuple[dict[str, str], dict | None]:
                          if not p.endswith((".py", ".pyc"))},
               "listed": {d: _listing_digest(d) for d in sorted(listed)}}
     # a file changed after the import read it would be recorded as it is now, not as it ran: none is kept
-    # (a second's margin: file times run behind the clock, and this process read its own module before)
-    if any(entry["stat"] and entry["stat"][1] > started - 10**9
+    # (a second's margin: file times run behind the clock)
+    if any(entry["stat"] and entry["stat"][1] > asked_at - 10**9
            for entry in [*modules.values(), *recipe["opened"].values()]):
         return versions, None
     return versions, recipe
@@ -377,8 +377,8 @@ def record_in_subprocess(cache: Path, root: Path = PROJECT_ROOT) -> dict[str, st
     from assets.sources import SourcesConfigError
 
     # -c, not -m assets.versions: run as __main__ the module would be a second copy of the one imported
-    done = subprocess.run([sys.executable, "-c", "import sys, assets.versions as v; v.main(sys.argv[1])",
-                           str(cache)], cwd=root, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", "import sys, assets.versions as v; v.main(*sys.argv[1:])",
+                           str(cache), str(time.time_ns())], cwd=root, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
                               [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])})
     try:
@@ -391,12 +391,12 @@ def record_in_subprocess(cache: Path, root: Path = PROJECT_ROOT) -> dict[str, st
     return answer["versions"]
 
 
-def main(cache: str) -> None:
+def main(cache: str, asked_at: str) -> None:
     """In record_in_subprocess's process: the versions and recipe into ``cache``, the versions (or the
     sources config's error) as the last line of stdout."""
     fingerprint = code_fingerprint()  # before the import reads the files it covers
     try:
-        versions, recipe = record_recipe()
+        versions, recipe = record_recipe(int(asked_at))
     except Exception as exc:
         from assets.sources import SourcesConfigError  # after the import: record_recipe must see it
 
