@@ -33,8 +33,8 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 from importlib.machinery import EXTENSION_SUFFIXES, all_suffixes
+from pathlib import Path
 from types import FunctionType, ModuleType
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -42,8 +42,8 @@ CODE_DIRS = ("assets", "pipelines", "resources", "training", "configs")  # all t
 CONFIG_SETTINGS = ("KILN_SOURCES", "KILN_TRAIN_CONFIG")  # environment settings naming hashed config files
 CODE_VERSIONS_CACHE = PROJECT_ROOT / ".kiln" / "code_versions.json"
 
-# a version -> its parts as files (recipe_part), for every version computed in this process
-_recipes: dict[str, list[list[str]]] = {}
+# a version -> its parts as files (recipe_part), for every version computed in this process; None: not known
+_recipes: dict[str, list[list[str]] | None] = {}
 
 
 def _source_bytes(part) -> bytes:
@@ -79,7 +79,9 @@ def code_version_of(*parts) -> str:
         digest.update(b"\0")
     version = digest.hexdigest()[:16]
     recipe = [recipe_part(part) for part in parts]
-    _recipes[version] = recipe if None not in recipe else None
+    # two lists of parts with the same sources now (a module and its file) may differ after a change
+    ambiguous = _recipes.get(version, recipe) != recipe
+    _recipes[version] = None if None in recipe or ambiguous else recipe
     return version
 
 
@@ -200,9 +202,11 @@ def _file_digest(path: str) -> str | None:
         return None
 
 
-def settings() -> dict[str, str]:
-    """What else the definitions' import reads: Kiln's environment settings, and the Python running it."""
-    return {"python": sys.version, **{k: v for k, v in sorted(os.environ.items()) if k.startswith("KILN_")}}
+def settings_digest() -> str:
+    """What else the definitions' import may read: Kiln's environment settings (hashed: some are passwords),
+    and the Python running it."""
+    settings = {"python": sys.version, **{k: v for k, v in os.environ.items() if k.startswith("KILN_")}}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
 def _shadowed(path: str) -> bool:
@@ -219,7 +223,7 @@ def _shadowed(path: str) -> bool:
 def recipe_holds(recipe: dict) -> bool:
     """Whether the code run at import time is what it was when ``recipe`` was recorded. Updates the stats
     kept for the files found unchanged, so that the next check does not read them again."""
-    if recipe.get("settings") != settings():
+    if recipe.get("settings") != settings_digest():
         return False
     for path, module in recipe["modules"].items():
         stat = _stat(path)
@@ -331,7 +335,7 @@ def record_recipe(asked_at: int) -> tuple[dict[str, str], dict | None]:
     assets = {key: _recipes.get(version) for key, version in versions.items()}
     if None in assets.values():
         return versions, None  # a part no file names: every change imports the definitions
-    recipe = {"settings": settings(), "assets": assets, "modules": modules,
+    recipe = {"settings": settings_digest(), "assets": assets, "modules": modules,
               # a file missing then is recorded too: one that appears may change what the import does
               "opened": {p: {"stat": _stat(p), "sha256": _file_digest(p)} for p in sorted(opened)
                          if not p.endswith((".py", ".pyc"))},
@@ -347,7 +351,7 @@ def record_recipe(asked_at: int) -> tuple[dict[str, str], dict | None]:
 def code_fingerprint(root: Path = PROJECT_ROOT) -> str:
     """What the code versions are computed from: every file under CODE_DIRS (path, size, mtime), the
     settings and the config files they name. A file edited, added or removed changes it."""
-    digest = hashlib.sha256(json.dumps(settings()).encode())
+    digest = hashlib.sha256(settings_digest().encode())
     paths = [p for d in CODE_DIRS for p in (root / d).rglob("*") if "__pycache__" not in p.parts and p.is_file()]
     paths += [root / os.environ[name] for name in CONFIG_SETTINGS if os.environ.get(name)]  # absolute: itself
     for path in sorted(paths):
