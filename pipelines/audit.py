@@ -45,7 +45,7 @@ from pathlib import Path
 import yaml
 
 from assets.sources import SourcesConfigError
-from assets.versions import current_code_versions
+from assets.versions import RecordingFailed, current_code_versions
 from training.cli import LINEAGE_STORE_HELP
 from training.data.hashing import PER_SOURCE_DATA_VERSION, combined_hash, sha256_file
 from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
@@ -455,6 +455,8 @@ def main(argv=None) -> int:
                     f"config: set KILN_SOURCES to the sources.yaml the chain ran with")
     except (InstanceError, yaml.YAMLError) as exc:
         return fail(f"the instance's configuration: {exc}")
+    except RecordingFailed as exc:  # the code versions now: Kiln's definitions do not import
+        return fail(str(exc))
     instance_description = f"the instance in {args.dagster_home}"
     if args.json:
         report = json.loads(audit_json(checkpoint, lineage, checks))

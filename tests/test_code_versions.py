@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import assets.versions
-from assets.versions import (CODE_DIRS, code_fingerprint, current_code_versions, function_source,
+from assets.versions import (CODE_DIRS, RecordingFailed, code_fingerprint, current_code_versions, function_source,
                              record_in_subprocess, versions_from_recipe)
 from conftest import PROJECT_ROOT
 
@@ -123,6 +123,15 @@ def test_the_recipe_is_dropped_when_the_code_choosing_it_may_have_changed(record
     assert not holds()
     monkeypatch.delenv("KILN_AUTO_TRAIN")
     assert versions_from_recipe(recipe(cache)) == versions  # all put back
+    # code that does not parse: no recipe holds, and the import names the place
+    old = data.read_text()
+    data.write_text(old + "def broken(:\n")
+    try:
+        assert not holds()
+        with pytest.raises(RecordingFailed, match=f'(?s)importing the definitions under {root} failed.*{data}", line'):
+            record_in_subprocess(root / "unused.json", root)
+    finally:
+        data.write_text(old)
     # when it does not hold, the audit imports the definitions
     monkeypatch.setenv("KILN_AUTO_TRAIN", "1")
     imported = []
