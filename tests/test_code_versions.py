@@ -5,6 +5,8 @@ import ast
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -51,7 +53,25 @@ def test_the_versions_read_from_the_files_are_the_definitions(recorded, monkeypa
     assert versions_from_recipe(recipe(cache)) == versions
     # token_shards' version hashes its ops' functions (assets/data.py): the recipe names them
     assert ["function", str(root / "assets" / "data.py"), "tokenize_chunks"] in recipe(cache)["assets"]["token_shards"]
-    # the audit's path: the fingerprint differs (another tree), the recipe holds, nothing is imported
+    # the audit's way after a change (the cache's fingerprint no longer matches): neither Dagster nor the
+    # definitions imported, in this process or another
+    cached = json.loads(cache.read_text())
+    cache.write_text(json.dumps({**cached, "fingerprint": "before a change"}))
+    script = f"""
+import importlib.abc, json, sys
+from pathlib import Path
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("dagster", "sqlalchemy", "pipelines"):
+            raise ImportError(f"{{name}} imported")
+sys.meta_path.insert(0, Block())
+import assets.versions
+assets.versions.record_in_subprocess = lambda cache: sys.exit("the definitions imported")
+print(json.dumps(assets.versions.current_code_versions(Path({str(cache)!r}))))
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == versions
     monkeypatch.setattr(assets.versions, "record_in_subprocess", lambda *args: pytest.fail("imported"))
     assert current_code_versions(cache) == versions
     assert function_source(str(root / "assets" / "data.py"), "no_such_function") is None
