@@ -186,6 +186,9 @@ def as_after_a_code_change(cache: Path) -> None:
     no longer match, so the cross-check compares every module's code run at import, then reads the recipe's
     parts from the files (assets/versions.py)."""
     cached = json.loads(cache.read_text())
+    if not cached.get("recipe"):
+        raise RuntimeError(f"{cache} holds no recipe (a file changed while the definitions were imported?): "
+                           "measure again")
     cached["fingerprint"] = "changed"
     for module in cached["recipe"]["modules"].values():
         module["stat"] = None
@@ -398,7 +401,7 @@ def _measure(work: Path, levels: list[int], raw_files: int, ui: bool) -> int:
         report(f"[{level:,} ckpt] instance size", _dir_bytes(home) / 1e6, "MB")
         newest = level_dir / "runs" / RUN_NAME / "checkpoints" / f"iteration_{level:08d}"
         cross_check_command = [sys.executable, "-m", "pipelines.audit", str(newest), "--dagster-home", str(home)]
-        no_cache, after_change = "pipelines.audit, no code-version cache", "pipelines.audit, after a code change"
+        no_cache, after_change = "pipelines.audit, no cache", "pipelines.audit, code changed"
         prepare = {no_cache: lambda: CODE_VERSIONS_CACHE.unlink(missing_ok=True),
                    after_change: lambda: as_after_a_code_change(CODE_VERSIONS_CACHE)}
         timings = {}
