@@ -55,8 +55,9 @@ CODE_VERSION = "dagster/code_version"
 SEARCH_PAGE = 500  # Dagster's API: materializations fetched per query, newest first
 SEARCH_LIMIT = 20_000  # Dagster's API, per link: older ones are reported "outside the searched history"
 OUTSIDE = "outside the searched history"
-# assets.data and pipelines.definitions read the sources config when imported: the functions that need them
-# import them, so that main() reports a missing or bad sources config (SourcesConfigError) instead of a traceback
+# assets.data and pipelines.definitions read the sources config when imported: only assets.versions' recording
+# imports them, in a process of its own, and passes a missing or bad sources config back as SourcesConfigError,
+# which main() reports instead of a traceback
 
 
 @dataclass
