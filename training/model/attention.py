@@ -6,7 +6,7 @@ import math
 from mindspore import Tensor, nn, ops
 
 from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, Softmax, _bmm, _bmm_transpose_b,
-                                   apply_rotary, cast)
+                                   apply_rotary, cast, expand)
 
 # Causal attention in query blocks: block i (of seq/QUERY_BLOCKS queries) multiplies, masks and softmaxes against
 # the keys up to its end only, (1+2+3+4)/16 = 62% of the full score square. On the throughput benchmark's Qwen3
@@ -96,8 +96,8 @@ class SelfAttention(nn.Cell):
             rows = _block(mask, i * size, size, keys).reshape(*mask.shape[:-3], per_group * size, keys)
             q_block = q_block.reshape(batch, groups, per_group * size, dim)
             # [batch, groups, per_group·size, keys]; in float16 the mask's float32 minimum is -inf: still 0 weight
-            scores = (cast(_bmm_transpose_b(q_block, _block(k, 0, keys, dim)), self.softmax_dtype)
-                      + cast(rows, self.softmax_dtype))
+            scores = cast(_bmm_transpose_b(q_block, _block(k, 0, keys, dim)), self.softmax_dtype)
+            scores = scores + expand(cast(rows, self.softmax_dtype), scores)
             if self.logit_tracker.enabled:
                 self.logit_tracker.update(scores.reshape(batch, groups, per_group, size * keys))
             probs = cast(self.softmax(scores), v.dtype)
