@@ -31,7 +31,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.ops.primitive import constexpr
 
-from training.model.layers import Init, _matmul_transpose_b, cast
+from training.model.layers import Init, _matmul_transpose_b, cast, expand
 from training.model.spec import ModuleSpec, build_module
 
 LOAD_BALANCING_TYPES = ("none", "aux_loss", "seq_aux_loss")
@@ -68,18 +68,18 @@ class TopKRouter(nn.Cell):
         """tokens [T, hidden] → (scores [T, E] fp32, chosen experts [T, k], gates [T, k])."""
         logits = _matmul_transpose_b(cast(tokens, ms.float32), cast(self.weight, ms.float32))
         scores = ops.sigmoid(logits) if self.score_function == "sigmoid" else ops.softmax(logits, axis=-1)
-        selection = ops.stop_gradient(scores) + expert_bias
+        selection = ops.stop_gradient(scores) + expand(expert_bias, scores)
         if self.n_group > 1:
             grouped = selection.reshape(-1, self.n_group, self.num_experts // self.n_group)
             group_scores = ops.topk(grouped, 2)[0].sum(-1)                          # [T, n_group]
             _, kept = ops.topk(group_scores, self.topk_group)
             keep = ops.one_hot(kept, self.n_group, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32)).sum(1)
-            keep = ops.broadcast_to(keep.expand_dims(-1), grouped.shape).reshape(selection.shape)
+            keep = expand(keep.expand_dims(-1), grouped).reshape(selection.shape)
             selection = ops.where(keep > 0, selection, Tensor(float(np.finfo(np.float32).min), ms.float32))
         _, chosen = ops.topk(selection, self.top_k)
         gates = ops.gather_elements(scores, 1, chosen)
         if self.norm_topk_prob:
-            gates = gates / (gates.sum(-1, keepdims=True) + 1e-20)
+            gates = gates / expand(gates.sum(-1, keepdims=True) + 1e-20, gates)
         return scores, chosen, gates * self.scaling
 
 
@@ -121,7 +121,8 @@ class GroupedExperts(nn.Cell):
             ops.arange(rows, dtype=ms.int32) // top_k)
         padded = ops.gather(ops.cat([tokens, ops.zeros((1, hidden), tokens.dtype)], 0), token_of_slot, 0)
         block_index = ops.arange(blocks, dtype=ms.float32).expand_dims(1)
-        ended = (block_end.expand_dims(0) <= block_index).astype(ms.float32).sum(1)  # experts before the block
+        ended = (ops.tile(block_end.expand_dims(0), (blocks, 1)) <= ops.tile(block_index, (1, experts))
+                 ).astype(ms.float32).sum(1)                       # experts ended before the block
         expert_of_block = ops.minimum(ended, experts - 1).astype(ms.int32)  # blocks past the last hold zeros
         out = _swiglu_experts(padded.reshape(blocks, block, hidden), ops.gather(self.weight1, expert_of_block, 0),
                               ops.gather(self.weight2, expert_of_block, 0))
@@ -228,7 +229,8 @@ class MoELayer(nn.Cell):
         counts = one_hot.sum(0)
         if self.token_dispatcher is None and compiling():
             routed = self.experts.dispatch(tokens, expert_of_row, one_hot, counts, self.top_k)
-            out = (routed * cast(gates, x.dtype).reshape(-1, 1)).reshape(-1, self.top_k, hidden).sum(1)
+            weights = expand(cast(gates, x.dtype).reshape(-1, 1), routed)
+            out = (routed * weights).reshape(-1, self.top_k, hidden).sum(1)
         else:
             out = self._dispatch_on_host(tokens, chosen, gates)
         out = out.reshape(x.shape)
@@ -250,7 +252,8 @@ class MoELayer(nn.Cell):
         gate_sorted = cast(ops.gather(gates.reshape(-1), Tensor(order.astype(np.int32)), 0), tokens.dtype)
         experts = self.experts if self.token_dispatcher is None else self.token_dispatcher
         routed = experts(ops.gather(tokens, token_of, 0), np.bincount(choices, minlength=self.num_experts))
-        return ops.unsorted_segment_sum(routed * gate_sorted.expand_dims(-1), token_of, tokens.shape[0])
+        return ops.unsorted_segment_sum(routed * expand(gate_sorted.expand_dims(-1), routed), token_of,
+                                        tokens.shape[0])
 
     def _load_balancing_loss(self, scores: Tensor, one_hot: Tensor) -> Tensor:
         """coeff · Σ_i f_i·P_i: f_i = E/(k·T)·(tokens choosing expert i), P_i = mean routing probability of
@@ -259,7 +262,7 @@ class MoELayer(nn.Cell):
         parallelism the counts and probability sums are summed over the sequence's shards first (one
         collective), as MindFormers' router does."""
         batch = one_hot.shape[0]
-        probs = scores / scores.sum(-1, keepdims=True)
+        probs = scores / expand(scores.sum(-1, keepdims=True), scores)
         if self.balancing == "aux_loss":
             one_hot, probs = one_hot.reshape(1, -1, self.num_experts), probs.reshape(1, -1, self.num_experts)
         else:
@@ -270,8 +273,8 @@ class MoELayer(nn.Cell):
         if self.sequence_shard_sum is not None:
             counts, prob_sums = ops.split(self.sequence_shard_sum(ops.cat((counts, prob_sums))), rows)
         choices_per_row = counts.sum(-1, keepdims=True)  # k·tokens per row
-        fraction = counts * self.num_experts / choices_per_row
-        mean_probs = prob_sums / (choices_per_row / self.top_k)
+        fraction = counts * self.num_experts / expand(choices_per_row, counts)
+        mean_probs = prob_sums / expand(choices_per_row / self.top_k, prob_sums)
         return (fraction * mean_probs).sum(-1).mean() * self.aux_coeff * self.aux_loss_share
 
     # ---- between steps ----
