@@ -19,7 +19,7 @@ from training.model.layers import Init
 from training.model.moe import GroupedExperts, MoELayer, TopKRouter
 from training.model.spec import ModuleSpec, build_module
 from training.model.transformer import MLP
-from training.model.mla import yarn_parameters
+from training.model.mla import merge_heads, split_heads, yarn_parameters
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
@@ -351,6 +351,35 @@ def test_after_step_moves_biases_toward_balance_and_resets_counts():
     assert moe._counts.sum() == 0
     model.after_step(Collectives(World(rank=0, size=1)), applied=False)  # a skipped step leaves biases alone
     np.testing.assert_allclose(moe.expert_bias.asnumpy(), 0.01 * np.sign(counts.mean() - counts), atol=1e-7)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_heads_split_and_merge_move_values_and_gradients_as_the_transposes_do(compiled):
+    """MLA's head layout changes are pure data movement (a split and stacks, unstack and a concat), so values and
+    gradients must equal the reshape + transpose they replace exactly, eager and under jit."""
+    rng = np.random.default_rng(3)
+    batch, seq, heads, widths = 2, 5, 3, [4, 2]
+    x = rng.standard_normal((batch, seq, heads * sum(widths))).astype(np.float32)
+    by_head = x.reshape(batch, seq, heads, sum(widths)).transpose(0, 2, 1, 3)
+    expected = [by_head[..., :4], by_head[..., 4:]]
+    weights = [rng.standard_normal(part.shape).astype(np.float32) for part in expected]
+
+    def split_loss(t):
+        first, second = split_heads(t, widths, heads)
+        return (first * Tensor(weights[0])).sum() + (second * Tensor(weights[1])).sum(), first, second
+
+    def merge_loss(t):
+        merged = merge_heads(t)
+        return (merged * Tensor(x)).sum(), merged
+
+    run = ms.jit if compiled else (lambda f: f)
+    (_, first, second), grad = run(ms.value_and_grad(split_loss, has_aux=True))(Tensor(x))
+    np.testing.assert_array_equal(first.asnumpy(), expected[0])
+    np.testing.assert_array_equal(second.asnumpy(), expected[1])
+    np.testing.assert_array_equal(grad.asnumpy(), np.concatenate(weights, -1).transpose(0, 2, 1, 3).reshape(x.shape))
+    (_, merged), grad = run(ms.value_and_grad(merge_loss, has_aux=True))(Tensor(by_head.copy()))
+    np.testing.assert_array_equal(merged.asnumpy(), x)
+    np.testing.assert_array_equal(grad.asnumpy(), by_head)
 
 
 def test_yarn_keeps_fast_frequencies_and_stretches_slow_ones():
