@@ -58,6 +58,7 @@ READ = {
     "fast_step.compile": "training/trainer.py",
     "fast_step.compile_reduction": "training/trainer.py",
     "fast_step.host_blocking_dispatch": "training/run.py",
+    "fast_step.fused_cross_entropy": "training/model/ascend.py",
     "parallelism.data_parallel_shard": "training/parallel/mesh.py",
     **{f"parallelism.{name}": "training/parallel/parallelize.py" for name in (
         "data_parallel_shard_strategy", "disable_gradient_division", "reshard_after_forward_policy")},

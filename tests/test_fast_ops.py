@@ -102,7 +102,8 @@ def test_causal_attention_in_query_blocks_is_the_full_masked_softmax():
     assert attention.QUERY_BLOCKS == 4
     batch, groups, per_group, seq, dim = 1, 1, 2, 8, 2  # 4 blocks of 2 queries
     config = SimpleNamespace(num_attention_heads=groups * per_group, num_key_value_heads=groups, head_dim=dim,
-                             hidden_size=4, attention_bias=False, rms_norm_eps=1e-6, dtype=lambda name: ms.float64)
+                             hidden_size=4, attention_bias=False, rms_norm_eps=1e-6, use_flash_attention=False,
+                             dtype=lambda name: ms.float64)
     layer = SelfAttention(Init(0, 0.1), config)
     rng = np.random.default_rng(4)
     q = rng.standard_normal((batch, groups, per_group, seq, dim))

@@ -727,7 +727,7 @@ class SwapConfig(Section):
 @dataclass
 class FastStepConfig(Section):
     """Kiln's own top-level ``fast_step`` section (MindFormers keeps unknown top-level keys and ignores them):
-    how the training step executes on MindSpore. Both change its speed, not what it computes (losses agree with
+    how the training step executes on MindSpore. They change its speed, not what it computes (losses agree with
     the eager step within fp32 rounding)."""
     # forward + backward as one mindspore.jit graph where the model and parallel layout allow it (the trainer
     # logs which, and why not)
@@ -738,6 +738,9 @@ class FastStepConfig(Section):
     # MS_DEV_HOST_BLOCKING_RUN=1 (set by `training.run` before MindSpore loads): single-threaded dispatch; the
     # default dispatch thread busy-waits on a core, which halves matmul speed on a 2-core CPU
     host_blocking_dispatch: bool = True
+    # on Ascend, the per-token loss by the fused cross-entropy kernel (mint.nn.functional.cross_entropy) instead of
+    # log_softmax + gather; no effect on CPU, which has no kernel for it (training/model/ascend.py)
+    fused_cross_entropy: bool = True
 
 
 @dataclass

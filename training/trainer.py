@@ -25,7 +25,7 @@ from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, c
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.evaluation import Validation, model_input_tensors, validation_line
-from training.model import GPTModel, build_model
+from training.model import GPTModel, ascend, build_model
 from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
 from training.optim import (AdamW, SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm,
                             clip_grad_norm_in_graph)
@@ -276,6 +276,7 @@ class Trainer:
         self.num_parameters = self.model.num_parameters()
         self.flops_per_token = self.model.flops_per_token(self.seq_length)
         self.parallel = parallelize(self.model, self.mesh, config, self.accumulation)
+        fused_kernels = ascend.select_kernels(self.model, config, self.mesh.dims)  # after TP set its own loss
         self.params = self.parallel.model_params
         self.pipeline = self.parallel.pipeline  # None unless pipeline parallel: then self.params are its stage's
         self.lr_schedule = build_lr_schedule(_lr_section(config), config.training.steps)
@@ -287,7 +288,8 @@ class Trainer:
         self.monitor = TrainStateMonitor(config.monitor.train_state, [p.name for p in self.params], self.collectives)
         step = build_train_step(config, self.mesh.dims, self.model, self.parallel, self.optimizer, self.monitor,
                                 self.accumulation)
-        self.grad_fn, self.compiled_step, self.step_mode = step.grad_fn, step.compiled, step.mode
+        self.grad_fn, self.compiled_step = step.grad_fn, step.compiled
+        self.step_mode = ". ".join([step.mode, *fused_kernels])
 
         self.model.track_max_attention_logits(config.monitor.train_state.max_attention_logit)
         self.health = HealthMonitor(config.monitor.health_checkpoint)

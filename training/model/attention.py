@@ -5,6 +5,7 @@ import math
 
 from mindspore import Tensor, nn, ops
 
+from training.model import ascend
 from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, Softmax, _bmm, _bmm_transpose_b,
                                    apply_rotary, cast, expand)
 
@@ -43,6 +44,8 @@ class SelfAttention(nn.Cell):
         # context parallelism: (q, k, v) -> out over the tokens of every cp rank (ContextAttention); None: this
         # rank holds whole sequences and the plain masked softmax below runs
         self.context_attention = None
+        # Ascend's FlashAttentionScore when model.use_flash_attention asks and the device and heads allow it
+        self.flash_attention = ascend.flash_attention(config, self.head_dim)
 
     @staticmethod
     def mask_repeats(config) -> int:
@@ -76,6 +79,8 @@ class SelfAttention(nn.Cell):
         k = apply_rotary(k, cos, sin)
         if self.context_attention is not None:
             out = self.context_attention(q, k, v)
+        elif self.flash_attention is not None and not self.logit_tracker.enabled:  # the kernel hides the scores
+            out = self.flash_attention(q, k, v, mask)
         else:
             out = self._causal_attention(q, k, v, mask)
         return self.linear_proj(out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, self.num_heads * dim))

@@ -17,6 +17,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from training.config import Section, require
+from training.model import ascend
 from training.model.dropout import Dropout, MaskStream
 from training.model.layers import (DTYPE_FIELDS, DTYPES, Init, LanguageModelEmbedding, Linear, RotaryEmbedding,
                                    additive_mask, causal_mask, cast, linear, token_cross_entropy)
@@ -52,6 +53,9 @@ class GPTConfig(Section):
     # dropout on the embedding output and on each attention/MLP output before its residual add, in training
     # only (MindFormers' TransformerConfig default; DeepSeek-V3 registers 0)
     hidden_dropout: float = 0.1
+    # MindFormers' switch for Ascend's FlashAttentionScore: used on Ascend where the heads allow it, the plain
+    # attention elsewhere (training/model/ascend.py; the trainer's `training step:` line says which and why)
+    use_flash_attention: bool = False
 
     def check(self, path: str) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -75,6 +79,7 @@ class GPTConfig(Section):
                         f"{path}.{name} = {value!r}{default} cannot run on CPU: MindSpore 2.10's CPU MatMul, Softmax "
                         f"and reductions have no bfloat16 "
                         f"kernels; set {path}.{name}: float32 (or float16)")
+        ascend.check_config(self, path)
 
     def dtype(self, name: str):
         """The MindSpore dtype of the precision field ``name``."""

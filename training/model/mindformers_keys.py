@@ -59,6 +59,8 @@ _KERNEL = "it picks a kernel or memory layout on Ascend; Kiln computes the same 
 _INFERENCE = "inference only"
 _NOT_READ = "MindFormers' PyNative trainer never reads it"
 _RECOMPUTE = "recomputation and swapping come from the recompute/swap sections"
+_FLASH_LAYOUT = ("FlashAttentionScore's layout and sparse mode; with model.use_flash_attention Kiln picks them itself "
+                 "(BNSD; causal mode, or the dataset's masks whole)")
 _DATASET = "loss masking and positions come from the dataset (loss_mask, position_ids)"
 _LATER_DEEPSEEK = "read only with experimental_attention_variant or enable_hyper_connections (not implemented)"
 _HF_BOOKKEEPING = "Hugging Face bookkeeping; MindFormers drops it"
@@ -71,8 +73,8 @@ _INERT_GROUPS = {
                "pp_interleave_num sequence_parallel context_parallel_size hierarchical_context_parallel_sizes "
                "expert_model_parallel_size expert_model_parallel expert_tensor_parallel_size cp_comm_type offset "
                "moe_token_dispatcher_type npu_nums_per_device",
-    _KERNEL: "use_flash_attention fused_norm apply_rope_fusion moe_grouped_gemm moe_permute_fusion moe_router_fusion "
-             "use_fused_ops_topkrouter bias_dropout_fusion bias_swiglu_fusion input_layout sparse_mode chunk_loss_num "
+    _KERNEL: "fused_norm apply_rope_fusion moe_grouped_gemm moe_permute_fusion moe_router_fusion "
+             "use_fused_ops_topkrouter bias_dropout_fusion bias_swiglu_fusion chunk_loss_num "
              "is_dynamic use_attn_mask_compression use_eod_attn_mask_compression mla_qkv_concat "
              "use_contiguous_weight_layout_attention use_interleaved_weight_layout_mlp disable_lazy_inline "
              "comp_comm_parallel comp_comm_parallel_degree group_wise_a2a use_ring_attention",
@@ -94,6 +96,7 @@ _INERT_GROUPS = {
                "untie_embeddings_and_output_weights use_eod_reset use_pad_tokens window_attn_skip_freq window_size "
                "dsa_index_skip_topk_offset normalization_type multiple_of ffn_dim_multiplier qkv_concat "
                "input_sliced_sig return_extra_loss moe_config monitor_config dataset_config batch_size",
+    _FLASH_LAYOUT: "input_layout sparse_mode",
     _DATASET: "pad_token_id ignore_token_id use_rotary_position_ids",
     _LATER_DEEPSEEK: "dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk dsa_index_topk_freq "
                      "dsa_index_share_topk_offload dsa_index_share_loss dsa_indexer_types "

@@ -14,6 +14,7 @@ import math
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from training.model import ascend
 from training.model.attention import SelfAttention
 from training.model.layers import Init, Linear, MaxLogitTracker, RMSNorm, Softmax, apply_rotary
 
@@ -91,6 +92,7 @@ class MLASelfAttention(nn.Cell):
         self.rope_key_comm = None
         # context parallelism: (q, k, v) -> out over the tokens of every cp rank (ContextAttention), or None
         self.context_attention = None
+        self.flash_attention = ascend.flash_attention(config, self.nope + self.rope)  # as SelfAttention's
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         heads = self.num_heads
@@ -112,6 +114,8 @@ class MLASelfAttention(nn.Cell):
         q = q.expand_dims(2)  # one query head per group, in GQA's layout
         if self.context_attention is not None:
             out = self.context_attention(q, k, v).squeeze(2)
+        elif self.flash_attention is not None and not self.logit_tracker.enabled:
+            out = self.flash_attention(q, k, v, mask).squeeze(2)
         else:
             out = self._causal_attention(q, k, v, mask).squeeze(2)
         return self.linear_proj(merge_heads(out))
