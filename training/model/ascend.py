@@ -107,7 +107,7 @@ class FlashAttention(nn.Cell):
 def fused_token_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     """``layers.token_cross_entropy`` by Ascend's fused kernel: per-token -log p(label) for logits [tokens,
     vocab] and labels [tokens], unreduced (the model masks and averages)."""
-    return fused_cross_entropy(logits, labels.astype(ms.int64), reduction="none")
+    return fused_cross_entropy(logits, labels, reduction="none")  # labels int32 or int64, as the kernel takes
 
 
 def select_kernels(model, config, dims) -> list[str]:
