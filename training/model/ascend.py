@@ -55,9 +55,8 @@ def flash_attention_blocker(config, qk_head_dim: int) -> str | None:
 
 def flash_attention(config, qk_head_dim: int) -> "FlashAttention | None":
     """The fused attention for an attention layer of ``config`` (None: the plain path)."""
-    if not config.use_flash_attention or flash_attention_blocker(config, qk_head_dim):
-        return None
-    return FlashAttention()
+    asked_and_possible = config.use_flash_attention and flash_attention_blocker(config, qk_head_dim) is None
+    return FlashAttention() if asked_and_possible else None
 
 
 @functools.cache
