@@ -8,7 +8,7 @@ on Megatron's mock data at seq 512) one warm process per variant:
   `interop` extra) with torch.optim.AdamW and clip_grad_norm_, the same batch size and sequence length;
 - matmul peak: MindSpore's compiled (``mindspore.jit``) fp32 matmul on every linear GEMM of the step (forward
   x·Wᵀ, input gradient dY·W, weight gradient dYᵀ·x, at batch × seq tokens), with synchronous dispatch.
-The variants take turns, the order rotating each round (the machine is shared, its speed drifts), and each ratio
+After its first step and ``WARMUP_STEPS`` more, the variants take turns, the order rotating each round (the machine is shared, its speed drifts), and each ratio
 is the median over rounds of that round's pair (tokens/s ÷ the torch eager tokens/s of the same round). Model
 FLOP/s use the Kiln model's ``flops_per_token`` for every variant. With ``--profile`` the Kiln worker also
 profiles one step with MindSpore's profiler and prints its op-type table.
@@ -27,6 +27,11 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("configs/qwen3_bench.yaml", "configs/qwen3_tiny.yaml", "configs/deepseek_v3_bench.yaml")
+# steps every variant runs after its first (compiling) one and before the rounds, so that the rounds measure the
+# steady state: MindSpore runs a compiled step's first few executions slower (qwen3_bench, 16 single steps in
+# one process: 1.36-1.39 s for steps 2-5, 1.21-1.23 s from step 6, in 3 of 4 runs; the same with the learning
+# rate near 0, so not the weights), while torch eager and torch.compile were steady from step 2
+WARMUP_STEPS = 5
 # variant -> (worker kind, its config overrides, its environment)
 VARIANTS = {
     "kiln": ("kiln", [], {}),
@@ -210,6 +215,7 @@ def worker_main(kind: str, config_path: str, overrides: list[str]) -> int:
     # the CPU seconds too: on the shared machine the wall time says more about the load than about the compile
     info = {**getattr(worker, "info", {}), "first_step_s": time.perf_counter() - started,
             "first_step_cpu_s": time.process_time() - cpu_started}
+    worker.steps(WARMUP_STEPS)
     print(json.dumps({"ready": info}), flush=True)
     for line in sys.stdin:
         command, *args = line.split()
