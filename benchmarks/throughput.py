@@ -42,12 +42,18 @@ VARIANTS = {
     "kiln, compile off": ("kiln", ["fast_step.compile=false"], {}),
     "torch eager": ("torch eager", [], {}),
     "torch compile": ("torch compile", [], {}),
+    # DeepSeek-V3 as configured, its MTP depth included (transformers' model has no MTP: not like for like)
+    "kiln, with MTP": ("kiln", [], {}),
     # the peak is the compiled matmul without PyNative's dispatch spin (reference §5)
     "matmul peak": ("matmul peak", [], {"MS_DEV_HOST_BLOCKING_RUN": "1"}),
 }
 # torch.compile of the DeepSeek-V3 MoE takes minutes to compile on 2 cores (once per worker, before the rounds)
 MODEL_VARIANTS = {"qwen3": ("kiln", "kiln, fast_step off", "torch eager", "torch compile", "matmul peak"),
-                  "deepseek_v3": ("kiln", "kiln, compile off", "torch eager", "torch compile", "matmul peak")}
+                  "deepseek_v3": ("kiln", "kiln, with MTP", "kiln, compile off", "torch eager", "torch compile",
+                                  "matmul peak")}
+# transformers' DeepSeek-V3 has no multi-token prediction: every variant but "kiln, with MTP" runs without it, so
+# that the ratios compare the same model (and the FLOP counts, taken from the "kiln" worker, hold for torch's)
+MODEL_OVERRIDES = {"deepseek_v3": ["model.num_nextn_predict_layers=0"]}
 SEQ_LENGTH = 512
 MOCK_EOD = 4095  # the mock documents hold ids up to 4094 (training/data/gpt_dataset.py MockIndexedDataset)
 
@@ -275,7 +281,8 @@ def compare(report, config_path: str, rounds: int, steps_per_round: int, overrid
     try:
         for kind in kinds:  # started one at a time: compilation runs alone
             worker_kind, extra, env = VARIANTS[kind]
-            workers[kind] = Worker(worker_kind, config_path, [*overrides, *extra], env)
+            like_torch = [] if kind == "kiln, with MTP" else MODEL_OVERRIDES.get(model_type, [])
+            workers[kind] = Worker(worker_kind, config_path, [*like_torch, *overrides, *extra], env)
             first = workers[kind].info
             print(f"   {kind}: first step {first['first_step_s']:.1f} s ({first['first_step_cpu_s']:.1f} CPU-s)",
                   flush=True)
@@ -305,7 +312,8 @@ def compare(report, config_path: str, rounds: int, steps_per_round: int, overrid
         if kind == "matmul peak":
             continue
         rates = [tokens / s for s in seconds[kind]]
-        report(f"{name} {kind} ({kiln['params'] / 1e6:.1f}M)", statistics.median(rates), "tokens/s")
+        params = workers[kind].info.get("params", kiln["params"])  # torch's model is the "kiln" worker's
+        report(f"{name} {kind} ({params / 1e6:.1f}M)", statistics.median(rates), "tokens/s")
         report(f"{name} {kind} model FLOP/s", statistics.median(flops / s for s in seconds[kind]) / 1e9, "GFLOP/s",
                statistics.median(flops / s / peak_round for s, peak_round in
                                  zip(seconds[kind], (peak_flops / p for p in seconds["matmul peak"]))),
