@@ -8,10 +8,11 @@ on Megatron's mock data at seq 512) one warm process per variant:
   `interop` extra) with torch.optim.AdamW and clip_grad_norm_, the same batch size and sequence length;
 - matmul peak: MindSpore's compiled (``mindspore.jit``) fp32 matmul on every linear GEMM of the step (forward
   x·Wᵀ, input gradient dY·W, weight gradient dYᵀ·x, at batch × seq tokens), with synchronous dispatch.
-After its first step and ``WARMUP_STEPS`` more, the variants take turns, the order rotating each round (the machine is shared, its speed drifts), and each ratio
-is the median over rounds of that round's pair (tokens/s ÷ the torch eager tokens/s of the same round). Model
-FLOP/s use the Kiln model's ``flops_per_token`` for every variant. With ``--profile`` the Kiln worker also
-profiles one step with MindSpore's profiler and prints its op-type table.
+After its first step and ``WARMUP_STEPS`` more, the variants take turns, the order rotating each round (the
+machine is shared, its speed drifts), and each ratio is the median over rounds of that round's pair (tokens/s ÷
+the torch eager tokens/s of the same round). Model FLOP/s use the Kiln model's ``flops_per_token`` for every
+variant. With ``--profile`` the Kiln worker also profiles one step with MindSpore's profiler and prints its
+op-type table.
 """
 from __future__ import annotations
 
@@ -328,7 +329,7 @@ def compare(report, config_path: str, rounds: int, steps_per_round: int, overrid
     # count in them, so compare a framework with itself first)
     print("   CPU s per step, median: " + ", ".join(
         f"{kind} {statistics.median(cpu_seconds[kind]) / steps_per_round:.2f}" for kind in kinds), flush=True)
-    print(f"   peak RSS GB: " + ", ".join(f"{kind} {gb:.2f}" for kind, gb in rss.items()), flush=True)
+    print("   peak RSS GB: " + ", ".join(f"{kind} {gb:.2f}" for kind, gb in rss.items()), flush=True)
     if table:
         total = sum(ms for _, ms, _ in table)
         print(f"   kiln one step, MindSpore profiler op types (ms, calls; total {total:.0f} ms):", flush=True)
