@@ -40,11 +40,13 @@ def check_config(config, path: str) -> None:
                 f"bfloat16, or {path}.use_flash_attention: False for the plain attention")
 
 
-def flash_attention_blocker(config, qk_head_dim: int) -> str | None:
-    """Why attention whose query/key heads are ``qk_head_dim`` wide does not run FlashAttentionScore although
-    ``model.use_flash_attention`` asks for it; None when it does (or when it is not asked for)."""
+def flash_attention_blocker(config) -> str | None:
+    """Why the attention layers of a model of ``config`` do not run FlashAttentionScore although
+    ``model.use_flash_attention`` asks for it; None when they do (or when it is not asked for). One answer for the
+    layers and the trainer's log line: the query/key head size is the config's (``attention_dims``)."""
     if not config.use_flash_attention:
         return None
+    qk_head_dim = config.attention_dims()[1]
     if not on_ascend():
         return (f"FlashAttentionScore is an Ascend kernel and this run's device is "
                 f"{ms.get_context('device_target')}")
@@ -53,9 +55,9 @@ def flash_attention_blocker(config, qk_head_dim: int) -> str | None:
     return None
 
 
-def flash_attention(config, qk_head_dim: int) -> "FlashAttention | None":
+def flash_attention(config) -> "FlashAttention | None":
     """The fused attention for an attention layer of ``config`` (None: the plain path)."""
-    asked_and_possible = config.use_flash_attention and flash_attention_blocker(config, qk_head_dim) is None
+    asked_and_possible = config.use_flash_attention and flash_attention_blocker(config) is None
     return FlashAttention() if asked_and_possible else None
 
 
@@ -120,7 +122,7 @@ def select_kernels(model, config, dims) -> list[str]:
     notes = []
     model_config = model.config
     if model_config.use_flash_attention:
-        blocker = flash_attention_blocker(model_config, model_config.attention_dims()[1])
+        blocker = flash_attention_blocker(model_config)
         blockers = [blocker] if blocker else []
         if dims.cp > 1:
             blockers.append("context parallel runs its own ring/Ulysses attention")

@@ -45,7 +45,7 @@ class SelfAttention(nn.Cell):
         # rank holds whole sequences and the plain masked softmax below runs
         self.context_attention = None
         # Ascend's FlashAttentionScore when model.use_flash_attention asks and the device and heads allow it
-        self.flash_attention = ascend.flash_attention(config, self.head_dim)
+        self.flash_attention = ascend.flash_attention(config)
 
     @staticmethod
     def mask_repeats(config) -> int:

@@ -94,7 +94,7 @@ class MLASelfAttention(nn.Cell):
         self.rope_key_comm = None
         # context parallelism: (q, k, v) -> out over the tokens of every cp rank (ContextAttention), or None
         self.context_attention = None
-        self.flash_attention = ascend.flash_attention(config, self.nope + self.rope)  # as SelfAttention's
+        self.flash_attention = ascend.flash_attention(config)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         heads = self.num_heads
