@@ -14,23 +14,19 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets import builtin_corpus, chunks
 from assets.builtin_corpus import write_builtin_source
 from assets.chunks import chunk_files, group_chunks, key_stem, source_chunk_keys, source_chunks, source_of
 from assets.sources import load_sources
-from assets.versions import code_version_of, versioned_asset
-from resources.storage import PROJECT_ROOT, KilnStorage
-from resources import tokenizer as resources_tokenizer
+from assets.versions import code_version, sources_config, versioned_asset
+from resources.storage import KilnStorage
 from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
 from training.atomic import replace_dir, write_json_atomic
-from training.data import corpus, indexed, preprocess
 from training.data.corpus import SUFFIXES, iter_texts, scan_corpus
 from training.data.hashing import PER_SOURCE_DATA_VERSION, combined_hash, sha256_file
-from training.data import manifest as manifest_module
 from training.data.manifest import build_manifest
 from training.data.preprocess import tokenize_to_indexed
 
-SOURCES_CONFIG = Path(os.environ.get("KILN_SOURCES", PROJECT_ROOT / "configs" / "sources.yaml"))
+SOURCES_CONFIG = sources_config()
 # checked when the code location loads: the data assets' code versions hash this file, and a missing or broken
 # one must be named here rather than hashed (the partitions are the chunks, registered at run time)
 load_sources(SOURCES_CONFIG)
@@ -140,9 +136,8 @@ def combined_result(results: dict[str, dg.MaterializeResult]) -> dg.MaterializeR
                      for source, r in results.items()})
     return dg.MaterializeResult(metadata=metadata)
 
-@versioned_asset(_ingest_chunk, per_source, figures, combined_result, _part_files, replace_dir, builtin_corpus, corpus,
-                 chunks, SOURCES_CONFIG, partitions_def=source_chunks, group_name="data", kinds={"json"},
-                 owners=["team:kiln"], tags={"stage": "ingest"}, backfill_policy=dg.BackfillPolicy.single_run())
+@versioned_asset(partitions_def=source_chunks, group_name="data", kinds={"json"}, owners=["team:kiln"],
+                 tags={"stage": "ingest"}, backfill_policy=dg.BackfillPolicy.single_run())
 def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.MaterializeResult:
     """A validated copy of one chunk's documents under `data/raw/<chunk>/` (a whole source unless it sets
     `files_per_chunk`).
@@ -155,8 +150,8 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
     """
     return per_source(context, lambda key: _ingest_chunk(storage, key))
 
-@versioned_asset(raw_files, replace_dir, resources_tokenizer, SOURCES_CONFIG, deps=[raw_corpus], group_name="data",
-                 kinds={"sentencepiece"}, owners=["team:kiln"], tags={"stage": "tokenizer"})
+@versioned_asset(deps=[raw_corpus], group_name="data", kinds={"sentencepiece"}, owners=["team:kiln"],
+                 tags={"stage": "tokenizer"})
 def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
               tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
     """A sentencepiece model trained on a seeded, bounded sample of every source's raw documents."""
@@ -336,9 +331,7 @@ def shards_of_run(context: dg.OpExecutionContext, steps: list[list[tuple[str, di
                                        "tokenizer": dg.AssetIn(dagster_type=dg.Nothing)},
     group_name="data", kinds={"numpy"}, owners=["team:kiln"], tags={"stage": "tokenize", "format": "megatron-indexed"},
     backfill_policy=dg.BackfillPolicy.single_run(), automation_condition=EAGER_AFTER_CHECKS,
-    code_version=code_version_of(_tokenize_chunk, chunk_steps, *(op.compute_fn.decorated_fn for op in (
-        chunks_of_run, tokenize_chunks, shards_of_run)), figures, combined_result, replace_dir, chunks, preprocess,
-        indexed, SOURCES_CONFIG))
+    code_version=code_version("token_shards"))
 def token_shards(raw_corpus, tokenizer):
     """Each chunk tokenized into Megatron `.bin/.idx` datasets (EOD after every document).
 
@@ -381,8 +374,7 @@ def source_shards(storage: KilnStorage, spec) -> dict:
             "raw_files": [raw for s in sidecars.values() for raw in s["raw_files"]],
             "tokenizers": {key: s["tokenizer"]["sha256"] for key, s in sidecars.items()}}
 
-@versioned_asset(read_shard_sidecar, source_shards, _blend_summary, manifest_module, SOURCES_CONFIG,
-                 deps=[token_shards, tokenizer], group_name="data", kinds={"json"}, owners=["team:kiln"],
+@versioned_asset(deps=[token_shards, tokenizer], group_name="data", kinds={"json"}, owners=["team:kiln"],
                  tags={"stage": "blend"}, automation_condition=EAGER_AFTER_CHECKS)
 def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
                    storage: KilnStorage) -> dg.MaterializeResult:

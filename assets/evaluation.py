@@ -62,8 +62,7 @@ def _unevaluated_table(sources: list[dict]) -> str:
             "|---|---|---|---|---|\n" + rows)
 
 
-@versioned_asset(PROJECT_ROOT / "training" / "evaluation.py", eval_command, eval_metadata,
-                 partitions_def=checkpoint_partitions, deps=[checkpoint], group_name="training",
+@versioned_asset(partitions_def=checkpoint_partitions, deps=[checkpoint], group_name="training",
                  kinds={"mindspore"}, owners=["team:kiln"], tags={"stage": "evaluate"}, pool=TRAINING_POOL,
                  automation_condition=dg.AutomationCondition.eager())
 def checkpoint_eval(context: dg.AssetExecutionContext, config: CheckpointEvalConfig, storage: KilnStorage,

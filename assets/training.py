@@ -16,7 +16,7 @@ import yaml
 from pydantic import Field
 
 from assets.data import EAGER_AFTER_CHECKS, blend_manifest, combined_hash
-from assets.versions import versioned_asset
+from assets.versions import default_training_config, versioned_asset
 from resources.msrun import MsrunResource, OrphanedStep
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.atomic import write_json_atomic, write_text_atomic
@@ -40,7 +40,7 @@ checkpoint = dg.AssetSpec(
 START_MODES = ("resume", "weights_only", "fresh")
 
 class TrainingRunConfig(dg.Config):
-    config_path: str = Field(default=os.environ.get("KILN_TRAIN_CONFIG", "configs/qwen3_tiny.yaml"),
+    config_path: str = Field(default=default_training_config(),
                              description="training YAML (MindFormers layout), relative to the project root; "
                                          "the default comes from KILN_TRAIN_CONFIG when set")
     run_name: str = Field(default="qwen3_tiny", description="run directory name under the runs root")
@@ -324,9 +324,8 @@ def step_observation(message: dict) -> dg.AssetObservation:
 AUTO_TRAIN = os.environ.get("KILN_AUTO_TRAIN") == "1"
 TRAINING_POOL = "npu"
 
-# the engine and the default training YAML decide what a run produces
-@versioned_asset(render_training_config, PROJECT_ROOT / "training", PROJECT_ROOT / TrainingRunConfig().config_path,
-                 deps=[blend_manifest], group_name="training", kinds={"mindspore"}, owners=["team:kiln"],
+# its code version: the engine, the default training YAML and their wiring here (assets/versions.py)
+@versioned_asset(deps=[blend_manifest], group_name="training", kinds={"mindspore"}, owners=["team:kiln"],
                  tags={"stage": "train"}, pool=TRAINING_POOL,
                  # an exception of the step itself (not msrun's: those are judged below) gets the defaults
                  retry_policy=dg.RetryPolicy(max_retries=TrainingRunConfig().max_retries,

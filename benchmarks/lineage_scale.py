@@ -20,12 +20,10 @@ Chromium (Debian's, driven by Playwright, as tests/test_browser_ui.py does) agai
 that instance: the time from navigation until the page's last GraphQL answer arrived (best of 3 loads),
 and its ratio to the same tab on the first level's instance, served by a second webserver at the same time
 and loaded alternately (the machine is shared); ``kiln lineage --consumers``, ``kiln audit`` and
-``python -m pipelines.audit`` (wall time and peak RSS, from /usr/bin/time; the cross-check three times:
-with no code-version cache, which imports the definitions, as after a code change, which reads the versions
-from the files the recipe that import recorded names (as_after_a_code_change), and as every later run finds
-it); the instance's bytes per
-checkpoint between levels, and where they go (SQLite's dbstat: pages per table and index, over the run
-databases and the index); and the raw-files sensor's cursor at RAW_FILES files. ``--no-ui`` leaves out the
+``python -m pipelines.audit`` (wall time and peak RSS, from /usr/bin/time; the cross-check hashes the code
+versions from the files each time, so one run stands for a first one and one after a code change); the
+instance's bytes per checkpoint between levels, and where they go (SQLite's dbstat: pages per table and index,
+over the run databases and the index); and the raw-files sensor's cursor at RAW_FILES files. ``--no-ui`` leaves out the
 browser.
 
     python -m benchmarks.lineage_scale [--levels 10,1000,10000] [--raw-files 10000] [--no-ui] [--work DIR]
@@ -178,21 +176,6 @@ def _record_checkpoints(instance, storage, writer: CheckpointWriter, steps: rang
         assert dg.GraphDefinition("record_checkpoints", node_defs=[record]).to_job().execute_in_process(
             instance=instance, run_config=QUIET).success
     return time.perf_counter() - started
-
-
-def as_after_a_code_change(cache: Path) -> None:
-    """The code-version cache as a change to every project module leaves it, the code itself unchanged (the
-    benchmark edits no file of the tree): the versions' fingerprint and each module's recorded size and mtime
-    no longer match, so the cross-check compares every module's code run at import, then reads the recipe's
-    parts from the files (assets/versions.py)."""
-    cached = json.loads(cache.read_text())
-    if not cached.get("recipe"):
-        raise RuntimeError(f"{cache} holds no recipe (a file changed while the definitions were imported?): "
-                           "measure again")
-    cached["fingerprint"] = "changed"
-    for module in cached["recipe"]["modules"].values():
-        module["stat"] = None
-    cache.write_text(json.dumps(cached))
 
 
 def _timed(command: list[str], env: dict) -> tuple[float, float, str]:
@@ -377,7 +360,6 @@ def main(argv=None) -> int:
 
 
 def _measure(work: Path, levels: list[int], raw_files: int, ui: bool) -> int:
-    from assets.versions import CODE_VERSIONS_CACHE
     from pipelines.audit import cross_check_instance
     from training.lineage import audit_checkpoint
 
@@ -401,10 +383,6 @@ def _measure(work: Path, levels: list[int], raw_files: int, ui: bool) -> int:
         report(f"[{level:,} ckpt] instance size", _dir_bytes(home) / 1e6, "MB")
         newest = level_dir / "runs" / RUN_NAME / "checkpoints" / f"iteration_{level:08d}"
         cross_check_command = [sys.executable, "-m", "pipelines.audit", str(newest), "--dagster-home", str(home)]
-        no_cache, after_change = "pipelines.audit, no cache", "pipelines.audit, code changed"
-        prepare = {no_cache: lambda: CODE_VERSIONS_CACHE.unlink(missing_ok=True),
-                   after_change: lambda: as_after_a_code_change(CODE_VERSIONS_CACHE)}
-        timings = {}
         for name, command in [
                 # references: the interpreter's start, and the import floor of reading through Dagster
                 ("python -c pass", [sys.executable, "-c", "pass"]),
@@ -414,18 +392,9 @@ def _measure(work: Path, levels: list[int], raw_files: int, ui: bool) -> int:
                 # the first reads the raw files from disk, the second from the page cache, as most audits do
                 ("kiln audit, first", [str(BIN / "kiln"), "audit", str(newest)]),
                 ("kiln audit", [str(BIN / "kiln"), "audit", str(newest)]),
-                # imports the definitions and records the recipe; then the recipe's versions read from files
-                (no_cache, cross_check_command),
-                (after_change, cross_check_command),
                 ("pipelines.audit (cross-check)", cross_check_command)]:
-            prepare.get(name, lambda: None)()
             seconds, megabytes, out = _timed(command, env)
-            timings[name] = seconds
-            if name == after_change:
-                report(f"[{level:,} ckpt] {name}", seconds, f"s, {megabytes:,.0f} MB peak",
-                       seconds / timings[no_cache], "no cache (the import)")
-            else:
-                report(f"[{level:,} ckpt] {name}", seconds, f"s, {megabytes:,.0f} MB peak")
+            report(f"[{level:,} ckpt] {name}", seconds, f"s, {megabytes:,.0f} MB peak")
             # the blend manifest was recorded before every checkpoint
             if name.startswith("pipelines.audit") and "OK: all" not in out:
                 print(out[-2000:])

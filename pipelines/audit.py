@@ -28,8 +28,7 @@ the rows it needs with the database's own client, and goes through Dagster's API
   have that shape): ``EventLogStorage.fetch_materializations``, paged, as far as SEARCH_LIMIT.
 
 The code versions "now" are the ones Kiln's definitions give: ``assets.versions.current_code_versions``
-reads them from a cache or from the files their recipe names, and imports the definitions only when the code
-that chooses the parts may have changed (its module docstring).
+hashes the parts its table declares for each asset, as the definitions do, without importing them.
 """
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ from pathlib import Path
 
 import yaml
 
-from assets.sources import SourcesConfigError
-from assets.versions import RecordingFailed, current_code_versions
+from assets.versions import CodePartError, current_code_versions
 from training.cli import LINEAGE_STORE_HELP
 from training.data.hashing import PER_SOURCE_DATA_VERSION, combined_hash, sha256_file
 from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
@@ -55,9 +53,6 @@ CODE_VERSION = "dagster/code_version"
 SEARCH_PAGE = 500  # Dagster's API: materializations fetched per query, newest first
 SEARCH_LIMIT = 20_000  # Dagster's API, per link: older ones are reported "outside the searched history"
 OUTSIDE = "outside the searched history"
-# assets.data and pipelines.definitions read the sources config when imported: only assets.versions' recording
-# imports them, in a process of its own, and passes a missing or bad sources config back as SourcesConfigError,
-# which main() reports instead of a traceback
 
 
 @dataclass
@@ -451,13 +446,10 @@ def main(argv=None) -> int:
         return fail(str(exc))
     try:
         results, read_through = cross_check_instance(args.dagster_home, checkpoint, lineage)
-    except SourcesConfigError as exc:
-        return fail(f"{exc}; the cross-check compares code versions with Kiln's definitions, which read the sources "
-                    f"config: set KILN_SOURCES to the sources.yaml the chain ran with")
+    except CodePartError as exc:  # the code versions now hash a file that is not there
+        return fail(f"{exc}; set KILN_SOURCES and KILN_TRAIN_CONFIG as the chain ran with")
     except (InstanceError, yaml.YAMLError) as exc:
         return fail(f"the instance's configuration: {exc}")
-    except RecordingFailed as exc:  # the code versions now: Kiln's definitions do not import
-        return fail(str(exc))
     instance_description = f"the instance in {args.dagster_home}"
     if args.json:
         report = json.loads(audit_json(checkpoint, lineage, checks))

@@ -217,8 +217,9 @@ def test_the_dagster_cross_check_names_a_missing_sources_config(tmp_path):
                            str(tmp_path / "home")], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "KILN_SOURCES": str(missing)})
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert f"python -m pipelines.audit: {missing}: unreadable sources config" in done.stderr
-    assert "set KILN_SOURCES to the sources.yaml the chain ran with" in done.stderr
+    assert (f"python -m pipelines.audit: raw_corpus's code version (assets/versions.py, ASSET_PARTS['raw_corpus'], "
+            f"'$KILN_SOURCES'): {missing} (named by KILN_SOURCES or its default) is not a file; set KILN_SOURCES and "
+            f"KILN_TRAIN_CONFIG as the chain ran with") in done.stderr
 
 
 def test_copied_checkpoint_verifies_the_config_its_lineage_carries(tmp_path, capsys):
@@ -292,11 +293,9 @@ def test_the_cross_check_finds_a_link_however_many_materializations_came_after(t
     (tests/test_audit_postgres.py compares the two on PostgreSQL)."""
     import dagster as dg
 
-    import assets.versions
     import pipelines.audit
     from pipelines.audit import DagsterEvents, SqlEvents, cross_check, cross_check_instance, cross_check_report
 
-    monkeypatch.setattr(assets.versions, "CODE_VERSIONS_CACHE", tmp_path / "code_versions.json")
     with dg.instance_for_test() as instance:
         checkpoint, lineage = record_links(tmp_path, instance)
         home = instance.root_directory
@@ -319,35 +318,32 @@ def test_the_cross_check_finds_a_link_however_many_materializations_came_after(t
         assert isinstance(pipelines.audit.open_events(home), SqlEvents)
 
 
-def test_the_cross_check_imports_no_dagster_once_the_code_versions_are_cached(tmp_path):
-    """The SQL reader and a valid code-version cache: the whole command without importing Dagster."""
+def test_the_cross_check_imports_no_dagster(tmp_path):
+    """The SQL reader and the code versions hashed from the files: the whole command without importing Dagster
+    or Kiln's definitions."""
     import dagster as dg
 
-    from assets.versions import code_versions_from_definitions
+    from assets.versions import current_code_versions
     from pipelines.audit import checkpoint_version
 
     config = tmp_path / "config.yaml"
     config.write_text("training: {}\n")
     checkpoint = write_checkpoint(tmp_path / "runs", "run", 1, {}, config)
     version = checkpoint_version(checkpoint, json.loads((checkpoint / "lineage.json").read_text()))
-    versions = code_versions_from_definitions()
+    versions = current_code_versions()  # the definitions' (tests/test_code_versions.py)
     with dg.instance_for_test() as instance:
         instance.report_runless_asset_event(dg.AssetMaterialization("checkpoint", partition="run/iteration_00000001",
                                                                     tags={"dagster/data_version": version,
                                                                           "dagster/code_version": "c9"}))
         home = instance.root_directory
-        cache = tmp_path / "code_versions.json"
-        cache.write_text(json.dumps({"fingerprint": "as now", "versions": versions}))
         script = f"""
-import importlib.abc, json, sys
-from pathlib import Path
+import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("dagster", "sqlalchemy"):
+        if name.split(".")[0] in ("dagster", "sqlalchemy") or name == "pipelines.definitions":
             raise ImportError(f"{{name}} imported")
 sys.meta_path.insert(0, Block())
-import assets.versions, pipelines.audit as audit
-assets.versions.CODE_VERSIONS_CACHE, assets.versions.code_fingerprint = Path({str(cache)!r}), lambda: "as now"
+import pipelines.audit as audit
 sys.exit(audit.main([{str(checkpoint)!r}, "--dagster-home", {home!r}, "--json"]))
 """
         done = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_ROOT, capture_output=True, text=True,

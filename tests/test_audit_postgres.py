@@ -10,12 +10,10 @@ from test_postgres import postgres  # noqa: F401 -- the server, a fixture
 
 
 def test_the_cross_check_reads_postgres_as_dagster_does(tmp_path, postgres, monkeypatch):  # noqa: F811
-    import assets.versions
     from pipelines.audit import DagsterEvents, SqlEvents, cross_check, cross_check_instance, open_events
 
     for name, value in postgres.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(assets.versions, "CODE_VERSIONS_CACHE", tmp_path / "code_versions.json")
     home = tmp_path / "dagster_home"
     home.mkdir()
     shutil.copy(PROJECT_ROOT / "deploy/dagster-postgres.yaml", home / "dagster.yaml")

@@ -11,7 +11,6 @@ import dagster as dg
 from assets.chunks import register_source_chunks
 from assets.training import training_run
 from conftest import PROJECT_ROOT
-from assets.versions import code_version_of
 from pipelines.definitions import build_definitions, resources
 from pipelines.pools import configure_pools, training_slots
 from pipelines.sensors import raw_files_sensor
@@ -129,20 +128,6 @@ def test_sensors_run_by_default_and_the_pool_follows_the_devices():
     with dg.instance_for_test() as instance:
         assert configure_pools(instance, MsrunResource(local_worker_num=2, visible_devices="0,1,2,3")) == 2
         assert instance.event_log_storage.get_concurrency_info("npu").slot_count == 2
-
-
-def test_code_version_follows_the_source(tmp_path):
-    config = tmp_path / "sources.yaml"
-    config.write_text("a: 1\n")
-    before = code_version_of(code_version_of, config)
-    assert code_version_of(code_version_of, config) == before
-    config.write_text("a: 2\n")
-    assert code_version_of(code_version_of, config) != before
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "m.py").write_text("x = 1\n")
-    package = code_version_of(tmp_path / "pkg")
-    (tmp_path / "pkg" / "m.py").write_text("x = 2\n")
-    assert code_version_of(tmp_path / "pkg") != package
 
 
 CODE_VERSIONS = ("from pipelines.definitions import defs; import json; graph = defs.resolve_asset_graph(); "

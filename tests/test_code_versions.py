@@ -1,184 +1,168 @@
-"""assets.versions: the code versions the audit prints, read from the files a recipe names, are the ones
-importing the definitions gives, before and after an edit, and the recipe is dropped (the definitions are
-imported) whenever the code that chose it may have changed."""
+"""assets.versions: the code versions the audit prints are the ones the definitions give, before and after an
+edit, computed without importing Dagster; and the table of parts covers the project code each data asset runs."""
 import ast
+import cProfile
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
-from pathlib import Path
 
+import dagster as dg
 import pytest
 
 import assets.versions
-from assets.versions import (CODE_DIRS, RecordingFailed, code_fingerprint, current_code_versions, function_source,
-                             record_in_subprocess, versions_from_recipe)
+from assets.chunks import register_source_chunks
+from assets.versions import ASSET_PARTS, CodePartError, code_version, current_code_versions, part_source
 from conftest import PROJECT_ROOT
+from resources.storage import KilnStorage
+from resources.tokenizer import TokenizerSettings
+from test_data_assets import DATA_ASSETS, _write_sources
+
+# run in a project directory: the definitions' versions, and the audit's with Dagster and the definitions blocked
+BOTH_WAYS = """
+import importlib.abc, json, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("dagster", "sqlalchemy", "pipelines"):
+            raise ImportError(f"{name} imported")
+sys.meta_path.insert(0, Block())
+import assets.versions
+audit = assets.versions.current_code_versions()
+sys.meta_path.pop(0)
+from pipelines.definitions import defs
+graph = defs.resolve_asset_graph()
+definitions = {key.to_user_string(): graph.get(key).code_version for key in graph.get_all_asset_keys()}
+print(json.dumps({"audit": audit, "definitions": definitions}))
+"""
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory):
-    """A copy of the project's code, its definitions imported once: (root, cache, versions)."""
-    root = tmp_path_factory.mktemp("project")
-    a_minute_ago = time.time_ns() - 60 * 10**9  # a file changed as the import ran is not recorded: none here
-    for name in CODE_DIRS:
-        shutil.copytree(PROJECT_ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-        for path in (root / name).rglob("*"):
-            os.utime(path, ns=(a_minute_ago, a_minute_ago))
-    cache = root / ".kiln" / "code_versions.json"
-    return root, cache, record_in_subprocess(cache, root)
+def both_ways(root) -> tuple[dict, dict]:
+    done = subprocess.run([sys.executable, "-c", BOTH_WAYS], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout.splitlines()[-1])
+    return answer["audit"], answer["definitions"]
 
 
-def recipe(cache: Path) -> dict:
-    return json.loads(cache.read_text())["recipe"]
-
-
-def add_statement(path: Path, function: str) -> str:
-    """A statement added to the body of the module-level ``function`` (before its last one); the old text."""
+def add_statement(path, function: str) -> None:
+    """A statement added to the body of the module-level ``function``."""
     text = path.read_text()
     (node,) = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == function]
     last = node.body[-1]
     lines = text.splitlines(keepends=True)
     lines.insert(last.lineno - 1, " " * last.col_offset + "edited = True\n")
     path.write_text("".join(lines))
-    return text
 
 
-def test_the_versions_read_from_the_files_are_the_definitions(recorded, monkeypatch):
-    root, cache, versions = recorded
-    assert set(versions) == {"raw_corpus", "tokenizer", "token_shards", "blend_manifest", "training_run",
-                             "checkpoint", "checkpoint_eval"}
-    assert versions_from_recipe(recipe(cache)) == versions
-    # token_shards' version hashes its ops' functions (assets/data.py): the recipe names them
-    assert ["function", str(root / "assets" / "data.py"), "tokenize_chunks"] in recipe(cache)["assets"]["token_shards"]
-    # the audit's way after a change (the cache's fingerprint no longer matches): neither Dagster nor the
-    # definitions imported, in this process or another
-    cached = json.loads(cache.read_text())
-    cache.write_text(json.dumps({**cached, "fingerprint": "before a change"}))
-    script = f"""
-import importlib.abc, json, sys
-from pathlib import Path
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("dagster", "sqlalchemy", "pipelines"):
-            raise ImportError(f"{{name}} imported")
-sys.meta_path.insert(0, Block())
-import assets.versions
-assets.versions.record_in_subprocess = lambda cache: sys.exit("the definitions imported")
-print(json.dumps(assets.versions.current_code_versions(Path({str(cache)!r}))))
-"""
-    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == versions
-    monkeypatch.setattr(assets.versions, "record_in_subprocess", lambda *args: pytest.fail("imported"))
-    assert current_code_versions(cache) == versions
-    assert function_source(str(root / "assets" / "data.py"), "no_such_function") is None
-
-
-def test_an_edited_function_changes_the_versions_as_importing_does(recorded, tmp_path):
-    root, cache, before = recorded
-    data, evaluation = root / "assets" / "data.py", root / "assets" / "evaluation.py"
-    # a body in a module that declares assets, which moves the functions below it, and one in another
-    texts = {data: add_statement(data, "figures"), evaluation: add_statement(evaluation, "eval_command")}
-    try:
-        from_files = versions_from_recipe(recipe(cache))
-        imported = record_in_subprocess(tmp_path / "code_versions.json", root)
-    finally:
-        for path, text in texts.items():
-            path.write_text(text)
-    assert from_files == imported
-    changed = {key for key in before if imported[key] != before[key]}
-    assert {"raw_corpus", "token_shards", "checkpoint_eval"} <= changed and "tokenizer" not in changed
-    # the edits were made within the second before that import: they may have come after it read the files
-    assert recipe(tmp_path / "code_versions.json") is None
-
-
-def test_the_recipe_is_dropped_when_the_code_choosing_it_may_have_changed(recorded, monkeypatch):
-    root, cache, versions = recorded
-    data, jobs, sources = root / "assets" / "data.py", root / "pipelines" / "jobs.py", root / "configs" / "sources.yaml"
-
-    def holds() -> bool:
-        return versions_from_recipe(recipe(cache)) is not None
-
-    def edited(path: Path, text: str) -> bool:
-        """Whether the recipe holds with ``path`` holding ``text``."""
-        old = path.read_text()
-        path.write_text(text)
-        try:
-            return holds()
-        finally:
-            path.write_text(old)
-
-    # the parts an asset hashes
-    assert data.read_text().count("@versioned_asset(raw_files, replace_dir, ") == 1
-    assert not edited(data, data.read_text().replace("@versioned_asset(raw_files, replace_dir, ",
-                                                     "@versioned_asset(raw_files, "))
-    # a function that ran while the definitions were built (it builds the schedule), and one that did not
-    old = add_statement(jobs, "nightly_schedule")
-    assert not holds()
-    jobs.write_text(old)
-    add_statement(jobs, "all_sources_tags")
-    assert holds()
-    jobs.write_text(old)
-    # a file read while they were built
-    assert not edited(sources, sources.read_text() + "# a comment\n")
-    # a package that would be imported instead of a module; a new module imports nothing by itself
-    package = root / "training" / "data" / "corpus"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    assert not holds()
-    shutil.rmtree(package)
-    new_module = root / "training" / "data" / "new_module.py"
-    new_module.write_text("")
-    assert holds()
-    new_module.unlink()  # training_run hashes the package: its version would change
-    # a config file only hashed, not read to choose parts (the training config): the recipe reads it again
-    training_config = root / "configs" / "qwen3_tiny.yaml"
-    assert str(training_config) in {part[1] for part in recipe(cache)["assets"]["training_run"]}
-    assert edited(training_config, training_config.read_text() + "# a comment\n")
-    # a setting
-    monkeypatch.setenv("KILN_AUTO_TRAIN", "1")
-    assert not holds()
-    monkeypatch.delenv("KILN_AUTO_TRAIN")
-    assert versions_from_recipe(recipe(cache)) == versions  # all put back
-    # code that does not parse: no recipe holds, and the import names the place
-    old = data.read_text()
-    data.write_text(old + "def broken(:\n")
-    try:
-        assert not holds()
-        with pytest.raises(RecordingFailed, match=f'(?s)importing the definitions under {root} failed.*{data}", line'):
-            record_in_subprocess(root / "unused.json", root)
-    finally:
-        data.write_text(old)
-    # when it does not hold, the audit imports the definitions
-    monkeypatch.setenv("KILN_AUTO_TRAIN", "1")
-    imported = []
-    monkeypatch.setattr(assets.versions, "record_in_subprocess", lambda cache: imported.append(cache) or versions)
-    assert current_code_versions(cache) == versions and imported == [cache]
-
-
-def test_code_versions_are_cached_until_what_they_hash_changes(tmp_path, monkeypatch):
-    cache = tmp_path / "code_versions.json"
-    monkeypatch.setattr(assets.versions, "CODE_VERSIONS_CACHE", cache)
-    computed = []
-    monkeypatch.setattr(assets.versions, "record_in_subprocess",
-                        lambda cache: computed.append(1) or record_in_subprocess(cache))
-    versions = current_code_versions()
-    assert versions["checkpoint"] == versions["training_run"] and "blend_manifest" in versions
-    assert current_code_versions() == versions and len(computed) == 1  # the second from the cache
-    # a setting, such as one naming another config file: not from the cache (nor the recipe: see above)
-    fingerprint = code_fingerprint()
-    monkeypatch.setenv("KILN_TRAIN_CONFIG", "configs/deepseek_v3_tiny.yaml")
-    assert code_fingerprint() != fingerprint
-
+def test_the_audits_versions_are_the_definitions_before_and_after_edits(tmp_path, monkeypatch):
     root = tmp_path / "project"
-    (root / "training").mkdir(parents=True)
-    module = root / "training" / "step.py"
-    module.write_text("lr = 1\n")
-    before = code_fingerprint(root)
-    module.write_text("lr = 10\n")
-    assert code_fingerprint(root) != before
-    (root / "training" / "new.py").write_text("")
-    assert len({before, code_fingerprint(root)}) == 2
+    for name in ("assets", "pipelines", "resources", "training", "configs"):
+        shutil.copytree(PROJECT_ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(assets.versions, "PROJECT_ROOT", root)
+    monkeypatch.delenv("KILN_SOURCES", raising=False)
+    monkeypatch.delenv("KILN_TRAIN_CONFIG", raising=False)
+    before = current_code_versions()
+    assert set(before) == {"raw_corpus", "tokenizer", "token_shards", "blend_manifest", "training_run",
+                           "checkpoint", "checkpoint_eval"} and before["checkpoint"] == before["training_run"]
+    # a function two data assets run, one only checkpoint_eval's launch runs, the training package, the sources
+    add_statement(root / "assets" / "data.py", "figures")
+    add_statement(root / "assets" / "evaluation.py", "eval_command")
+    with open(root / "training" / "data" / "hashing.py", "a") as module:
+        module.write("\nEDITED = True\n")
+    with open(root / "configs" / "sources.yaml", "a") as sources:
+        sources.write("# a comment\n")
+    audit, definitions = both_ways(root)
+    assert audit == current_code_versions()
+    assert {key: audit[key] for key in definitions if definitions[key]} == {
+        key: version for key, version in definitions.items() if version}
+    assert definitions["checkpoint"] is None  # an external asset: the audit gives it training_run's
+    changed = {key for key in before if audit[key] != before[key]}
+    assert changed == set(before)  # hashing.py is run by every data asset and part of training/
+    (root / "configs" / "sources.yaml").write_text((PROJECT_ROOT / "configs" / "sources.yaml").read_text())
+    shutil.copy(PROJECT_ROOT / "training" / "data" / "hashing.py", root / "training" / "data" / "hashing.py")
+    after = current_code_versions()
+    assert {key for key in before if after[key] != before[key]} == {"raw_corpus", "token_shards", "checkpoint_eval"}
+    # what is in no asset's parts: training_run's recording of checkpoints, the schedule, a new module
+    add_statement(root / "assets" / "training.py", "audit_summary")
+    add_statement(root / "pipelines" / "jobs.py", "nightly_schedule")
+    (root / "assets" / "new_module.py").write_text("x = 1\n")
+    assert current_code_versions() == after
+
+
+def test_a_part_that_is_not_there_is_named(tmp_path, monkeypatch):
+    monkeypatch.setitem(ASSET_PARTS, "tokenizer", ("assets/data.py:no_such_function",))
+    with pytest.raises(CodePartError, match=r"tokenizer's code version \(assets/versions.py, "
+                       r"ASSET_PARTS\['tokenizer'\], 'assets/data.py:no_such_function'\): .*data.py defines 0 top-level"):
+        code_version("tokenizer")
+    missing = tmp_path / "sources.yaml"
+    monkeypatch.setenv("KILN_SOURCES", str(missing))
+    with pytest.raises(CodePartError, match=f"{missing} \\(named by KILN_SOURCES or its default\\) is not a file"):
+        current_code_versions()
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n")
+    monkeypatch.setattr(assets.versions, "PROJECT_ROOT", tmp_path)
+    with pytest.raises(CodePartError, match=f"{broken}, line 1"):
+        part_source("broken.py:f")
+
+
+def covered(parts: tuple[str, ...], file: str, qualname: str) -> bool:
+    """Whether a function of ``file`` (relative to the project) named ``qualname`` is in one of ``parts``."""
+    for part in parts:
+        path, _, name = part.partition(":")
+        if path.endswith("/") and file.startswith(path):
+            return True
+        if path == file and (not name or qualname == name or qualname.startswith(f"{name}.")):
+            return True
+    return False
+
+
+def test_each_data_assets_parts_cover_the_project_code_it_runs(tmp_path):
+    """Every function of the project a data asset's materialization calls (on a file source with bad records
+    and a built-in one) is in its parts: an asset calling a new helper fails here until the table names it."""
+    _, sources = _write_sources(tmp_path)
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                          sources_config=str(sources))
+    resources = {"storage": storage, "tokenizer_settings": TokenizerSettings(vocab_size=512, sample_lines=5_000)}
+    ran: dict[str, set[tuple[str, str]]] = {}
+    with dg.instance_for_test() as instance:
+        for key, partitions in [("raw_corpus", ["stdlib_code", "stdlib_docs"]), ("tokenizer", [None]),
+                                ("token_shards", ["stdlib_code", "stdlib_docs"]), ("blend_manifest", [None])]:
+            for partition in partitions:
+                register_source_chunks(instance, storage)
+                profile = cProfile.Profile()
+                profile.enable()
+                try:
+                    dg.materialize(DATA_ASSETS, selection=[key], partition_key=partition, instance=instance,
+                                   resources=resources)
+                finally:
+                    profile.disable()
+                ran.setdefault(key, set()).update(
+                    (entry.code.co_filename, entry.code.co_qualname) for entry in profile.getstats()
+                    if not isinstance(entry.code, str))
+    project = f"{PROJECT_ROOT}/"
+    for key, functions in ran.items():
+        in_project = {(file.removeprefix(project), name) for file, name in functions
+                      if file.startswith(project) and not file.startswith(f"{project}.venv/")}
+        assert {file for file, _ in in_project} >= {"assets/data.py", "training/data/hashing.py"}  # seen at all
+        left_out = {f"{file}:{name}" for file, name in in_project if not covered(ASSET_PARTS[key], file, name)}
+        assert left_out == set(), key
+
+
+def test_training_and_evaluation_launch_only_code_of_the_package_they_hash():
+    """training_run and checkpoint_eval hash the whole training/ package: what they launch is a module of it, and
+    it imports nothing else of the project."""
+    from assets.evaluation import CheckpointEvalConfig, eval_command
+
+    assert "training/" in ASSET_PARTS["training_run"] and "training/" in ASSET_PARTS["checkpoint_eval"]
+    launched = [eval_command(PROJECT_ROOT, CheckpointEvalConfig())[2]]
+    body = ast.parse(part_source("assets/training.py:training_run").decode().lstrip())
+    launched += [node.elts[1].value for node in ast.walk(body) if isinstance(node, ast.List) and len(node.elts) > 1
+                 and isinstance(node.elts[0], ast.Constant) and node.elts[0].value == "-m"]
+    assert launched == ["training.cli", "training.run"]
+    imported = set()
+    for path in (PROJECT_ROOT / "training").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    assert not imported & {"assets", "pipelines", "resources", "benchmarks"}
