@@ -14,16 +14,23 @@ from fsdp_cases import DEEPSEEK, train_cases  # noqa: E402
 # name -> overrides; the world is 4 workers, so cp 2 leaves dp 2 (ZeRO-3 over dp_shard × cp = 4 ranks)
 # validation after the last step (training.steps): one global batch of the held-out split
 VALIDATE_ONCE = ["training.eval_interval=1000", "training.eval_iters=1"]
+COMPILED = ["fast_step.compile=true"]  # the micro config runs eagerly (tests/configs/qwen3_micro.yaml)
 CASES = {
     "ring_cp2_dp2": ["parallelism.context_parallel=2", *VALIDATE_ONCE],
     "ulysses_cp2_dp2_zero1": ["parallelism.context_parallel=2", "parallelism.context_parallel_method=ulysses",
                               "parallelism.data_parallel_shard_strategy=optim"],
-    "hybrid_cp4_zigzag": ["parallelism.context_parallel=4", "parallelism.context_parallel_method=hybrid",
-                          "parallelism.ulysses_degree_in_cp=2", "parallelism.context_parallel_load_balance=true"],
+    # compiled (forward and backward in one graph, the ring steps and Ulysses exchanges as all-reduces in it:
+    # comm.for_graph); contiguous chunks; ZeRO-2, as ZeRO-3 does not compile
+    "hybrid_cp4_zero2_compiled": ["parallelism.context_parallel=4", "parallelism.context_parallel_method=hybrid",
+                                  "parallelism.ulysses_degree_in_cp=2", *COMPILED,
+                                  "parallelism.data_parallel_shard_strategy=optim_grads"],
     # with tensor parallel: each rank's heads, its zig-zag sequence chunk cut again over tp between the layers
-    # (sequence parallel). Rings longer than 2: hybrid_cp4_zigzag's cp 4, and a ring of 3 checked in one process
-    "ring_tp2_cp2_zigzag": ["parallelism.context_parallel=2", "parallelism.context_parallel_load_balance=true",
-                            "parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"],
+    # (sequence parallel); forward and backward compiled. Rings longer than 2: hybrid's cp 4, and a ring of 3
+    # checked in one process
+    "ring_tp2_cp2_zigzag_zero1_compiled": ["parallelism.context_parallel=2",
+                                           "parallelism.context_parallel_load_balance=true",
+                                           "parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
+                                           "parallelism.data_parallel_shard_strategy=optim", *COMPILED],
 }
 # DeepSeek-V3 (MLA, MoE with a balancing loss and expert biases, MTP) against its own reference
 DEEPSEEK_CASES = {"deepseek_ring_cp2_dp2_zigzag": ["parallelism.context_parallel=2",

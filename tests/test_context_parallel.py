@@ -1,8 +1,8 @@
 """Context parallelism (ring / Ulysses / hybrid): the sequence split, the online-softmax merge against plain
-attention and float64 finite differences, the model's attention with the context-parallel core, the config's
-refusals; and, under msrun with 4 CPU workers (one launch, tests/cp_cases.py), every method, and the ring with
-tensor parallelism, trains as one process does (losses, grad norms, final weights), its sharded
-checkpoint resuming in one process."""
+attention and float64 finite differences, the model's attention with the context-parallel core (eager and
+compiled), the config's refusals; and, under msrun with 4 CPU workers (one launch, tests/cp_cases.py), every
+method, eager and compiled, and the ring with tensor parallelism, trains as one process does (losses, grad norms,
+final weights), its sharded checkpoint resuming in one process."""
 import json
 
 import mindspore as ms
@@ -19,8 +19,8 @@ from training.config import ConfigError
 from training.model import build_model, model_config
 from training.model.gpt import roll_each_left
 from training.model.layers import causal_mask
-from training.parallel.context_parallel import (ContextAttention, ContextParallelPlan, block_mask,
-                                                RingAttention, check_context_parallel, token_positions)
+from training.parallel.context_parallel import (ContextAttention, ContextParallelPlan, MoveLeftAcrossChunks,
+                                                RingAttention, block_mask, check_context_parallel, token_positions)
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
 from training.reporting import Reporter, is_step_record, read_records
 from training.trainer import Trainer
@@ -66,6 +66,19 @@ def test_context_parallel_trains_as_one_process(runs, case):
     assert sorted(weights) == sorted(expected)
     for name, value in expected.items():
         assert_weights_match(weights[name], value, name)
+
+
+@pytest.mark.msrun
+@pytest.mark.parametrize("case", [*CASES, *DEEPSEEK_CASES])
+def test_each_case_runs_the_step_its_name_says(runs, case):
+    """The compiled cases compiled (the hybrid one its whole step), with the context-parallel collectives in the
+    graph; the others (ZeRO-3, or the micro config's own fast_step.compile false) ran eagerly."""
+    mode = (runs[0] / "cases" / case / "step_mode.txt").read_text()
+    if not case.endswith("compiled"):
+        assert mode.startswith("forward+backward eager"), mode
+    else:
+        assert mode.startswith("whole step compiled" if case.startswith("hybrid") else "forward+backward compiled")
+        assert "context parallel: attention's ring steps and Ulysses exchanges in the graph" in mode
 
 
 @pytest.mark.msrun
@@ -117,11 +130,14 @@ def test_a_sequence_that_does_not_split_names_the_fields():
 
 
 def _dense_attention(q, k, v, query_positions, repeats):
-    """softmax(q·kᵀ + causal mask)·v in numpy float64, q stacked [batch, groups, repeats·queries, dim]."""
+    """softmax(q·kᵀ + causal mask)·v in numpy float64, q stacked [batch, groups, repeats·queries, dim], and each
+    row's log-sum-exp of its scores."""
     future = np.tile(np.arange(k.shape[2])[None, :] > query_positions[:, None], (repeats, 1))
     scores = np.where(future, -np.inf, np.einsum("bgqd,bgkd->bgqk", q, k))
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    return np.einsum("bgqk,bgkd->bgqd", weights / weights.sum(-1, keepdims=True), v)
+    top = scores.max(-1, keepdims=True)
+    weights = np.exp(scores - top)
+    sums = weights.sum(-1, keepdims=True)
+    return np.einsum("bgqk,bgkd->bgqd", weights / sums, v), top + np.log(sums)
 
 
 class SimulatedRing:
@@ -147,8 +163,9 @@ class SimulatedRing:
 
 def test_ring_attention_is_attention_and_its_backward_matches_finite_differences():
     """Rank 1 of a zig-zag ring of 3 over 12 tokens in float64: its own K/V block, then member 0's (partly in
-    its future), then member 2's; GQA-stacked queries (2 heads per group). The output is attention over the
-    whole sequence; the gradients of q and of every block match central differences of plain attention."""
+    its future), then member 2's; GQA-stacked queries (2 heads per group). The outputs are attention over the
+    whole sequence and its log-sum-exp; the gradients of q and of every block, of an objective reading both,
+    match central differences of plain attention."""
     rng = np.random.default_rng(0)
     cp, seq, repeats, dim, v_dim = 3, 12, 2, 4, 3
     positions = [token_positions(seq, cp, r, True) for r in range(cp)]
@@ -158,18 +175,24 @@ def test_ring_attention_is_attention_and_its_backward_matches_finite_differences
     blocks = [np.concatenate([k[:, :, positions[r]], v[:, :, positions[r]]], -1) for r in order]
     masks = [block_mask(positions[1], positions[r], repeats) for r in order]
 
-    def dense(q, k, v):
-        return _dense_attention(q, k, v, positions[1], repeats)
-
-    expected = dense(q, k, v)
-    ring = SimulatedRing(blocks)
-    out = RingAttention(masks, dim, ms.float64, ring)(Tensor(q), Tensor(blocks[0]))
+    expected, expected_lse = _dense_attention(q, k, v, positions[1], repeats)
+    out, lse = RingAttention(masks, ms.float64, SimulatedRing(blocks))(Tensor(q), Tensor(blocks[0]))
     np.testing.assert_allclose(out.asnumpy(), expected, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse.asnumpy(), expected_lse, rtol=0, atol=1e-12)
 
-    probe = rng.normal(size=expected.shape)  # d(Σ probe·out)/d(q, blocks)
+    probe, probe_lse = rng.normal(size=expected.shape), rng.normal(size=expected_lse.shape)
+
+    def dense(q, k, v):  # Σ probe·out + Σ probe_lse·lse: the backward's dout and dlse terms both count
+        out, lse = _dense_attention(q, k, v, positions[1], repeats)
+        return (out * probe).sum() + (lse * probe_lse).sum()
+
+    def objective(q, kv):
+        out, lse = attention(q, kv)
+        return (out * Tensor(probe)).sum() + (lse * Tensor(probe_lse)).sum()
+
     ring = SimulatedRing(blocks)
-    dq, _ = ms.grad(lambda q, kv: (RingAttention(masks, dim, ms.float64, ring)(q, kv) * Tensor(probe)).sum(),
-                    grad_position=(0, 1))(Tensor(q), Tensor(blocks[0]))
+    attention = RingAttention(masks, ms.float64, ring)
+    dq, _ = ms.grad(objective, grad_position=(0, 1))(Tensor(q), Tensor(blocks[0]))
     # the gradient of block order[j] leaves with the ring step after it: the last one is the one going home
     block_grads = ring.passed_on
     assert len(block_grads) == cp
@@ -179,9 +202,9 @@ def test_ring_attention_is_attention_and_its_backward_matches_finite_differences
         """The central difference of Σ probe·attention at ``array[where]``; ``inputs(array)``: (q, k, v)."""
         shifted = array.copy()
         shifted[where] += eps
-        up = (dense(*inputs(shifted)) * probe).sum()
+        up = dense(*inputs(shifted))
         shifted[where] -= 2 * eps
-        return (up - (dense(*inputs(shifted)) * probe).sum()) / (2 * eps)
+        return (up - dense(*inputs(shifted))) / (2 * eps)
 
     for flat in rng.choice(q.size, size=10, replace=False):
         where = np.unravel_index(flat, q.shape)
@@ -205,33 +228,40 @@ def test_a_block_wholly_in_the_queries_future_is_skipped():
 @pytest.mark.parametrize("model_path", [MICRO_CONFIG, DEEPSEEK])
 def test_attention_with_the_context_parallel_core_on_one_rank_is_the_attention(model_path, shard):
     """Qwen3's GQA and DeepSeek-V3's MLA layer: the core's layout changes and its online softmax (one block)
-    give the plain attention's output and gradients (input and weights); per-sample rotary tables, as the
-    core's inputs always carry position ids."""
+    give the plain attention's output and gradients (input and weights), eagerly and compiled (mindspore.jit);
+    per-sample rotary tables, as the core's inputs always carry position ids."""
     config = case_config(str(shard), [], model_config=model_path)
     model = build_model(config.model, seed=3)
     attention = model.decoder.layers[0].self_attention
     x = Tensor(np.random.default_rng(1).normal(size=(2, 32, model.config.hidden_size)).astype(np.float32))
     mask = causal_mask(32, model.mask_repeats)
-    plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=True)
+    plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=True, seq_length=32)
+    core = ContextAttention(plan, attention.softmax_dtype, getattr(attention, "heads_per_group", 1))
     results = []
-    for core in (None, ContextAttention(plan, attention.softmax_dtype)):
-        attention.context_attention = core
-        positions = None if core is None else Tensor(np.tile(np.arange(32, dtype=np.int32), (2, 1)))
+    for context_attention, compiled in ((None, False), (core, False), (core, True)):
+        attention.context_attention = context_attention
+        positions = None if context_attention is None else Tensor(np.tile(np.arange(32, dtype=np.int32), (2, 1)))
         cos, sin = model.rotary.tables(32, positions)
-        out, grads = ms.value_and_grad(lambda x: (attention(x, cos, sin, mask) ** 2).sum(), 0,
-                                       attention.trainable_params())(x)
+
+        def squares(x, cos, sin):
+            return (attention(x, cos, sin, mask) ** 2).sum()
+        grad_fn = ms.value_and_grad(squares, 0, attention.trainable_params())
+        out, grads = (ms.jit(grad_fn) if compiled else grad_fn)(x, cos, sin)
         results.append([out.asnumpy(), grads[0].asnumpy(), *(g.asnumpy() for g in grads[1])])
-    for plain, cored in zip(*results):
-        np.testing.assert_allclose(cored, plain, rtol=1e-5, atol=1e-6)
+    for cored in results[1:]:
+        for plain, value in zip(results[0], cored):
+            np.testing.assert_allclose(value, plain, rtol=1e-5, atol=1e-6)
 
 
 def test_mtps_move_left_on_one_rank_is_the_models():
-    plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=True)
+    plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=True, seq_length=8)
+    move = MoveLeftAcrossChunks(plan)
     ids = Tensor(np.arange(1, 17, dtype=np.int32).reshape(2, 8))
     mask = Tensor(np.tile(np.array([1, 1, 0, 1, 1, 1, 1, 0], np.float32), (2, 1)))
-    for moved, expected in zip(plan.roll_each_left(ids, mask), roll_each_left(ids, mask)):
-        assert moved.dtype == expected.dtype
-        np.testing.assert_array_equal(moved.asnumpy(), expected.asnumpy())
+    for moved_by in (move, ms.jit(move.construct)):
+        for moved, expected in zip(moved_by(ids, mask), roll_each_left(ids, mask)):
+            assert moved.dtype == expected.dtype
+            np.testing.assert_array_equal(moved.asnumpy(), expected.asnumpy())
 
 
 def _config(shard, *overrides, model_path=MICRO_CONFIG):
@@ -262,7 +292,8 @@ def test_what_context_parallelism_does_not_split_is_refused_with_its_field(shard
         check_context_parallel(config, model)
     assert [p.split(" ")[0] for p in refused.value.problems] == ["monitor.train_state.max_attention_logit"]
     config, model = _config(shard, "parallelism.context_parallel=2")
-    plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=False)
+    plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=False,
+                               seq_length=8)
     ids = Tensor(np.zeros((1, 8), np.int32))
     with pytest.raises(ConfigError, match="reset_attention_mask and create_compressed_eod_mask to false"):
         plan.shard_inputs((ids, ids, ids, None, Tensor(np.zeros((1, 1, 8, 8), np.uint8))))

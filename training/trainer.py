@@ -86,14 +86,7 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
     not_parsed = ("comm's per-call collectives (a Cell made per call around two lambdas) do not parse in "
                   "mindspore.jit ('The object is not callable'), and a sub-group all-gather has no graph kernel on "
                   "CPU (ops.AllGather: world group only; mint.distributed: not in graph mode)")
-    if dims.cp > 1:
-        reasons.append("context parallel: its attention is a host object that builds each call's ring masks with "
-                       "numpy and a RingAttention Cell around a lambda, whose hand-written backward reads the "
-                       "log-sum-exp its forward left on the Cell (a graph's bprop cannot read state its forward "
-                       f"set), and its ring step and Ulysses exchange are all-gathers; {not_parsed}. Compiling it "
-                       "needs that attention rebuilt as a Cell per layer, its masks fixed when built and its "
-                       "all-gathers made from all-reduce (comm.AllGather after comm.for_graph): not done yet")
-    if dims.dp_shard > 1 and config.parallelism.data_parallel_shard_strategy == "optim_grads_params":
+    if dims.dp_shard * dims.cp > 1 and config.parallelism.data_parallel_shard_strategy == "optim_grads_params":
         reasons.append("ZeRO-3: each unit's forward is wrapped on the host (its gathered weights are set as Python "
                        "attributes for the call and, resharding after forward, gathered again through saved-tensor "
                        "hooks), which a graph does not trace: a graph's weights are its Parameters, so the layers "
@@ -220,6 +213,9 @@ def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, p
         return TrainStep(grad_fn, None, False,
                          f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
     comm.for_graph(model)  # tensor parallelism's collectives, as all-reduces
+    if dims.cp > 1:
+        dispatch += ("; context parallel: attention's ring steps and Ulysses exchanges in the graph (comm's Cells, "
+                     "all-reduces of zero-padded buffers on CPU)")
     if parallel.pipeline is not None:
         parallel.pipeline.compile()
         return TrainStep(grad_fn, None, True, "pipeline stages compiled (mindspore.jit: each stage's forward and "

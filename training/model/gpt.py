@@ -190,7 +190,10 @@ class GPTModel(nn.Cell):
     def _masked_mean_loss(self, logits: Tensor, labels: Tensor, loss_mask: Tensor) -> Tensor:
         token_loss = self.token_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
         mask = cast(loss_mask.reshape(-1), ms.float32)
-        count = mask.sum() if self.count_loss_tokens is None else self.count_loss_tokens(mask.sum())
+        # after the loss (ops.depend): in a compiled step every rank must reach context parallelism's collectives
+        # in one order, and the count, needing only the data, could otherwise run before the attention's
+        count = mask.sum() if self.count_loss_tokens is None else self.count_loss_tokens(ops.depend(mask.sum(),
+                                                                                                    token_loss))
         return (token_loss * mask).sum() / count.clamp(min=1.0)
 
     def sample_loss_sums(self, input_ids: Tensor, labels: Tensor, loss_mask: Tensor,
@@ -247,7 +250,8 @@ class GPTModel(nn.Cell):
             # depth k predicts token i+k+1 from position i: inputs, labels and mask move left once per depth
             depth_losses, ids = [], input_ids
             for k, layer in enumerate(self.mtp.layers):
-                ids, labels, loss_mask = self.roll_inputs_left(ids, labels, loss_mask)
+                # after the hidden states, as the loss's token count (context parallelism gathers here)
+                ids, labels, loss_mask = self.roll_inputs_left(ops.depend(ids, hidden), labels, loss_mask)
                 hidden = layer(self._embed(ids), hidden, cos, sin, mask)
                 depth_losses.append(self._masked_mean_loss(self._output(hidden), labels, loss_mask))
                 components[self._mtp_loss_names[k]] = depth_losses[-1]

@@ -15,9 +15,10 @@ Differentiable (MindSpore tensors in and out; each backward is the adjoint colle
                                                                            flows back to the sender
     ring_shift(x, group)                 member r-1's x                  | backward: the ring_shift the other way
 
-The first five are also Cells (``AllReduce``, ``CopyToGroup``, ``ReduceFromGroup``, ``AllGather``,
-``ReduceScatter``), which a layer builds once and calls: the same Cell runs eagerly and, after
-``for_graph(model)``, inside a ``mindspore.jit`` graph (tensor parallelism compiles so). The others run eagerly.
+The first five, ``all_to_all`` and ``ring_shift`` are also Cells (``AllReduce``, ``CopyToGroup``,
+``ReduceFromGroup``, ``AllGather``, ``ReduceScatter``, ``AllToAll``, ``RingShift``), which a layer builds once and
+calls: the same Cell runs eagerly and, after ``for_graph(model)``, inside a ``mindspore.jit`` graph (tensor and
+context parallelism compile so). The others run eagerly.
 
 "This rank's slice" is chunk ``group.rank`` of ``group.size`` equal chunks; gathers concatenate in group
 order (ascending global rank). ``src`` / ``sender`` are indices in the group, not global ranks. Host-side
@@ -210,6 +211,12 @@ class _BackendTransport(nn.Cell):
     def reduce_scatter(self, x):
         return _backend().reduce_scatter(x, self.dim, self.group)
 
+    def exchange(self, x, split_dim, concat_dim):
+        return _exchange_blocks(x, split_dim, concat_dim, self.group)
+
+    def shift(self, x, offset):
+        return _gather(x.expand_dims(0), 0, self.group)[(self.group.rank + offset) % self.group.size]
+
 
 class _AllReduceTransport(nn.Cell):
     """The same from the group's all-reduce alone, which parses in a graph on any group: the gather sums a buffer
@@ -222,17 +229,37 @@ class _AllReduceTransport(nn.Cell):
         self.slice = ops.Slice()  # the primitive: ops.narrow's Python argument check failed to compile in a bprop
         self.rank, self.size, self.dim = group.rank, group.size, dim
 
-    def gather(self, x):
+    def _gather_along(self, x, dim):
         shape = list(x.shape)
         pieces = []
         if self.rank > 0:
-            pieces.append(ops.zeros(tuple(shape[:self.dim] + [self.rank * shape[self.dim]] + shape[self.dim + 1:]),
-                                    x.dtype))
+            pieces.append(ops.zeros(tuple(shape[:dim] + [self.rank * shape[dim]] + shape[dim + 1:]), x.dtype))
         pieces.append(x)
         if self.rank < self.size - 1:
-            pieces.append(ops.zeros(tuple(shape[:self.dim] + [(self.size - 1 - self.rank) * shape[self.dim]]
-                                          + shape[self.dim + 1:]), x.dtype))
-        return self.sum(ops.cat(pieces, self.dim))
+            pieces.append(ops.zeros(tuple(shape[:dim] + [(self.size - 1 - self.rank) * shape[dim]] + shape[dim + 1:]),
+                                    x.dtype))
+        return self.sum(ops.cat(pieces, dim))
+
+    def _member(self, stacked, index):
+        """``stacked[index]`` of a tensor stacked over the members on axis 0, as a Slice."""
+        shape = stacked.shape
+        return self.slice(stacked, (index,) + (0,) * (len(shape) - 1), (1,) + tuple(shape[1:])).squeeze(0)
+
+    def gather(self, x):
+        return self._gather_along(x, self.dim)
+
+    def exchange(self, x, split_dim, concat_dim):
+        """The all-to-all: every member's ``x`` gathered, then of each its block ``rank`` along ``split_dim``."""
+        everyone = self._gather_along(x.expand_dims(0), 0)  # [members, *x.shape]
+        part = x.shape[split_dim] // self.size
+        axes = range(everyone.ndim)
+        size = tuple([1 if a == 0 else part if a == split_dim + 1 else everyone.shape[a] for a in axes])
+        return ops.cat([self.slice(everyone, tuple([j if a == 0 else self.rank * part if a == split_dim + 1 else 0
+                                                    for a in axes]), size).squeeze(0)
+                        for j in range(self.size)], concat_dim)
+
+    def shift(self, x, offset):
+        return self._member(self._gather_along(x.expand_dims(0), 0), (self.rank + offset) % self.size)
 
     def reduce_scatter(self, x):
         shape = list(x.shape)
@@ -315,9 +342,36 @@ class ReduceScatter(GroupCollective):
         return self.transport.gather(g)
 
 
+class AllToAll(GroupCollective):
+    """``x`` split into ``group.size`` equal blocks along ``split_dim``, block k sent to member k, the blocks
+    received concatenated along ``concat_dim`` in group order | backward: the reverse all-to-all."""
+
+    def __init__(self, group: Group, split_dim: int, concat_dim: int):
+        super().__init__(group)
+        self.split_dim, self.concat_dim = split_dim, concat_dim
+
+    def construct(self, x):
+        return self.transport.exchange(x, self.split_dim, self.concat_dim)
+
+    def backward(self, g):
+        return self.transport.exchange(g, self.concat_dim, self.split_dim)
+
+
+class RingShift(GroupCollective):
+    """Member r-1's ``x`` on member r (member 0 gets the last's) | backward: the shift the other way. From an
+    all-gather and a pick on CPU (send/recv do not work there): each member receives every member's ``x``."""
+
+    def construct(self, x):
+        return self.transport.shift(x, -1)
+
+    def backward(self, g):
+        return self.transport.shift(g, 1)
+
+
 def for_graph(cell: nn.Cell) -> None:
-    """Make every ``GroupCollective`` in ``cell`` parse inside mindspore.jit: gathers and reduce-scatters become
-    all-reduces (a gather then moves group-size times the bytes). Call before compiling; eager calls after it
+    """Make every ``GroupCollective`` in ``cell`` parse inside mindspore.jit: gathers, reduce-scatters, all-to-alls
+    and ring shifts become all-reduces (a gather then moves group-size times the bytes, an all-to-all group-size
+    times its input). Call before compiling; eager calls after it
     stay right, only slower."""
     for _, sub in cell.cells_and_names():
         if isinstance(sub, GroupCollective) and isinstance(sub.transport, _BackendTransport):
@@ -388,22 +442,13 @@ def all_to_all(x: Tensor, split_dim: int, concat_dim: int, group: Group) -> Tens
     """Split ``x`` into ``group.size`` equal blocks along ``split_dim``, send block k to member k, and
     concatenate the blocks received along ``concat_dim`` in group order (e.g. Ulysses: sequence shards ↔
     head shards)."""
-    if group.size == 1:
-        return x
-    return _differentiable(x, lambda t: _exchange_blocks(t, split_dim, concat_dim, group),
-                           lambda g: _exchange_blocks(g, concat_dim, split_dim, group))
+    return x if group.size == 1 else AllToAll(group, split_dim, concat_dim)(x)
 
 
 def ring_shift(x: Tensor, group: Group) -> Tensor:
     """One step around the ring of ``group``: member r gets member r-1's ``x`` (member 0 the last's), e.g. a
-    K/V block of ring attention. An all-gather and a pick (send/recv do not work on CPU), so each member
-    receives the whole group's tensors, not one; the backward passes the gradients one step back."""
-    if group.size == 1:
-        return x
-
-    def pick(t, offset):
-        return _gather(t.expand_dims(0), 0, group)[(group.rank + offset) % group.size]
-    return _differentiable(x, lambda t: pick(t, -1), lambda g: pick(g, 1))
+    K/V block of ring attention (``RingShift``)."""
+    return x if group.size == 1 else RingShift(group)(x)
 
 
 def all_to_all_single(x: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], group: Group) -> Tensor:

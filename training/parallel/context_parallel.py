@@ -7,7 +7,7 @@ of its sequence, and attention stays exactly causal across the parts.
   r and 2·cp-1-r of 2·cp instead (the zig-zag split), so every rank has as many causal (query, key) pairs to
   compute: with contiguous chunks the last rank's queries see the whole sequence and the first's only its own
   chunk.
-- Attention (``ContextAttention``): ``ulysses`` exchanges sequence parts for head parts with an all-to-all
+- Attention (``ContextAttention``, one per layer): ``ulysses`` exchanges sequence parts for head parts with an all-to-all
   (each rank then attends over the whole sequence with 1/cp of the KV groups) and back; ``colossal`` keeps
   the heads and passes the K/V blocks around the cp ring, one block per step, merged with an online softmax;
   ``hybrid`` does Ulysses inside groups of ``ulysses_degree_in_cp`` consecutive cp ranks and the ring across
@@ -21,8 +21,12 @@ of its sequence, and attention stays exactly causal across the parts.
   over dp_shard × cp (the ``fsdp`` group, MindFormers' folding of cp into the FSDP axis) and averaged over dp
   only (training/parallel/fsdp.py).
 
-The ring's K/V pass (``comm.ring_shift``) is one all-gather on CPU, where MindSpore's send/recv do not work:
-each step then brings cp − 1 blocks where a true ring brings one (the benchmark counts both).
+Compiling: the attention core, the token count and MTP's move are Cells built once (masks and gather columns
+fixed by the split), their collectives ``comm``'s Cells, so a context-parallel step runs eagerly or compiled
+(``mindspore.jit`` after ``comm.for_graph``) with the same code. The ring's K/V pass (``comm.RingShift``) is an
+all-gather on CPU, where MindSpore's send/recv do not work: each step then brings cp − 1 blocks where a true ring
+brings one (the benchmark counts both); compiled, that all-gather and Ulysses' all-to-all are all-reduces of
+zero-padded buffers (the only collective a CPU graph runs on a sub-group).
 """
 from __future__ import annotations
 
@@ -34,12 +38,13 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from training.config import ConfigError, TrainConfig
-from training.model.layers import _bmm, _bmm_transpose_b, _row_sums, cast
+from training.model.layers import _bmm, _bmm_transpose_b, _row_sums, cast, expand
 from training.parallel import comm
 from training.parallel.mesh import DeviceMesh, Group
 
 MASKED = float(np.finfo(np.float32).min)
 _bmm_transpose_a = ops.BatchMatMul(transpose_a=True)
+_slice = ops.Slice()
 
 
 def token_positions(seq_length: int, cp: int, rank: int, load_balance: bool) -> np.ndarray:
@@ -63,123 +68,171 @@ def block_mask(query_positions: np.ndarray, key_positions: np.ndarray, repeats: 
     return np.tile(np.where(future, MASKED, 0.0).astype(np.float32), (repeats, 1))
 
 
-def ring_attention_forward(q: Tensor, kv: Tensor, masks: list, dim: int, softmax_dtype,
-                           shift: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+class RingAttention(nn.Cell):
     """softmax(q·kᵀ + mask)·v over the key blocks that pass through this rank, merged one at a time (online
-    softmax), and each row's log-sum-exp for the backward.
+    softmax), and each row's log-sum-exp, both as outputs: ``(q, kv) -> (out, lse)``.
 
     q: [batch, groups, rows, dim] (rows = heads per group × queries, stacked like the masks); ``kv``: this rank's
-    block, k and v concatenated on the last axis; ``shift(block)`` returns the next block (a ring step);
-    ``masks[j]``: the additive mask of the j-th block (None: skipped, though still passed on). The first block
-    must let every row attend something. Per row: running maximum m, running sum l of exp(s − m) and running
-    output o, rescaled by exp(m_old − m_new) when the maximum grows."""
-    m = l = o = None
-    block = kv
-    for j, mask in enumerate(masks):
-        if j:
-            block = shift(block)
-        if mask is None:
-            continue
-        k, v = ops.split(block, [dim, block.shape[-1] - dim], axis=-1)
-        scores = cast(_bmm_transpose_b(q, k), softmax_dtype) + Tensor(mask, softmax_dtype)
-        block_max = scores.max(axis=-1, keepdims=True)
-        new_m = block_max if m is None else ops.maximum(m, block_max)
-        p = ops.exp(scores - new_m)
-        pv = _bmm(cast(p, v.dtype), v)
-        if m is None:
-            l, o = _row_sums(p), pv
-        else:
-            rescale = ops.exp(m - new_m)
-            l, o = l * rescale + _row_sums(p), o * cast(rescale, o.dtype) + pv
-        m = new_m
-    return o / cast(l, o.dtype), m + ops.log(l)
+    block, k and v concatenated on the last axis; ``shift(block)`` returns the next block (a ring step: a
+    ``comm.RingShift``, or None on a ring of one); ``masks[j]``: the additive mask of the j-th block (None:
+    skipped, though still passed on), fixed when built. The first block (this rank's own) must let every row
+    attend something. Per row: running maximum m, running sum l of exp(s − m) and running output o, rescaled by
+    exp(m_old − m_new) when the maximum grows.
 
+    The backward is hand-written (FlashAttention's, block by block): autograd of the merge would keep every
+    block's probabilities, and it would differentiate a ring step only on the ranks whose queries use the block
+    it brings, leaving the others out of that step's collective. It reads the log-sum-exp from the outputs, as a
+    graph's bprop sees only inputs, outputs and output gradients."""
 
-def ring_attention_backward(q: Tensor, kv: Tensor, out: Tensor, dout: Tensor, lse: Tensor, masks: list, dim: int,
-                            softmax_dtype, shift: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
-    """The gradients of ``ring_attention_forward`` with respect to q and this rank's kv block (FlashAttention's
-    backward, block by block): the key blocks go round the ring again, each with the gradient accumulated for
-    it so far, which every rank adds its queries' part to; one more step brings each block's gradient home.
-    With P = exp(s − lse): dv = Pᵀ·dout, dP = dout·vᵀ, ds = P ∘ (dP − rowsum(dout ∘ out)), dq = Σ ds·k, dk = dsᵀ·q."""
-    delta = cast(_row_sums(dout * out), softmax_dtype)
-    dq = ops.zeros_like(q)
-    block, grad = kv, ops.zeros_like(kv)
-    for j, mask in enumerate(masks):
-        if j:  # the block and its gradient so far travel together: one collective per step
-            block, grad = ops.split(shift(ops.cat((block, grad), axis=-1)), kv.shape[-1], axis=-1)
-        if mask is None:
-            continue
-        k, v = ops.split(block, [dim, block.shape[-1] - dim], axis=-1)
-        p = ops.exp(cast(_bmm_transpose_b(q, k), softmax_dtype) + Tensor(mask, softmax_dtype) - lse)
-        dp = cast(_bmm_transpose_b(dout, v), softmax_dtype)
-        ds = cast(p * (dp - delta), q.dtype)
-        dq = dq + _bmm(ds, k)
-        dk = _bmm_transpose_a(ds, q)
-        dv = _bmm_transpose_a(cast(p, dout.dtype), dout)
-        grad = grad + ops.cat((dk, cast(dv, dk.dtype)), axis=-1)
-    return dq, shift(grad) if len(masks) > 1 else grad
-
-
-class RingAttention(nn.Cell):
-    """``ring_attention_forward`` with ``ring_attention_backward`` as its gradient: autograd of the merge
-    would keep every block's probabilities, and it would differentiate a ring step only on the ranks whose
-    queries use the block it brings, leaving the others out of that step's collective."""
-
-    def __init__(self, masks: list, dim: int, softmax_dtype, shift: Callable[[Tensor], Tensor]):
+    def __init__(self, masks: list[np.ndarray | None], softmax_dtype, shift: Callable[[Tensor], Tensor] | None):
         super().__init__()
-        self.masks, self.dim, self.softmax_dtype, self.shift = masks, dim, softmax_dtype, shift
-        self.lse = None
+        if masks[0] is None:
+            raise ValueError("ring attention: the first key block (this rank's own) must be attended")
+        self.masks = tuple(None if mask is None else Tensor(mask, softmax_dtype) for mask in masks)
+        self.softmax_dtype, self.shift = softmax_dtype, shift
+
+    def _scores(self, q: Tensor, k: Tensor, j: int) -> Tensor:
+        scores = cast(_bmm_transpose_b(q, k), self.softmax_dtype)
+        return scores + expand(self.masks[j], scores)
+
+    @staticmethod
+    def _split_channels(block: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+        """The first ``dim`` channels of ``block`` and the rest, as Slices: ops.split (a function with Python
+        argument checks) did not compile in a bprop."""
+        *leading, width = block.shape
+        corner = (0,) * len(leading)
+        return (_slice(block, corner + (0,), tuple(leading) + (dim,)),
+                _slice(block, corner + (dim,), tuple(leading) + (width - dim,)))
 
     def construct(self, q, kv):
-        out, self.lse = ring_attention_forward(q, kv, self.masks, self.dim, self.softmax_dtype, self.shift)
-        return out
+        dim = q.shape[-1]
+        k, v = self._split_channels(kv, dim)
+        scores = self._scores(q, k, 0)
+        m = scores.max(axis=-1, keepdims=True)
+        p = ops.exp(scores - expand(m, scores))
+        l, o = _row_sums(p), _bmm(cast(p, v.dtype), v)
+        block = kv
+        for j in range(1, len(self.masks)):
+            block = self.shift(block)
+            if self.masks[j] is not None:
+                k, v = self._split_channels(block, dim)
+                scores = self._scores(q, k, j)
+                new_m = ops.maximum(m, scores.max(axis=-1, keepdims=True))
+                p = ops.exp(scores - expand(new_m, scores))
+                rescale = ops.exp(m - new_m)
+                l = l * rescale + _row_sums(p)
+                o = o * expand(cast(rescale, o.dtype), o) + _bmm(cast(p, v.dtype), v)
+                m = new_m
+            else:  # a block nobody here attends still takes its ring step: a graph would drop the unused collective
+                o = ops.depend(o, block)
+        return o / expand(cast(l, o.dtype), o), m + ops.log(l)
 
     def bprop(self, q, kv, out, dout):
-        return ring_attention_backward(q, kv, out, dout, self.lse, self.masks, self.dim, self.softmax_dtype,
-                                       self.shift)
+        """With P = exp(s − lse): dv = Pᵀ·dout, dP = dout·vᵀ, ds = P ∘ (dP − rowsum(dout ∘ out) + dlse),
+        dq = Σ ds·k, dk = dsᵀ·q. The key blocks go round the ring again, each with the gradient accumulated for
+        it so far, which every rank adds its queries' part to; one more step brings each block's gradient home."""
+        (o, lse), (do, dlse) = out, dout
+        dim = q.shape[-1]
+        delta = cast(_row_sums(do * o), self.softmax_dtype) - dlse
+        dq = ops.zeros_like(q)
+        block, grad = kv, ops.zeros_like(kv)
+        for j in range(len(self.masks)):
+            if j:  # the block and its gradient so far travel together: one collective per step
+                block, grad = self._split_channels(self.shift(ops.cat((block, grad), axis=-1)), kv.shape[-1])
+            if self.masks[j] is not None:
+                k, v = self._split_channels(block, dim)
+                scores = self._scores(q, k, j)
+                p = ops.exp(scores - expand(lse, scores))
+                dp = cast(_bmm_transpose_b(do, v), self.softmax_dtype)
+                ds = cast(p * (dp - expand(delta, dp)), q.dtype)
+                dq = dq + _bmm(ds, k)
+                dv = _bmm_transpose_a(cast(p, do.dtype), do)
+                grad = grad + ops.cat((_bmm_transpose_a(ds, q), cast(dv, q.dtype)), axis=-1)
+        return dq, grad if len(self.masks) == 1 else self.shift(grad)
 
 
-class ContextAttention:
+class ContextAttention(nn.Cell):
     """The attention core of one layer under context parallelism: ``(q, k, v) -> out`` in place of
-    softmax(q·kᵀ + causal mask)·v.
+    softmax(q·kᵀ + causal mask)·v, built once per layer (its masks and collectives fixed), so the same Cell runs
+    eagerly and in a compiled step (after ``comm.for_graph``).
 
     q: [batch, groups, heads_per_group, queries, dim], scaled; k: [batch, groups, keys, dim]; v: [batch,
     groups, keys, v_dim]; out: [batch, groups, heads_per_group, queries, v_dim], all on this rank's tokens.
     Qwen3's GQA has groups = KV heads; MLA has groups = heads and one head per group."""
 
-    def __init__(self, plan: "ContextParallelPlan", softmax_dtype):
-        self.plan, self.softmax_dtype = plan, softmax_dtype
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        plan = self.plan
+    def __init__(self, plan: "ContextParallelPlan", softmax_dtype, heads_per_group: int):
+        super().__init__()
         ulysses, ring = plan.ulysses_group, plan.ring_group
+        exchange = ulysses.size > 1  # sequence parts <-> head parts over the Ulysses group
+        self.q_to_heads = comm.AllToAll(ulysses, 1, 3) if exchange else None
+        self.kv_to_heads = comm.AllToAll(ulysses, 1, 2) if exchange else None
+        self.out_to_sequence = comm.AllToAll(ulysses, 3, 1) if exchange else None
+        self.ring = RingAttention(plan.ring_masks(heads_per_group), softmax_dtype,
+                                  comm.RingShift(ring) if ring.size > 1 else None)
+        self.tokens = plan.seq_length // plan.cp  # each rank's, which the masks were built for
+        self.seq_length = plan.seq_length
+
+    def construct(self, q, k, v):
         batch, _, per_group, queries, dim = q.shape
-        v_dim = v.shape[-1]
+        if queries != self.tokens:
+            raise ValueError(f"context-parallel attention: {queries} tokens on this rank, but its masks were built "
+                             f"for {self.tokens} (train_dataset.dataloader.config.seq_length {self.seq_length})")
         kv = ops.cat((k, v), axis=-1)
-        if ulysses.size > 1:  # sequence parts -> head parts: whole (ulysses group's) sequence, groups/u heads
-            q = comm.all_to_all(q, 1, 3, ulysses)
-            kv = comm.all_to_all(kv, 1, 2, ulysses)
-        local_groups = q.shape[1]
-        q = q.reshape(batch, local_groups, per_group * q.shape[3], dim)
-        positions = plan.ring_positions(queries * plan.cp)
-        # ring step j holds the K/V of ring member (rank - j) mod size; step 0 is this rank's own (its diagonal)
-        masks = [block_mask(positions[ring.rank], positions[(ring.rank - j) % ring.size], per_group)
-                 for j in range(ring.size)]
-        out = RingAttention(masks, dim, self.softmax_dtype, lambda block: comm.ring_shift(block, ring))(q, kv)
-        out = out.reshape(batch, local_groups, per_group, -1, v_dim)
-        if ulysses.size > 1:  # and back: this rank's sequence part, all its groups
-            out = comm.all_to_all(out, 3, 1, ulysses)
+        if self.q_to_heads is not None:  # the whole (Ulysses group's) sequence, groups/u heads
+            q, kv = self.q_to_heads(q), self.kv_to_heads(kv)
+        groups, v_dim = q.shape[1], v.shape[-1]
+        out, _ = self.ring(q.reshape(batch, groups, per_group * q.shape[3], dim), kv)
+        out = out.reshape(batch, groups, per_group, -1, v_dim)
+        if self.out_to_sequence is not None:  # and back: this rank's sequence part, all its groups
+            out = self.out_to_sequence(out)
         return out
+
+
+class LossTokenCount(nn.Cell):
+    """The micro-batch's loss token count, summed over the cp ranks holding its other tokens (a constant of the
+    data: no gradient flows through it)."""
+
+    def __init__(self, cp_group: Group):
+        super().__init__()
+        self.sum = comm.AllReduce(cp_group)
+
+    def construct(self, count):
+        return ops.stop_gradient(self.sum(count))
+
+
+class MoveLeftAcrossChunks(nn.Cell):
+    """MTP's move of [batch, tokens] data one token left (position p takes p+1's, the last 0) on this rank's
+    tokens: the next token of a chunk's last is another rank's, so the cp ranks' tokens are gathered (one
+    all-gather for all the tensors, as float32: exact for ids below 2**24) and each picks its tokens' next, at
+    columns fixed when built."""
+
+    def __init__(self, plan: "ContextParallelPlan"):
+        super().__init__()
+        seq = plan.seq_length
+        held = np.concatenate(plan.positions(seq))            # the global position of each gathered column
+        column_of = np.empty(seq + 1, np.int64)
+        column_of[held], column_of[seq] = np.arange(seq), seq  # position seq: the zero column appended
+        own = token_positions(seq, plan.cp, plan.cp_group.rank, plan.load_balance)
+        self.columns = Tensor(column_of[own + 1].astype(np.int32))
+        self.gather = comm.AllGather(plan.cp_group, 2) if plan.cp > 1 else None
+
+    def construct(self, *tensors):
+        stacked = ops.stack([cast(x, ms.float32) for x in tensors])
+        gathered = stacked if self.gather is None else ops.stop_gradient(self.gather(stacked))
+        padded = ops.cat((gathered, ops.zeros((len(tensors), gathered.shape[1], 1), ms.float32)), axis=2)
+        rolled = ops.unstack(ops.gather(padded, self.columns, 2))
+        return tuple([cast(rolled[i], tensors[i].dtype) for i in range(len(tensors))])
 
 
 class ContextParallelPlan:
     """What context parallelism needs at run time: the cp, Ulysses and ring groups of this rank, which tokens it
     holds, and the slicing of each micro-batch."""
 
-    def __init__(self, mesh: DeviceMesh, method: str, ulysses_degree: int, load_balance: bool):
+    def __init__(self, mesh: DeviceMesh, method: str, ulysses_degree: int, load_balance: bool, seq_length: int):
         self.cp_group = mesh.group("cp")
         self.cp = self.cp_group.size
         self.load_balance = load_balance
+        self.seq_length = seq_length
         u = {"ulysses": self.cp, "colossal": 1, "hybrid": ulysses_degree}[method]
         self.ulysses_degree = u
         members, index = self.cp_group.ranks, self.cp_group.rank
@@ -199,6 +252,16 @@ class ContextParallelPlan:
         its whole Ulysses group (u consecutive cp ranks), in group order."""
         return _ring_positions(seq_length, self.cp, self.ulysses_degree, self.load_balance)
 
+    def ring_masks(self, repeats: int) -> list[np.ndarray | None]:
+        """The additive mask of each ring step's key block for this rank's queries (``block_mask``, heads stacked
+        ``repeats`` times); ring step j holds the K/V of ring member (rank - j) mod size, step 0 this rank's own
+        (its diagonal). Fixed by the split alone: they mask by the tokens' places in the sequence, which the
+        split decides, not by the data's position ids (those only turn the rotary tables, and document masks,
+        the one thing that would vary per batch, are refused under context parallelism)."""
+        positions, ring = self.ring_positions(self.seq_length), self.ring_group
+        return [block_mask(positions[ring.rank], positions[(ring.rank - j) % ring.size], repeats)
+                for j in range(ring.size)]
+
     def shard_inputs(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
         """This rank's tokens of (input_ids, labels, loss_mask, position_ids, attention_mask) of the whole
         samples; position ids 0..seq-1 when the data has none."""
@@ -213,27 +276,6 @@ class ContextParallelPlan:
             position_ids = Tensor(np.tile(np.arange(seq, dtype=np.int32), (batch, 1)))
         own = Tensor(token_positions(seq, self.cp, self.cp_group.rank, self.load_balance).astype(np.int32))
         return tuple(ops.gather(x, own, 1) for x in (input_ids, labels, loss_mask, position_ids)) + (None,)
-
-    def roll_each_left(self, *tensors: Tensor) -> tuple[Tensor, ...]:
-        """MTP's move of [batch, tokens] data one token left (position p takes p+1's, the last 0) on this rank's
-        tokens: the next token of a chunk's last is another rank's, so the cp ranks' tokens are gathered (one
-        all-gather for all the tensors, as float32: exact for ids below 2**24) and each picks its tokens' next."""
-        batch, local = tensors[0].shape
-        seq = local * self.cp
-        held = np.concatenate(self.positions(seq))            # the global position of each gathered column
-        column_of = np.empty(seq + 1, np.int64)
-        column_of[held], column_of[seq] = np.arange(seq), seq  # position seq: the zero column appended
-        own = token_positions(seq, self.cp, self.cp_group.rank, self.load_balance)
-        stacked = ops.stack([cast(x, ms.float32) for x in tensors])
-        gathered = ops.stop_gradient(comm.all_gather(stacked, 2, self.cp_group))
-        padded = ops.cat((gathered, ops.zeros((len(tensors), batch, 1), ms.float32)), axis=2)
-        rolled = ops.gather(padded, Tensor(column_of[own + 1].astype(np.int32)), 2)
-        return tuple(cast(r, x.dtype) for r, x in zip(rolled, tensors))
-
-    def count_tokens(self, count: Tensor) -> Tensor:
-        """The micro-batch's loss token count, summed over the cp ranks holding its other tokens (a constant
-        of the data: no gradient flows through it)."""
-        return ops.stop_gradient(comm.all_reduce(count, self.cp_group))
 
 
 @lru_cache(maxsize=64)
@@ -274,11 +316,12 @@ def apply_context_parallel(model, mesh: DeviceMesh, config: TrainConfig) -> Cont
     check_context_parallel(config, model.config)
     p = config.parallelism
     plan = ContextParallelPlan(mesh, p.context_parallel_method, p.ulysses_degree_in_cp or 1,
-                               p.context_parallel_load_balance)
-    for attention in model._attentions():
-        attention.context_attention = ContextAttention(plan, attention.softmax_dtype)
-    model.count_loss_tokens = plan.count_tokens
-    model.roll_inputs_left = plan.roll_each_left
+                               p.context_parallel_load_balance, model.config.seq_length)
+    for attention in model._attentions():  # MLA: one query head per group
+        attention.context_attention = ContextAttention(plan, attention.softmax_dtype,
+                                                       getattr(attention, "heads_per_group", 1))
+    model.count_loss_tokens = LossTokenCount(plan.cp_group)
+    model.roll_inputs_left = MoveLeftAcrossChunks(plan)
     for _, moe in model.moe_layers():  # the balancing loss's statistics over the whole sequences
         over_cp = comm.AllReduce(plan.cp_group)
         # under sequence parallelism each cp chunk is cut again over tp: its statistics are summed over tp first,
