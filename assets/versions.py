@@ -16,7 +16,7 @@ A part is one of:
   (its constants and imports);
 - ``"training/data/corpus.py"``: a whole file; ``"training/"``: every Python file under a package;
 - ``SOURCES_CONFIG`` or ``TRAINING_CONFIG``: the config file a setting names (``sources_config``,
-  ``training_config``).
+  ``default_training_config``).
 
 The data assets list the functions of ``assets/`` they run and the modules of ``resources/`` and ``training/``;
 ``training_run`` and ``checkpoint_eval`` launch a process running ``training/``, so they list the whole package.
@@ -140,6 +140,8 @@ def part_source(part: str) -> bytes:
 
 def code_version(asset: str) -> str:
     """sha256 (16 hex digits) over the parts ``ASSET_PARTS`` declares for ``asset``."""
+    if asset not in ASSET_PARTS:
+        raise CodePartError(f"asset {asset!r} has no entry in ASSET_PARTS (assets/versions.py): list its parts there")
     digest = hashlib.sha256()
     for part in ASSET_PARTS[asset]:
         try:
