@@ -18,8 +18,11 @@ A part is one of:
 - ``SOURCES_CONFIG`` or ``TRAINING_CONFIG``: the config file a setting names (``sources_config``,
   ``default_training_config``).
 
-The data assets list the functions of ``assets/`` they run and the modules of ``resources/`` and ``training/``;
-``training_run`` and ``checkpoint_eval`` launch a process running ``training/``, so they list the whole package.
+The data assets list the functions of ``assets/`` they run and the modules of ``resources/`` and ``training/``.
+``training_run`` and ``checkpoint_eval`` launch a process running ``training/``, so they list the whole package,
+and of ``assets/`` what decides that process's input (the rendered config, the command); not the step's own
+bookkeeping (recording checkpoints, their audits, retries), which decides what the instance records, not the
+checkpoint or the evaluation.
 """
 from __future__ import annotations
 
