@@ -14,6 +14,7 @@ from training.reporting import Reporter  # noqa: E402
 from training.trainer import Trainer, configure_runtime  # noqa: E402
 
 STEPS = 3
+TIED = "model.tie_word_embeddings=true"
 # name -> overrides ({out}: the cases' directory); the world is 4 workers. zero3 also saves at step 2, and a run
 # resumes from that sharded checkpoint into another layout (tensor parallel, ZeRO-1)
 CASES = {
@@ -21,9 +22,14 @@ CASES = {
     "zero1": ["parallelism.data_parallel_shard_strategy=optim"],
     "zero2": ["parallelism.data_parallel_shard_strategy=optim_grads"],
     "zero3": ["parallelism.data_parallel_shard_strategy=optim_grads_params", "checkpoint.save_interleaved_steps=2"],
-    # every other ZeRO-3 case re-gathers in backward (MindFormers' default policy); this one keeps the gathered weights
-    "hsdp_zero3_divide_after": ["parallelism.data_parallel_shard=2", "parallelism.disable_gradient_division=false",
-                                "parallelism.reshard_after_forward_policy=never"],
+    # every other ZeRO-3 case re-gathers in backward (MindFormers' default policy); this one keeps the gathered weights,
+    # compiled: each layer gathers its chunks in the graph over HSDP's shard groups (fsdp.GatheredMatrix & co)
+    "hsdp_zero3_compiled_divide_after": ["parallelism.data_parallel_shard=2", "parallelism.disable_gradient_division=false",
+                                         "parallelism.reshard_after_forward_policy=never", "fast_step.compile=true"],
+    # compiled and resharding after forward (fsdp.RegatheredMatrix's hand-written backward gathers again), with the
+    # output layer tied to the embedding table (its own reference: TIED)
+    "zero3_tied_compiled": ["parallelism.data_parallel_shard_strategy=optim_grads_params", "fast_step.compile=true",
+                            TIED],
     "tp2_sp_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"],
     # resumed compiled, forward and backward in one graph (the default under data parallelism): tensor parallelism's
     # collectives as all-reduces in it (comm.for_graph), the gradient reduction over tp and the shards eager. Compiled

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import MICRO_CONFIG, assert_resumes_as_one_process, run_under_msrun, train_alone, write_random_documents
-from fsdp_cases import CASES, DEEPSEEK, DEEPSEEK_CASES, STEPS, case_config
+from fsdp_cases import CASES, DEEPSEEK, DEEPSEEK_CASES, STEPS, TIED, case_config
 from training.parallel import fsdp
 from training.parallel.mesh import World, world_group
 from training.checkpoint import load_checkpoint
@@ -21,10 +21,10 @@ LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 2e-6
 
 
-def single_process(root, shard, model_config):
+def single_process(root, shard, model_config, overrides=()):
     """One process reading the cases' global batches (gradient accumulation): its step records and weights."""
-    return train_alone(case_config(str(shard), [], model_config=model_config),
-                       root / f"single-{Path(model_config).stem}")
+    return train_alone(case_config(str(shard), list(overrides), model_config=model_config),
+                       root / f"single-{Path(model_config).stem}-{len(overrides)}")
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     shard = write_random_documents(root / "data/random")
     references = {config: single_process(root, shard, config) for config in (MICRO_CONFIG, DEEPSEEK)}
+    references[TIED] = single_process(root, shard, MICRO_CONFIG, [TIED])
     assert len(references[MICRO_CONFIG][1]) == 19  # embedding, output layer, final norm, 8 tensors x 2 layers
     run_under_msrun(["tests/fsdp_cases.py", root / "cases", shard], root / "msrun_log", workers=4)
     return root, references
@@ -40,7 +41,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("case", [*CASES, *DEEPSEEK_CASES])
 def test_layout_trains_as_one_process(runs, case):
     root, references = runs
-    single, expected = references[DEEPSEEK if case in DEEPSEEK_CASES else MICRO_CONFIG]
+    single, expected = references[DEEPSEEK if case in DEEPSEEK_CASES else TIED if TIED in CASES[case] else MICRO_CONFIG]
     if "compiled" in case:  # the micro config trains eagerly unless a case turns compiling on
         step_mode = (root / "cases" / case / "step_mode.txt").read_text()
         whole = "fast_step.compile_reduction=true" in CASES[case]

@@ -80,18 +80,16 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
                        "resume draws the same masks), which a graph would replay as constants")
     if config.monitor.train_state.max_attention_logit:
         reasons.append("monitor.train_state.max_attention_logit: the per-head maxima are gathered on the host")
-    # measured with benchmarks/compiled_collectives_probe.py (MindSpore 2.10, CPU): a graph runs ops.AllReduce on
-    # any group and ops.AllGather on the world only; comm's Cells (tensor parallelism's) parse after comm.for_graph,
-    # its per-call functions do not
-    not_parsed = ("comm's per-call collectives (a Cell made per call around two lambdas) do not parse in "
-                  "mindspore.jit ('The object is not callable'), and a sub-group all-gather has no graph kernel on "
-                  "CPU (ops.AllGather: world group only; mint.distributed: not in graph mode)")
     if dims.dp_shard * dims.cp > 1 and config.parallelism.data_parallel_shard_strategy == "optim_grads_params":
-        reasons.append("ZeRO-3: each unit's forward is wrapped on the host (its gathered weights are set as Python "
-                       "attributes for the call and, resharding after forward, gathered again through saved-tensor "
-                       "hooks), which a graph does not trace: a graph's weights are its Parameters, so the layers "
-                       "would have to take gathered tensors instead, and a graph keeps what its backward needs, so "
-                       f"it could not reshard after forward; {not_parsed}")
+        # compiled, each layer gathers its own chunks in the graph (DataParallel.gather_in_layers)
+        if model.config.has_moe:
+            reasons.append("ZeRO-3 with MoE layers: the router's and the routed experts' weights are read by MoE code "
+                           "that takes no gathered weights (DataParallel.gather_in_layers gives them to Linear, "
+                           "RMSNorm and the embedding), so the units gather their chunks on the host")
+        for parallel, name in ((dims.pp, "pipeline"), (dims.cp, "context")):
+            if parallel > 1:
+                reasons.append(f"ZeRO-3 under {name} parallelism: graphs whose layers gather their chunks are not "
+                               "checked against one process there yet, so the units gather on the host")
     return reasons
 
 
@@ -212,7 +210,8 @@ def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, p
     if blockers:
         return TrainStep(grad_fn, None, False,
                          f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
-    comm.for_graph(model)  # tensor parallelism's collectives, as all-reduces
+    parallel.gather_in_layers()  # ZeRO-3: each layer gathers its own chunks inside the graph
+    comm.for_graph(model)  # tensor, context parallelism's and ZeRO-3's collectives, as all-reduces
     if dims.cp > 1:
         dispatch += ("; context parallel: attention's ring steps and Ulysses exchanges in the graph (comm's Cells, "
                      "all-reduces of zero-padded buffers on CPU)")

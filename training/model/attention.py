@@ -56,7 +56,8 @@ class SelfAttention(nn.Cell):
         groups, per_group + 1, dim] q|k slots of qkv: on CPU, norms of separate q and k views measured ~3x slower
         than one pass."""
         per_group, norm = self.heads_per_group, self.q_layernorm
-        weights = ops.cat((ops.tile(norm.weight.expand_dims(0), (per_group, 1)), self.k_layernorm.weight.expand_dims(0)))
+        weights = ops.cat((ops.tile(norm.full_weight().expand_dims(0), (per_group, 1)),
+                           self.k_layernorm.full_weight().expand_dims(0)))
         return norm.normalize(qk, weights)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:

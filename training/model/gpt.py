@@ -20,7 +20,7 @@ from training.config import Section, require
 from training.model import ascend
 from training.model.dropout import Dropout, MaskStream
 from training.model.layers import (DTYPE_FIELDS, DTYPES, Init, LanguageModelEmbedding, Linear, RotaryEmbedding,
-                                   additive_mask, causal_mask, cast, linear, token_cross_entropy)
+                                   additive_mask, causal_mask, cast, token_cross_entropy)
 from training.model.moe import MoELayer
 from training.model.mtp import MultiTokenPredictionBlock
 from training.model.spec import ModuleSpec
@@ -182,7 +182,7 @@ class GPTModel(nn.Cell):
         if self.output_input_comm is not None:
             hidden = self.output_input_comm(hidden)
         if self.output_layer is None:
-            logits = linear(hidden, self.embedding.word_embeddings.weight)
+            logits = self.embedding.word_embeddings.as_output_layer(hidden)
         else:
             logits = self.output_layer(hidden)
         return cast(logits, ms.float32)

@@ -64,21 +64,47 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def gate_up_halves(weight: Tensor) -> Tensor:
+    """An MLP's fc1 weight with its rows in gate/up pairs (row 2j gate unit j, row 2j+1 up unit j: MindFormers'
+    layout) reordered to [gate units; up units], so the product's output splits in contiguous halves."""
+    return weight.reshape(weight.shape[0] // 2, 2, -1).transpose(1, 0, 2).reshape(weight.shape)
+
+
+def gate_up_pairs(halves: Tensor) -> Tensor:
+    """The inverse of ``gate_up_halves``: [gate units; up units] rows back into pairs (a gradient's)."""
+    return halves.reshape(2, halves.shape[0] // 2, -1).transpose(1, 0, 2).reshape(halves.shape)
+
+
 class Linear(nn.Cell):
     """``input_comm``/``output_comm`` (None: none) are the collectives tensor parallelism puts around the
-    matmul: a column-parallel linear gathers its input, a row-parallel one reduces its partial output."""
+    matmul: a column-parallel linear gathers its input, a row-parallel one reduces its partial output.
 
-    def __init__(self, init: Init, in_features: int, out_features: int, bias: bool = False):
+    ``gate_up``: the rows hold an MLP's gate/up pairs, and the output comes as [gate units | up units]
+    (``gate_up_halves``). ``weight_gather``/``bias_gather`` (None: the Parameters are whole) are what ZeRO-3
+    puts here when the step compiles and the Parameters hold this rank's rows only: the product of x with
+    the gathered weight (training.parallel.fsdp.GatheredMatrix) and the gathered bias."""
+
+    def __init__(self, init: Init, in_features: int, out_features: int, bias: bool = False, gate_up: bool = False):
         super().__init__()
+        if bias and gate_up:
+            raise ValueError("a gate/up linear has no bias (its halves would need the bias reordered too)")
         self.weight = init.normal(out_features, in_features)
         self.bias = init.zeros(out_features) if bias else None
+        self.gate_up = gate_up
         self.input_comm = None
         self.output_comm = None
+        self.weight_gather = None
+        self.bias_gather = None
 
     def construct(self, x: Tensor) -> Tensor:
         if self.input_comm is not None:
             x = self.input_comm(x)
-        out = linear(x, self.weight, self.bias)
+        if self.weight_gather is None:
+            out = linear(x, gate_up_halves(self.weight) if self.gate_up else self.weight, self.bias)
+        else:
+            out = self.weight_gather(x, self.weight)
+            if self.bias is not None:
+                out = out + cast(self.bias_gather(self.bias), out.dtype)
         return out if self.output_comm is None else self.output_comm(out)
 
 
@@ -127,9 +153,13 @@ class RMSNorm(nn.Cell):
         self.eps = eps
         self.dtype = dtype
         self.function = RMSNormFunction(eps)
+        self.weight_gather = None  # ZeRO-3 in a compiled step: the weight gathered from this rank's chunk
 
     def construct(self, x: Tensor) -> Tensor:
-        return self.normalize(x, self.weight)
+        return self.normalize(x, self.full_weight())
+
+    def full_weight(self) -> Tensor:
+        return self.weight if self.weight_gather is None else self.weight_gather(self.weight)
 
     def normalize(self, x: Tensor, weight: Tensor) -> Tensor:
         """This norm with another ``weight`` broadcasting against x's trailing axes (attention's q/k norms)."""
@@ -138,21 +168,33 @@ class RMSNorm(nn.Cell):
 
 class VocabEmbedding(nn.Cell):
     """The [vocab, hidden] lookup table. Under tensor parallelism the table holds the rows
-    ``vocab_start`` onwards only: other ids look up zeros and ``output_comm`` sums the ranks' lookups."""
+    ``vocab_start`` onwards only: other ids look up zeros and ``output_comm`` sums the ranks' lookups.
+    ``weight_gather``/``output_gather`` (None: the table is whole) are what ZeRO-3 puts here when the step
+    compiles and the table holds this rank's rows only: the lookup and the tied output layer's product from the
+    gathered table (training.parallel.fsdp.GatheredRows, GatheredMatrix)."""
 
     def __init__(self, init: Init, vocab_size: int, hidden_size: int):
         super().__init__()
         self.weight = init.normal(vocab_size, hidden_size)
         self.vocab_start = 0
         self.output_comm = None
+        self.weight_gather = None
+        self.output_gather = None
 
     def construct(self, input_ids: Tensor) -> Tensor:
         if self.output_comm is None:
-            return ops.gather(self.weight, input_ids, 0)
+            return self._rows(input_ids)
         local_ids = input_ids - self.vocab_start
         here = ops.logical_and(local_ids >= 0, local_ids < self.weight.shape[0])
-        rows = ops.gather(self.weight, ops.where(here, local_ids, 0), 0)
+        rows = self._rows(ops.where(here, local_ids, 0))
         return self.output_comm(rows * here.expand_dims(-1).astype(rows.dtype))
+
+    def _rows(self, ids: Tensor) -> Tensor:
+        return ops.gather(self.weight, ids, 0) if self.weight_gather is None else self.weight_gather(self.weight, ids)
+
+    def as_output_layer(self, hidden: Tensor) -> Tensor:
+        """hidden @ table.T: the logits of a model whose output layer is this table (tied)."""
+        return linear(hidden, self.weight) if self.output_gather is None else self.output_gather(hidden, self.weight)
 
 
 class LanguageModelEmbedding(nn.Cell):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from mindspore import Tensor, nn, ops
 
 from training.model.dropout import Dropout
-from training.model.layers import Init, Linear, RMSNorm, linear
+from training.model.layers import Init, Linear, RMSNorm
 from training.model.spec import ModuleSpec, build_module
 
 
@@ -17,19 +17,15 @@ class MLP(nn.Cell):
     def __init__(self, init: Init, config, ffn_size: int | None = None):
         super().__init__()
         self.ffn = ffn_size or config.intermediate_size
-        self.linear_fc1 = Linear(init, config.hidden_size, 2 * self.ffn)
+        # gate_up: the weight's rows reordered to [gate units; up units] before the matmul, so its output splits in
+        # contiguous halves: slicing the interleaved output ([..., 0] / [..., 1]) costs 0.6 s per step of the
+        # throughput benchmark (strided copies of a [tokens, 2·ffn] activation and their gradients), the
+        # reorder a copy of the weight
+        self.linear_fc1 = Linear(init, config.hidden_size, 2 * self.ffn, gate_up=True)
         self.linear_fc2 = Linear(init, self.ffn, config.hidden_size)
 
     def construct(self, x: Tensor) -> Tensor:
-        fc1 = self.linear_fc1
-        if fc1.input_comm is not None:  # the whole sequence, also when x is a sequence shard (tensor parallel)
-            x = fc1.input_comm(x)
-        # The weight's rows reordered to [gate units; up units] before the matmul, so its output splits in
-        # contiguous halves: slicing the interleaved output ([..., 0] / [..., 1]) costs 0.6 s per step of the
-        # throughput benchmark (strided copies of a [tokens, 2·ffn] activation and their gradients), the
-        # reorder a copy of the weight.
-        weight = fc1.weight.reshape(self.ffn, 2, -1).transpose(1, 0, 2).reshape(2 * self.ffn, -1)
-        gate, up = ops.split(linear(x, weight), self.ffn, axis=-1)
+        gate, up = ops.split(self.linear_fc1(x), self.ffn, axis=-1)
         # silu written out: its backward then reuses the forward's sigmoid, where ops.silu's recomputes it
         # (20% less CPU for this op's forward and backward at the benchmark's [2048, 1536], jit)
         return self.linear_fc2(gate * ops.sigmoid(gate) * up)

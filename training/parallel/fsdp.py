@@ -10,7 +10,8 @@ ranks join the shards: "``dp_shard``" below is then the ``fsdp`` group, dp_shard
 - ``optim_grads`` (ZeRO-2): also the gradients: reduce-scattered, so each rank keeps only its chunk.
 - ``optim_grads_params`` (ZeRO-3): also the parameters: the model holds only its chunks, and each unit
   (a decoder layer, an MTP layer, the rest of the model) all-gathers its weights when it runs. The gather's
-  backward is a reduce-scatter, so gradients arrive as this rank's chunk, summed over ``dp_shard``.
+  backward is a reduce-scatter, so gradients arrive as this rank's chunk, summed over ``dp_shard``. When the
+  step compiles, each layer gathers its own chunks inside the graph instead (``DataParallel.gather_in_layers``).
 
 Routed experts under expert parallelism (``expert_parallel``: what ``apply_expert_parallel`` did) have a
 data-parallel domain of their own, MindFormers' sparse mesh: cut over ``efsdp`` instead of ``dp_shard``,
@@ -32,6 +33,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from training.model.layers import (Linear, RMSNorm, VocabEmbedding, _matmul, _matmul_transpose_a, cast,
+                                   gate_up_halves, gate_up_pairs, linear)
 from training.optim import tensor_norms
 from training.parallel import comm
 from training.parallel.expert_parallel import ExpertParallelPlan
@@ -251,6 +254,78 @@ class _RegatherInBackward:
         return full
 
 
+# ---- ZeRO-3 in a compiled step: each layer gathers its own weights ---------------------------------------
+# A graph's weights are its Parameters, so the eager units' host wrapper (_UnitGather) cannot run in one; instead
+# each layer holding chunks is given Cells that gather them where they are read (layers.Linear, RMSNorm and
+# VocabEmbedding's ``*_gather`` attributes). A graph keeps whatever its backward reads, so resharding after forward
+# takes a hand-written backward that reads only its inputs (x and the chunk) and gathers the weight again:
+# MindSpore 2.10's Cell.recompute does not apply inside a PyNative mindspore.jit graph (measured: the compiled
+# graph held the same MatMul count with and without it). Vectors (norm weights, biases) stay gathered until the
+# backward: a few KB per layer.
+class GatheredMatrix(nn.Cell):
+    """x @ W.T for a Linear's (or a tied output layer's) weight W held as this rank's rows: W gathered for the
+    product (its rows put in gate/up halves for an MLP's fc1), the chunk's gradient the reduce-scatter of W's by
+    the gather's own backward. The graph keeps the gathered W until the backward (no resharding after forward)."""
+
+    def __init__(self, group: Group, gate_up: bool = False):
+        super().__init__()
+        self.gather = comm.AllGather(group, 0)
+        self.gate_up = gate_up
+
+    def _weight(self, full: Tensor) -> Tensor:
+        return gate_up_halves(full) if self.gate_up else full
+
+    def construct(self, x: Tensor, chunk: Tensor) -> Tensor:
+        return linear(x, self._weight(self.gather(chunk)))
+
+
+class RegatheredMatrix(GatheredMatrix):
+    """``GatheredMatrix`` resharding after forward: its backward gathers W again instead of keeping it."""
+
+    def bprop(self, x, chunk, out, dout):
+        transport = self.gather.transport
+        weight = self._weight(transport.gather(chunk))
+        rows = dout.reshape(-1, dout.shape[-1])
+        dx = _matmul(rows, cast(weight, rows.dtype)).reshape(x.shape)
+        dweight = _matmul_transpose_a(rows, x.reshape(-1, x.shape[-1]))
+        if self.gate_up:
+            dweight = gate_up_pairs(dweight)
+        return dx, cast(transport.reduce_scatter(dweight), chunk.dtype)
+
+
+class GatheredRows(nn.Cell):
+    """Rows ``ids`` of an embedding table held as this rank's rows. The gathered table is never kept: the
+    lookup's backward needs only the ids (a row's gradient is the sum of its tokens' output gradients), whose
+    sum over the table is then reduce-scattered to the chunk."""
+
+    def __init__(self, group: Group):
+        super().__init__()
+        self.gather = comm.AllGather(group, 0)
+        self.members = group.size
+
+    def construct(self, chunk: Tensor, ids: Tensor) -> Tensor:
+        return ops.gather(self.gather.transport.gather(chunk), ids, 0)
+
+    def bprop(self, chunk, ids, out, dout):
+        width = dout.shape[-1]
+        table = ops.unsorted_segment_sum(dout.reshape(-1, width), ids.reshape(-1), chunk.shape[0] * self.members)
+        return cast(self.gather.transport.reduce_scatter(table), chunk.dtype), ops.zeros_like(ids)
+
+
+def _gathering_cells(cell: nn.Cell, attr: str, group: Group, reshard: bool) -> dict[str, nn.Cell]:
+    """The ``*_gather`` attributes that let ``cell`` read its chunk ``attr`` in a graph (GatheredMatrix & co)."""
+    matrix = RegatheredMatrix if reshard else GatheredMatrix
+    if isinstance(cell, Linear):
+        return ({"weight_gather": matrix(group, cell.gate_up)} if attr == "weight"
+                else {"bias_gather": comm.AllGather(group, 0)})
+    if isinstance(cell, VocabEmbedding):
+        return {"weight_gather": GatheredRows(group), "output_gather": matrix(group)}
+    if isinstance(cell, RMSNorm):
+        return {"weight_gather": comm.AllGather(group, 0)}
+    raise ValueError(f"ZeRO-3 in a compiled step: {type(cell).__name__}.{attr} is read where no gathered weight "
+                     "can be given (see trainer.compile_blockers)")
+
+
 def gather_chunks(chunks: list[Tensor], full_shapes: list[tuple[int, ...]], group) -> list[Tensor]:
     """The full tensors of dim-0 ``chunks`` (one per tensor, this rank's), with ONE all-gather of their flat
     concatenation: a collective's fixed cost dominates for the small tensors of a layer."""
@@ -304,7 +379,11 @@ class DataParallel:
         for param in trainable:
             group = self.domain_of[param.name].shard
             if group.size > 1 and param.shape and param.shape[0] % group.size == 0:
-                chunk = Parameter(Tensor(_own_rows(param.asnumpy(), group)), name=param.name)
+                # ZeRO-1/2's chunks are the optimizer's alone and take a name of their own: a compiled step holds
+                # them beside the model's tensors, and a Cell whose parameters share a name has MindSpore rename
+                # every one of them by its path on its first call (the checkpoints' names with them)
+                name = param.name if strategy == "optim_grads_params" else f"chunk.{param.name}"
+                chunk = Parameter(Tensor(_own_rows(param.asnumpy(), group)), name=name)
                 self.sharded[param.name] = _Sharded(tuple(param.shape), chunk, group)
         self.full = {p.name: p for p in trainable}
         if strategy == "optim_grads_params":
@@ -322,6 +401,9 @@ class DataParallel:
             for param in unit.get_parameters():
                 owner[param.name] = unit
         slots: dict[int, list] = {id(u): [] for u in unit_cells}
+        self.reshard_after_forward = reshard_after_forward
+        self.chunk_slots: list[tuple[nn.Cell, str, _Sharded]] = []  # every (layer, attribute) holding a chunk
+        self.unit_wrappers: list[tuple[object, str]] = []  # (object, method) wrapped by _UnitGather
         for _, cell in self.model.cells_and_names():
             for attr, param in list(cell._params.items()):
                 if param is None or param.name not in self.sharded:
@@ -329,16 +411,32 @@ class DataParallel:
                 sharded = self.sharded[param.name]
                 cell._params[attr] = sharded.shard
                 slots[id(owner[param.name])].append((cell, attr, sharded))
+                self.chunk_slots.append((cell, attr, sharded))
         for unit in unit_cells:
             unit_slots = slots[id(unit)]
             # one gather per shard group (a unit holding dense and expert weights would have two)
             for group in {id(s.group): s.group for _, _, s in unit_slots}.values():
                 group_slots = [slot for slot in unit_slots if slot[2].group is group]
                 unit.construct = _UnitGather(unit.construct, group_slots, group, reshard_after_forward)
+                self.unit_wrappers.append((unit, "construct"))
                 for entry in self._entry_points(unit):
                     if hasattr(self.model, entry):
                         setattr(self.model, entry, _UnitGather(getattr(self.model, entry), group_slots, group,
                                                                reshard_after_forward))
+                        self.unit_wrappers.append((self.model, entry))
+
+    def gather_in_layers(self) -> None:
+        """ZeRO-3, for a compiled step: the units' host wrappers removed, each layer holding chunks given the Cells
+        that gather them where it reads them (``_gathering_cells``), resharding after forward as the units did.
+        A no-op for the other strategies."""
+        if not self.params_are_chunks:
+            return
+        for owner, method in self.unit_wrappers:
+            owner.__dict__.pop(method, None)  # the class's own method again
+        self.unit_wrappers = []
+        for cell, attr, sharded in self.chunk_slots:
+            for name, gathering in _gathering_cells(cell, attr, sharded.group, self.reshard_after_forward).items():
+                setattr(cell, name, gathering)
 
     def _entry_points(self, unit: nn.Cell) -> tuple[str, ...]:
         """The model's methods other than ``unit.construct`` that read the unit's weights, so gather them as well:
