@@ -118,27 +118,29 @@ def covered(parts: tuple[str, ...], file: str, qualname: str) -> bool:
 
 def test_each_data_assets_parts_cover_the_project_code_it_runs(tmp_path):
     """Every function of the project a data asset's materialization calls (on a file source with bad records
-    and a built-in one) is in its parts: an asset calling a new helper fails here until the table names it."""
+    and a built-in one, both chunks in one run: the path of a one-chunk run and more) is in its parts: an
+    asset calling a new helper fails here until the table names it."""
     _, sources = _write_sources(tmp_path)
     storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
                           sources_config=str(sources))
     resources = {"storage": storage, "tokenizer_settings": TokenizerSettings(vocab_size=512, sample_lines=5_000)}
+    both_chunks = {"dagster/asset_partition_range_start": "stdlib_code",
+                   "dagster/asset_partition_range_end": "stdlib_docs"}
     ran: dict[str, set[tuple[str, str]]] = {}
     with dg.instance_for_test() as instance:
-        for key, partitions in [("raw_corpus", ["stdlib_code", "stdlib_docs"]), ("tokenizer", [None]),
-                                ("token_shards", ["stdlib_code", "stdlib_docs"]), ("blend_manifest", [None])]:
-            for partition in partitions:
-                register_source_chunks(instance, storage)
-                profile = cProfile.Profile()
-                profile.enable()
-                try:
-                    dg.materialize(DATA_ASSETS, selection=[key], partition_key=partition, instance=instance,
-                                   resources=resources)
-                finally:
-                    profile.disable()
-                ran.setdefault(key, set()).update(
-                    (entry.code.co_filename, entry.code.co_qualname) for entry in profile.getstats()
-                    if not isinstance(entry.code, str))
+        register_source_chunks(instance, storage)
+        for key in ("raw_corpus", "tokenizer", "token_shards", "blend_manifest"):
+            profile = cProfile.Profile()
+            profile.enable()
+            try:
+                result = dg.materialize(DATA_ASSETS, selection=[key], instance=instance, resources=resources,
+                                        tags=both_chunks if key in ("raw_corpus", "token_shards") else None)
+            finally:
+                profile.disable()
+            assert len(result.asset_materializations_for_node(key)) == (2 if key in ("raw_corpus", "token_shards")
+                                                                        else 1)
+            ran[key] = {(entry.code.co_filename, entry.code.co_qualname) for entry in profile.getstats()
+                        if not isinstance(entry.code, str)}
     project = f"{PROJECT_ROOT}/"
     for key, functions in ran.items():
         in_project = {(file.removeprefix(project), name) for file, name in functions
