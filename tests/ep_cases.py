@@ -34,6 +34,10 @@ CASES = {
     # context 2 × ep 2 with HSDP: ep carved out of dp_shard 1 × cp 2, so each ep group is a cp pair (ring
     # attention), holding whole experts (efsdp 1) replicated over dp_replicate 2, which sums their gradients
     "cp2_ep2_hsdp": [EP2, "parallelism.context_parallel=2", "parallelism.data_parallel_shard=1"],
+    # compiled (the micro config's default is eager): forward and backward in one graph with the all-gather token
+    # dispatch, this rank's experts run by the block dispatch; ZeRO-1's reduction, clip and update eager, as a
+    # multi-rank run does by default (the whole step with fast_step.compile_reduction costs ~40 CPU-s more to compile)
+    "ep2_zero1_compiled": [EP2, "parallelism.data_parallel_shard_strategy=optim", "fast_step.compile=true"],
     # another expert-parallel degree (one expert per rank), and dense weights over all 4 shards, resuming ep2
     "ep4_from_ep2": ["parallelism.expert_parallel=4",
                      "checkpoint.load_path={out}/ep2_zero3_dense_shard2/checkpoints/iteration_00000001"],

@@ -1,13 +1,15 @@
 """Expert parallelism proven by equivalence: under msrun with 4 CPU workers, the micro DeepSeek-V3 trained with its
-routed experts cut over ep ranks (all-to-all dispatch) equals one process reading the same global batches —
-losses and their parts, grad norms, tokens per expert, final weights — an ep2 checkpoint resumes at ep4 and
-loads whole in one process, and a PP2 × EP2 checkpoint resumes in PP2 × ZeRO-3 and in one process. The dispatcher's safe tokens and the refusals are checked in this process."""
+routed experts cut over ep ranks (all-to-all dispatch eagerly, all-gather dispatch in a compiled step) equals one
+process reading the same global batches — losses and their parts, grad norms, tokens per expert, final weights — an
+ep2 checkpoint resumes at ep4 and loads whole in one process, and a PP2 × EP2 checkpoint resumes in PP2 × ZeRO-3 and
+in one process. The dispatcher's safe tokens, the block dispatch of one rank's experts and the refusals are checked
+in this process."""
 import json
 
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import Tensor
+from mindspore import Parameter, Tensor, nn, ops
 
 from conftest import PROJECT_ROOT, assert_resumes_as_one_process, run_under_msrun, write_random_documents
 from ep_cases import CASES, STEPS, ep_config
@@ -66,6 +68,14 @@ def test_expert_parallel_trains_as_one_process(runs, case):
 
 
 @pytest.mark.msrun
+def test_the_compiled_case_runs_its_token_dispatch_in_the_graph(runs):
+    root, _, _ = runs
+    mode = (root / "cases/ep2_zero1_compiled/step_mode.txt").read_text()
+    assert mode.startswith("forward+backward compiled (mindspore.jit)"), mode
+    assert "expert parallel: all-gather token dispatch in the graph" in mode, mode
+
+
+@pytest.mark.msrun
 def test_expert_and_dense_weights_are_written_as_each_shards(runs):
     root, _, _ = runs
     expert, dense = "decoder.layers.1.mlp.experts.weight1", "embedding.word_embeddings.weight"  # [4 experts, …]
@@ -121,6 +131,53 @@ def test_safe_tokens_change_neither_outputs_nor_gradients():
     for unsafe, safe, direct in zip(*results, [local[0].asnumpy(), *(g.asnumpy() for g in local[1][1])]):
         np.testing.assert_array_equal(unsafe, safe)
         np.testing.assert_array_equal(unsafe, direct)
+
+
+def test_the_block_dispatch_of_this_ranks_experts_leaves_other_rows_zero():
+    """``GroupedExperts.dispatch`` as ``AllGatherDispatcher`` feeds it on ep 2's rank 1 (experts 2-3 of 4): a row
+    chosen for expert 0 or 1 reads exactly zero, and gives nothing to any gradient; the rows of experts 2-3 equal
+    the eager padded dispatch of just those rows through them, outputs and gradients, compiled and eager. fp32:
+    the two paths batch the rows differently, so the matmuls may round differently (rtol 1e-5, atol 1e-6)."""
+    config = ep_config("no-data-read", [])
+    configure_runtime(config)
+    whole = build_model(config.model).moe_layers()[0][1].experts
+    local = build_model(config.model).moe_layers()[0][1].experts
+    for name in ("weight1", "weight2"):  # what apply_expert_parallel keeps on ep rank 1 of 2
+        local._params[name] = Parameter(Tensor(whole._params[name].asnumpy()[2:]), name=name)
+    rng = np.random.default_rng(3)
+    chosen = np.array([[0, 1], [2, 3], [3, 0], [1, 2], [3, 1], [0, 3], [1, 0]])  # a token with neither, with both
+    tokens = Tensor(rng.normal(size=(len(chosen), 64)).astype(np.float32))
+    weights_of_output = Tensor(rng.normal(size=(chosen.size, 64)).astype(np.float32))
+    one_hot = np.eye(4, dtype=np.float32)[chosen.reshape(-1)][:, 2:]
+    here = one_hot.sum(1) > 0
+    expert_of_row = Tensor(one_hot.argmax(1).astype(np.int32))
+
+    class BlockDispatch(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.experts = local
+
+        def construct(self, x):
+            out = self.experts.dispatch(x, expert_of_row, Tensor(one_hot), Tensor(one_hot.sum(0)), 2)
+            return (out * weights_of_output).sum(), out
+
+    rows = np.flatnonzero(here)[np.argsort(one_hot[here].argmax(1), kind="stable")]  # rows here, by expert
+
+    def padded_dispatch(x):
+        out = local(ops.gather(x, Tensor((rows // 2).astype(np.int32)), 0), one_hot.sum(0).astype(np.int64))
+        return (out * ops.gather(weights_of_output, Tensor(rows.astype(np.int32)), 0)).sum(), out
+
+    expected = ms.value_and_grad(padded_dispatch, 0, local.trainable_params(), has_aux=True)(tokens)
+    eager, compiled = BlockDispatch(), BlockDispatch()
+    compiled.construct = ms.jit(compiled.construct)
+    for run in (eager, compiled):
+        (total, out), (token_grad, weight_grads) = ms.value_and_grad(run, 0, local.trainable_params(),
+                                                                     has_aux=True)(tokens)
+        np.testing.assert_array_equal(out.asnumpy()[~here], 0)
+        np.testing.assert_allclose(out.asnumpy()[rows], expected[0][1].asnumpy(), rtol=1e-5, atol=1e-6)
+        for value, reference in [(total, expected[0][0]), (token_grad, expected[1][0]),
+                                 *zip(weight_grads, expected[1][1])]:
+            np.testing.assert_allclose(value.asnumpy(), reference.asnumpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_expert_parallel_refusals_name_the_fields():

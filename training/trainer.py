@@ -72,9 +72,6 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
     reasons = []
     if not config.fast_step.compile:
         reasons.append("fast_step.compile is false")
-    if model.config.has_moe and dims.ep > 1:
-        reasons.append("expert parallel: the all-to-all dispatch sends each rank's rows in splits counted on the "
-                       "host from the router's choices")
     if model.config.hidden_dropout > 0:
         reasons.append("model.hidden_dropout > 0: dropout masks come from Kiln's host-side mask stream (so a "
                        "resume draws the same masks), which a graph would replay as constants")
@@ -86,7 +83,7 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
             reasons.append("ZeRO-3 with MoE layers: the router's and the routed experts' weights are read by MoE code "
                            "that takes no gathered weights (DataParallel.gather_in_layers gives them to Linear, "
                            "RMSNorm and the embedding), so the units gather their chunks on the host")
-        for parallel, name in ((dims.pp, "pipeline"), (dims.cp, "context")):
+        for parallel, name in ((dims.cp, "context"),):
             if parallel > 1:
                 reasons.append(f"ZeRO-3 under {name} parallelism: graphs whose layers gather their chunks are not "
                                "checked against one process there yet, so the units gather on the host")
@@ -211,7 +208,10 @@ def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, p
         return TrainStep(grad_fn, None, False,
                          f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
     parallel.gather_in_layers()  # ZeRO-3: each layer gathers its own chunks inside the graph
-    comm.for_graph(model)  # tensor, context parallelism's and ZeRO-3's collectives, as all-reduces
+    comm.for_graph(model)  # tensor, expert, context parallelism's and ZeRO-3's collectives, as all-reduces
+    if model.config.has_moe and dims.ep > 1:  # the compiled modes' lines end with how tokens reach their experts
+        dispatch += ("; expert parallel: all-gather token dispatch in the graph (the ep group's tokens and their "
+                     "routing gathered, this rank's experts on their rows, outputs reduce-scattered back)")
     if dims.cp > 1:
         dispatch += ("; context parallel: attention's ring steps and Ulysses exchanges in the graph (comm's Cells, "
                      "all-reduces of zero-padded buffers on CPU)")

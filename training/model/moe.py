@@ -7,13 +7,17 @@ Two dispatches, chosen by whether the forward is being compiled (``compiling``):
   expert order, the rest of its last block zero. Each block then runs through its expert's weights (gathered
   per block) in one batched matmul, and each (token, choice) reads its output back from its slot. Slots come
   from a running count per expert (a cumsum of the choices' one-hots), so no sort and no host round trip.
-- eager, and always under expert parallelism (``MoELayer._dispatch_on_host``): the router's choices go to the
-  host and are sorted by expert (numpy); the rows, grouped by expert, go to the layer's experts
-  (``GroupedExperts.construct``: one batched matmul padded to the busiest expert's count) or to the
-  all-to-all dispatcher of ``training.parallel.expert_parallel``, and the outputs are scatter-added back per
-  token. Run op by op it is the faster of the two (benchmarks/moe_dispatch.py, deepseek_v3_bench's layer:
-  block dispatch 0.70-0.95x of it eagerly): fewer ops, no per-block weight copies, padding only up to the
-  busiest expert's count. Under a graph its host round trip and routing-dependent shapes cannot be.
+  Under expert parallelism (``MoELayer.graph_dispatcher``, the all-gather dispatcher of
+  ``training.parallel.expert_parallel``) the rows are the ep group's, gathered with their choices and gates; the
+  block dispatch runs this rank's experts on the rows routed to them (the others get no slot and read zero),
+  and the gated sums go back to the tokens' ranks with a reduce-scatter.
+- eager (``MoELayer._dispatch_on_host``): the router's choices go to the host and are sorted by expert (numpy);
+  the rows, grouped by expert, go to the layer's experts (``GroupedExperts.construct``: one batched matmul
+  padded to the busiest expert's count) or, under expert parallelism, to the all-to-all dispatcher of
+  ``training.parallel.expert_parallel``, and the outputs are scatter-added back per token. Run op by op it is
+  the faster of the two (benchmarks/moe_dispatch.py, deepseek_v3_bench's layer: block dispatch 0.70-0.95x of
+  it eagerly): fewer ops, no per-block weight copies, padding only up to the busiest expert's count. Under a
+  graph its host round trip and routing-dependent shapes cannot be.
 Both compute the same values within fp32 rounding (tests/test_deepseek_v3.py). Layouts (MindFormers' grouped
 GEMM): ``experts.weight1`` [E, hidden, 2·ffn] with the gate in the first half of the last axis and up in the
 second, ``experts.weight2`` [E, ffn, hidden] (input-major: the transpose of an HF Linear weight).
@@ -116,7 +120,12 @@ class GroupedExperts(nn.Cell):
 
         Blocks of ``rows / (2·E)`` rows (at least 1) keep the padding under half the rows and the per-block
         weight copies under 3·E experts' worth; fed the busiest expert's count instead, one batch per expert
-        would need a shape known only on the host."""
+        would need a shape known only on the host.
+
+        Under expert parallelism these E are this rank's experts, and a row chosen for another rank's expert has
+        an all-zero one-hot (and ``expert_of_row`` 0): it gets no slot and its output is zero. The last slot is
+        then free (the slots outnumber the rows routed here by more than the padding), so such rows read it, and
+        it holds the zero row, which a SwiGLU expert maps to exactly zero, with zero weight gradients."""
         rows, hidden = one_hot.shape[0], tokens.shape[1]
         experts = one_hot.shape[1]
         block = max(rows // (2 * experts), 1)
@@ -125,9 +134,13 @@ class GroupedExperts(nn.Cell):
         block_end = ops.cumsum(blocks_of_expert, 0)
         rank = ((ops.cumsum(one_hot, 0) - one_hot) * one_hot).sum(1)   # earlier rows choosing the same expert
         slot = (ops.gather(block_end - blocks_of_expert, expert_of_row, 0) * block + rank).astype(ms.int32)
+        routed_here = one_hot.sum(1) > 0
+        # a row for no expert here reads the last slot, which then holds the zero row: its output is exactly zero
+        slot = ops.where(routed_here, slot, ops.fill(ms.int32, (rows,), blocks * block - 1))
         token_of_slot = ops.tensor_scatter_elements(               # unused slots read the zero row (index T)
             ops.fill(ms.int32, (blocks * block,), tokens.shape[0]), slot,
-            ops.arange(rows, dtype=ms.int32) // top_k)
+            ops.where(routed_here, ops.arange(rows, dtype=ms.int32) // top_k,
+                      ops.fill(ms.int32, (rows,), tokens.shape[0])))
         padded = ops.gather(ops.cat([tokens, ops.zeros((1, hidden), tokens.dtype)], 0), token_of_slot, 0)
         block_index = ops.arange(blocks, dtype=ms.float32).expand_dims(1)
         ended = (ops.tile(block_end.expand_dims(0), (blocks, 1)) <= ops.tile(block_index, (1, experts))
@@ -223,6 +236,9 @@ class MoELayer(nn.Cell):
         # expert parallelism: (rows grouped by expert, counts over all experts) -> the experts' outputs in the same
         # order, through its all-to-all dispatch; None: this layer's own experts take the rows
         self.token_dispatcher = None
+        # expert parallelism in a graph: the Cell that all-gathers the ep group's routed rows for this rank's experts
+        # and reduce-scatters their outputs back (training.parallel.expert_parallel.AllGatherDispatcher)
+        self.graph_dispatcher = None
 
     @property
     def aux_loss(self) -> Tensor | None:
@@ -236,9 +252,8 @@ class MoELayer(nn.Cell):
         expert_of_row = chosen.reshape(-1)                         # [T·k], token t's j-th choice at t·k + j
         one_hot = ops.one_hot(expert_of_row, self.num_experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
         counts = one_hot.sum(0)
-        if self.token_dispatcher is None and compiling():
-            routed = self.experts.dispatch(tokens, expert_of_row, one_hot, counts, self.top_k)
-            out = scale_rows(routed, cast(gates, x.dtype)).reshape(-1, self.top_k, hidden).sum(1)
+        if compiling():
+            out = self._dispatch_in_graph(tokens, expert_of_row, one_hot, counts, chosen, gates)
         else:
             out = self._dispatch_on_host(tokens, chosen, gates)
         out = out.reshape(x.shape)
@@ -250,6 +265,18 @@ class MoELayer(nn.Cell):
             ops.assign(self.stats.aux_loss, ops.stop_gradient(aux_loss))
             out = self.aux_loss_gradient(out, aux_loss)
         return out
+
+    def _dispatch_in_graph(self, tokens: Tensor, expert_of_row: Tensor, one_hot: Tensor, counts: Tensor,
+                           chosen: Tensor, gates: Tensor) -> Tensor:
+        """The compiled path (module docstring): the block dispatch through this layer's experts, each (token, choice)
+        output times its gate and summed per token; under expert parallelism over the ep group's gathered rows,
+        the sums going back to the tokens' ranks."""
+        dispatcher = self.graph_dispatcher
+        if dispatcher is not None:
+            tokens, expert_of_row, one_hot, counts, gates = dispatcher.gather(tokens, chosen, gates)
+        routed = self.experts.dispatch(tokens, expert_of_row, one_hot, counts, self.top_k)
+        out = scale_rows(routed, cast(gates, tokens.dtype)).reshape(-1, self.top_k, tokens.shape[1]).sum(1)
+        return out if dispatcher is None else dispatcher.combine(out)
 
     def _dispatch_on_host(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Tensor:
         """The eager path (module docstring): rows sorted by expert on the host, through the expert-parallel

@@ -34,10 +34,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from training.config import ConfigError, ParallelismConfig
+from training.model.layers import expand
 from training.model.moe import GroupedExperts
 from training.parallel import comm
 from training.parallel.layout import TensorLayout
@@ -86,6 +88,44 @@ class AllToAllDispatcher:
         return returned if real_rows is None else ops.gather(returned, Tensor(real_rows), 0)
 
 
+class AllGatherDispatcher(nn.Cell):
+    """One MoE layer's routed experts under expert parallelism inside a compiled step, every shape fixed by the
+    micro-batch (Megatron's ``allgather`` token dispatcher): ``gather`` all-gathers the ep group's tokens and their
+    routing (top-k choices and gates) and keeps, as a one-hot over this rank's experts, the rows routed to them,
+    for ``GroupedExperts.dispatch`` (rows for other ranks' experts get no slot); ``combine`` sums the gated
+    outputs over the group and returns each rank its own tokens' (a reduce-scatter). The gather's backward is a
+    reduce-scatter and the combine's an all-gather, so each token's gradient is summed over the ranks that ran
+    its experts and each expert's weight gradient over the ep group's tokens, as the all-to-all's. Built from
+    ``comm``'s Cells, which parse in a graph after ``comm.for_graph`` (on CPU as all-reduces)."""
+
+    def __init__(self, group: Group, num_experts: int):
+        super().__init__()
+        self.gather_rows = comm.AllGather(group, 0)
+        self.sum_back = comm.ReduceScatter(group, 0)
+        self.num_experts, self.local_experts = num_experts, num_experts // group.size
+        self.first_expert = group.rank * self.local_experts
+
+    def gather(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> tuple[Tensor, ...]:
+        """This rank's tokens [T, hidden], their choices [T, k] (int32) and gates [T, k] -> the group's tokens
+        [ep·T, hidden]; for each of their (token, choice) rows its expert among this rank's (0 when another
+        rank's), the one-hot of that [ep·T·k, E/ep] (all zero when another rank's) and its column sums; the
+        group's gates [ep·T, k]."""
+        top_k = chosen.shape[1]
+        # choices travel as float32 (exact below 2**24; the dtype every CPU collective takes) beside the fp32 gates
+        routing = self.gather_rows(ops.cat([ops.stop_gradient(chosen.astype(ms.float32)), gates], 1))
+        choices, all_gates = routing[:, :top_k], routing[:, top_k:]
+        one_hot = ops.one_hot(choices.reshape(-1).astype(ms.int32), self.num_experts, Tensor(1.0, ms.float32),
+                              Tensor(0.0, ms.float32))[:, self.first_expert:self.first_expert + self.local_experts]
+        local_index = ops.arange(self.local_experts, dtype=ms.float32)
+        expert_of_row = (one_hot * expand(local_index.expand_dims(0), one_hot)).sum(1).astype(ms.int32)
+        return self.gather_rows(tokens), expert_of_row, one_hot, one_hot.sum(0), all_gates
+
+    def combine(self, out: Tensor) -> Tensor:
+        """The group's per-token sums of this rank's gated expert outputs [ep·T, hidden] -> this rank's tokens'
+        sums over every rank [T, hidden]."""
+        return self.sum_back(out)
+
+
 def _with_safe_tokens(x_sorted: Tensor, counts: np.ndarray) -> tuple[Tensor, np.ndarray, np.ndarray]:
     """One zero row in front of each expert's rows: (the rows, their counts, where the real rows now are)."""
     rows = x_sorted.shape[0]
@@ -129,5 +169,6 @@ def apply_expert_parallel(model: nn.Cell, mesh: DeviceMesh, parallelism: Paralle
             layouts[param.name] = layout
         layer.token_dispatcher = AllToAllDispatcher(experts, group, layer.num_experts,
                                                     parallelism.expert_parallel_use_safe_tokens)
+        layer.graph_dispatcher = AllGatherDispatcher(group, layer.num_experts)
         cells.append(experts)
     return ExpertParallelPlan(layouts, tuple(cells))
