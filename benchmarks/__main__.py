@@ -32,7 +32,8 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   workers, TP2 and PP2 compiled vs eager and vs DP2 compiled (alternating), and one layer's all-gather eagerly vs
   in a graph.
 - expert parallelism (benchmarks/expert_parallel.py): DeepSeek-V3 tiny's step at EP2 vs. DP on 2 msrun workers,
-  alternating, and the bytes its all-to-alls move per step vs. the uniform-routing count.
+  alternating, the bytes its all-to-alls move per step vs. the uniform-routing count, and EP2's step compiled
+  (all-gather token dispatch in the graph) vs. eager.
 - lineage at scale (benchmarks/lineage_scale.py, in a process of its own; ~35 min to build the levels at load
   11-16, reused under .kiln/ while the code that built them is unchanged, then ~15 min): with 10, 1,000 and
   10,000 checkpoints recorded as training_run records them and a source of 10,000 raw files, every tab of
