@@ -1,16 +1,17 @@
-"""Context parallelism on 2 msrun workers: step time against data parallelism, and the bytes the attention
-moves per step against the analytic count.
+"""Context parallelism on 2 msrun workers: step time against data parallelism, compiled against eager, and the
+bytes the attention moves per step against the analytic count.
 
 configs/qwen3_tiny.yaml at a 512-token sequence, 2 samples per step in one micro-batch: DP 2 (each rank a
 whole sample) against CP 2 (each rank half of both samples) with the ring (contiguous and zig-zag chunks) and
 with Ulysses; ZeRO-1 everywhere, so the weights' collectives are the same in every variant. The variants' steps
-alternate round by round in one launch (the machine is shared: each round sees the same load). DP 2 compiles its
-forward and backward (``fast_step``), context parallelism nothing (trainer.compile_blockers); "DP 2, whole step
-compiled" also its gradient reduction, clip and AdamW (``fast_step.compile_reduction``).
+alternate round by round in one launch (the machine is shared: each round sees the same load); ratios are medians
+of per-round ratios. DP 2 and CP 2 compile their forward and backward (``fast_step``; CP's ring steps and
+Ulysses exchanges as all-reduces in the graph), the "eager" variants nothing (``fast_step.compile`` false);
+"DP 2, whole step compiled" also its gradient reduction, clip and AdamW (``fast_step.compile_reduction``).
 
-Bytes are counted where the CPU collectives receive them (``gather_list``: what every member gets from the
-others); the attention's are a CP variant's per-step count minus DP's (all-reduces are not counted: both
-variants run the same ones). Analytic, per rank and step over the layers and micro-batches, with one K/V
+Bytes are counted where the eager CPU collectives receive them (``gather_list``: what every member gets from the
+others), so for the eager variants only; the attention's are an eager CP variant's per-step count minus DP's
+(all-reduces are not counted: both variants run the same ones). Analytic, per rank and step over the layers and micro-batches, with one K/V
 block = batch × kv groups × s × (k dim + v dim) × 4 bytes (s = this rank's tokens):
 - ring of R: the forward passes R−1 K/V blocks on, the backward R−1 (block, its gradient so far) pairs and
   one gradient home: (3R−2) blocks. CPU's ring step is an all-gather, which brings R−1 blocks, not one;
@@ -35,11 +36,14 @@ SEQ = 512
 ROUNDS = 5
 # the same global batch of 2 samples, one micro-batch per step: DP 2 reads one sample per rank, CP 2 both (halves)
 CP2 = ["parallelism.context_parallel=2", "training.local_batch_size=2"]
+EAGER = ["fast_step.compile=false"]
 VARIANTS = {"DP 2": ["training.local_batch_size=1"],
             "DP 2, whole step compiled": ["training.local_batch_size=1", "fast_step.compile_reduction=true"],
             "CP 2 ring": CP2,
+            "CP 2 ring, eager": [*CP2, *EAGER],
             "CP 2 ring zig-zag": [*CP2, "parallelism.context_parallel_load_balance=true"],
-            "CP 2 Ulysses": [*CP2, "parallelism.context_parallel_method=ulysses"]}
+            "CP 2 Ulysses": [*CP2, "parallelism.context_parallel_method=ulysses"],
+            "CP 2 Ulysses, eager": [*CP2, "parallelism.context_parallel_method=ulysses", *EAGER]}
 
 
 def _config(shard: str, overrides: list[str]):
@@ -114,8 +118,7 @@ def worker(out: str, shard: str) -> None:
         comm.ring_shift(block, ring).asnumpy()
         gather_s.append(time.perf_counter() - started)
     if world.is_main:
-        figures = {name: {"step_s": statistics.median(times[name]), "received": counted[name][0],
-                          "collectives": counted[name][1],
+        figures = {name: {"times": times[name], "received": counted[name][0], "collectives": counted[name][1],
                           "analytic": analytic_bytes(name, trainers[name].config, trainers[name].accumulation)
                           if name.startswith("CP") else 0.0}
                    for name in VARIANTS}
@@ -131,16 +134,24 @@ def run(report, shard: Path) -> None:
         figures = json.loads((Path(tmp) / "figures.json").read_text())
     gather_s = figures.pop("gather_s")
     dp = figures["DP 2"]
+
+    def paired(name: str, reference: str) -> float:
+        """The median over rounds of ``name``'s step time over ``reference``'s in the same round."""
+        return statistics.median(a / b for a, b in zip(figures[name]["times"], figures[reference]["times"]))
     for name, f in figures.items():
-        report(f"{name} step, {SEQ} tokens", f["step_s"] * 1000, "ms", f["step_s"] / dp["step_s"], "DP 2's step")
-        if name.startswith("CP"):
+        step_s = statistics.median(f["times"])
+        report(f"{name} step, {SEQ} tokens", step_s * 1000, "ms", paired(name, "DP 2"), "DP 2's step, paired per round")
+        if name.startswith("CP") and name.endswith("eager"):
+            report(f"{name.removesuffix(', eager')} compiled vs eager", statistics.median(
+                figures[name.removesuffix(", eager")]["times"]) * 1000, "ms", paired(name.removesuffix(", eager"),
+                                                                                    name), "the eager step, paired")
             attention = f["received"] - dp["received"]
             report(f"{name} attention bytes per step", attention / 2**20, "MiB per rank",
                    attention / f["analytic"], "the analytic count")
             # what the step's extra time is: the attention's collectives at the measured latency of one
             extra = f["collectives"] - dp["collectives"]
             report(f"{name} attention collectives per step", extra, f"x {gather_s * 1000:.0f} ms",
-                   extra * gather_s / (f["step_s"] - dp["step_s"]), "the step's time over DP's")
+                   extra * gather_s / (step_s - statistics.median(dp["times"])), "the step's time over DP's")
 
 
 if __name__ == "__main__":
