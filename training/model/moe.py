@@ -271,12 +271,11 @@ class MoELayer(nn.Cell):
         """The compiled path (module docstring): the block dispatch through this layer's experts, each (token, choice)
         output times its gate and summed per token; under expert parallelism over the ep group's gathered rows,
         the sums going back to the tokens' ranks."""
-        dispatcher = self.graph_dispatcher
-        if dispatcher is not None:
-            tokens, expert_of_row, one_hot, counts, gates = dispatcher.gather(tokens, chosen, gates)
+        if self.graph_dispatcher is not None:
+            tokens, expert_of_row, one_hot, counts, gates = self.graph_dispatcher(tokens, chosen, gates)
         routed = self.experts.dispatch(tokens, expert_of_row, one_hot, counts, self.top_k)
         out = scale_rows(routed, cast(gates, tokens.dtype)).reshape(-1, self.top_k, tokens.shape[1]).sum(1)
-        return out if dispatcher is None else dispatcher.combine(out)
+        return out if self.graph_dispatcher is None else self.graph_dispatcher.combine(out)
 
     def _dispatch_on_host(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> Tensor:
         """The eager path (module docstring): rows sorted by expert on the host, through the expert-parallel

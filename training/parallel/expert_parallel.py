@@ -18,6 +18,12 @@ GPTModel after tensor parallelism and before FSDP.
   rows, so no expert's batch is empty (MindFormers does so for its grouped matmul). A zero row adds exactly
   zero to the outputs and to every gradient, and is dropped on return; Kiln's padded batched matmul also
   runs an expert with no rows, so either setting trains the same weights.
+- gives each MoE layer an ``AllGatherDispatcher`` too, the dispatch of a compiled step (``MoELayer.
+  graph_dispatcher``), whose shapes the micro-batch fixes: the all-to-all's splits are counted on the host,
+  which a graph cannot do. It all-gathers the ep group's tokens and routing instead, so each rank's block
+  dispatch must have room for every row the group could route to its experts: more padded expert compute
+  than the all-to-all's, for no host round trip (benchmarks/expert_parallel.py measures both). Safe tokens
+  have no part in it.
 
 What expert parallelism leaves alone, and why. The router runs on this rank's tokens over all E experts, so
 the load-balancing loss's statistics (the counts and probabilities of this micro-batch's tokens, summed over
@@ -90,22 +96,24 @@ class AllToAllDispatcher:
 
 class AllGatherDispatcher(nn.Cell):
     """One MoE layer's routed experts under expert parallelism inside a compiled step, every shape fixed by the
-    micro-batch (Megatron's ``allgather`` token dispatcher): ``gather`` all-gathers the ep group's tokens and their
+    micro-batch (Megatron's ``allgather`` token dispatcher): called, it all-gathers the ep group's tokens and their
     routing (top-k choices and gates) and keeps, as a one-hot over this rank's experts, the rows routed to them,
     for ``GroupedExperts.dispatch`` (rows for other ranks' experts get no slot); ``combine`` sums the gated
     outputs over the group and returns each rank its own tokens' (a reduce-scatter). The gather's backward is a
     reduce-scatter and the combine's an all-gather, so each token's gradient is summed over the ranks that ran
     its experts and each expert's weight gradient over the ep group's tokens, as the all-to-all's. Built from
-    ``comm``'s Cells, which parse in a graph after ``comm.for_graph`` (on CPU as all-reduces)."""
+    ``comm``'s Cells, which parse in a graph after ``comm.for_graph`` (on CPU as all-reduces). Both parts are
+    Cells called as such: a graph that reached this Cell's own methods through a local variable resolved them
+    to ``__init__`` (MindSpore 2.10, under context parallelism)."""
 
     def __init__(self, group: Group, num_experts: int):
         super().__init__()
         self.gather_rows = comm.AllGather(group, 0)
-        self.sum_back = comm.ReduceScatter(group, 0)
+        self.combine = comm.ReduceScatter(group, 0)
         self.num_experts, self.local_experts = num_experts, num_experts // group.size
         self.first_expert = group.rank * self.local_experts
 
-    def gather(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> tuple[Tensor, ...]:
+    def construct(self, tokens: Tensor, chosen: Tensor, gates: Tensor) -> tuple[Tensor, ...]:
         """This rank's tokens [T, hidden], their choices [T, k] (int32) and gates [T, k] -> the group's tokens
         [ep·T, hidden]; for each of their (token, choice) rows its expert among this rank's (0 when another
         rank's), the one-hot of that [ep·T·k, E/ep] (all zero when another rank's) and its column sums; the
@@ -119,11 +127,6 @@ class AllGatherDispatcher(nn.Cell):
         local_index = ops.arange(self.local_experts, dtype=ms.float32)
         expert_of_row = (one_hot * expand(local_index.expand_dims(0), one_hot)).sum(1).astype(ms.int32)
         return self.gather_rows(tokens), expert_of_row, one_hot, one_hot.sum(0), all_gates
-
-    def combine(self, out: Tensor) -> Tensor:
-        """The group's per-token sums of this rank's gated expert outputs [ep·T, hidden] -> this rank's tokens'
-        sums over every rank [T, hidden]."""
-        return self.sum_back(out)
 
 
 def _with_safe_tokens(x_sorted: Tensor, counts: np.ndarray) -> tuple[Tensor, np.ndarray, np.ndarray]:
