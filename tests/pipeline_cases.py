@@ -36,10 +36,11 @@ CASES = {
                                        "parallelism.data_parallel_shard_strategy=optim",
                                        "checkpoint.save_interleaved_steps=2"]),
     # rank 0 runs layers 0 and 2, rank 1 layers 1 and 3; ZeRO-3 over the two data-parallel ranks of each stage, the
-    # last one gathering the embedding's chunks for the tied output matmul too
+    # last one gathering the embedding's chunks for the tied output matmul too; compiled, each layer gathering its
+    # chunks inside its stage's graphs (fsdp.GatheredMatrix & co)
     "pp2_interleaved_tied_zero3": ("qwen3_4_layers_tied", PP2 + VALIDATE_ONCE + [
         "parallelism.pipeline_parallel_schedule=interleaved_1f1b", "parallelism.pipeline_parallel_interleave_num=2",
-        "parallelism.pipeline_parallel_layers_per_stage=['0-0,2-2', '1-1,3-3']"]),
+        "parallelism.pipeline_parallel_layers_per_stage=['0-0,2-2', '1-1,3-3']", "fast_step.compile=true"]),
     # each stage's attention a ring over its cp pair, hidden states travelling as each rank's sequence chunk
     "pp2_cp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.context_parallel=2"]),
     # compiled: each stage's forward and recomputing backward a graph, tensor parallelism's collectives in them as

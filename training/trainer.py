@@ -83,10 +83,6 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
             reasons.append("ZeRO-3 with MoE layers: the router's and the routed experts' weights are read by MoE code "
                            "that takes no gathered weights (DataParallel.gather_in_layers gives them to Linear, "
                            "RMSNorm and the embedding), so the units gather their chunks on the host")
-        for parallel, name in ((dims.pp, "pipeline"), (dims.cp, "context")):
-            if parallel > 1:
-                reasons.append(f"ZeRO-3 under {name} parallelism: graphs whose layers gather their chunks are not "
-                               "checked against one process there yet, so the units gather on the host")
     return reasons
 
 
