@@ -28,9 +28,9 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
 - context parallelism (benchmarks/context_parallel.py): Qwen3 tiny at 512 tokens on 2 msrun workers, the step of
   the ring (contiguous and zig-zag) and of Ulysses at CP2 vs. DP2 and compiled vs. eager (alternating, paired per
   round), and the bytes the eager attention receives per step vs. the analytic count of a native ring / all-to-all.
-- compiled tensor and pipeline parallelism (benchmarks/compiled_parallel.py): Qwen3 tiny at 512 tokens on 2 msrun
-  workers, TP2 and PP2 compiled vs eager and vs DP2 compiled (alternating), and one layer's all-gather eagerly vs
-  in a graph.
+- compiled tensor, pipeline and ZeRO-3 parallelism (benchmarks/compiled_parallel.py): Qwen3 tiny at 512 tokens on
+  2 msrun workers, TP2, PP2 and ZeRO-3 compiled vs eager and vs DP2 compiled (alternating), and one layer's
+  all-gather eagerly vs in a graph.
 - expert parallelism (benchmarks/expert_parallel.py): DeepSeek-V3 tiny's step at EP2 vs. DP on 2 msrun workers,
   alternating, the bytes its all-to-alls move per step vs. the uniform-routing count, and EP2's step compiled
   (all-gather token dispatch in the graph) vs. eager.

@@ -1,18 +1,20 @@
-"""Compiled tensor and pipeline parallelism on 2 msrun workers: each one's step against the same layout eager and
-against DP 2 compiled, and what an all-gather costs in a graph, where only all-reduce runs on a sub-group.
+"""Compiled tensor, pipeline and ZeRO-3 data parallelism on 2 msrun workers: each one's step against the same
+layout eager and against DP 2 compiled, and what an all-gather costs in a graph, where only all-reduce runs on a
+sub-group.
 
-Steps: configs/qwen3_tiny.yaml (or ``--config``) at a 512-token sequence, 2 samples per step, ZeRO-1 everywhere:
-TP 2 with sequence parallelism (one micro-batch of both samples) and PP 2 (1F1B, a micro-batch per sample), each
-eager (``fast_step.compile=false``) and compiled (TP: forward and backward in one mindspore.jit graph, its gathers
-and reduce-scatters as all-reduces, ``comm.for_graph``; PP: each stage's forward and recomputing backward, the
-transfers between them on the host), and DP 2 compiled (a sample per rank), the layout without either. The
-variants' steps alternate round by round in one launch (the machine is shared: each round sees the same load);
-each ratio is a median of per-round ratios.
+Steps: configs/qwen3_tiny.yaml (or ``--config``) at a 512-token sequence, 2 samples per step, ZeRO-1 unless named:
+TP 2 with sequence parallelism (one micro-batch of both samples), PP 2 (1F1B, a micro-batch per sample) and ZeRO-3
+(a sample per rank), each eager (``fast_step.compile=false``) and compiled (TP: forward and backward in one
+mindspore.jit graph, its gathers and reduce-scatters as all-reduces, ``comm.for_graph``; PP: each stage's forward
+and recomputing backward, the transfers between them on the host; ZeRO-3: each layer gathers its chunks in the
+graph and again in its backward, ``DataParallel.gather_in_layers``), and DP 2 compiled (a sample per rank), the
+layout without any of them. The variants' steps alternate round by round in one launch (the machine is shared:
+each round sees the same load); each ratio is a median of per-round ratios.
 
-Gathers (the question for compiling ZeRO-3, whose units all-gather their weights): one decoder layer's weights,
-half on each rank, gathered whole. Eagerly the CPU backend uses mint.distributed's list-form all_gather; in a graph
-a sub-group all-gather must be an all-reduce of a zero-padded buffer (group-size times the bytes, summed), and
-only the world group has ops.AllGather. On 2 workers the group is the world, so both graph forms are timed.
+Gathers (what ZeRO-3's units move): one decoder layer's weights, half on each rank, gathered whole. Eagerly the
+CPU backend uses mint.distributed's list-form all_gather; in a graph a sub-group all-gather must be an all-reduce
+of a zero-padded buffer (group-size times the bytes, summed), and only the world group has ops.AllGather. On 2
+workers the group is the world, so both graph forms are timed.
 
 ``python -m benchmarks.compiled_parallel [--config PATH] [--rounds N]``; run by msrun as
 ``python benchmarks/compiled_parallel.py OUT SHARD CONFIG ROUNDS``.
@@ -33,10 +35,13 @@ SEQ = 512
 DEFAULT_CONFIG = "configs/qwen3_tiny.yaml"
 TP2 = ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true", "training.local_batch_size=2"]
 PP2 = ["parallelism.pipeline_parallel=2", "training.local_batch_size=1"]
+ZERO3 = ["parallelism.data_parallel_shard_strategy=optim_grads_params", "training.local_batch_size=1"]
 VARIANTS = {"TP 2 eager": [*TP2, "fast_step.compile=false"],
             "TP 2 compiled": [*TP2, "fast_step.compile=true"],
             "PP 2 eager": [*PP2, "fast_step.compile=false"],
             "PP 2 compiled": [*PP2, "fast_step.compile=true"],
+            "ZeRO-3 eager": [*ZERO3, "fast_step.compile=false"],
+            "ZeRO-3 compiled": [*ZERO3, "fast_step.compile=true"],
             "DP 2 compiled": ["training.local_batch_size=1", "fast_step.compile=true"]}
 
 
@@ -132,7 +137,7 @@ def run(report, shard: Path, config_path: str = DEFAULT_CONFIG, rounds: int = 5)
     for name, seconds in times.items():
         report(f"{name} step, {SEQ} tokens x 2", statistics.median(seconds) * 1000, "ms",
                speed(name, "DP 2 compiled"), "DP 2 compiled's speed, paired per round")
-    for layout in ("TP 2", "PP 2"):
+    for layout in ("TP 2", "PP 2", "ZeRO-3"):
         report(f"{layout} compiled vs eager", statistics.median(times[f"{layout} compiled"]) * 1000, "ms",
                speed(f"{layout} compiled", f"{layout} eager"), f"{layout} eager's speed, paired per round")
     gathers = figures["gathers"]
