@@ -11,8 +11,8 @@ Ulysses exchanges as all-reduces in the graph), the "eager" variants nothing (``
 
 Bytes are counted where the eager CPU collectives receive them (``gather_list``: what every member gets from the
 others), so for the eager variants only; the attention's are an eager CP variant's per-step count minus DP's
-(all-reduces are not counted: both variants run the same ones). Analytic, per rank and step over the layers and micro-batches, with one K/V
-block = batch × kv groups × s × (k dim + v dim) × 4 bytes (s = this rank's tokens):
+(all-reduces are not counted: both variants run the same ones). Analytic, per rank and step over the layers and
+micro-batches, with one K/V block = batch × kv groups × s × (k dim + v dim) × 4 bytes (s = this rank's tokens):
 - ring of R: the forward passes R−1 K/V blocks on, the backward R−1 (block, its gradient so far) pairs and
   one gradient home: (3R−2) blocks. CPU's ring step is an all-gather, which brings R−1 blocks, not one;
   at R = 2 the two counts agree.

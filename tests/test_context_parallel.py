@@ -253,6 +253,15 @@ def test_attention_with_the_context_parallel_core_on_one_rank_is_the_attention(m
             np.testing.assert_allclose(value, plain, rtol=1e-5, atol=1e-6)
 
 
+def test_a_sequence_length_other_than_the_masks_names_the_field():
+    plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=False, seq_length=32)
+    q = Tensor(np.zeros((1, 2, 2, 16, 4), np.float32))
+    kv = Tensor(np.zeros((1, 2, 16, 4), np.float32))
+    with pytest.raises(ValueError, match=r"16 tokens on this rank, but its masks were built for 32 "
+                                         r"\(train_dataset.dataloader.config.seq_length 32\)"):
+        ContextAttention(plan, ms.float32, 2)(q, kv, kv)
+
+
 def test_mtps_move_left_on_one_rank_is_the_models():
     plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=True, seq_length=8)
     move = MoveLeftAcrossChunks(plan)

@@ -7,8 +7,8 @@ of its sequence, and attention stays exactly causal across the parts.
   r and 2·cp-1-r of 2·cp instead (the zig-zag split), so every rank has as many causal (query, key) pairs to
   compute: with contiguous chunks the last rank's queries see the whole sequence and the first's only its own
   chunk.
-- Attention (``ContextAttention``, one per layer): ``ulysses`` exchanges sequence parts for head parts with an all-to-all
-  (each rank then attends over the whole sequence with 1/cp of the KV groups) and back; ``colossal`` keeps
+- Attention (``ContextAttention``, one per layer): ``ulysses`` exchanges sequence parts for head parts with an
+  all-to-all (each rank then attends over the whole sequence with 1/cp of the KV groups) and back; ``colossal`` keeps
   the heads and passes the K/V blocks around the cp ring, one block per step, merged with an online softmax;
   ``hybrid`` does Ulysses inside groups of ``ulysses_degree_in_cp`` consecutive cp ranks and the ring across
   the groups. Masks come from the global token positions of the queries and of each key block, so any split
