@@ -1,15 +1,19 @@
 """Expert parallelism vs data parallelism on 2 msrun workers (CPU): step time, and the bytes the all-to-all
 dispatch moves per step against the analytic count.
 
-configs/deepseek_v3_tiny.yaml (8 routed experts, top-2, 2 MoE decoder layers + 1 MTP layer) trains under DP
-(ZeRO-3 over 2 ranks, every rank all experts) and EP2 (ZeRO-3 over 2 ranks, each rank 4 experts, tokens sent
+configs/deepseek_v3_tiny.yaml (8 routed experts, top-2, 2 MoE decoder layers + 1 MTP layer) trains eagerly under
+DP (ZeRO-3 over 2 ranks, every rank all experts) and EP2 (ZeRO-3 over 2 ranks, each rank 4 experts, tokens sent
 to their experts' rank by all-to-all) in the same processes, one step of each in turn so both see the same
 moments of the shared machine; the first step of each is dropped (kernel compilation).
 
-Compiled against eager: EP2 under ZeRO-1 (the strategy that lets the step compile) twice in the same rounds,
+Compiled against eager: EP2 under ZeRO-1 twice in the same rounds,
 eagerly (``fast_step.compile=false``: the all-to-all dispatch, splits counted on the host) and compiled (forward
 and backward in one mindspore.jit graph with the all-gather token dispatch, ``AllGatherDispatcher``), reported as
 the median of the per-round ratios.
+
+The transport a compiled dispatch could use, timed alone in a graph (forward and backward, one MoE layer's
+micro-batch): the all-gather dispatch's against a capacity-padded all-to-all that drops no token (why the
+compiled step uses the former).
 
 Bytes: each EP step's dispatches count the rows they send to the other rank (``AllToAllDispatcher.
 rows_sent_away``); the combine returns as many rows, and the backward sends the gradients of both back the
@@ -30,7 +34,8 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EP2 = "parallelism.expert_parallel=2"
 ZERO1 = "parallelism.data_parallel_shard_strategy=optim"
-LAYOUTS = {"DP": [], "EP2": [EP2], "EP2 ZeRO-1 eager": [EP2, ZERO1, "fast_step.compile=false"],
+EAGER = "fast_step.compile=false"  # the all-to-all dispatch, whose rows the byte count reads
+LAYOUTS = {"DP": [EAGER], "EP2": [EP2, EAGER], "EP2 ZeRO-1 eager": [EP2, ZERO1, EAGER],
            "EP2 ZeRO-1 compiled": [EP2, ZERO1, "fast_step.compile=true"]}
 ROUNDS = 4
 BYTES_PER_VALUE = 4  # float32 activations
@@ -51,6 +56,51 @@ def _config(shard: str, overrides: list[str]):
 
 def _dispatchers(trainer) -> list:
     return [layer.token_dispatcher for _, layer in trainer.model.moe_layers() if layer.token_dispatcher]
+
+
+def _transport_times(group, tokens: int, hidden: int, top_k: int, repeats: int) -> dict[str, float]:
+    """Seconds one MoE layer's token transport takes in a graph, forward and backward (comm's Cells after
+    comm.for_graph, as in a compiled step), medians: the all-gather dispatch's (gather the tokens and their
+    routing, reduce-scatter the sums back) and a capacity-padded all-to-all's that drops no token (each rank
+    sends every other rank a block of tokens·top_k rows, the most its experts could be sent, and the combine
+    returns as many)."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore import Tensor, nn
+
+    from training.parallel import comm
+
+    class AllGatherTransport(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.gather, self.combine = comm.AllGather(group, 0), comm.ReduceScatter(group, 0)
+
+        def construct(self, rows, routing):
+            return self.combine(self.gather(rows)).sum() + self.gather(routing).sum()
+
+    class PaddedAllToAllTransport(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.exchange = comm.AllToAll(group, 0, 0)
+
+        def construct(self, blocks):
+            return self.exchange(self.exchange(blocks)).sum()
+
+    def timed(cell, *inputs):
+        comm.for_graph(cell)
+        step = ms.jit(ms.grad(cell, grad_position=tuple(range(len(inputs)))))
+        run = lambda: [g.asnumpy() for g in step(*inputs)]  # noqa: E731
+        run()  # the first call compiles
+        seconds = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            run()
+            seconds.append(time.perf_counter() - started)
+        return statistics.median(seconds)
+
+    ones = lambda *shape: Tensor(np.ones(shape, np.float32))  # noqa: E731
+    return {"all-gather": timed(AllGatherTransport(), ones(tokens, hidden), ones(tokens, 2 * top_k)),
+            "padded all-to-all": timed(PaddedAllToAllTransport(), ones(group.size * tokens * top_k, hidden))}
 
 
 def worker(out: str, shard: str) -> None:
@@ -84,9 +134,10 @@ def worker(out: str, shard: str) -> None:
     uniform_rows = ep.accumulation * moe_layers * (tokens * layer.top_k + layer.num_experts) * (dims.ep - 1) / dims.ep
     step_bytes = 4 * ep.model.config.hidden_size * BYTES_PER_VALUE  # dispatch + combine, forward + backward
     compiled, eager = times["EP2 ZeRO-1 compiled"][1:], times["EP2 ZeRO-1 eager"][1:]
+    transport = _transport_times(ep.mesh.group("ep"), tokens, ep.model.config.hidden_size, layer.top_k, 2 * ROUNDS)
     figures = {"step_s": {name: statistics.median(t[1:]) for name, t in times.items()},
                "compiled_speed": statistics.median(e / c for e, c in zip(eager, compiled)),
-               "modes": {name: trainer.step_mode for name, trainer in trainers.items()},
+               "modes": {name: trainer.step_mode for name, trainer in trainers.items()}, "transport_s": transport,
                "bytes": statistics.mean(rows_away) * step_bytes, "analytic_bytes": uniform_rows * step_bytes}
     if world.is_main:
         (Path(out) / "expert_parallel.json").write_text(json.dumps(figures))
@@ -106,6 +157,10 @@ def run(report, shard: Path) -> None:
         print(f"  {name}: {figures['modes'][name][:150]}")
     report("EP2 ZeRO-1 compiled step", step["EP2 ZeRO-1 compiled"] * 1000, "ms", figures["compiled_speed"],
            "EP2 ZeRO-1 eager's speed, paired per round")
+    transport = figures["transport_s"]
+    for name, seconds in transport.items():
+        report(f"one MoE layer's transport in a graph, {name}", seconds * 1000, "ms", seconds / transport["all-gather"],
+               "the all-gather dispatch's")
 
 
 if __name__ == "__main__":
