@@ -314,7 +314,8 @@ class ParallelismConfig(Section):
         # the counts are needed on the host before the dispatch (the rows are ordered by expert there)
         "expert_parallel_async_d2h": "the per-expert token counts are copied to the host synchronously: Kiln orders "
                                      "the tokens by expert on the host before the all-to-all, so there is no copy "
-                                     "to overlap with the dispatch",
+                                     "to overlap with the dispatch (and a compiled step, which all-gathers the "
+                                     "tokens instead, copies none)",
     }
     # MindFormers' shipped pynative YAMLs write null for the automatic stage split
     SAME_AS_DEFAULT = {"pipeline_parallel_layers_per_stage": (None,)}
