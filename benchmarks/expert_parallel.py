@@ -68,6 +68,7 @@ def _transport_times(group, tokens: int, hidden: int, top_k: int, repeats: int) 
     import numpy as np
     from mindspore import Tensor, nn
 
+    from benchmarks.compiled_parallel import _median_seconds
     from training.parallel import comm
 
     class AllGatherTransport(nn.Cell):
@@ -89,14 +90,7 @@ def _transport_times(group, tokens: int, hidden: int, top_k: int, repeats: int) 
     def timed(cell, *inputs):
         comm.for_graph(cell)
         step = ms.jit(ms.grad(cell, grad_position=tuple(range(len(inputs)))))
-        run = lambda: [g.asnumpy() for g in step(*inputs)]  # noqa: E731
-        run()  # the first call compiles
-        seconds = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            run()
-            seconds.append(time.perf_counter() - started)
-        return statistics.median(seconds)
+        return _median_seconds(lambda: [g.asnumpy() for g in step(*inputs)], repeats)
 
     ones = lambda *shape: Tensor(np.ones(shape, np.float32))  # noqa: E731
     return {"all-gather": timed(AllGatherTransport(), ones(tokens, hidden), ones(tokens, 2 * top_k)),
