@@ -49,7 +49,10 @@ CASES = {
 # sequence parallel inside ZeRO-3 (its plain tensor parallelism is also in tests/test_tensor_parallel.py)
 DEEPSEEK = "tests/configs/deepseek_v3_micro.yaml"
 DEEPSEEK_CASES = {"deepseek_zero3": [],
-                  "deepseek_tp2_sp_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]}
+                  # compiled: the router's and experts' chunks gathered in the graph (fsdp.GatheredMatrix, GatheredRows),
+                  # the embedding's lookup bounded by its tensor-parallel rows, not by its chunk's
+                  "deepseek_tp2_sp_zero3_compiled": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
+                                                     "fast_step.compile=true"]}
 
 
 def case_config(shard: str, overrides: list[str], save_path: Path | None = None, model_config: str = MICRO_CONFIG):

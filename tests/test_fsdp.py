@@ -44,7 +44,7 @@ def test_layout_trains_as_one_process(runs, case):
     single, expected = references[DEEPSEEK if case in DEEPSEEK_CASES else TIED if TIED in CASES[case] else MICRO_CONFIG]
     if "compiled" in case:  # the micro config trains eagerly unless a case turns compiling on
         step_mode = (root / "cases" / case / "step_mode.txt").read_text()
-        whole = "fast_step.compile_reduction=true" in CASES[case]
+        whole = "fast_step.compile_reduction=true" in {**CASES, **DEEPSEEK_CASES}[case]
         assert step_mode.startswith("whole step compiled (mindspore.jit: forward, backward, gradient reduction" if whole
                                     else "forward+backward compiled (mindspore.jit)"), step_mode
     sharded = read_records(root / "cases" / case / "metrics.jsonl")

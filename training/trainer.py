@@ -77,12 +77,6 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
                        "resume draws the same masks), which a graph would replay as constants")
     if config.monitor.train_state.max_attention_logit:
         reasons.append("monitor.train_state.max_attention_logit: the per-head maxima are gathered on the host")
-    if dims.dp_shard * dims.cp > 1 and config.parallelism.data_parallel_shard_strategy == "optim_grads_params":
-        # compiled, each layer gathers its own chunks in the graph (DataParallel.gather_in_layers)
-        if model.config.has_moe:
-            reasons.append("ZeRO-3 with MoE layers: the router's and the routed experts' weights are read by MoE code "
-                           "that takes no gathered weights (DataParallel.gather_in_layers gives them to Linear, "
-                           "RMSNorm and the embedding), so the units gather their chunks on the host")
     return reasons
 
 

@@ -167,8 +167,8 @@ class RMSNorm(nn.Cell):
 
 
 class VocabEmbedding(nn.Cell):
-    """The [vocab, hidden] lookup table. Under tensor parallelism the table holds the rows
-    ``vocab_start`` onwards only: other ids look up zeros and ``output_comm`` sums the ranks' lookups.
+    """The [vocab, hidden] lookup table. Under tensor parallelism the table holds the ``vocab_rows`` rows from
+    ``vocab_start`` only: other ids look up zeros and ``output_comm`` sums the ranks' lookups.
     ``weight_gather``/``output_gather`` (None: the table is whole) are what ZeRO-3 puts here when the step
     compiles and the table holds this rank's rows only: the lookup and the tied output layer's product from the
     gathered table (training.parallel.fsdp.GatheredRows, GatheredMatrix)."""
@@ -177,6 +177,7 @@ class VocabEmbedding(nn.Cell):
         super().__init__()
         self.weight = init.normal(vocab_size, hidden_size)
         self.vocab_start = 0
+        self.vocab_rows = vocab_size  # not the weight's shape: under ZeRO-3 in a graph the weight is a chunk
         self.output_comm = None
         self.weight_gather = None
         self.output_gather = None
@@ -185,7 +186,7 @@ class VocabEmbedding(nn.Cell):
         if self.output_comm is None:
             return self._rows(input_ids)
         local_ids = input_ids - self.vocab_start
-        here = ops.logical_and(local_ids >= 0, local_ids < self.weight.shape[0])
+        here = ops.logical_and(local_ids >= 0, local_ids < self.vocab_rows)
         rows = self._rows(ops.where(here, local_ids, 0))
         return self.output_comm(rows * here.expand_dims(-1).astype(rows.dtype))
 

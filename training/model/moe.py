@@ -76,10 +76,13 @@ class TopKRouter(nn.Cell):
         self.score_function = config.moe_router_score_function
         self.norm_topk_prob = config.norm_topk_prob
         self.scaling = config.routed_scaling_factor
+        self.weight_gather = None  # ZeRO-3 in a compiled step: the scores' product from this rank's rows
 
     def construct(self, tokens: Tensor, expert_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """tokens [T, hidden] → (scores [T, E] fp32, chosen experts [T, k], gates [T, k])."""
-        logits = _matmul_transpose_b(cast(tokens, ms.float32), cast(self.weight, ms.float32))
+        tokens = cast(tokens, ms.float32)
+        logits = (_matmul_transpose_b(tokens, cast(self.weight, ms.float32)) if self.weight_gather is None
+                  else self.weight_gather(tokens, self.weight))
         scores = ops.sigmoid(logits) if self.score_function == "sigmoid" else ops.softmax(logits, axis=-1)
         selection = ops.stop_gradient(scores) + expand(expert_bias, scores)
         if self.n_group > 1:
@@ -111,6 +114,15 @@ class GroupedExperts(nn.Cell):
         self.ffn = ffn
         self.weight1 = init.normal(experts, hidden, 2 * ffn)
         self.weight2 = init.normal(experts, ffn, hidden)
+        # ZeRO-3 in a compiled step: the weights of given experts from this rank's chunks of experts
+        self.weight1_gather = None
+        self.weight2_gather = None
+
+    def _weights_of(self, experts: Tensor) -> tuple[Tensor, Tensor]:
+        """Both stacked weights of ``experts`` [n] int32, one [n, ...] slice per entry."""
+        if self.weight1_gather is None:
+            return ops.gather(self.weight1, experts, 0), ops.gather(self.weight2, experts, 0)
+        return self.weight1_gather(self.weight1, experts), self.weight2_gather(self.weight2, experts)
 
     def dispatch(self, tokens: Tensor, expert_of_row: Tensor, one_hot: Tensor, counts: Tensor,
                  top_k: int) -> Tensor:
@@ -146,8 +158,7 @@ class GroupedExperts(nn.Cell):
         ended = (ops.tile(block_end.expand_dims(0), (blocks, 1)) <= ops.tile(block_index, (1, experts))
                  ).astype(ms.float32).sum(1)                       # experts ended before the block
         expert_of_block = ops.minimum(ended, experts - 1).astype(ms.int32)  # blocks past the last hold zeros
-        out = _swiglu_experts(padded.reshape(blocks, block, hidden), ops.gather(self.weight1, expert_of_block, 0),
-                              ops.gather(self.weight2, expert_of_block, 0))
+        out = _swiglu_experts(padded.reshape(blocks, block, hidden), *self._weights_of(expert_of_block))
         return ops.gather(out.reshape(blocks * block, hidden), slot, 0)
 
     def construct(self, x_sorted: Tensor, counts: np.ndarray) -> Tensor:
@@ -167,7 +178,9 @@ class GroupedExperts(nn.Cell):
         rows = np.full(experts * capacity, assignments, np.int32)        # padding reads the zero row
         rows[slot] = np.arange(assignments, dtype=np.int32)
         padded = ops.gather(ops.cat([x_sorted, ops.zeros((1, hidden), x_sorted.dtype)], 0), Tensor(rows), 0)
-        out = _swiglu_experts(padded.reshape(experts, capacity, hidden), self.weight1, self.weight2)
+        weights = ((self.weight1, self.weight2) if self.weight1_gather is None
+                   else self._weights_of(Tensor(np.arange(experts, dtype=np.int32))))
+        out = _swiglu_experts(padded.reshape(experts, capacity, hidden), *weights)
         return ops.gather(out.reshape(experts * capacity, hidden), Tensor(slot), 0)
 
 

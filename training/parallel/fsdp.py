@@ -35,6 +35,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from training.model.layers import (Linear, RMSNorm, VocabEmbedding, _matmul, _matmul_transpose_a, cast,
                                    gate_up_halves, gate_up_pairs, linear)
+from training.model.moe import GroupedExperts, TopKRouter
 from training.optim import tensor_norms
 from training.parallel import comm
 from training.parallel.expert_parallel import ExpertParallelPlan
@@ -256,12 +257,12 @@ class _RegatherInBackward:
 
 # ---- ZeRO-3 in a compiled step: each layer gathers its own weights ---------------------------------------
 # A graph's weights are its Parameters, so the eager units' host wrapper (_UnitGather) cannot run in one; instead
-# each layer holding chunks is given Cells that gather them where they are read (layers.Linear, RMSNorm and
-# VocabEmbedding's ``*_gather`` attributes). A graph keeps whatever its backward reads, so resharding after forward
-# takes a hand-written backward that reads only its inputs (x and the chunk) and gathers the weight again:
-# MindSpore 2.10's Cell.recompute does not apply inside a PyNative mindspore.jit graph (measured: the compiled
-# graph held the same MatMul count with and without it). Vectors (norm weights, biases) stay gathered until the
-# backward: a few KB per layer.
+# each layer holding chunks is given Cells that gather them where they are read (the ``*_gather`` attributes of
+# layers.Linear, RMSNorm, VocabEmbedding and of MoE's TopKRouter and GroupedExperts). A graph keeps whatever its
+# backward reads, so resharding after forward takes a hand-written backward that reads only its inputs (x and the
+# chunk) and gathers the weight again: MindSpore 2.10's Cell.recompute does not apply inside a PyNative
+# mindspore.jit graph (measured: the compiled graph held the same MatMul count with and without it). Vectors
+# (norm weights, biases) stay gathered until the backward: a few KB per layer.
 class GatheredMatrix(nn.Cell):
     """x @ W.T for a Linear's (or a tied output layer's) weight W held as this rank's rows: W gathered for the
     product (its rows put in gate/up halves for an MLP's fc1), the chunk's gradient the reduce-scatter of W's by
@@ -294,9 +295,9 @@ class RegatheredMatrix(GatheredMatrix):
 
 
 class GatheredRows(nn.Cell):
-    """Rows ``ids`` of an embedding table held as this rank's rows. The gathered table is never kept: the
-    lookup's backward needs only the ids (a row's gradient is the sum of its tokens' output gradients), whose
-    sum over the table is then reduce-scattered to the chunk."""
+    """Rows ``ids`` of a table held as this rank's rows: an embedding's, or the stacked weights of routed experts
+    (a row an expert). The gathered table is never kept: the lookup's backward needs only the ids (a row's
+    gradient is the sum of the gradients of the places it went), whose sum is then reduce-scattered to the chunk."""
 
     def __init__(self, group: Group):
         super().__init__()
@@ -307,8 +308,7 @@ class GatheredRows(nn.Cell):
         return ops.gather(self.gather.transport.gather(chunk), ids, 0)
 
     def bprop(self, chunk, ids, out, dout):
-        width = dout.shape[-1]
-        table = ops.unsorted_segment_sum(dout.reshape(-1, width), ids.reshape(-1), chunk.shape[0] * self.members)
+        table = ops.unsorted_segment_sum(dout, ids, chunk.shape[0] * self.members)
         return cast(self.gather.transport.reduce_scatter(table), chunk.dtype), ops.zeros_like(ids)
 
 
@@ -322,6 +322,10 @@ def _gathering_cells(cell: nn.Cell, attr: str, group: Group, reshard: bool) -> d
         return {"weight_gather": GatheredRows(group), "output_gather": matrix(group)}
     if isinstance(cell, RMSNorm):
         return {"weight_gather": comm.AllGather(group, 0)}
+    if isinstance(cell, TopKRouter):
+        return {"weight_gather": matrix(group)}
+    if isinstance(cell, GroupedExperts):
+        return {f"{attr}_gather": GatheredRows(group)}
     raise ValueError(f"ZeRO-3 in a compiled step: {type(cell).__name__}.{attr} is read where no gathered weight "
                      "can be given (see trainer.compile_blockers)")
 

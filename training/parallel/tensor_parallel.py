@@ -186,7 +186,8 @@ def _parallelize(model: GPTModel, sharder: _Sharder, enter, leave, sequence_para
     group, tp = sharder.group, sharder.group.size
     embedding = model.embedding.word_embeddings
     sharder.cut(embedding, "weight", 0)
-    embedding.vocab_start = group.rank * embedding.weight.shape[0]
+    embedding.vocab_rows = embedding.weight.shape[0]
+    embedding.vocab_start = group.rank * embedding.vocab_rows
     embedding.output_comm = leave
     if model.output_layer is not None:
         sharder.cut(model.output_layer, "weight", 0)
