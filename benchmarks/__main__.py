@@ -12,6 +12,8 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   deepseek_v3_bench in Kiln's Trainer vs. transformers' model + AdamW in PyTorch eager and torch.compile, and
   MindSpore's compiled matmul on the step's GEMMs, round by round, paired (targets: Qwen3 bench >= 1.0x eager and
   >= 0.95x torch.compile, tiny >= 0.5x eager, >= 0.75 of the compiled matmul peak);
+- compile time (benchmarks/compile_time.py): the first compiled step of qwen3_tiny at 2, 8 and 16 layers and its peak
+  RSS, the decoder layers sharing one graph (lazy_inline) vs. a graph per layer, each in a process of its own.
 - data index: GPTDataset index build for 1M documents, the 10M-sample blend vs a scalar loop, and
   sample fetching vs. the training consumption rate just measured;
 - monitoring: the training step with every `monitor.train_state` option on vs. off.
@@ -63,7 +65,7 @@ import numpy as np
 
 from benchmarks import (blend_settings, checkpoint_io, context_parallel, data_index, expert_parallel, lineage_scale,
                         model_flops, monitoring, parallel_memory, pipes_streaming, throughput)
-from benchmarks import compiled_parallel, pipeline_bubble
+from benchmarks import compile_time, compiled_parallel, pipeline_bubble
 from benchmarks import validation
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -265,6 +267,8 @@ def main(argv=None) -> int:
             model_flops.run(report, shard, args.steps, runtime_ready=True)
             # the step against PyTorch on the same shapes, each variant in a process of its own
             throughput.run(report)
+            # the first compiled step at 2, 8 and 16 layers, with and without the layers sharing one graph
+            compile_time.run(report)
             # sample fetching against what training consumes at the same number of tokens per sample
             data_index.run(report, consume_samples_per_s=tokens_per_s / data_index.SEQ_LENGTH)
             monitoring.run(report)
