@@ -14,7 +14,6 @@ Measured here (23.5 GiB RAM, 2 shared cores, Kiln's 4096-piece tokenizer): 6.19 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys

@@ -1,5 +1,4 @@
 """Multi-node msrun on loopback: two "nodes" (node_rank 0 and 1, one worker each) form one job and train."""
-import json
 import os
 import socket
 import subprocess

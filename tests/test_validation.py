@@ -1,6 +1,5 @@
 """Validation during training (training.eval_interval / eval_iters), in one process: which samples it reads,
 what it computes, how it is reported, and that it changes nothing of the training it interrupts."""
-import json
 import math
 
 import numpy as np
@@ -9,7 +8,7 @@ from mindspore import Tensor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT, write_random_documents
-from test_trainer import losses, make_trainer
+from test_trainer import make_trainer
 from training.config import ConfigError, TensorboardConfig, load_config
 from training.data.loader import build_dataset, stack_model_inputs
 from training.evaluation import HeldOutSplit, Validation, perplexity, validation_line
