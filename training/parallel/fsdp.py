@@ -312,14 +312,15 @@ class GatheredRows(nn.Cell):
         return cast(self.gather.transport.reduce_scatter(table), chunk.dtype), ops.zeros_like(ids)
 
 
-def _gathering_cells(cell: nn.Cell, attr: str, group: Group, reshard: bool) -> dict[str, nn.Cell]:
-    """The ``*_gather`` attributes that let ``cell`` read its chunk ``attr`` in a graph (GatheredMatrix & co)."""
+def _gathering_cells(cell: nn.Cell, attr: str, group: Group, reshard: bool, tied: bool) -> dict[str, nn.Cell]:
+    """The ``*_gather`` attributes that let ``cell`` read its chunk ``attr`` in a graph (GatheredMatrix & co);
+    ``tied``: the embedding table is the output layer too."""
     matrix = RegatheredMatrix if reshard else GatheredMatrix
     if isinstance(cell, Linear):
         return ({"weight_gather": matrix(group, cell.gate_up)} if attr == "weight"
                 else {"bias_gather": comm.AllGather(group, 0)})
     if isinstance(cell, VocabEmbedding):
-        return {"weight_gather": GatheredRows(group), "output_gather": matrix(group)}
+        return {"weight_gather": GatheredRows(group), **({"output_gather": matrix(group)} if tied else {})}
     if isinstance(cell, RMSNorm):
         return {"weight_gather": comm.AllGather(group, 0)}
     if isinstance(cell, TopKRouter):
@@ -439,8 +440,14 @@ class DataParallel:
             owner.__dict__.pop(method, None)  # the class's own method again
         self.unit_wrappers = []
         for cell, attr, sharded in self.chunk_slots:
-            for name, gathering in _gathering_cells(cell, attr, sharded.group, self.reshard_after_forward).items():
+            for name, gathering in _gathering_cells(cell, attr, sharded.group, self.reshard_after_forward,
+                                                    self._output_is_tied).items():
                 setattr(cell, name, gathering)
+
+    @property
+    def _output_is_tied(self) -> bool:
+        """The model's logits come from its embedding table (model.tie_word_embeddings: no output layer)."""
+        return getattr(self.model, "output_layer", True) is None
 
     def _entry_points(self, unit: nn.Cell) -> tuple[str, ...]:
         """The model's methods other than ``unit.construct`` that read the unit's weights, so gather them as well:
@@ -449,8 +456,7 @@ class DataParallel:
         the output matmul with the embedding table."""
         if unit is self.model:
             return ("loss_and_parts", "logits", "sample_loss_sums")
-        tied = getattr(self.model, "output_layer", True) is None
-        return ("_output",) if tied and unit is getattr(self.model, "embedding", None) else ()
+        return ("_output",) if self._output_is_tied and unit is getattr(self.model, "embedding", None) else ()
 
     # ---- what the trainer differentiates and updates -------------------------------------------------
     @property
