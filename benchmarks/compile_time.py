@@ -16,16 +16,18 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/qwen3_tiny.yaml"
 STEPS = 3
+DEPTHS = (2, 8, 16)
 VARIANTS = ("shared layer graphs", "a graph per layer")
 
 
-def worker(layers: int, variant: str) -> dict:
+def worker(layers: int, variant: str, run_dir: Path) -> dict:
     from benchmarks.throughput import load
     from training.model.transformer import TransformerLayer
     from training.parallel.mesh import World
@@ -36,7 +38,7 @@ def worker(layers: int, variant: str) -> dict:
         TransformerLayer.__init__ = TransformerLayer.__init__.__wrapped__
     config = load(CONFIG, [f"model.num_hidden_layers={layers}", "fast_step.compile=true", f"training.steps={STEPS}"])
     configure_runtime(config)
-    trainer = Trainer(config, World(rank=0, size=1), Path(os.environ["KILN_BENCH_DIR"]), Reporter(None, enabled=False))
+    trainer = Trainer(config, World(rank=0, size=1), run_dir, Reporter(None, enabled=False))
     assert trainer.step_mode.startswith("whole step compiled"), trainer.step_mode
     started = time.perf_counter()
     losses = [trainer.train_step()["loss"]]
@@ -47,44 +49,44 @@ def worker(layers: int, variant: str) -> dict:
 
 
 def measure(layers: int, variant: str, run_dir: Path) -> dict:
-    env = {**os.environ, "MS_DEV_HOST_BLOCKING_RUN": "1", "KILN_BENCH_DIR": str(run_dir)}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--worker", str(layers), variant],
-                          cwd=PROJECT_ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.compile_time", "--worker", str(layers), variant, run_dir],
+                          cwd=PROJECT_ROOT, env={**os.environ, "MS_DEV_HOST_BLOCKING_RUN": "1"},
+                          capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{variant} at {layers} layers failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(report, layers=(2, 8, 16)) -> None:
-    """Each depth's two variants back to back (which goes first alternating by depth), through ``report``."""
-    import tempfile
-
+def run(report, layers=DEPTHS) -> None:
+    """Each depth's two variants back to back (which goes first alternating by depth), through ``report``; raises
+    if their losses differ."""
     with tempfile.TemporaryDirectory(prefix="kiln-bench-compile-time-") as tmp:
         for i, depth in enumerate(layers):
             order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
             results = {variant: measure(depth, variant, Path(tmp) / f"{depth}-{n}") for n, variant in enumerate(order)}
-            if results[VARIANTS[0]]["losses"] != results[VARIANTS[1]]["losses"]:
+            shared, apart = results[VARIANTS[0]], results[VARIANTS[1]]
+            if shared["losses"] != apart["losses"]:
                 raise AssertionError(f"the variants' losses differ at {depth} layers: {results}")
-            apart = results[VARIANTS[1]]
-            for variant, r in results.items():
-                report(f"{depth} layers, {variant}: first step", r["first_step_s"], "s",
-                       r["first_step_s"] / apart["first_step_s"], "a graph per layer")
-                report(f"{depth} layers, {variant}: peak RSS", r["peak_rss_gb"], "GB",
-                       r["peak_rss_gb"] / apart["peak_rss_gb"], "a graph per layer")
+            for figure, label, unit in (("first_step_s", "first step", "s"), ("peak_rss_gb", "peak RSS", "GB")):
+                report(f"{depth} layers, {VARIANTS[1]}: {label}", apart[figure], unit)
+                report(f"{depth} layers, {VARIANTS[0]}: {label}", shared[figure], unit, shared[figure] / apart[figure],
+                       VARIANTS[1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 16])
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, nargs="+", default=list(DEPTHS))
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(int(args.worker[0]), args.worker[1])), flush=True)
+        layers, variant, run_dir = args.worker
+        print(json.dumps(worker(int(layers), variant, Path(run_dir))), flush=True)
         return
     from benchmarks.__main__ import report
 
-    print(f"{CONFIG}, whole step compiled; the losses of both variants equal at every depth")
+    print(f"{CONFIG}, whole step compiled")
     run(report, args.layers)
+    print("the losses of both variants were equal at every depth")
 
 
 if __name__ == "__main__":
