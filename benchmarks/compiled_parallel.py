@@ -7,7 +7,7 @@ TP 2 with sequence parallelism (one micro-batch of both samples), PP 2 (1F1B, a 
 (a sample per rank), each eager (``fast_step.compile=false``) and compiled (TP: forward and backward in one
 mindspore.jit graph, its gathers and reduce-scatters as all-reduces, ``comm.for_graph``; PP: each stage's forward
 and recomputing backward, the transfers between them on the host; ZeRO-3: each layer gathers its chunks in the
-graph and again in its backward, ``DataParallel.gather_in_layers``), and DP 2 compiled (a sample per rank), the
+graph and again in its backward, ``Parallelism.gather_in_layers``), and DP 2 compiled (a sample per rank), the
 layout without any of them. The variants' steps alternate round by round in one launch (the machine is shared:
 each round sees the same load); each ratio is a median of per-round ratios.
 

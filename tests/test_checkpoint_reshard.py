@@ -44,7 +44,7 @@ def tp_fsdp_layouts() -> dict[str, TensorLayout]:
 
 
 def ep_efsdp_layouts() -> dict[str, TensorLayout]:
-    """Expert parallel 2 inside dp_shard 4 (efsdp 2) as ``DataParallel`` lays it out: QKV and PROJ stand for
+    """Expert parallel 2 inside dp_shard 4 (efsdp 2) as ``Parallelism`` lays it out: QKV and PROJ stand for
     expert weights, cut along dim 0 (experts) over ep; QKV also over efsdp (ZeRO-3 of the experts), PROJ held
     whole by its ep rank's efsdp replicas (ZeRO-1's weights); EMB a dense weight over dp_shard 4."""
     dims = ParallelDims(4, dp_shard=4, ep=2)

@@ -31,7 +31,7 @@ from training.optim import (AdamW, SkipStepOnNaN, build_lr_schedule, build_optim
                             clip_grad_norm_in_graph)
 from training.parallel import comm
 from training.parallel.comm import Collectives
-from training.parallel.fsdp import DataParallel, GradientReduction
+from training.parallel.fsdp import GradientReduction, Parallelism
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
 from training.parallel.parallelize import parallelize
 from training.profiling import build_profiler, profile_root
@@ -81,7 +81,7 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
 
 
 class ScaledLoss(nn.Cell):
-    """The micro-batch loss scaled for its backward (``DataParallel.loss_scale``), whose gradients then sum over
+    """The micro-batch loss scaled for its backward (``Parallelism.loss_scale``), whose gradients then sum over
     micro-batches and ranks into the global batch's mean; then the loss and its parts (``loss_part_names``), all
     in one flat tuple (a graph cannot return the empty tuple of a model without parts)."""
 
@@ -121,7 +121,7 @@ class CompiledStep(nn.Cell):
     gradient norm are finite (the host then counts, skips or stops exactly as ``SkipStepOnNaN`` decides after an
     eager step, from the same values). The sums run in the eager step's order, so they are the same bits.
     Under data parallelism ``reduction`` reduces the summed gradients over the ranks in the graph, as
-    ``DataParallel.reduce_gradients`` does eagerly, and sums the loss over them, so every rank applies or skips
+    ``Parallelism.reduce_gradients`` does eagerly, and sums the loss over them, so every rank applies or skips
     the update alike."""
 
     def __init__(self, loss: ScaledLoss, params: list, optimizer: AdamW, max_norm: float, accumulation: int,
@@ -185,7 +185,7 @@ class TrainStep:
     mode: str
 
 
-def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, parallel: DataParallel,
+def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, parallel: Parallelism,
                      optimizer: AdamW, monitor: TrainStateMonitor, accumulation: int) -> TrainStep:
     """The fastest step this run allows: the whole step compiled, else its forward and backward, else eager
     (``compile_blockers``, ``whole_step_blockers``)."""

@@ -31,7 +31,7 @@ sequence shards under sequence parallelism by ``MoELayer.sequence_shard_sum``) a
 are those of the single-process run's micro-batch; ``GPTModel.after_step`` sums the counts over every rank
 holding distinct tokens (the world: it contains the ep group), which feeds the expert biases and the
 tokens-per-expert monitor. Expert weights' gradients are the sum over ep (the all-to-all's backward) and
-then over ``expert_dp`` (dp_replicate × efsdp: the ranks holding the same experts), which ``DataParallel``
+then over ``expert_dp`` (dp_replicate × efsdp: the ranks holding the same experts), which ``Parallelism``
 does from the returned plan — together every rank holding tokens, never the tp group on its own (ep may
 be carved out of tp, whose ranks then hold different experts). FSDP shards expert weights over ``efsdp``,
 each MoE layer's experts gathering as a unit of their own, as MindFormers wraps them on its sparse mesh.

@@ -11,7 +11,7 @@ ranks join the shards: "``dp_shard``" below is then the ``fsdp`` group, dp_shard
 - ``optim_grads_params`` (ZeRO-3): also the parameters: the model holds only its chunks, and each unit
   (a decoder layer, an MTP layer, the rest of the model) all-gathers its weights when it runs. The gather's
   backward is a reduce-scatter, so gradients arrive as this rank's chunk, summed over ``dp_shard``. When the
-  step compiles, each layer gathers its own chunks inside the graph instead (``DataParallel.gather_in_layers``).
+  step compiles, each layer gathers its own chunks inside the graph instead (``Parallelism.gather_in_layers``).
 
 Routed experts under expert parallelism (``expert_parallel``: what ``apply_expert_parallel`` did) have a
 data-parallel domain of their own, MindFormers' sparse mesh: cut over ``efsdp`` instead of ``dp_shard``,
@@ -122,7 +122,7 @@ class _Primitive(nn.Cell):
 
 
 class GradientReduction(nn.Cell):
-    """``DataParallel.reduce_gradients`` for a compiled step (``DataParallel.compiled_reduction``): the same
+    """``Parallelism.reduce_gradients`` for a compiled step (``Parallelism.compiled_reduction``): the same
     buckets, in the same order and flat layout as the eager reduction, so the sums are the same; then
     ``whole_squares`` makes the squared norms of cut gradients those of their whole tensors, and ``loss_total``
     sums the step's loss over the world, so every rank's graph decides alike whether to apply the update."""
@@ -341,21 +341,26 @@ def gather_chunks(chunks: list[Tensor], full_shapes: list[tuple[int, ...]], grou
     return [part.reshape(shape) for part, shape in zip(parts, full_shapes)]
 
 
-class DataParallel:
-    """The data-parallel strategy of one run: which tensors the optimizer updates, how gradients are
+class Parallelism:
+    """Every parallelism of one run as applied to its model (``parallelize`` builds it): the tensor-, expert- and
+    context-parallel plans and the pipeline (None where the layout has none), and what they mean together for
+    training, which this module's sharding decides: which tensors the optimizer updates, how gradients are
     reduced, what the checkpoint layouts are. With ``dp_shard == 1`` nothing is sharded (plain data
     parallelism: gradients all-reduced, parameters replicated).
 
     On a tensor-parallel model (``tensor_parallel``: what ``apply_tensor_parallel`` did), each rank's tensors
     are its tp shards, which FSDP cuts again along their dim 0; the replicated weights tp lists have their
     gradients summed over tp first. Routed experts cut by ``expert_parallel`` are reduced and sharded in the
-    experts' domain (module docstring)."""
+    experts' domain (module docstring). ``context_parallel`` gives the trainer each rank's tokens of a
+    micro-batch; ``pipeline`` runs the step's micro-batches through this rank's stages."""
 
     def __init__(self, model: nn.Cell, mesh: DeviceMesh, strategy: str, divide_before_reduction: bool,
                  accumulation: int, unit_cells: list[nn.Cell], tensor_parallel: TensorParallelPlan | None = None,
                  reshard_after_forward: bool = True, expert_parallel: ExpertParallelPlan | None = None,
-                 params: list[Parameter] | None = None):
+                 context_parallel=None, pipeline=None):
         self.model, self.mesh = model, mesh
+        self.tensor_parallel, self.expert_parallel = tensor_parallel, expert_parallel
+        self.context_parallel, self.pipeline = context_parallel, pipeline
         self.tp_group, self.ep_group = mesh.group("tp"), mesh.group("ep")
         self.expert_layouts = expert_parallel.layouts if expert_parallel else {}
         # each rank's cut of a tensor: tensor parallel, or expert parallel for routed experts
@@ -376,8 +381,8 @@ class DataParallel:
         # over the rest
         self.dense = _Domain(mesh.group("dense_shard"), self.dp_group, mesh.group("dense_replicate"))
         self.experts = _Domain(mesh.group("efsdp"), mesh.group("expert_dp"), self.replicate_group)
-        # a pipeline stage trains only its layers' parameters (``params``); the rest of the model is other stages'
-        trainable = list(model.trainable_params()) if params is None else list(params)
+        # a pipeline stage trains only its layers' parameters; the rest of the model is other stages'
+        trainable = list(model.trainable_params()) if pipeline is None else list(pipeline.params)
         self.domain_of = {p.name: self.experts if p.name in self.expert_layouts else self.dense for p in trainable}
         # ZeRO-3 cuts the model's own parameters, so only tensors it can cut evenly are sharded
         self.sharded: dict[str, _Sharded] = {}

@@ -8,7 +8,7 @@ from mindspore import nn
 from training.config import TrainConfig
 from training.parallel.context_parallel import apply_context_parallel
 from training.parallel.expert_parallel import apply_expert_parallel
-from training.parallel.fsdp import DataParallel
+from training.parallel.fsdp import Parallelism
 from training.parallel.mesh import DeviceMesh
 from training.parallel.pipeline import build_pipeline
 from training.parallel.tensor_parallel import apply_tensor_parallel
@@ -28,7 +28,8 @@ def sharding_units(model: nn.Cell, pipelined: bool = False) -> list[nn.Cell]:
     return units
 
 
-def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulation: int) -> DataParallel:
+def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulation: int) -> Parallelism:
+    """Apply every parallelism of ``mesh`` to ``model`` in place, in the recipe's order; what was applied."""
     p = config.parallelism
     tensor_parallel = apply_tensor_parallel(model, mesh, p.sequence_parallel) if mesh.dims.tp > 1 else None
     expert_parallel = apply_expert_parallel(model, mesh, p) if mesh.dims.ep > 1 else None
@@ -36,15 +37,13 @@ def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulat
     units = sharding_units(model, mesh.dims.pp > 1) + list(expert_parallel.expert_cells if expert_parallel else ())
     context_parallel = apply_context_parallel(model, mesh, config) if mesh.dims.cp > 1 else None
     pipeline = build_pipeline(model, mesh, config, accumulation, tensor_parallel) if mesh.dims.pp > 1 else None
-    data_parallel = DataParallel(model, mesh, p.data_parallel_shard_strategy,
-                                 divide_before_reduction=p.disable_gradient_division, accumulation=accumulation,
-                                 unit_cells=units, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                                 # MindFormers' "default" reshards unless pipeline parallel
-                                 reshard_after_forward=p.reshard_after_forward_policy == "always" or (
-                                     p.reshard_after_forward_policy == "default" and mesh.dims.pp == 1),
-                                 params=pipeline.params if pipeline else None)
-    data_parallel.context_parallel = context_parallel  # the trainer gives each rank its tokens of every micro-batch
-    data_parallel.pipeline = pipeline  # the trainer runs the step's micro-batches through its stages
+    parallelism = Parallelism(model, mesh, p.data_parallel_shard_strategy,
+                              divide_before_reduction=p.disable_gradient_division, accumulation=accumulation,
+                              unit_cells=units, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                              # MindFormers' "default" reshards unless pipeline parallel
+                              reshard_after_forward=p.reshard_after_forward_policy == "always" or (
+                                  p.reshard_after_forward_policy == "default" and mesh.dims.pp == 1),
+                              context_parallel=context_parallel, pipeline=pipeline)
     if pipeline:
-        pipeline.finish(data_parallel.loss_scale())
-    return data_parallel
+        pipeline.finish(parallelism.loss_scale())
+    return parallelism

@@ -383,7 +383,7 @@ class Pipeline:
     def finish(self, scale: float) -> None:
         """Once the data-parallel strategy is applied: the stage's parameters as the model now holds them (ZeRO-3
         replaced each sharded one by its chunk, under the same name), and the backward of each chunk with
-        ``scale`` on each micro-batch's loss (``DataParallel.loss_scale``)."""
+        ``scale`` on each micro-batch's loss (``Parallelism.loss_scale``)."""
         current = {p.name: p for p in self.model.trainable_params()}
         for chunk in self.chunks:
             chunk.params = [current[p.name] for p in chunk.params]
