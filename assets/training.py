@@ -21,7 +21,7 @@ from resources.msrun import MsrunResource, OrphanedStep
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.atomic import write_json_atomic, write_text_atomic
 from training.checkpoint import LINEAGE, complete_steps, iteration_dir, latest_complete_checkpoint
-from training.config import ConfigError, apply_overrides, load_config, set_field
+from training.config import ConfigError, apply_overrides, load_config, read_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import ManifestError, read_manifest, training_data_path
 from training.failures import log_sizes, not_retriable_cause
@@ -65,7 +65,10 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", cfg.run_name):
         raise dg.Failure(f"run_name {cfg.run_name!r}: use letters, digits, '_', '.', '-' only")
     source = (PROJECT_ROOT / cfg.config_path).resolve()
-    data = yaml.safe_load(source.read_text())
+    try:
+        data = read_config(source)  # duplicate keys and alias bombs refused, as when training reads it
+    except ConfigError as exc:
+        raise dg.Failure(str(exc)) from None
     # the blend manifest is the one place these are set (BlendConfig): the YAML may repeat a value, not change it
     from_manifest = {"train_dataset.dataloader.config.seq_length": "seq_length",
                      "train_dataset.dataloader.config.split": "split",
@@ -354,14 +357,15 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     config_file = run_dir / "config.yaml"
     write_text_atomic(config_file, yaml.safe_dump(rendered, sort_keys=False))
     try:
-        train_config = load_config(config_file)
+        # model: as the workers will build it, before msrun takes the devices, its problems in the same report;
+        # imported here, as the model package imports MindSpore, which loading the definitions does not need
+        from training.model import model_config, validate_model_section
+        from training.parallel.expert_parallel import check_expert_parallel
+
+        train_config = load_config(config_file, model_check=model_config)
         # the parallel degrees must factorise msrun's workers, and the batch split over them, before launch
         dims = ParallelDims.from_config(train_config.parallelism, msrun.worker_num)
         dims.check_batch(train_config.training)
-        # model: as the workers will build it, before msrun takes the devices; imported here, as the model
-        # package imports MindSpore, which loading the definitions does not need
-        from training.model import validate_model_section
-        from training.parallel.expert_parallel import check_expert_parallel
 
         model = validate_model_section(train_config, storage.root / manifest["tokenizer"]["path"])
         check_expert_parallel(train_config.parallelism, model.n_routed_experts if model.has_moe else None)

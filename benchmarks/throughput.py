@@ -79,7 +79,7 @@ class KilnWorker:
         from training.run import use_host_blocking_dispatch
 
         config = load(config_path, overrides)
-        use_host_blocking_dispatch(config)  # as `training.run` does, before MindSpore loads
+        use_host_blocking_dispatch(config.fast_step.host_blocking_dispatch)  # as `training.run` does, before MindSpore loads
         from training.parallel.mesh import World
         from training.reporting import Reporter
         from training.trainer import Trainer, configure_runtime

@@ -1,4 +1,6 @@
 """Every class of config error names the field it is about (the dotted YAML path) and why."""
+import os
+
 import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT
@@ -142,3 +144,46 @@ def test_a_shipped_config_run_as_shipped_says_in_one_line_what_to_train_with(con
         f"copy it renders, runs/<run_name>/config.yaml (after `make demo`: python -m training.run --config "
         f"runs/qwen3_tiny/config.yaml --set checkpoint.load_path=runs/qwen3_tiny/checkpoints), or set data_path, "
         f"seq_length, eod and checkpoint.save_path\n")
+
+
+def test_an_unknown_key_is_named_with_the_shipped_configs_empty_data_path(capsys):
+    from training.run import main as run
+
+    assert run(["--config", "configs/qwen3_tiny.yaml", "--set", "training.stepz=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: configs/qwen3_tiny.yaml: 2 problems:\n"
+                          "  - training.stepz: unknown key; did you mean 'steps'?\n"
+                          "  - train_dataset.dataloader.config.data_path is empty: this config leaves")
+
+
+def test_model_problems_come_in_the_same_report_as_the_others(tmp_path, capsys):
+    from training.run import main as run
+
+    assert run(["--config", str(PROJECT_ROOT / MICRO_CONFIG), *[a for o in VALID for a in ("--set", o)],
+                "--set", "training.stepz=3", "--set", "optimizer.eps=-1", "--set", "model.hidden_sise=64",
+                "--set", "model.num_attention_heads=0"]) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert lines[1] == "  - training.stepz: unknown key; did you mean 'steps'?"
+    assert "model.hidden_sise" in err and "optimizer.eps must be > 0" in err
+    assert "model.num_attention_heads" in err
+
+
+def test_token_ids_past_the_vocabulary_are_one_line_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import write_random_documents
+
+    shard = write_random_documents(tmp_path / "wide", high=2000)
+    done = subprocess.run([sys.executable, "-m", "training.run", "--config", str(PROJECT_ROOT / MICRO_CONFIG),
+                           "--output-dir", str(tmp_path / "run"),
+                           "--set", f"train_dataset.dataloader.config.data_path=['{shard}']",
+                           "--set", "train_dataset.dataloader.config.eod=2",
+                           "--set", f"checkpoint.save_path={tmp_path / 'run/checkpoints'}"],
+                          cwd=PROJECT_ROOT, capture_output=True, text=True, env={**os.environ, "GLOG_v": "3"})
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        "[kiln] not retriable: IndexedDatasetError: train_dataset.dataloader.config.data_path: ")
+    assert "model.vocab_size is 512" in done.stderr

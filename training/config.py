@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import re
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,8 +27,8 @@ class ConfigError(ValueError):
     whose misspelt value the other problems may stem from) first."""
 
     def __init__(self, *problems: str, unknown: typing.Sequence[str] = ()):
-        self.unknown = list(unknown)
-        self.problems = self.unknown + [p for p in problems if p not in self.unknown]
+        self.unknown = [_clipped(u) for u in unknown]
+        self.problems = self.unknown + [p for p in map(_clipped, problems) if p not in self.unknown]
         super().__init__(self._render())
 
     def _render(self) -> str:
@@ -45,6 +46,16 @@ class ConfigError(ValueError):
         located = ConfigError.merged([self])
         located.args = (f"{where}: {self._render()}",)
         return located
+
+
+_PROBLEM_CHARS = 1000  # a problem longer than this echoes a value too long to show: its middle is cut
+
+
+def _clipped(problem: str) -> str:
+    if len(problem) <= _PROBLEM_CHARS:
+        return problem
+    cut = len(problem) - _PROBLEM_CHARS
+    return f"{problem[:_PROBLEM_CHARS - 300]} ...({cut:,} characters cut)... {problem[-300:]}"
 
 
 # PyYAML follows YAML 1.1, where `1e-5` (no dot) is a string; MindFormers users write it that way.
@@ -70,39 +81,39 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
                 return _coerce(value, member, path)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(f"{path}: expected {_type_name(annotation)}, got {value!r}")
+        raise ConfigError(f"{path}: expected {_type_name(annotation)}, got {shown(value)}")
     if hasattr(annotation, "from_dict"):
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping (section {annotation.__name__}), got {value!r}")
+            raise ConfigError(f"{path}: expected a mapping (section {annotation.__name__}), got {shown(value)}")
         return annotation.from_dict(value, path)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
+            raise ConfigError(f"{path}: expected a list, got {shown(value)}")
         (item_type,) = typing.get_args(annotation)[:1] or (Any,)
         return [_coerce(v, item_type, f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict or annotation is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{path}: expected a mapping, got {shown(value)}")
         return dict(value)
     if annotation is Any:
         return value
     if annotation is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected bool, got {value!r}")
+            raise ConfigError(f"{path}: expected bool, got {shown(value)}")
         return value
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected int, got {value!r}")
+            raise ConfigError(f"{path}: expected int, got {shown(value)}")
         return value
     if annotation is float:
         if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
             return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected float, got {value!r}")
+            raise ConfigError(f"{path}: expected float, got {shown(value)}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected str, got {value!r}")
+            raise ConfigError(f"{path}: expected str, got {shown(value)}")
         return value
     raise TypeError(f"{path}: unsupported annotation {annotation!r}")  # a bug in this module, not in YAML
 
@@ -129,7 +140,7 @@ class Section:
         if data is None:
             data = {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{path or '<root>'}: expected a mapping, got {data!r}")
+            raise ConfigError(f"{path or '<root>'}: expected a mapping, got {shown(data)}")
         hints = typing.get_type_hints(cls)
         fields = dataclasses.fields(cls)
         names = {f.name for f in fields}
@@ -822,46 +833,168 @@ def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r}: expected KEY.PATH=VALUE")
-        try:
-            set_field(data, key, yaml.safe_load(raw))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"override {item!r}: invalid YAML value ({exc})") from None
+            raise ConfigError(f"override {shown(item)}: expected KEY.PATH=VALUE")
+        set_field(data, key, parse_yaml(raw, f"override {shown(item)}"))
     return data
 
 
-def load_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> TrainConfig:
+# Bounds on what a config file may make the loader build: values past them are refused before construction.
+# Aliases are references while loading but copies to everything that walks the result (a repr, a dump, a
+# recursive check): a few lines of YAML can stand for billions of values (a "billion laughs" document).
+MAX_EXPANDED_VALUES = 1_000_000
+_SHOWN_CHARS = 200  # of a value in an error message: a message names the value, it does not carry it
+
+
+def shown(value: Any) -> str:
+    """``value``'s repr, cut to a few hundred characters, without first building the whole repr."""
+    text = _BOUNDED_REPR.repr(value)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({type(value).__name__}, cut)"
+
+
+def _bounded_repr() -> reprlib.Repr:
+    bounded = reprlib.Repr()
+    bounded.maxstring = bounded.maxother = _SHOWN_CHARS
+    bounded.maxlist = bounded.maxtuple = bounded.maxdict = 10
+    bounded.maxlevel = 3
+    return bounded
+
+
+_BOUNDED_REPR = _bounded_repr()
+
+
+def _yaml_problems(root: yaml.Node, where: str) -> list[str]:
+    """Keys a mapping repeats (YAML keeps the last one silently; Kiln refuses, naming both lines) and a
+    document that aliases expand past MAX_EXPANDED_VALUES, found on the composed nodes before anything is built."""
+    problems: list[str] = []
+    expanded: dict[int, int] = {}  # node id -> values it stands for once its aliases are expanded
+
+    def walk(node: yaml.Node, path: str) -> int:
+        if id(node) in expanded:  # an alias: counted again, its duplicates already reported
+            return expanded[id(node)]
+        expanded[id(node)] = 1  # a recursive alias ends here
+        if isinstance(node, yaml.SequenceNode):
+            count = 1 + sum(walk(item, f"{path}[{i}]") for i, item in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            count, first_line = 1, {}
+            for key_node, value_node in node.value:
+                merge = key_node.tag == "tag:yaml.org,2002:merge"  # `<<: *base` overrides on purpose
+                key = key_node.value if isinstance(key_node, yaml.ScalarNode) else f"<{key_node.tag}>"
+                line = key_node.start_mark.line + 1
+                if not merge and key in first_line:
+                    problems.append(f"{where}:{line}: {_join(path, key)} is given twice (first at line "
+                                    f"{first_line[key]}): YAML would keep the second silently; keep one")
+                first_line.setdefault(key, line)
+                count += walk(value_node, path if merge else _join(path, key))
+        else:
+            count = 1
+        expanded[id(node)] = count
+        return count
+
+    if walk(root, "") > MAX_EXPANDED_VALUES:
+        problems.append(f"{where}: its aliases expand it to {expanded[id(root)]:,} values, more than the "
+                        f"{MAX_EXPANDED_VALUES:,} a training config may hold; write the values out or use fewer "
+                        f"nested aliases")
+    return problems
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """``text`` as YAML (PyYAML's safe schema), refusing duplicate keys and alias bombs (ConfigError naming
+    ``where``, a file, and the lines)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        problems = _yaml_problems(root, where)
+        if problems:
+            raise ConfigError(*problems)
+        return loader.construct_document(root)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"{where}:{mark.line + 1}" if mark else where
+        raise ConfigError(f"{at}: invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    finally:
+        loader.dispose()
+
+
+def read_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> dict:
+    """The training YAML at ``path`` as a dict, ``overrides`` applied; the file's own problems (not found, not
+    text, invalid YAML, duplicate keys, alias bombs) are a ConfigError naming it."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8); expected a training YAML") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    data = parse_yaml(text, str(path))
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    data = apply_overrides(data, overrides)
+    return apply_overrides(data, overrides)
+
+
+def parse_config(data: dict, where: str, model_check: Optional[typing.Callable[[dict], Any]] = None
+                 ) -> TrainConfig:
+    """``data`` (a config file's dict, ``where``) as a TrainConfig, every problem in one ConfigError: unknown
+    keys first, then the rest, then the model section's, checked by ``model_check`` (training.model.model_config,
+    which imports MindSpore: processes that must not load it pass none and check the model later)."""
+    errors: list[ConfigError] = []
+    config = None
+    try:
+        config = TrainConfig.from_dict(data)
+    except ConfigError as exc:
+        errors.append(exc)
+    if model_check is not None and isinstance(data.get("model"), dict):
+        # with the samples' length as model.seq_length, as TrainConfig.check resolves it
+        model = config.model if config else _model_with_data_seq_length(data)
+        try:
+            model_check(model)
+        except ConfigError as exc:
+            # no length known (a shipped config leaves it to training_run): the model's default says nothing
+            errors.append(exc if "seq_length" in model else
+                          ConfigError(*(p for p in exc.problems if not p.startswith("model.seq_length")),
+                                      unknown=exc.unknown))
     if _left_to_training_run(data):
-        raise ConfigError(
-            f"{path}: {_DATA_CONFIG}.data_path is empty: this config leaves its data and checkpoint paths to the "
+        # the shipped configs leave data, eod and save path to training_run: one sentence for all three
+        errors = [ConfigError(*(p for p in e.problems if not p.startswith(_WIRED_BY_TRAINING_RUN)),
+                              unknown=e.unknown) for e in errors]
+        errors.append(ConfigError(
+            f"{_DATA_CONFIG}.data_path is empty: this config leaves its data and checkpoint paths to the "
             f"training_run asset, which fills them from the blend manifest; train with the copy it renders, "
             f"runs/<run_name>/config.yaml (after `make demo`: python -m training.run --config "
             f"runs/qwen3_tiny/config.yaml --set checkpoint.load_path=runs/qwen3_tiny/checkpoints), or set "
-            f"data_path, seq_length, eod and checkpoint.save_path")
-    try:
-        return TrainConfig.from_dict(data)
-    except ConfigError as exc:
-        raise exc.located(str(path)) from None
+            f"data_path, seq_length, eod and checkpoint.save_path"))
+    if errors:
+        raise ConfigError.merged(errors).located(where)
+    return config
+
+
+def load_config(path: str | Path, overrides: typing.Iterable[str] = (),
+                model_check: Optional[typing.Callable[[dict], Any]] = None) -> TrainConfig:
+    """The TrainConfig of the YAML at ``path`` with ``overrides``; see read_config and parse_config."""
+    return parse_config(read_config(path, overrides), str(path), model_check)
+
+
+# what a shipped config's empty data_path leaves for training_run to set (the problems its one sentence covers)
+_WIRED_BY_TRAINING_RUN = (f"{_DATA_CONFIG}.data_path", f"{_DATA_CONFIG}.seq_length", f"{_DATA_CONFIG}.eod",
+                          "checkpoint.save_path")
+
+
+def _model_with_data_seq_length(data: dict) -> dict:
+    """The raw model section with model.seq_length defaulted to the dataset's, as TrainConfig.check does."""
+    model = dict(data["model"])
+    node = data
+    for key in f"{_DATA_CONFIG}.seq_length".split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    if isinstance(node, int) and not isinstance(node, bool):
+        model.setdefault("seq_length", node)
+    return model
 
 
 def _left_to_training_run(data: dict) -> bool:
-    """The shipped configs' ``data_path: []``: wired by training_run, not a config's mistake to list with others."""
+    """The shipped configs' ``data_path: []``: wired by training_run."""
     node = data
     for key in _DATA_CONFIG.split("."):
         node = node.get(key) if isinstance(node, dict) else None

@@ -46,11 +46,18 @@ def require_device_runtime(device_target: str) -> None:
                           f"runtime on this machine; set context.device_target to a device it has (e.g. CPU)")
 
 
-def use_host_blocking_dispatch(config) -> None:
+def use_host_blocking_dispatch(enabled: bool) -> None:
     """``fast_step.host_blocking_dispatch``: MindSpore reads MS_DEV_HOST_BLOCKING_RUN when it loads, so it is set
     here, before the first import; a value already in the environment wins (set it to 0 to compare)."""
-    if config.fast_step.host_blocking_dispatch and "mindspore" not in sys.modules:
+    if enabled and "mindspore" not in sys.modules:
         os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
+
+
+def asks_host_blocking_dispatch(data: dict) -> bool:
+    """A config file's ``fast_step.host_blocking_dispatch`` before the config is checked (with the model section,
+    which loads MindSpore): anything but an explicit false keeps the default, on."""
+    fast_step = data.get("fast_step")
+    return not (isinstance(fast_step, dict) and fast_step.get("host_blocking_dispatch") is False)
 
 
 def main(argv=None) -> int:
@@ -61,14 +68,15 @@ def main(argv=None) -> int:
         print(f"--mode {args.mode}: graph mode is not supported; Kiln trains in PyNative mode (--mode 1)",
               file=sys.stderr)
         return 2
-    from training.config import ConfigError, load_config
+    from training.config import ConfigError, parse_config, read_config
     from training.failures import CONFIG_ERROR, not_retriable, not_retriable_line
 
     try:
-        config = load_config(args.config, args.overrides)
-        use_host_blocking_dispatch(config)
-        from training.model import validate_model_section  # loads MindSpore
+        data = read_config(args.config, args.overrides)
+        use_host_blocking_dispatch(asks_host_blocking_dispatch(data))
+        from training.model import model_config, validate_model_section  # loads MindSpore
 
+        config = parse_config(data, args.config, model_check=model_config)  # the model's problems in one report
         require_device_runtime(config.context.device_target)
         validate_model_section(config, args.tokenizer_model)
     except ConfigError as exc:
@@ -105,8 +113,9 @@ def main(argv=None) -> int:
         return 2
     except BaseException as exc:
         reporter.close(exc)
-        if not_retriable(exc):  # told to training_run, which then does not launch the run again
-            print(not_retriable_line(exc), file=sys.stderr, flush=True)
+        if not_retriable(exc):  # told to training_run, which then does not launch the run again; the message
+            print(not_retriable_line(exc), file=sys.stderr, flush=True)  # names the file and what to do:
+            return 1  # no traceback after it
         raise
     if summary.first_loss is not None:
         reporter.info(f"[kiln] done: steps {summary.start_step}->{summary.end_step}, loss {summary.first_loss:.4f} "
