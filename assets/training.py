@@ -25,7 +25,7 @@ from training.config import ConfigError, apply_overrides, load_config, read_conf
 from training.data.hashing import sha256_file
 from training.data.manifest import ManifestError, read_manifest, training_data_path
 from training.failures import log_sizes, not_retriable_cause
-from training.lineage import AuditCache, audit_checkpoint, lineage_inputs, store_lineage_inputs
+from training.lineage import PROBLEMS, AuditCache, audit_checkpoint, lineage_inputs, store_lineage_inputs
 from training.parallel.mesh import ParallelDims
 from training.profiling import profile_root
 from training.reporting import CHECKPOINT_MESSAGE, METRICS_MESSAGE, drop_partial_line, is_step_record, read_records
@@ -157,8 +157,8 @@ def audit_evaluation(checkpoint_dir: Path, partition: str, cache: AuditCache | N
     except Exception as exc:  # noqa: BLE001 -- reported as the check's result
         metadata["error"] = dg.MetadataValue.text(f"the audit could not run: {type(exc).__name__}: {exc}")
         return dg.AssetCheckEvaluation(asset_key=checkpoint.key, check_name="audit", passed=False, metadata=metadata)
-    bad = [c for c in checks if c.status != "ok"]
-    metadata.update({"verified": len(checks) - len(bad), "failed": len(bad)})
+    bad = [c for c in checks if c.status in PROBLEMS]
+    metadata.update({"verified": sum(c.status == "ok" for c in checks), "failed": len(bad)})
     if bad:
         more = len(bad) - AUDIT_PROBLEMS_SHOWN
         lines = [c.line().strip() for c in bad[:AUDIT_PROBLEMS_SHOWN]] + ([f"... and {more} more"] if more > 0 else [])

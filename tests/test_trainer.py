@@ -21,14 +21,15 @@ from training.trainer import Trainer, configure_runtime, micro_batch_indices
 WORLD = World(rank=0, size=1)
 
 
-def make_trainer(tmp_path, shard, name, *overrides, lineage=None):
+def make_trainer(tmp_path, shard, name, *overrides, lineage=None, **trainer_options):
     config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
         "train_dataset.dataloader.config.eod=2", "train_dataset.dataloader.config.pad=3",
         f"checkpoint.save_path={tmp_path / name / 'checkpoints'}", *overrides])
     configure_runtime(config)
     run_dir = tmp_path / name
-    return Trainer(config, WORLD, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=True), lineage_inputs=lineage)
+    return Trainer(config, WORLD, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=True), lineage_inputs=lineage,
+                   **trainer_options)
 
 
 def losses(run_dir):
@@ -304,16 +305,17 @@ def test_a_mindformers_single_card_bfloat16_checkpoint_resumes_exactly_and_loads
     mindformers = tmp_path / "mindformers/iteration_00000003"
     kiln = mindformers_single_card_save(tmp_path / "full/checkpoints/iteration_00000003", mindformers)
     capsys.readouterr()
-    resumed = make_trainer(tmp_path, shard, "resumed", f"checkpoint.load_path={mindformers}")
+    # MindFormers writes no lineage.json: loaded unverified, on purpose
+    resumed = make_trainer(tmp_path, shard, "resumed", f"checkpoint.load_path={mindformers}", load_unverified=True)
     out = capsys.readouterr().out
-    assert "take their fp32 masters (main_param.*)" in out and "stored as BFloat16" not in out
+    assert "loaded UNVERIFIED" in out and "take their fp32 masters (main_param.*)" in out and "stored as BFloat16" not in out
     assert all(np.array_equal(p.asnumpy(), kiln.model[p.name]) for p in resumed.model.get_parameters())
     resumed.train()
     after = losses(tmp_path / "resumed")
     assert sorted(after) == [4, 5, 6] and all(after[s] == uninterrupted[s] for s in after)
 
     weights_only = make_trainer(tmp_path, shard, "weights", "checkpoint.no_load_optim=true",
-                                f"checkpoint.load_path={mindformers}")
+                                f"checkpoint.load_path={mindformers}", load_unverified=True)
     assert "tensor(s) stored as BFloat16 loaded as the model's Float32" in capsys.readouterr().out
     embedding = "embedding.word_embeddings.weight"
     for param in weights_only.model.get_parameters():

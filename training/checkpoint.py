@@ -8,7 +8,8 @@ writes ``metadata.json``, ``kiln_state.json``, ``lineage.json`` and ``common.jso
 checkpoint: saving a step that already has one is an error, found before any file is written.
 An async save moves the safetensors writes to a thread; the barrier and what follows it wait until
 every rank's thread is done (``CheckpointSaver``).
-Nothing is deserialized with pickle: tensors are safetensors, the rest JSON.
+Nothing is deserialized with pickle: tensors are safetensors, the rest JSON. A load verifies every file it
+reads against the sha256 its save recorded in lineage.json (training/checkpoint_files.py).
 """
 from __future__ import annotations
 
@@ -27,20 +28,19 @@ from pathlib import Path
 import numpy as np
 
 from training.atomic import write_atomic, write_json_atomic, write_text_atomic
+from training.checkpoint_files import COMMON, LINEAGE, CheckpointError, CheckpointFiles
 from training.data.hashing import sha256_file
 from training.lineage import ITERATION_NAME, record_in_index
 from training.parallel.layout import TensorLayout
-from training.safetensors_io import SafetensorsFile, SafetensorsFileError, widen_bfloat16
+from training.safetensors_io import SafetensorsFile, widen_bfloat16
 
 TRACKER = "latest_checkpointed_iteration.txt"
-COMMON = "common.json"
 # MindFormers' CommonInfo builds itself from every key of common.json, so it holds exactly these; what else
 # Kiln keeps per checkpoint (random states, data position, loss, config hash) goes to a sidecar of its own
 MINDFORMERS_COMMON_KEYS = ("epoch_num", "step_num", "global_step", "loss_scale", "global_batch_size",
                            "consumed_samples", "ckpt_status")
 KILN_STATE = "kiln_state.json"
 METADATA = "metadata.json"
-LINEAGE = "lineage.json"
 _OPT_FILE_RE = re.compile(r"(^|-)opt-\d+-\d+\.safetensors$")
 # MindSpore's dtype names, as MindFormers writes them into metadata.json
 _MS_DTYPE_NAMES = {"float32": "Float32", "float16": "Float16", "int64": "Int64", "int32": "Int32",
@@ -57,10 +57,6 @@ _MS_NAMES_BY_CODE = {**{code: _MS_DTYPE_NAMES[np_name] for np_name, code in _SAF
 _SHARD_FILE_RE = re.compile(r"(?:^|-)(?:model|opt)-(\d{7})-(\d{7})\.safetensors$")
 # what a resume needs from common.json
 COMMON_REQUIRED = ("global_step", "consumed_samples", "global_batch_size")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message names the file (and tensor) at fault."""
 
 
 def iteration_dir(save_path: Path, step: int) -> Path:
@@ -630,31 +626,20 @@ def latest_complete_checkpoint(save_path: Path) -> Path | None:
 
 # ---- loading -------------------------------------------------------------------------------------
 
-def _read_json(path: Path) -> dict:
-    try:
-        payload = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: unreadable ({exc})") from None
-    if not isinstance(payload, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(payload).__name__}")
-    return payload
-
-
-def read_kiln_state(path: Path, common: dict) -> tuple[dict | None, Path]:
+def read_kiln_state(files: CheckpointFiles, common: dict) -> tuple[dict | None, Path]:
     """Kiln's per-checkpoint state and the file it came from: ``kiln_state.json``, else the extra keys an
     older Kiln wrote into common.json; None for a checkpoint that has neither (MindFormers wrote it)."""
-    sidecar = Path(path) / KILN_STATE
-    if sidecar.exists():
-        return _read_json(sidecar), sidecar
+    if files.exists(KILN_STATE):
+        return files.json(KILN_STATE), files.path / KILN_STATE
     legacy = {k: v for k, v in common.items() if k not in MINDFORMERS_COMMON_KEYS} if "rng" in common else None
-    return legacy, Path(path) / COMMON
+    return legacy, files.path / COMMON
 
 
-def read_common(path: Path) -> dict:
-    common = _read_json(Path(path) / COMMON)
+def read_common(files: CheckpointFiles) -> dict:
+    common = files.json(COMMON)
     for key in COMMON_REQUIRED:
         if not isinstance(common.get(key), int):
-            raise CheckpointError(f"{Path(path) / COMMON}: field {key} must be an integer, "
+            raise CheckpointError(f"{files.path / COMMON}: field {key} must be an integer, "
                                   f"found {common.get(key)!r}")
     return common
 
@@ -703,12 +688,12 @@ def _kind_of(file_name: str) -> str:
     return "opt" if _OPT_FILE_RE.search(file_name) else "model"
 
 
-def _catalog_from_headers(path: Path) -> dict[str, TensorEntry]:
+def _catalog_from_headers(files: CheckpointFiles) -> dict[str, TensorEntry]:
     """A single-card MindFormers save has no metadata.json: every tensor in its safetensors files is whole,
     as MindFormers' own loader assumes; the storage rank comes from the file name's index."""
     catalog: dict[str, TensorEntry] = {}
-    for file_path in sorted(Path(path).glob("*.safetensors")):
-        reader = _open(file_path)
+    for file_path in sorted(files.path.glob("*.safetensors")):
+        reader = files.safetensors(file_path.name)
         match = _SHARD_FILE_RE.search(file_path.name)
         rank = int(match.group(1)) if match else 0
         for name in reader.names():
@@ -726,13 +711,13 @@ def _catalog_from_headers(path: Path) -> dict[str, TensorEntry]:
     return catalog
 
 
-def read_catalog(path: Path) -> dict[str, TensorEntry]:
+def read_catalog(files: CheckpointFiles) -> dict[str, TensorEntry]:
     """Every tensor of the checkpoint, its chunks and the files holding each, from metadata.json, or from
     the safetensors headers when there is none."""
-    meta_path = Path(path) / METADATA
-    if not meta_path.exists():
-        return _catalog_from_headers(path)
-    metadata = _read_json(meta_path)
+    meta_path = files.path / METADATA
+    if not files.exists(METADATA):
+        return _catalog_from_headers(files)
+    metadata = files.json(METADATA)
     try:
         state, storage = metadata["state_dict_metadata"], metadata["storage_data"]
         stored_chunks: dict[str, dict[int, Copies]] = {}
@@ -783,13 +768,7 @@ class LoadedCheckpoint:
     state: dict | None  # Kiln's sidecar (read_kiln_state); None for a MindFormers checkpoint
     state_path: Path
     stored: dict[str, str]  # each tensor's dtype in the files, MindSpore's name ("BFloat16", ...)
-
-
-def _open(file_path: Path) -> SafetensorsFile:
-    try:
-        return SafetensorsFile(file_path)
-    except SafetensorsFileError as exc:
-        raise CheckpointError(str(exc)) from None
+    origin: dict  # what the loading run's lineage records of it (CheckpointFiles.origin)
 
 
 Region = tuple[slice, ...]  # a box of a tensor's global coordinates
@@ -840,31 +819,35 @@ def _overlaps(grid: TensorLayout, region: Region):
                tuple(slice(lo - box.start, hi - box.start) for lo, hi, box in zip(lows, highs, region)))
 
 
-def read_regions(path: Path, catalog: dict[str, TensorEntry], regions: dict[str, Region], rank: int
+def read_regions(files: CheckpointFiles, catalog: dict[str, TensorEntry], regions: dict[str, Region], rank: int
                  ) -> dict[str, np.ndarray]:
     """Each tensor's region, assembled from the stored chunks it overlaps. Only the files holding those
-    chunks are opened, and of each chunk only the overlap is read (the files are memory-mapped); every
-    chunk read is checked against the catalog's shape and dtype first."""
-    path = Path(path)
-    readers: dict[str, SafetensorsFile] = {}
+    chunks are read (each once, verified as it is read); every chunk is checked against the catalog's shape
+    and dtype first. A region that is one stored chunk whole is a view of the file's bytes, not a copy."""
     tensors = {}
     for name, region in regions.items():
         entry = catalog[name]
-        out = np.empty(tuple(box.stop - box.start for box in region), entry.dtype)
+        shape = tuple(box.stop - box.start for box in region)
+        out = None
         for chunk, in_chunk, in_region in _overlaps(entry.grid, region):
             file_name = entry.file_for(chunk, rank)
-            if file_name not in readers:
-                if not (path / file_name).exists():
-                    raise CheckpointError(f"{path / file_name}: missing (listed in {METADATA} for tensor {name})")
-                readers[file_name] = _open(path / file_name)
-            part = _stored_chunk(readers[file_name], name, entry, chunk)[in_chunk]
+            if not files.exists(file_name):
+                raise CheckpointError(f"{files.path / file_name}: missing (listed in {METADATA} for tensor {name})")
+            stored = _stored_chunk(files.safetensors(file_name), name, entry, chunk)
+            part = stored[in_chunk]
+            if entry.stored != "BFloat16" and part.shape == stored.shape == shape and part.flags.aligned:
+                out = part  # the region is this one chunk whole (so no other overlaps it): no copy
+                continue
+            if out is None:
+                out = np.empty(shape, entry.dtype)
             out[in_region] = widen_bfloat16(part) if entry.stored == "BFloat16" else part
-        tensors[name] = out
+        tensors[name] = out if out is not None else np.empty(shape, entry.dtype)
     return tensors
 
 
 def _stored_chunk(reader: SafetensorsFile, name: str, entry: TensorEntry, chunk: int) -> np.ndarray:
-    """The chunk as stored (memory-mapped; bfloat16 as its raw bits), once its shape and dtype are checked."""
+    """The chunk as stored (a view of the file's verified bytes; bfloat16 as its raw bits), once its shape and
+    dtype are checked."""
     if name not in reader.header:
         raise CheckpointError(f"{reader.path}: tensor {name} listed in {METADATA} is not in the file")
     stored = _MS_NAMES_BY_CODE.get(reader.dtype(name), reader.dtype(name))
@@ -874,16 +857,17 @@ def _stored_chunk(reader: SafetensorsFile, name: str, entry: TensorEntry, chunk:
     return reader.raw(name)
 
 
-def read_tensors(path: Path, catalog: dict[str, TensorEntry], names, rank: int) -> dict[str, np.ndarray]:
+def read_tensors(files: CheckpointFiles, catalog: dict[str, TensorEntry], names, rank: int
+                 ) -> dict[str, np.ndarray]:
     """Read ``names`` whole."""
-    return read_regions(path, catalog, {n: whole(catalog[n].shape) for n in names}, rank)
+    return read_regions(files, catalog, {n: whole(catalog[n].shape) for n in names}, rank)
 
 
-def _split(path: Path, catalog: dict[str, TensorEntry], tensors: dict[str, np.ndarray], common: dict
+def _split(files: CheckpointFiles, catalog: dict[str, TensorEntry], tensors: dict[str, np.ndarray], common: dict
            ) -> LoadedCheckpoint:
-    state, state_path = read_kiln_state(path, common)
-    return LoadedCheckpoint(path=Path(path), common=common, state=state, state_path=state_path,
-                            stored={n: catalog[n].stored for n in tensors},
+    state, state_path = read_kiln_state(files, common)
+    return LoadedCheckpoint(path=files.path, common=common, state=state, state_path=state_path,
+                            stored={n: catalog[n].stored for n in tensors}, origin=files.origin(),
                             model={n: a for n, a in tensors.items() if catalog[n].kind == "model"},
                             optim={n: a for n, a in tensors.items() if catalog[n].kind == "opt"})
 
@@ -893,24 +877,29 @@ def _wanted(catalog: dict[str, TensorEntry], load_optim: bool) -> list[str]:
 
 
 def load_checkpoint(path: Path, rank: int = 0, load_optim: bool = True,
-                    layouts: dict[str, TensorLayout] | None = None) -> LoadedCheckpoint:
+                    layouts: dict[str, TensorLayout] | None = None, allow_unverified: bool = False
+                    ) -> LoadedCheckpoint:
     """This rank's arrays of every tensor of the checkpoint (optimizer state only with ``load_optim``)
     under the loading run's ``layouts``: each tensor's chunk of ``rank`` (a tensor without a layout, or
-    every tensor when ``layouts`` is None, whole), whatever layout the checkpoint was saved under."""
-    common = read_common(path)
-    catalog = read_catalog(path)
+    every tensor when ``layouts`` is None, whole), whatever layout the checkpoint was saved under. Every file
+    read is verified against its lineage.json (CheckpointFiles); ``allow_unverified`` loads one without."""
+    files = CheckpointFiles(path, allow_unverified)
+    common = read_common(files)
+    catalog = read_catalog(files)
     regions = target_regions(path, catalog, _wanted(catalog, load_optim), layouts, rank)
-    return _split(path, catalog, read_regions(path, catalog, regions, rank), common)
+    return _split(files, catalog, read_regions(files, catalog, regions, rank), common)
 
 
 def load_checkpoint_balanced(path: Path, world, collectives, load_optim: bool = True, readers: int | None = None,
-                             layouts: dict[str, TensorLayout] | None = None) -> LoadedCheckpoint:
+                             layouts: dict[str, TensorLayout] | None = None, allow_unverified: bool = False
+                             ) -> LoadedCheckpoint:
     """Collective. ``load_checkpoint``'s result on every rank, with the disk reads of the tensors every
     rank loads whole spread out: the first ``readers`` ranks (all by default) each read a disjoint,
     byte-balanced subset of them, and every other rank receives it by broadcast from the rank that read
     it. A tensor the loading run shards (``layouts``) differs per rank, so each rank reads its own chunk."""
-    common = read_common(path)
-    catalog = read_catalog(path)
+    files = CheckpointFiles(path, allow_unverified)
+    common = read_common(files)
+    catalog = read_catalog(files)
     names = _wanted(catalog, load_optim)
     regions = target_regions(path, catalog, names, layouts, world.rank)
     sharded = {n for n in names if layouts and n in layouts
@@ -919,8 +908,8 @@ def load_checkpoint_balanced(path: Path, world, collectives, load_optim: bool = 
     reading_ranks = tuple(range(min(readers or world.size, world.size)))
     owners = balanced_assignment({n: catalog[n].nbytes for n in shared_names},
                                  {n: reading_ranks for n in shared_names})
-    own = read_tensors(path, catalog, [n for n in shared_names if owners[n] == world.rank], world.rank)
+    own = read_tensors(files, catalog, [n for n in shared_names if owners[n] == world.rank], world.rank)
     specs = {n: (catalog[n].shape, catalog[n].dtype) for n in shared_names}
     tensors = collectives.share_arrays(own, owners, specs)
-    tensors.update(read_regions(path, catalog, {n: regions[n] for n in sorted(sharded) if n in regions}, world.rank))
-    return _split(path, catalog, tensors, common)
+    tensors.update(read_regions(files, catalog, {n: regions[n] for n in sorted(sharded) if n in regions}, world.rank))
+    return _split(files, catalog, tensors, common)

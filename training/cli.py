@@ -164,7 +164,7 @@ def _export_hf(args) -> int:
 
     try:
         hf_config = export_hf(Path(args.checkpoint), Path(args.out_dir), _model_section(args.config),
-                              max_shard_bytes=args.max_shard_bytes)
+                              max_shard_bytes=args.max_shard_bytes, allow_unverified=args.allow_unverified)
     except (ValueError, OSError, RuntimeError) as exc:  # HFConversionError, CheckpointError name the tensor/file
         print(f"kiln export-hf: {exc}", file=sys.stderr)
         return 2
@@ -296,6 +296,9 @@ def main(argv=None) -> int:
                         help="training YAML whose model: section to use (default: the checkpoint's lineage)")
     export.add_argument("--max-shard-bytes", type=int, default=5 * 10**9,
                         help="split the weights into indexed files of at most this size (default 5 GB, as HF)")
+    export.add_argument("--allow-unverified", action="store_true",
+                        help="export a checkpoint without lineage.json (e.g. MindFormers'), whose files cannot be "
+                             "verified; kiln_export.json in the export says so")
     export.set_defaults(handler=_export_hf)
 
     importer = commands.add_parser(

@@ -22,7 +22,6 @@ from mindspore import Tensor, nn
 
 from training.atomic import write_json_atomic
 from training.config import SPLITS, BlendedMegatronLoaderConfig, ConfigError, TrainConfig
-from training.data.hashing import sha256_file
 from training.data.loader import build_dataset, stack_model_inputs
 
 MODEL_INPUTS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask")
@@ -296,14 +295,17 @@ def _source_names(config: TrainConfig, split: str, lineage: dict) -> list[str]:
     return [by_prefix.get(str(Path(prefix)), Path(prefix).name) for prefix in prefixes] or ["mock"]
 
 
-def _load_weights(model, path: Path) -> None:
+def _load_weights(model, path: Path) -> dict:
+    """Set the model's weights from the checkpoint, every file verified as it is read; returns what was verified
+    (``CheckpointFiles.origin``)."""
     from training.checkpoint import CheckpointError, load_checkpoint, numpy_dtype
 
-    weights = load_checkpoint(path, load_optim=False).model
+    loaded = load_checkpoint(path, load_optim=False)
     for param in model.get_parameters():
-        if param.name not in weights:
+        if param.name not in loaded.model:
             raise CheckpointError(f"{path}: tensor {param.name} is missing")
-        param.set_data(Tensor(weights[param.name].astype(numpy_dtype(param.dtype), copy=False)))
+        param.set_data(Tensor(loaded.model[param.name].astype(numpy_dtype(param.dtype), copy=False)))
+    return loaded.origin
 
 
 def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, batches: int = 10,
@@ -311,7 +313,6 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     """Held-out loss of a checkpoint in this process: ``batches`` global batches of its run's ``split`` (default:
     test, or valid when the blend has no test split), overall and per source, with what it read (the
     checkpoint, its lineage.json's hash, the shards and their hashes, the split and the sample range)."""
-    from training.checkpoint import LINEAGE
     from training.lineage import read_lineage, results_sha256
     from training.model import build_model
     from training.parallel.mesh import ParallelDims
@@ -325,7 +326,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
         raise ConfigError(f"--split {split!r}: evaluate on a held-out split, valid or test")
     configure_runtime(config)
     model = build_model(config.model)
-    _load_weights(model, checkpoint_dir)
+    verified = _load_weights(model, checkpoint_dir)
     loss = HeldOutLoss(model, compiled=not compile_blockers(config, ParallelDims(world=1), model))
     held_out = HeldOutSplit(config, split, batches, "--batches").build(model.config.vocab_size)
     dataset, names = held_out.dataset, _source_names(config, split, lineage)
@@ -351,7 +352,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     record = {
         "kiln_eval_version": EVAL_VERSION,
         "checkpoint": {"path": str(checkpoint_dir.resolve()), "step": lineage["checkpoint"]["step"],
-                       "lineage_sha256": sha256_file(checkpoint_dir / LINEAGE)},
+                       "lineage_sha256": verified["lineage_sha256"]},
         "split": split, "default_split": default_split(config), "sample_range": [0, samples], "batches": batches,
         "global_batch_size": config.training.global_batch_size, "seq_length": config.model["seq_length"],
         "data_root": lineage.get("data_root"),

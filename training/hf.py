@@ -31,11 +31,16 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from training.atomic import write_json_atomic
+from training.atomic import write_atomic, write_json_atomic
+from training.checkpoint_files import inside, read_hashed, recorded_files
+from training.data.hashing import sha256_file
 from training.safetensors_io import SafetensorsFile, SafetensorsFileError
 
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
+# what export_hf writes beside the model: the checkpoint it came from and every file's sha256, which a load of
+# the directory (import-hf, checkpoint.load_path) verifies; a directory from elsewhere has none
+EXPORT_RECORD = "kiln_export.json"
 # tensors some HF checkpoints carry that are not weights
 _IGNORED_HF = re.compile(r".*\.rotary_emb\.inv_freq$")
 
@@ -371,14 +376,23 @@ def _e4m3_values() -> np.ndarray:
 _E4M3 = _e4m3_values()
 
 
+def _export_record(hf_dir: Path) -> dict[str, dict] | None:
+    """file name -> {"bytes", "sha256"} of a directory export_hf wrote; None for one from elsewhere."""
+    path = inside(hf_dir, EXPORT_RECORD)
+    return recorded_files(_read_json(path).get("files"), path) if path.exists() else None
+
+
 class HFWeights:
     """The tensors of an HF model directory: ``model.safetensors.index.json`` when present, else every
-    ``*.safetensors`` file. Tensors are memory-mapped; bfloat16 is widened to float32, and FP8 (e4m3)
-    weights are dequantized with their ``weight_scale_inv`` blocks (``block`` rows × columns each)."""
+    ``*.safetensors`` file. Each file is read once, hashed as it is read (verified when the directory is a Kiln
+    export: ``EXPORT_RECORD``), never through a symlink out of the directory; bfloat16 is widened to float32,
+    and FP8 (e4m3) weights are dequantized with their ``weight_scale_inv`` blocks (``block`` rows × columns)."""
 
     def __init__(self, hf_dir: Path, block: tuple[int, int] = (128, 128)):
         self.dir = Path(hf_dir)
         self.block = block
+        self.recorded = _export_record(self.dir)
+        self.sha256: dict[str, str] = {}  # file name -> the sha256 of the bytes read
         index = self.dir / HF_INDEX
         if index.exists():
             weight_map = _read_json(index).get("weight_map")
@@ -391,12 +405,21 @@ class HFWeights:
             raise HFConversionError(f"{self.dir}: no *.safetensors files")
         self.entries: dict[str, SafetensorsFile] = {}  # name -> the file holding it
         for file_name in files:
+            path = inside(self.dir, file_name)
+            if self.recorded is not None and file_name not in self.recorded:
+                raise HFConversionError(f"{path}: not among the files {EXPORT_RECORD} recorded when it was exported")
+            data, self.sha256[file_name] = read_hashed(path, (self.recorded or {}).get(file_name), EXPORT_RECORD)
             with _named_errors():
-                reader = SafetensorsFile(self.dir / file_name)
+                reader = SafetensorsFile(path, data)
             for name in reader.names():
                 if name in self.entries:
                     raise HFConversionError(f"{reader.path}: tensor {name} also in {self.entries[name].path.name}")
                 self.entries[name] = reader
+
+    def origin(self) -> dict:
+        """What a run or checkpoint made from these weights records of them (cf. CheckpointFiles.origin)."""
+        return {"path": str(self.dir.resolve()), "hugging_face": True, "verified": self.recorded is not None,
+                "files_read": dict(sorted(self.sha256.items()))}
 
     def file_of(self, name: str) -> Path:
         return self.entries[name].path
@@ -468,15 +491,25 @@ def _check_config_matches(hf_config: dict, c, where: Path) -> None:
 
 
 def hf_to_kiln_state(hf_dir: Path, model_config: dict) -> dict[str, np.ndarray]:
+    """``load_hf_weights``' arrays."""
+    return load_hf_weights(hf_dir, model_config)[0]
+
+
+def load_hf_weights(hf_dir: Path, model_config: dict) -> tuple[dict[str, np.ndarray], dict]:
     """Kiln parameter name → array for the model the YAML ``model:`` section ``model_config`` describes,
-    from the HF model directory ``hf_dir`` (weights only). Every tensor is checked: a missing, extra or
-    misshaped one is an error naming it and its file. Arrays come in model.params_dtype (MoE buffers fp32)."""
+    from the HF model directory ``hf_dir`` (weights only), and what was read (``HFWeights.origin``). Every
+    tensor is checked: a missing, extra or misshaped one is an error naming it and its file. Arrays come in
+    model.params_dtype (MoE buffers fp32)."""
     hf_dir = Path(hf_dir)
     model_type, c = hf_compatible_settings(model_config)
-    config_path = hf_dir / "config.json"
+    config_path = inside(hf_dir, "config.json")
     if not config_path.exists():
         raise HFConversionError(f"{hf_dir}: no config.json")
-    hf_config = _read_json(config_path)
+    data, _ = read_hashed(config_path, (_export_record(hf_dir) or {}).get("config.json"), EXPORT_RECORD)
+    try:
+        hf_config = json.loads(bytes(data))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise HFConversionError(f"{config_path}: unreadable JSON ({exc})") from None
     _check_config_matches(hf_config, c, config_path)
     block = (hf_config.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
     weights = HFWeights(hf_dir, tuple(block))
@@ -507,7 +540,7 @@ def hf_to_kiln_state(hf_dir: Path, model_config: dict) -> dict[str, np.ndarray]:
                                 + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""))
     params_dtype = np.dtype(c.params_dtype)
     return {name: a.astype(np.float32 if name.endswith(("expert_bias", "tokens_per_expert")) else params_dtype)
-            for name, a in state.items()}
+            for name, a in state.items()}, weights.origin()
 
 
 def kiln_to_hf_state(state: dict[str, np.ndarray], model_section: dict, where: str = "checkpoint"
@@ -538,6 +571,9 @@ def kiln_to_hf_state(state: dict[str, np.ndarray], model_section: dict, where: s
 def checkpoint_model_section(checkpoint_dir: Path) -> dict:
     """The ``model:`` section a Kiln checkpoint was built with (lineage.json: run.config.model for a trained
     one, model for one ``import_hf`` wrote)."""
+    if not (Path(checkpoint_dir) / "lineage.json").is_file():
+        raise HFConversionError(f"{checkpoint_dir} has no lineage.json (a MindFormers checkpoint?): pass the model "
+                                f"section (--config), and --allow-unverified to export files that cannot be verified")
     lineage = _read_json(Path(checkpoint_dir) / "lineage.json")
     section = lineage.get("model") or (lineage.get("run") or {}).get("config", {}).get("model")
     if not isinstance(section, dict):
@@ -563,10 +599,12 @@ def shard_names(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, list[s
 
 
 def write_hf_dir(out_dir: Path, hf_state: dict[str, np.ndarray], hf_config: dict,
-                 max_shard_bytes: int = 5 * 10**9) -> None:
+                 max_shard_bytes: int = 5 * 10**9, source: dict | None = None,
+                 extra_files: dict[str, bytes] | None = None) -> None:
     """Write config.json and the weights (sharded with an index past ``max_shard_bytes``, HF's default
-    5 GB) into ``out_dir`` (new or empty), all or nothing: everything goes to a temporary sibling directory
-    renamed into place at the end."""
+    5 GB) into ``out_dir`` (new or empty), with ``extra_files`` (name -> bytes: the tokenizer's) and, given
+    ``source`` (what was exported), EXPORT_RECORD (it and every file's sha256), all or nothing: everything goes
+    to a temporary sibling directory renamed into place at the end."""
     from safetensors.numpy import save_file
 
     out_dir = Path(out_dir)
@@ -583,6 +621,12 @@ def write_hf_dir(out_dir: Path, hf_state: dict[str, np.ndarray], hf_config: dict
                 "metadata": {"total_size": sum(a.nbytes for a in hf_state.values())},
                 "weight_map": {name: file_name for file_name, names in files.items() for name in names}})
         write_json_atomic(staging / "config.json", hf_config)
+        for name, data in (extra_files or {}).items():
+            write_atomic(inside(staging, name), lambda stream, data=data: stream.write(data))
+        if source is not None:
+            write_json_atomic(staging / EXPORT_RECORD, {"source": source, "files": [
+                {"name": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                for p in sorted(staging.iterdir()) if not p.name.startswith(".")]})
         if out_dir.exists():
             out_dir.rmdir()
         staging.rename(out_dir)
@@ -592,15 +636,17 @@ def write_hf_dir(out_dir: Path, hf_state: dict[str, np.ndarray], hf_config: dict
 
 
 def export_hf(checkpoint_dir: Path, out_dir: Path, model_section: dict | None = None,
-              max_shard_bytes: int = 5 * 10**9) -> dict:
-    """A Kiln step checkpoint (iteration dir or save root) → an HF model directory. Returns config.json."""
+              max_shard_bytes: int = 5 * 10**9, allow_unverified: bool = False) -> dict:
+    """A Kiln step checkpoint (iteration dir or save root) → an HF model directory, its files verified as they
+    are read (``allow_unverified``: one without lineage.json). Returns config.json."""
     from training.checkpoint import load_checkpoint, resolve_load_path
 
     path = resolve_load_path(checkpoint_dir)
     section = model_section or checkpoint_model_section(path)
     hf_config = kiln_to_hf_config(section)
-    weights = load_checkpoint(path, load_optim=False).model
-    write_hf_dir(out_dir, kiln_to_hf_state(weights, section, where=str(path)), hf_config, max_shard_bytes)
+    loaded = load_checkpoint(path, load_optim=False, allow_unverified=allow_unverified)
+    write_hf_dir(out_dir, kiln_to_hf_state(loaded.model, section, where=str(path)), hf_config, max_shard_bytes,
+                 source=loaded.origin)
     return hf_config
 
 
@@ -616,11 +662,11 @@ def import_hf(hf_dir: Path, save_path: Path, model_section: dict | None = None) 
     if save_path.exists() and any(save_path.iterdir()):
         raise HFConversionError(f"{save_path}: exists and is not empty")
     section = model_section or hf_to_kiln_model_section(_read_json(hf_dir / "config.json"), str(hf_dir / "config.json"))
-    state = hf_to_kiln_state(hf_dir, section)
+    state, origin = load_hf_weights(hf_dir, section)
     world = World(rank=0, size=1)
     common = {"epoch_num": 0, "step_num": 0, "global_step": 0, "consumed_samples": 0, "global_batch_size": 0,
               "loss_scale": 1.0, "ckpt_status": 0}
-    lineage = {"model": section, "hugging_face": {"path": str(hf_dir.resolve())}}
+    lineage = {"model": section, "hugging_face": origin}
     saved = save_checkpoint(save_path=save_path, step=0, model=state, optim=None, common=common,
                             lineage=lineage, prefix=None, save_max=1, world=world, collectives=Collectives(world))
     return saved.path, section

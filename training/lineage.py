@@ -149,19 +149,28 @@ def record_in_index(save_path: Path, step: int, lineage: dict) -> None:
         os.fsync(stream.fileno())
 
 
+PROBLEMS = ("MISMATCH", "missing")  # the statuses that fail an audit; "gone" and "unverified" are notes
+
+
 @dataclass
 class Check:
-    link: str      # checkpoint, run config, manifest, shard, tokenizer, raw file
+    link: str      # checkpoint, run config, manifest, shard, tokenizer, raw file, ancestor
     path: str
     expected: str
     actual: str | None
-    status: str    # ok | MISMATCH | missing
+    status: str    # ok | MISMATCH | missing | gone (an ancestor no longer there) | unverified (loaded unverified)
 
     def line(self) -> str:
         if self.status == "ok":
             return f"  ok        {self.link:<11} {self.path}  sha256 {self.expected[:16]}"
         if self.status == "missing":
             return f"  missing   {self.link:<11} {self.path}  (not found, not verified)"
+        if self.status == "gone":
+            return (f"  gone      {self.link:<11} {self.path}  (no longer there, rotated or moved: not re-verified; "
+                    f"its lineage.json was verified when it was loaded)")
+        if self.status == "unverified":
+            return (f"  UNVERIFIED {self.link:<10} {self.path}  (loaded on purpose without a lineage.json to verify "
+                    f"it against: this chain's trust starts after it)")
         return (f"  MISMATCH  {self.link:<11} {self.path} changed since training "
                 f"(sha256 {self.expected[:16]}… → {self.actual[:16]}…)")
 
@@ -246,7 +255,47 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
         checks += cache.upstream(pointer["sha256"], lambda: _upstream_checks(lineage, root, cache))
     else:
         checks += _upstream_checks(lineage, root, cache)
+    checks += _ancestor_checks(checkpoint_dir, lineage, cache)
     return lineage, checks
+
+
+def _parent_dir(child_dir: Path, parent: dict) -> Path | None:
+    """Where the checkpoint ``parent`` (a child's run.parent record) is now: in the child's runs root under the
+    same run and step (the tree moved together), else where it was when loaded; None when it is neither."""
+    candidates = [child_dir.resolve().parent.parent.parent / parent["run_path"]] if parent.get("run_path") else []
+    for candidate in candidates + [Path(parent["path"])]:
+        if (candidate / "lineage.json").is_file():
+            return candidate
+    return None
+
+
+def _ancestor_checks(checkpoint_dir: Path, lineage: dict, cache: AuditCache | None) -> list[Check]:
+    """The checkpoints this one descends from (run.parent, its parent, ...): each one's lineage.json must be the
+    one its child verified the loaded files against (the sha256 the child recorded), and each one's files must
+    still be what that lineage.json records, so a tampered ancestor fails the audit of every descendant."""
+    checks, seen = [], set()
+    child_dir, parent = checkpoint_dir, (lineage.get("run") or {}).get("parent")
+    while parent:
+        shown = parent.get("run_path") or parent["path"]
+        if not parent.get("verified"):
+            checks.append(Check("ancestor", shown, "verified", "loaded unverified", "unverified"))
+            break
+        if parent.get("hugging_face"):  # a Kiln export, verified against its kiln_export.json when loaded
+            break
+        where = _parent_dir(child_dir, parent)
+        if where is None or where.resolve() in seen:
+            checks.append(Check("ancestor", shown, parent["lineage_sha256"], None, "gone"))
+            break
+        seen.add(where.resolve())
+        check = _check("ancestor", where / "lineage.json", f"{shown}/lineage.json", parent["lineage_sha256"], cache)
+        checks.append(check)
+        if check.status != "ok":
+            break
+        ancestor = json.loads((where / "lineage.json").read_text())
+        checks += [_check("ancestor", where / f["name"], f"{shown}/{f['name']}", f["sha256"], cache)
+                   for f in ancestor["checkpoint"]["files"]]
+        child_dir, parent = where, (ancestor.get("run") or {}).get("parent")
+    return checks
 
 
 def _upstream_checks(lineage: dict, root: Path, cache: AuditCache | None) -> list[Check]:
@@ -269,6 +318,9 @@ def audit_report(checkpoint_dir: Path, lineage: dict, checks: list[Check]) -> st
     lines += [c.line() for c in checks]
     bad = [c for c in checks if c.status == "MISMATCH"]
     missing = [c for c in checks if c.status == "missing"]
+    if not any(lineage.get(key) for key in ("manifest", "shards", "inputs")):
+        lines.append("  note: no upstream lineage (trained without --lineage, e.g. outside Dagster on hand-picked "
+                     "data): the data it trained on is not verified, only the checkpoint and its config")
     if any(c.link == "inputs" for c in missing):
         lines.append(f"  (its upstream links are in the lineage store entry {lineage['inputs']['sha256']}.json, not "
                      f"found next to its runs root nor in {lineage['inputs']['store']}: copy it from there and pass "
@@ -278,8 +330,10 @@ def audit_report(checkpoint_dir: Path, lineage: dict, checks: list[Check]) -> st
         lines.append(f"FAILED: {first.link} {first.path} changed since training "
                      f"(sha256 {first.expected[:16]}… → {(first.actual or '')[:16]}…)")
     else:
-        verified = len(checks) - len(missing)
-        lines.append(f"OK: {verified} file(s) verified" + (f", {len(missing)} not found" if missing else ""))
+        verified = sum(c.status == "ok" for c in checks)
+        notes = [c for c in checks if c.status not in PROBLEMS and c.status != "ok"]
+        lines.append(f"OK: {verified} file(s) verified" + (f", {len(missing)} not found" if missing else "")
+                     + "".join(f", {c.link} {c.path} {c.status}" for c in notes))
     return "\n".join(lines)
 
 

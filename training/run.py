@@ -31,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                           "to record in every checkpoint's lineage.json")
     parser.add_argument("--tokenizer-model", help="the sentencepiece .model the data was tokenized with: its "
                                                   "vocabulary must fit model.vocab_size")
+    parser.add_argument("--load-unverified", action="store_true",
+                        help="load checkpoint.load_path even though it has no lineage.json to verify its files "
+                             "against (e.g. MindFormers' own checkpoint); the log and this run's lineage say so")
     return parser.parse_args(argv)
 
 
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
                       "activations across the tensor-parallel group), as in MindFormers")
     try:
         trainer = Trainer(config, world, output_dir, reporter, lineage_inputs=load_lineage_inputs(args.lineage),
-                          command=sys.argv)
+                          command=sys.argv, load_unverified=args.load_unverified)
         summary = trainer.train()
     except ConfigError as exc:  # found while building the run's data (e.g. a validation split too small)
         reporter.close(exc)

@@ -38,14 +38,28 @@ def read_header(path: Path) -> tuple[dict, int]:
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            length = int.from_bytes(f.read(8), "little")
-            if not 0 < length < _MAX_HEADER:
-                raise ValueError(f"header length {length}")
-            header = json.loads(f.read(length))
-        data_bytes = path.stat().st_size - 8 - length
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little")
+            if len(prefix) == 8 and 0 < length < _MAX_HEADER:
+                prefix += f.read(length)
+        size = path.stat().st_size
+    except OSError as exc:
+        raise SafetensorsFileError(f"{path}: not a readable safetensors file ({exc})") from None
+    return parse_header(path, prefix, size)
+
+
+def parse_header(path: Path, prefix: bytes, size: int) -> tuple[dict, int]:
+    """``read_header`` of a file of ``size`` bytes whose first bytes (the length and the header, at least) are
+    ``prefix``; ``path`` names it in errors."""
+    try:
+        length = int.from_bytes(prefix[:8], "little")
+        if len(prefix) < 8 or not 0 < length < _MAX_HEADER:
+            raise ValueError(f"header length {length}")
+        header = json.loads(bytes(prefix[8:8 + length]))
+        data_bytes = size - 8 - length
         if not isinstance(header, dict) or data_bytes < 0:
             raise ValueError("no JSON object header" if data_bytes >= 0 else "the file ends inside its header")
-    except (OSError, ValueError) as exc:
+    except (ValueError, UnicodeDecodeError) as exc:
         raise SafetensorsFileError(f"{path}: not a readable safetensors file ({exc})") from None
     header.pop("__metadata__", None)
     spans = []
@@ -81,11 +95,16 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 
 class SafetensorsFile:
-    """The tensors of one file, read on demand."""
+    """The tensors of one file, read on demand: memory-mapped from the file, or, given ``data`` (the file's
+    bytes, read once by a caller that verified them), views of those bytes."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, data: bytearray | None = None):
         self.path = Path(path)
-        self.header, self.data_start = read_header(self.path)
+        self.data = data
+        if data is None:
+            self.header, self.data_start = read_header(self.path)
+        else:
+            self.header, self.data_start = parse_header(self.path, data, len(data))
 
     def names(self) -> list[str]:
         return list(self.header)
@@ -109,6 +128,9 @@ class SafetensorsFile:
         begin, end = entry["data_offsets"]
         if end == begin:
             return np.zeros(entry["shape"], dtype)
+        if self.data is not None:
+            return np.frombuffer(self.data, dtype, math.prod(entry["shape"]),
+                                 self.data_start + begin).reshape(entry["shape"])
         return np.memmap(self.path, dtype=dtype, mode="r", offset=self.data_start + begin,
                          shape=tuple(entry["shape"]))
 

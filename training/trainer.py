@@ -230,7 +230,7 @@ def _lr_section(config: TrainConfig) -> dict:
 
 class Trainer:
     def __init__(self, config: TrainConfig, world: World, output_dir: Path, reporter: Reporter,
-                 lineage_inputs: dict | None = None, command: list[str] | None = None):
+                 lineage_inputs: dict | None = None, command: list[str] | None = None, load_unverified: bool = False):
         self.config = config
         self.world = world
         self.collectives = Collectives(world)
@@ -293,6 +293,8 @@ class Trainer:
         self.step = 0
         self.consumed_samples = 0
         self.resumed_from: str | None = None
+        self.parent: dict | None = None  # the loaded checkpoint as verified (CheckpointFiles.origin)
+        self.load_unverified = load_unverified
         if config.checkpoint.load_path:
             self._resume(resolve_load_path(config.checkpoint.load_path))
         if ckpt.enable_save:
@@ -370,17 +372,24 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         ckpt = self.config.checkpoint
         if is_hf_dir(path):
-            from training.hf import hf_to_kiln_state  # the converter is only needed for this kind of load
+            from training.hf import load_hf_weights  # the converter is only needed for this kind of load
 
-            self._load_weights(path, self.parallel.own_chunks(hf_to_kiln_state(path, self.config.model)))
+            weights, self.parent = load_hf_weights(path, self.config.model)
+            self._load_weights(path, self.parallel.own_chunks(weights))
             self.reporter.info(f"[kiln] loaded Hugging Face weights from {path} (weights only); starting at step 0")
             return
         if ckpt.load_balanced:
             loaded = load_checkpoint_balanced(path, self.world, self.collectives, load_optim=not ckpt.no_load_optim,
-                                              readers=ckpt.load_worker_number, layouts=self._load_layouts())
+                                              readers=ckpt.load_worker_number, layouts=self._load_layouts(),
+                                              allow_unverified=self.load_unverified)
         else:
             loaded = load_checkpoint(path, rank=self.world.rank, load_optim=not ckpt.no_load_optim,
-                                     layouts=self._load_layouts())
+                                     layouts=self._load_layouts(), allow_unverified=self.load_unverified)
+        self.parent = loaded.origin
+        if not loaded.origin["verified"]:
+            self.reporter.warning(f"{path} loaded UNVERIFIED (--load-unverified): it has no lineage.json to check its "
+                                  f"files against; this run's lineage records it as unverified, with the sha256 of "
+                                  f"each file read")
         self._load_weights(path, *((loaded.model, loaded.stored) if ckpt.no_load_optim
                                    else self._masters_as_weights(loaded)))
         if ckpt.no_load_optim:
@@ -594,7 +603,7 @@ class Trainer:
         return {"config_sha256": config_sha256(self.resolved_yaml), "config": self.config.to_dict(),
                 "config_path": str(self.resolved_config_path), "command": self.command,
                 "world_size": self.world.size, "started_at": self.started_at, "resumed_from": self.resumed_from,
-                "mindspore_version": ms.__version__}
+                "parent": self.parent, "mindspore_version": ms.__version__}
 
     # ---- loop --------------------------------------------------------------------------------
     def train(self) -> TrainSummary:

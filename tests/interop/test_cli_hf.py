@@ -57,5 +57,8 @@ def test_import_names_a_misshaped_tensor_and_writes_nothing(trained, tmp_path, c
     tensors[name] = tensors[name][:-1]
     save_file(tensors, tmp_path / "hf" / "model.safetensors")
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 2
+    assert "model.safetensors: 1104536 bytes, kiln_export.json recorded" in capsys.readouterr().err
+    (tmp_path / "hf" / "kiln_export.json").unlink()  # a directory edited outside Kiln: its tensors are checked
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 2
     assert f"model.safetensors: tensor {name} has shape [31, 64]" in capsys.readouterr().err
     assert not (tmp_path / "imported").exists()
