@@ -1,4 +1,5 @@
-"""``checkpoint_eval``: each checkpoint's held-out loss and perplexity, overall and per source.
+"""``checkpoint_eval``: each checkpoint's held-out loss, perplexity and bits per byte, overall and per source, and
+its downstream task scores (by default the fast set, training/tasks.py FAST_TASKS).
 
 One partition per checkpoint partition. It materializes by itself when a checkpoint appears (eager, evaluated
 by ``kiln_automation``) and runs ``kiln eval`` in a process of its own, holding a slot of the training pool
@@ -26,11 +27,15 @@ class CheckpointEvalConfig(dg.Config):
     split: str = Field(default="", description="test or valid; empty: test when the run's blend cuts a test "
                                                "split, else valid")
     batches: int = Field(default=10, description="global batches (of the run's global_batch_size) to evaluate")
+    tasks: list[str] = Field(default=["fast"], description="downstream tasks (training/tasks.py): fast (the default "
+                                                            "set), <task> or <task>:<formulation>; [] for none")
+    task_limit: int = Field(default=200, description="the first N documents of each task")
 
 
 def eval_command(path: Path, config: CheckpointEvalConfig) -> list[str]:
     return [sys.executable, "-m", "training.cli", "eval", str(path), "--batches", str(config.batches),
-            *(["--split", config.split] if config.split else [])]
+            *(["--split", config.split] if config.split else []),
+            *(["--tasks", ",".join(config.tasks), "--task-limit", str(config.task_limit)] if config.tasks else [])]
 
 
 def eval_metadata(record: dict, sidecar: Path) -> dict:
@@ -51,7 +56,38 @@ def eval_metadata(record: dict, sidecar: Path) -> dict:
             "shards": dg.MetadataValue.md("| source | shard | sha256 |\n|---|---|---|\n" + "\n".join(
                 f"| {s['source']} | {s['path']} | {s['sha256'][:16]} |" for s in record["shards"])),
             **({"unevaluated_sources": dg.MetadataValue.md(_unevaluated_table(record["unevaluated_sources"]))}
-               if record.get("unevaluated_sources") else {})}
+               if record.get("unevaluated_sources") else {}),
+            **_bpb_metadata(record), **task_metadata(record)}
+
+
+def _bpb_metadata(record: dict) -> dict:
+    """Held-out bits per byte, overall and per source, when the run's tokenizer was known."""
+    if "bpb" not in record:
+        return {}
+    return {"bpb": dg.MetadataValue.float(record["bpb"]),
+            **{f"bpb_{name}": dg.MetadataValue.float(values["bpb"]) for name, values in record["sources"].items()}}
+
+
+def task_metadata(record: dict) -> dict:
+    """Per task its primary metric (``task_<name>``) and bits per byte (``task_<name>_bpb``) as floats, plotted over
+    the checkpoints like the losses, their means, and a table of every score."""
+    if not record.get("tasks"):
+        return {}
+    plotted = {}
+    for name, s in record["tasks"].items():
+        key = "task_" + name.replace(":", "_")
+        plotted[key] = dg.MetadataValue.float(s["primary"])
+        plotted[f"{key}_bpb"] = dg.MetadataValue.float(s["bpb"])
+    rows = "\n".join(f"| {name} | {_score(s['acc'])} | {_score(s['len_norm'])} | {s['bpb']:.4f} | {s['primary_metric']} "
+                     f"| {s['instances']} | {s['requests_per_second']:.1f} |" for name, s in record["tasks"].items())
+    return {"tasks_mean_primary": dg.MetadataValue.float(record["tasks_mean"]["primary"]),
+            "tasks_mean_bpb": dg.MetadataValue.float(record["tasks_mean"]["bpb"]), **plotted,
+            "task_scores": dg.MetadataValue.md("| task | acc | len_norm | bpb | primary | instances | requests/s |\n"
+                                               "|---|---|---|---|---|---|---|\n" + rows)}
+
+
+def _score(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
 
 
 def _unevaluated_table(sources: list[dict]) -> str:
@@ -67,8 +103,9 @@ def _unevaluated_table(sources: list[dict]) -> str:
                  automation_condition=dg.AutomationCondition.eager())
 def checkpoint_eval(context: dg.AssetExecutionContext, config: CheckpointEvalConfig, storage: KilnStorage,
                     msrun: MsrunResource) -> dg.MaterializeResult:
-    """Held-out loss and perplexity of one checkpoint on its run's test split (valid when there is none),
-    overall and per source, with the checkpoint, shards and hashes, split and sample range it read."""
+    """Held-out loss, perplexity and bits per byte of one checkpoint on its run's test split (valid when there is
+    none), overall and per source, with the checkpoint, shards and hashes, split and sample range it read; and
+    its scores on the configured downstream tasks."""
     path = checkpoint_dir(storage, context.partition_key)
     if not path.is_dir():
         raise dg.Failure(f"checkpoint {context.partition_key}: {path} is gone (rotated by checkpoint.save_max?)",

@@ -148,7 +148,7 @@ def test_checkpoint_eval_is_requested_for_a_new_checkpoint_and_records_the_evalu
         result = dg.materialize(ALL_ASSETS, selection=[checkpoint_eval], partition_key=key, instance=instance,
                                 resources=resources(storage=KilnStorage(data_root=str(root / "data"),
                                                                         runs_root=str(root))),
-                                run_config={"ops": {"checkpoint_eval": {"config": {"batches": 1}}}})
+                                run_config={"ops": {"checkpoint_eval": {"config": {"batches": 1, "tasks": []}}}})
     (event,) = result.asset_materializations_for_node("checkpoint_eval")
     metadata = {k: v.value for k, v in event.metadata.items()}
     sidecar = json.loads((root / RUN / "checkpoints" / CHECKPOINT / "eval.json").read_text())

