@@ -128,6 +128,52 @@ def _preprocess(args) -> int:
     return 0
 
 
+def _clean(args) -> int:
+    from training.data.cleaning.pipeline import CleaningError, clean_files
+    from training.data.cleaning.recipe import load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe)
+        if recipe is None:
+            print(f"kiln clean: recipe {args.recipe!r} cleans nothing; use the input as it is", file=sys.stderr)
+            return 2
+        sidecar = clean_files([Path(p) for p in args.input], Path(args.output_dir), recipe, args.json_keys,
+                              args.on_bad_line)
+    except (CleaningError, ValueError, OSError) as exc:  # RecipeError, CorpusError are ValueErrors
+        print(f"kiln clean: {exc}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - args.started
+    print(f"recipe {recipe.name} ({recipe.sha256[:12]}): {sidecar['docs_in']:,} documents in, "
+          f"{sidecar['docs_out']:,} kept, in {seconds:.2f} s")
+    for step in sidecar["steps"]:
+        reasons = ", ".join(f"{reason} {count:,}" for reason, count in sorted(step["removed"].items()))
+        print(f"  {step['step']:<18} {step['docs_in']:>9,} -> {step['docs_out']:>9,}" + (f"  ({reasons})" if reasons else ""))
+    print(f"wrote {args.output_dir}: {', '.join(o['name'] for o in sidecar['outputs'])}, removals.jsonl "
+          f"(why a document is gone: kiln why FILE:LINE --clean-dir {args.output_dir})")
+    return 0
+
+
+def _why(args) -> int:
+    from training.data.cleaning.why import describe, explain
+
+    path, _, line = args.document.rpartition(":")
+    if not path or not line.isdigit():
+        print(f"kiln why: expected <raw file>:<line>, got {args.document!r}", file=sys.stderr)
+        return 2
+    try:
+        entries = explain(Path(path), int(line), [Path(d) for d in args.clean_dir])
+    except OSError as exc:
+        print(f"kiln why: {exc}", file=sys.stderr)
+        return 2
+    if not entries:
+        print(f"kiln why: no cleaning under {', '.join(args.clean_dir)} read {path} as it is now (sha256) with a "
+              f"document at line {line}", file=sys.stderr)
+        return 1
+    for entry in entries:
+        print(describe(entry))
+    return 0
+
+
 def _merge(args) -> int:
     from training.data.merge import dataset_prefixes, merge_datasets
 
@@ -289,6 +335,31 @@ def main(argv=None) -> int:
     preprocess.add_argument("--max-shard-tokens", type=int, default=None,
                             help="split each dataset into shards of at most this many tokens")
     preprocess.set_defaults(handler=_preprocess, started=started)
+
+    clean = commands.add_parser(
+        "clean", help="filter and deduplicate JSONL / JSON-array / Parquet files with a cleaning recipe",
+        description="Writes a cleaned JSONL per input, removals.jsonl (one line per raw document: kept, or the "
+                    "step that removed it and why) and clean.kiln.json (per-step figures). Exit 2 on bad input.")
+    clean.add_argument("--input", action="append", required=True, metavar="FILE",
+                       help="a .jsonl, .json (one array) or .parquet file; repeat for several (deduplicated together)")
+    clean.add_argument("--output-dir", required=True, metavar="DIR")
+    clean.add_argument("--recipe", default="fineweb",
+                       help="a built-in recipe (fineweb, code) or a recipe YAML file (default: fineweb)")
+    clean.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                       help="keys holding the text; the first is cleaned, the others carried along (default: text)")
+    clean.add_argument("--on-bad-line", choices=["error", "skip"], default="error",
+                       help="skip: count bad records, each named in removals.jsonl")
+    clean.set_defaults(handler=_clean, started=started)
+
+    why = commands.add_parser("why", help="what cleaning did with one raw document: kept, or removed by which "
+                                          "step and why",
+                              description="Hashes the raw file and looks it up in the cleaning sidecars. Exit 1 "
+                                          "when no cleaning read it.")
+    why.add_argument("document", metavar="FILE:LINE", help="a raw file and a line (a Parquet row from 0)")
+    why.add_argument("--clean-dir", action="append", metavar="DIR",
+                     default=[os.path.join(os.environ.get("KILN_DATA_ROOT", "data"), "clean")],
+                     help="where cleaning outputs are (repeatable; default: $KILN_DATA_ROOT/clean, else data/clean)")
+    why.set_defaults(handler=_why)
 
     merge = commands.add_parser(
         "merge", help="merge the .bin/.idx datasets of a directory into one (Megatron's merge_datasets.py)",
