@@ -447,7 +447,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         })
     metadata.update({"attempts": len(attempts), "resumed_from_step": attempt["resumed_from_step"],
                      "attempt_history": dg.MetadataValue.md(attempts_table(attempts))})
-    if validations:  # training.eval_interval: the held-out loss of the last evaluation
+    if validations:  # kiln.training.eval_interval: the held-out loss of the last evaluation
         metadata.update({"validation_step": validations[-1]["step"],
                          "final_val_loss": dg.MetadataValue.float(validations[-1]["val_loss"]),
                          "final_val_ppl": dg.MetadataValue.float(validations[-1]["val_ppl"])})

@@ -41,7 +41,7 @@ VARIANTS = {"DP 2": ["training.local_batch_size=1"],
             "DP 2, whole step compiled": ["training.local_batch_size=1", "fast_step.compile_reduction=true"],
             "CP 2 ring": CP2,
             "CP 2 ring, eager": [*CP2, *EAGER],
-            "CP 2 ring zig-zag": [*CP2, "parallelism.context_parallel_load_balance=true"],
+            "CP 2 ring zig-zag": [*CP2, "kiln.parallelism.context_parallel_load_balance=true"],
             "CP 2 Ulysses": [*CP2, "parallelism.context_parallel_method=ulysses"],
             "CP 2 Ulysses, eager": [*CP2, "parallelism.context_parallel_method=ulysses", *EAGER]}
 

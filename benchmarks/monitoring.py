@@ -21,6 +21,7 @@ from benchmarks import blend_settings
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = {"local_norm": "true", "device_norm": "true", "param_norm": "true", "local_loss": "true",
            "device_loss": "true", "max_attention_logit": "true"}
+KILN_OPTIONS = ("param_norm", "max_attention_logit")  # kiln.train_state's; the others are monitor.train_state's
 
 
 def _random_shard(prefix: Path, vocab_size: int, documents: int = 2000) -> Path:
@@ -44,7 +45,7 @@ def _trainer(shard: Path, work: Path, name: str, options: dict[str, str], steps:
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
         "train_dataset.dataloader.config.pad=3", f"train_dataset.dataloader.config.path_to_cache={work / 'cache'}",
         *blend_settings(), f"training.steps={steps}", "checkpoint.enable_save=false",
-        *(f"monitor.train_state.{key}={value}" for key, value in options.items())])
+        *(f"{'kiln' if key in KILN_OPTIONS else 'monitor'}.train_state.{key}={value}" for key, value in options.items())])
     configure_runtime(config)
     return Trainer(config, World(rank=0, size=1), work / name, Reporter(None, enabled=False))
 

@@ -1,4 +1,4 @@
-"""Cost of validation during training (``training.eval_interval: 50``, ``eval_iters: 10``) on the demo model.
+"""Cost of validation during training (``kiln.training.eval_interval: 50``, ``eval_iters: 10``) on the demo model.
 
 One trainer (configs/qwen3_tiny.yaml, one process) and its Validation; each round times one training step and
 one whole evaluation (10 global batches of the validation split, forward only), the order swapped every
@@ -28,8 +28,8 @@ def run(report, rounds: int = 6) -> None:
         shard = _random_shard(work / "random", vocab_size=4096, documents=6000)
         trainer = _trainer(shard, work, "run", {}, rounds + 1)
         config = trainer.config
-        config = dataclasses.replace(config, training=dataclasses.replace(
-            config.training, eval_interval=EVAL_INTERVAL, eval_iters=EVAL_ITERS))
+        config = dataclasses.replace(config, kiln=dataclasses.replace(config.kiln, training=dataclasses.replace(
+            config.kiln.training, eval_interval=EVAL_INTERVAL, eval_iters=EVAL_ITERS)))
         validation = Validation(config, trainer.model, trainer.collectives, accumulation=trainer.accumulation,
                                 use_positions=trainer.use_positions, vocab_size=trainer.model.config.vocab_size,
                                 sample_indices=lambda first, micro: micro_batch_indices(

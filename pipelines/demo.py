@@ -17,8 +17,8 @@ from training.lineage import audit_checkpoint, audit_exit_code, audit_report
 
 # Megatron-style validation as the demo trains: every 50 steps and after the last, 10 batches of the blend's
 # validation split (the configs leave it off: the tests' small corpora cut validation splits too small for it)
-DEMO_VALIDATION = {"ops": {"training_run": {"config": {"overrides": ["training.eval_interval=50",
-                                                                     "training.eval_iters=10"]}}}}
+DEMO_VALIDATION = {"ops": {"training_run": {"config": {"overrides": ["kiln.training.eval_interval=50",
+                                                                     "kiln.training.eval_iters=10"]}}}}
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ from fsdp_cases import DEEPSEEK, train_cases  # noqa: E402
 
 # name -> overrides; the world is 4 workers, so cp 2 leaves dp 2 (ZeRO-3 over dp_shard × cp = 4 ranks)
 # validation after the last step (training.steps): one global batch of the held-out split
-VALIDATE_ONCE = ["training.eval_interval=1000", "training.eval_iters=1"]
+VALIDATE_ONCE = ["kiln.training.eval_interval=1000", "kiln.training.eval_iters=1"]
 COMPILED = ["fast_step.compile=true"]  # the micro config runs eagerly (tests/configs/qwen3_micro.yaml)
 CASES = {
     "ring_cp2_dp2": ["parallelism.context_parallel=2", *VALIDATE_ONCE],
@@ -28,13 +28,13 @@ CASES = {
     # (sequence parallel); forward and backward compiled. Rings longer than 2: hybrid's cp 4, and a ring of 3
     # checked in one process
     "ring_tp2_cp2_zigzag_zero1_compiled": ["parallelism.context_parallel=2",
-                                           "parallelism.context_parallel_load_balance=true",
+                                           "kiln.parallelism.context_parallel_load_balance=true",
                                            "parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
                                            "parallelism.data_parallel_shard_strategy=optim", *COMPILED],
 }
 # DeepSeek-V3 (MLA, MoE with a balancing loss and expert biases, MTP) against its own reference
 DEEPSEEK_CASES = {"deepseek_ring_cp2_dp2_zigzag": ["parallelism.context_parallel=2",
-                                                   "parallelism.context_parallel_load_balance=true"]}
+                                                   "kiln.parallelism.context_parallel_load_balance=true"]}
 
 
 if __name__ == "__main__":

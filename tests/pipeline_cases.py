@@ -24,9 +24,10 @@ FOUR_LAYERS_TIED = ["model.num_hidden_layers=4", "model.tie_word_embeddings=true
 REFERENCES = {"qwen3": (MICRO_CONFIG, BATCH), "qwen3_4_layers_tied": (MICRO_CONFIG, BATCH + FOUR_LAYERS_TIED)}
 PP2 = ["parallelism.pipeline_parallel=2"]
 # validation after the last step (training.steps): one global batch of the held-out split, forward through the stages
-VALIDATE_ONCE = ["training.eval_interval=1000", "training.eval_iters=1"]
-# monitor.train_state's statistics that pipeline parallelism reports (local_norm and max_attention_logit are refused)
-MONITORED = [f"monitor.train_state.{field}=true" for field in ("device_norm", "param_norm", "local_loss", "device_loss")]
+VALIDATE_ONCE = ["kiln.training.eval_interval=1000", "kiln.training.eval_iters=1"]
+# the statistics that pipeline parallelism reports (local_norm and max_attention_logit are refused)
+MONITORED = [*(f"monitor.train_state.{field}=true" for field in ("device_norm", "local_loss", "device_loss")),
+             "kiln.train_state.param_norm=true"]
 # name -> (reference, overrides); the world is 4 workers
 CASES = {
     # ZeRO-3 (the default strategy) over the two data-parallel ranks of each stage

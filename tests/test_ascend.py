@@ -11,7 +11,7 @@ import pytest
 from mindspore import Tensor, ops
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT
-from training.config import ConfigError, FastStepConfig, MonitorConfig, load_config
+from training.config import ConfigError, FastStepConfig, KilnConfig, load_config
 from training.model import ascend, build_model, model_config
 from training.model.layers import Init, additive_mask, causal_mask, token_cross_entropy
 from training.model.mla import MLASelfAttention
@@ -87,7 +87,7 @@ def on_ascend(monkeypatch):
 
 
 def run_config(**train_state):
-    return SimpleNamespace(fast_step=FastStepConfig(), monitor=MonitorConfig.from_dict({"train_state": train_state}))
+    return SimpleNamespace(fast_step=FastStepConfig(), kiln=KilnConfig.from_dict({"train_state": train_state}))
 
 
 def document_batch(batch=2, seq=SEQ, seed=0):
@@ -183,8 +183,8 @@ def test_on_ascend_the_plain_paths_run_where_the_kernels_cannot_and_say_why(on_a
     model = build_model(QWEN3, seed=0)
     (attention, _) = ascend.select_kernels(model, run_config(max_attention_logit=True), ParallelDims(world=2, cp=2))
     assert "context parallel runs its own ring/Ulysses attention" in attention
-    assert "monitor.train_state.max_attention_logit reads the attention scores" in attention
-    off = SimpleNamespace(fast_step=FastStepConfig(fused_cross_entropy=False), monitor=MonitorConfig())
+    assert "kiln.train_state.max_attention_logit reads the attention scores" in attention
+    off = SimpleNamespace(fast_step=FastStepConfig(fused_cross_entropy=False), kiln=KilnConfig())
     assert ascend.select_kernels(build_model({**QWEN3, "use_flash_attention": False}, seed=0), off,
                                  ParallelDims(world=1)) == [
         "cross-entropy: log_softmax + gather (fast_step.fused_cross_entropy is false)"]

@@ -43,11 +43,13 @@ READ = {
     **{f"training.{name}": "training/trainer.py" for name in (
         "steps", "local_batch_size", "global_batch_size", "max_norm", "use_skip_step_on_nan",
         "max_consecutive_skipped_steps", "seed", "deterministic")},
-    **{f"training.{name}": "training/evaluation.py" for name in ("eval_interval", "eval_iters")},
+    **{f"kiln.training.{name}": "training/evaluation.py" for name in ("eval_interval", "eval_iters")},
+    **{f"kiln.train_state.{name}": "training/monitor.py" for name in ("param_norm", "max_attention_logit")},
+    "kiln.parallelism.context_parallel_load_balance": "training/parallel/context_parallel.py",
     **{f"optimizer.{name}": "training/optim.py" for name in (
         "type", "betas", "eps", "weight_decay", "weight_decay_include", "weight_decay_exclude")},
     **{f"monitor.train_state.{name}": "training/monitor.py" for name in (
-        "local_norm", "device_norm", "local_loss", "device_loss", "param_norm", "max_attention_logit")},
+        "local_norm", "device_norm", "local_loss", "device_loss")},
     **{f"monitor.health_checkpoint.{name}": "training/monitor.py" for name in (
         "embedding_local_norm_threshold", "global_norm_skip_threshold", "global_norm_skip_time")},
     **{f"monitor.moe_monitor.{name}": "training/monitor.py" for name in (
@@ -66,7 +68,7 @@ READ = {
     "parallelism.tensor_parallel": "training/parallel/mesh.py",
     "parallelism.context_parallel": "training/parallel/mesh.py",
     **{f"parallelism.{name}": "training/parallel/context_parallel.py" for name in (
-        "context_parallel_method", "ulysses_degree_in_cp", "context_parallel_load_balance")},
+        "context_parallel_method", "ulysses_degree_in_cp")},
     "parallelism.expert_parallel": "training/parallel/mesh.py",
     "parallelism.pipeline_parallel": "training/parallel/mesh.py",
     **{f"parallelism.{name}": "training/parallel/pipeline.py" for name in (

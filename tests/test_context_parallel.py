@@ -297,11 +297,11 @@ def test_config_errors_name_the_fields(shard, overrides, message):
 
 
 def test_what_context_parallelism_does_not_split_is_refused_with_its_field(shard):
-    config, model = _config(shard, "parallelism.context_parallel=2", "monitor.train_state.max_attention_logit=true",
+    config, model = _config(shard, "parallelism.context_parallel=2", "kiln.train_state.max_attention_logit=true",
                             model_path=DEEPSEEK)
     with pytest.raises(ConfigError) as refused:
         check_context_parallel(config, model)
-    assert [p.split(" ")[0] for p in refused.value.problems] == ["monitor.train_state.max_attention_logit"]
+    assert [p.split(" ")[0] for p in refused.value.problems] == ["kiln.train_state.max_attention_logit"]
     config, model = _config(shard, "parallelism.context_parallel=2")
     plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=False,
                                seq_length=8)

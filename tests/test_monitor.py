@@ -13,8 +13,8 @@ from training.profiling import ProfilerError
 NAMES = ["embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_qkv.weight",
          "decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.linear_fc1.weight", "output_layer.weight"]
 ALL_ON = ["monitor.train_state.local_norm=true", "monitor.train_state.device_norm=true",
-          "monitor.train_state.param_norm=true", "monitor.train_state.local_loss=true",
-          "monitor.train_state.device_loss=true", "monitor.train_state.max_attention_logit=true"]
+          "kiln.train_state.param_norm=true", "monitor.train_state.local_loss=true",
+          "monitor.train_state.device_loss=true", "kiln.train_state.max_attention_logit=true"]
 
 
 def records(run_dir):

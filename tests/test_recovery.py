@@ -39,10 +39,10 @@ def test_config_data_checkpoint_and_nan_errors_are_not_retriable():
 def test_a_worker_stopped_by_a_config_error_is_not_retried_for_its_one_line(tmp_path, shard, capsys):
     code = train_main(["--config", str(PROJECT_ROOT / MICRO_CONFIG), "--output-dir", str(tmp_path / "run"),
                        "--set", f"train_dataset.dataloader.config.data_path=['{shard}']",
-                       "--set", "train_dataset.dataloader.config.eod=2", "--set", "training.eval_interval=2",
+                       "--set", "train_dataset.dataloader.config.eod=2", "--set", "kiln.training.eval_interval=2",
                        "--set", f"checkpoint.save_path={tmp_path / 'run/checkpoints'}"])
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("config error: training.eval_iters = 100 global batches")
+    assert code == 2 and err.startswith("config error: kiln.training.eval_iters = 100 global batches")
     log = tmp_path / "worker_0.log"
     log.write_text(err)
     assert not_retriable_cause(tmp_path, {}) == f"worker_0.log: {err.splitlines()[0]}"

@@ -338,7 +338,7 @@ def test_training_run_retries_a_killed_worker_then_a_killed_msrun_and_ends_as_th
                                                   "checkpoint.remove_redundancy=true", "checkpoint.load_balanced=true",
                                                   "checkpoint.load_worker_number=2",
                                                   # the split's 4 validation documents hold one global batch
-                                                  "training.eval_interval=4", "training.eval_iters=1"]}}}})
+                                                  "kiln.training.eval_interval=4", "kiln.training.eval_iters=1"]}}}})
         partitions = instance.get_dynamic_partitions("checkpoints")
     killer.join(timeout=60)
     assert len(trees) == 2, f"the worker and msrun were not both killed: {errors}"

@@ -179,10 +179,10 @@ def test_a_step_that_cannot_compile_says_why():
 
     config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
         "train_dataset.dataloader.config.data_path=['x']", "train_dataset.dataloader.config.eod=2",
-        "checkpoint.enable_save=false", "model.hidden_dropout=0.1", "monitor.train_state.max_attention_logit=true"])
+        "checkpoint.enable_save=false", "model.hidden_dropout=0.1", "kiln.train_state.max_attention_logit=true"])
     blockers = compile_blockers(config, ParallelDims(world=2, tp=2), build_model(config.model))
     assert [b.split(":")[0].split(" >")[0] for b in blockers] == [
-        "fast_step.compile is false", "model.hidden_dropout", "monitor.train_state.max_attention_logit"], blockers
+        "fast_step.compile is false", "model.hidden_dropout", "kiln.train_state.max_attention_logit"], blockers
 
 
 @pytest.mark.parametrize("config, dims", [

@@ -1,4 +1,4 @@
-"""Validation during training (training.eval_interval / eval_iters), in one process: which samples it reads,
+"""Validation during training (kiln.training.eval_interval / eval_iters), in one process: which samples it reads,
 what it computes, how it is reported, and that it changes nothing of the training it interrupts."""
 import math
 
@@ -20,7 +20,7 @@ from training.trainer import micro_batch_indices
 # on, so a validation that drew masks from the training's stream would change the losses after it
 VALIDATED = ["train_dataset.dataloader.config.split='80,20,0'", "model.hidden_dropout=0.1", "training.steps=4",
              "checkpoint.save_interleaved_steps=2"]
-EVALUATING = ["training.eval_interval=1", "training.eval_iters=2"]
+EVALUATING = ["kiln.training.eval_interval=1", "kiln.training.eval_iters=2"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_validation_samples_come_from_documents_training_never_reads(shard):
     config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
         f"train_dataset.dataloader.config.data_path=[0.7, '{shard}', 0.3, '{shard}']",
         "train_dataset.dataloader.config.eod=2", "train_dataset.dataloader.config.split='90,10,0'",
-        "checkpoint.enable_save=false", "training.steps=40", "training.eval_interval=5", "training.eval_iters=2"])
+        "checkpoint.enable_save=false", "training.steps=40", "kiln.training.eval_interval=5", "kiln.training.eval_iters=2"])
     train = build_dataset(config, num_samples=config.split_samples("train"))
     valid = HeldOutSplit(config, "valid", batches=2).build(vocab_size=512).dataset
     trained_on, validated_on = documents_read(train), documents_read(valid)
@@ -137,12 +137,12 @@ def test_two_data_parallel_ranks_together_validate_what_one_process_does(runs):
 def test_validation_runs_every_eval_interval_steps_and_after_the_last(shard):
     config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
         f"train_dataset.dataloader.config.data_path=['{shard}']", "train_dataset.dataloader.config.eod=2",
-        "checkpoint.enable_save=false", "training.steps=5", "training.eval_interval=2"])
-    assert [step for step in range(1, 6) if Validation.due(config.training, step)] == [2, 4, 5]
+        "checkpoint.enable_save=false", "training.steps=5", "kiln.training.eval_interval=2"])
+    assert [step for step in range(1, 6) if Validation.due(config, step)] == [2, 4, 5]
 
 
 @pytest.mark.parametrize("overrides, too_small", [
-    (["training.eval_iters=3"], r"lower training.eval_iters or give the valid split more documents "
+    (["kiln.training.eval_iters=3"], r"lower kiln.training.eval_iters or give the valid split more documents "
                                 r"\(train_dataset.dataloader.config.split \('98,2,0'\)\)"),
     (["train_dataset.dataloader.config.split='100,0,0'"],
      r"split \('100,0,0'\) gives the valid split no sample of any source: train_dataset.dataloader.config."
@@ -150,9 +150,9 @@ def test_validation_runs_every_eval_interval_steps_and_after_the_last(shard):
 ])
 def test_a_validation_split_too_small_for_eval_iters_is_a_config_error_naming_both(tmp_path, shard, overrides,
                                                                                    too_small):
-    with pytest.raises(ConfigError, match=r"training.eval_iters = \d+ global batches of training.global_batch_size"
+    with pytest.raises(ConfigError, match=r"kiln.training.eval_iters = \d+ global batches of training.global_batch_size"
                                           r" 4 = \d+ valid samples.*" + too_small):
-        make_trainer(tmp_path, shard, "small", "training.eval_interval=2", *overrides)
+        make_trainer(tmp_path, shard, "small", "kiln.training.eval_interval=2", *overrides)
     assert not (tmp_path / "small/checkpoints").exists()
 
 
@@ -160,7 +160,7 @@ def test_validation_leaves_out_a_source_the_split_gives_no_document_and_the_run_
                                                                                               capsys):
     # 98,2,0 of 10 documents rounds the validation split to none of them
     small = write_random_documents(tmp_path / "data/shards/small", seed=1, documents=10)
-    trainer = make_trainer(tmp_path, shard, "blend", "training.eval_interval=2", "training.eval_iters=1",
+    trainer = make_trainer(tmp_path, shard, "blend", "kiln.training.eval_interval=2", "kiln.training.eval_iters=1",
                            f"train_dataset.dataloader.config.data_path=[0.7, '{shard}', 0.3, '{small}']")
     assert f"WARNING: validation loss leaves out train_dataset.dataloader.config.data_path[3] {small}: 10 " \
            f"document(s), split '98,2,0' gives the valid split none of them" in capsys.readouterr().out

@@ -134,6 +134,8 @@ class Section:
     UNSUPPORTED: typing.ClassVar[dict[str, str]] = {}
     # field name -> values MindFormers' own YAMLs write for "the default" (e.g. null for "auto"), accepted as it
     SAME_AS_DEFAULT: typing.ClassVar[dict[str, tuple]] = {}
+    # former Kiln-only key -> where it lives now (the kiln section): named when an old config still has it
+    MOVED: typing.ClassVar[dict[str, str]] = {}
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "") -> "Section":
@@ -147,6 +149,12 @@ class Section:
         errors: list[ConfigError] = []  # every problem of the section and the sections inside it
         kwargs = {}
         for key, value in data.items():
+            if key in cls.MOVED:
+                errors.append(ConfigError(unknown=[
+                    f"{_join(path, key)} is Kiln's own setting and moved to {cls.MOVED[key]}: MindFormers refuses "
+                    f"keys it does not know in {path or 'this section'}, so Kiln keeps its own in the top-level "
+                    f"kiln section"]))
+                continue
             if key not in names:
                 errors.append(unknown_key_error(str(key), names, path))
                 continue
@@ -244,21 +252,15 @@ class TrainingConfig(Section):
     seed: int = 42
     deterministic: bool = False
     rampup_batch_size: Optional[list[int]] = None
-    # Megatron's validation (Kiln extensions; MindFormers' PyNative trainer evaluates nothing): every
-    # eval_interval steps and after the last, eval_iters global batches of the validation split (0 = off)
-    eval_interval: int = 0
-    eval_iters: int = 100
 
     UNSUPPORTED = {"rampup_batch_size": "batch-size ramp-up is not implemented"}
+    MOVED = {"eval_interval": "kiln.training.eval_interval", "eval_iters": "kiln.training.eval_iters"}
 
     def check(self, path):
         for name in ("steps", "local_batch_size", "global_batch_size"):
             require(getattr(self, name) > 0, f"{path}.{name} must be > 0, got {getattr(self, name)}")
         require(self.max_norm > 0, f"{path}.max_norm must be > 0 (it scales gradients), got {self.max_norm}")
         require(self.max_consecutive_skipped_steps >= 0, f"{path}.max_consecutive_skipped_steps must be >= 0")
-        require(self.eval_interval >= 0, f"{path}.eval_interval must be >= 0 (0: no validation), got "
-                                         f"{self.eval_interval}")
-        require(self.eval_iters >= 1, f"{path}.eval_iters must be >= 1, got {self.eval_iters}")
 
 
 @dataclass
@@ -275,9 +277,6 @@ class ParallelismConfig(Section):
     context_parallel_async: bool = False
     ulysses_degree_in_cp: Optional[int] = None
     context_parallel_mask_type: str = "causal"
-    # Kiln's own: each cp rank takes chunks r and 2·cp-1-r of 2·cp (zig-zag) instead of chunk r of cp, so the
-    # causal attention work is even across the cp ranks (training/parallel/context_parallel.py)
-    context_parallel_load_balance: bool = False
     pipeline_parallel: int = 1
     pipeline_parallel_layers_per_stage: Optional[Union[list[list[int]], list[str], str]] = "auto"
     pipeline_parallel_schedule: str = "1f1b"
@@ -330,6 +329,7 @@ class ParallelismConfig(Section):
     }
     # MindFormers' shipped pynative YAMLs write null for the automatic stage split
     SAME_AS_DEFAULT = {"pipeline_parallel_layers_per_stage": (None,)}
+    MOVED = {"context_parallel_load_balance": "kiln.parallelism.context_parallel_load_balance"}
 
     def check(self, path):
         require(self.tensor_parallel >= 1, f"{path}.tensor_parallel must be >= 1, got {self.tensor_parallel}")
@@ -603,9 +603,8 @@ class TrainStateConfig(Section):
     device_norm: Union[bool, str, list[str]] = False
     local_loss: bool = False
     device_loss: bool = False
-    # Kiln extensions (MindFormers has no parameter norms; its max logits need a callback)
-    param_norm: Union[bool, str, list[str]] = False
-    max_attention_logit: bool = False
+
+    MOVED = {"param_norm": "kiln.train_state.param_norm", "max_attention_logit": "kiln.train_state.max_attention_logit"}
 
 
 @dataclass
@@ -756,6 +755,44 @@ class FastStepConfig(Section):
 
 
 @dataclass
+class KilnTrainingConfig(Section):
+    """Megatron's validation during training (MindFormers' PyNative trainer evaluates nothing): every
+    ``eval_interval`` steps and after the last, ``eval_iters`` global batches of the validation split (0 = off)."""
+    eval_interval: int = 0
+    eval_iters: int = 100
+
+    def check(self, path):
+        require(self.eval_interval >= 0, f"{path}.eval_interval must be >= 0 (0: no validation), got "
+                                         f"{self.eval_interval}")
+        require(self.eval_iters >= 1, f"{path}.eval_iters must be >= 1, got {self.eval_iters}")
+
+
+@dataclass
+class KilnTrainStateConfig(Section):
+    """Monitoring beyond monitor.train_state (what each reports: training/monitor.py): parameter norms, which
+    MindFormers has not, and the largest attention logit per layer, which its MaxLogitsMonitor callback gives."""
+    param_norm: Union[bool, str, list[str]] = False
+    max_attention_logit: bool = False
+
+
+@dataclass
+class KilnParallelismConfig(Section):
+    # each cp rank takes chunks r and 2·cp-1-r of 2·cp (zig-zag) instead of chunk r of cp, so the causal
+    # attention work is even across the cp ranks (training/parallel/context_parallel.py)
+    context_parallel_load_balance: bool = False
+
+
+@dataclass
+class KilnConfig(Section):
+    """Kiln's own settings, in the top-level section ``kiln`` (MindFormers' TrainConfig keeps top-level keys it
+    does not know and ignores them, but refuses unknown keys inside its own sections): each subsection extends
+    the MindFormers section of its name, so a YAML Kiln writes loads in MindFormers unchanged."""
+    training: KilnTrainingConfig = field(default_factory=KilnTrainingConfig)
+    train_state: KilnTrainStateConfig = field(default_factory=KilnTrainStateConfig)
+    parallelism: KilnParallelismConfig = field(default_factory=KilnParallelismConfig)
+
+
+@dataclass
 class TrainConfig(Section):
     model: dict
     lr_scheduler: LrSchedulerConfig
@@ -772,6 +809,7 @@ class TrainConfig(Section):
     recompute_comm: RecomputeCommConfig = field(default_factory=RecomputeCommConfig)
     swap: SwapConfig = field(default_factory=SwapConfig)
     fast_step: FastStepConfig = field(default_factory=FastStepConfig)
+    kiln: KilnConfig = field(default_factory=KilnConfig)
     callbacks: list[dict] = field(default_factory=list)
     lora_config: Optional[dict] = None
     inference: Optional[dict] = None

@@ -1,4 +1,4 @@
-"""Held-out loss: Megatron-style validation during training (``training.eval_interval``, ``eval_iters``), and a
+"""Held-out loss: Megatron-style validation during training (``kiln.training.eval_interval``, ``eval_iters``), and a
 checkpoint's evaluation on its run's test (or validation) split, per source (``kiln eval``, checkpoint_eval).
 
 The loss is the main LM head's cross entropy summed over the loss-masked tokens of every batch evaluated and
@@ -110,7 +110,7 @@ class HeldOutSplit:
     config: TrainConfig
     split: str = "valid"
     batches: int = 1
-    asked_by: str = "training.eval_iters"
+    asked_by: str = "kiln.training.eval_iters"
 
     @property
     def needed(self) -> int:
@@ -229,21 +229,22 @@ class Validation:
         self.sample_indices = sample_indices  # (first sample of the batch, micro-batch) -> this rank's indices
         self.accumulation = accumulation
         self.use_positions = use_positions
-        held_out = HeldOutSplit(config, "valid", config.training.eval_iters).build(vocab_size)
+        held_out = HeldOutSplit(config, "valid", config.kiln.training.eval_iters).build(vocab_size)
         self.dataset = held_out.dataset
         self.unevaluated = held_out.unevaluated  # sources the validation split gives no sample: the run log says
 
     @staticmethod
-    def due(training, step: int) -> bool:
-        """Whether ``training`` (the config section) validates after ``step``."""
-        return training.eval_interval > 0 and (step % training.eval_interval == 0 or step == training.steps)
+    def due(config, step: int) -> bool:
+        """Whether a run of ``config`` validates after ``step``."""
+        interval = config.kiln.training.eval_interval
+        return interval > 0 and (step % interval == 0 or step == config.training.steps)
 
     def evaluate(self, step: int) -> dict:
         """``{"step", "val_loss", "val_ppl"}`` over every rank's share of the batches."""
         gbs = self.config.training.global_batch_size
         loss_sum = tokens = text_bytes = text_tokens = 0.0
         with evaluating(self.model):
-            for batch_index in range(self.config.training.eval_iters):
+            for batch_index in range(self.config.kiln.training.eval_iters):
                 items = [self.dataset[i] for micro in range(self.accumulation)
                          for i in self.sample_indices(batch_index * gbs, micro)]
                 batch = stack_model_inputs(items, self.use_positions)

@@ -1,6 +1,6 @@
 """Training-state monitoring (the YAML ``monitor`` section) and checkpoint health.
 
-``monitor.train_state`` (MindFormers names, Kiln semantics where MindFormers' PyNative path has quirks):
+``monitor.train_state`` and ``kiln.train_state`` (MindFormers names, Kiln semantics where MindFormers' PyNative path has quirks):
   * ``local_norm``: the L2 norm of each selected parameter's gradient for every micro-batch on every
     rank, before accumulation and the cross-rank mean: ``{param: [[rank 0 micro 0, micro 1, …], …]}``.
   * ``device_norm``: the L2 norm of each selected parameter's step gradient as the optimizer receives it
@@ -81,16 +81,16 @@ def _rounded(values) -> list:
 class TrainStateMonitor:
     """Collects ``monitor.train_state`` values during a step; ``record()`` returns them for metrics.jsonl."""
 
-    def __init__(self, config, param_names: Sequence[str], collectives):
+    def __init__(self, config, kiln_config, param_names: Sequence[str], collectives):
         self.collectives = collectives
         self.param_names = list(param_names)
         index = {name: i for i, name in enumerate(self.param_names)}
         self.local_norm = [index[n] for n in select_names(self.param_names, config.local_norm)]
         self.device_norm = [index[n] for n in select_names(self.param_names, config.device_norm)]
-        self.param_norm = [index[n] for n in select_names(self.param_names, config.param_norm)]
+        self.param_norm = [index[n] for n in select_names(self.param_names, kiln_config.param_norm)]
         self.local_loss = config.local_loss
         self.device_loss = config.device_loss
-        self.max_attention_logit = config.max_attention_logit
+        self.max_attention_logit = kiln_config.max_attention_logit
         self._micro_losses: list[float] = []
         self._micro_norms: list[np.ndarray] = []
 

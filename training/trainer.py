@@ -76,8 +76,8 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
     if model.config.hidden_dropout > 0:
         reasons.append("model.hidden_dropout > 0: dropout masks come from Kiln's host-side mask stream (so a "
                        "resume draws the same masks), which a graph would replay as constants")
-    if config.monitor.train_state.max_attention_logit:
-        reasons.append("monitor.train_state.max_attention_logit: the per-head maxima are gathered on the host")
+    if config.kiln.train_state.max_attention_logit:
+        reasons.append("kiln.train_state.max_attention_logit: the per-head maxima are gathered on the host")
     return reasons
 
 
@@ -271,13 +271,13 @@ class Trainer:
         self.saver = CheckpointSaver(save_path=Path(ckpt.save_path), prefix=ckpt.prefix, save_max=ckpt.save_max,
                                      world=world, collectives=self.collectives,
                                      remove_redundancy=ckpt.remove_redundancy, async_save=ckpt.async_save)
-        self.monitor = TrainStateMonitor(config.monitor.train_state, [p.name for p in self.params], self.collectives)
+        self.monitor = TrainStateMonitor(config.monitor.train_state, config.kiln.train_state, [p.name for p in self.params], self.collectives)
         step = build_train_step(config, self.mesh.dims, self.model, self.parallel, self.optimizer, self.monitor,
                                 self.accumulation)
         self.grad_fn, self.compiled_step = step.grad_fn, step.compiled
         self.step_mode = ". ".join([step.mode, *fused_kernels])
 
-        self.model.track_max_attention_logits(config.monitor.train_state.max_attention_logit)
+        self.model.track_max_attention_logits(config.kiln.train_state.max_attention_logit)
         self.health = HealthMonitor(config.monitor.health_checkpoint)
         self.loss_parts: list[str] = []  # lm_loss, mtp_k_loss, load_balancing_loss when the model has them
         self.moe_monitor = MoeMonitor(config.monitor.moe_monitor, [name for name, _ in self.model.moe_layers()])
@@ -288,7 +288,7 @@ class Trainer:
 
         loader = config.train_dataset.dataloader
         self.use_positions = isinstance(loader, BlendedMegatronLoaderConfig) and loader.config.reset_position_ids
-        self.validation = self._validation(step.forward_compiled) if config.training.eval_interval else None
+        self.validation = self._validation(step.forward_compiled) if config.kiln.training.eval_interval else None
         for source in self.validation.unevaluated if self.validation else ():
             self.reporter.warning(f"validation loss leaves out {source.reason}")
         self.step = 0
@@ -532,7 +532,7 @@ class Trainer:
         monitored = (self.monitor.record(unclipped, self.params, loss, self.model.pop_max_attention_logits())
                      if self.monitor.enabled else {})
         if self.pipeline is not None:  # rank 0 reports every stage's parameter norms
-            monitored = self.pipeline.gather_monitored(monitored, self.config.monitor.train_state)
+            monitored = self.pipeline.gather_monitored(monitored, self.config)
         self.step += 1
         self.consumed_samples += self.config.training.global_batch_size
         elapsed = time.perf_counter() - started
@@ -639,7 +639,7 @@ class Trainer:
             self.reporter.step(metrics, self._log_line(metrics))
             for reason in metrics.get("abnormal", []):
                 self.reporter.warning(f"step {self.step}: {reason}; the next checkpoint will be marked abnormal")
-            if self.validation and self.validation.due(cfg.training, self.step):
+            if self.validation and self.validation.due(cfg, self.step):
                 record = self.validation.evaluate(self.step)
                 self.reporter.evaluation(record, validation_line(record))
             if self.saves_at(self.step):

@@ -126,8 +126,8 @@ def select_kernels(model, config, dims) -> list[str]:
         blockers = [blocker] if blocker else []
         if dims.cp > 1:
             blockers.append("context parallel runs its own ring/Ulysses attention")
-        if config.monitor.train_state.max_attention_logit:
-            blockers.append("monitor.train_state.max_attention_logit reads the attention scores, which "
+        if config.kiln.train_state.max_attention_logit:
+            blockers.append("kiln.train_state.max_attention_logit reads the attention scores, which "
                             "FlashAttentionScore does not return")
         notes.append("attention: plain masked softmax, not FlashAttentionScore (model.use_flash_attention asks for "
                      f"it): {'; '.join(blockers)}" if blockers else

@@ -3,7 +3,7 @@ of its sequence, and attention stays exactly causal across the parts.
 
 - Inputs: each cp rank takes its tokens of input_ids, labels, loss_mask and position_ids (made 0..seq-1 when
   the data has none: positions are mandatory, a chunk does not start at 0). MindFormers gives rank r the
-  contiguous chunk r of cp; ``parallelism.context_parallel_load_balance`` (Kiln's own field) gives it chunks
+  contiguous chunk r of cp; ``kiln.parallelism.context_parallel_load_balance`` gives it chunks
   r and 2·cp-1-r of 2·cp instead (the zig-zag split), so every rank has as many causal (query, key) pairs to
   compute: with contiguous chunks the last rank's queries see the whole sequence and the first's only its own
   chunk.
@@ -298,8 +298,8 @@ def check_context_parallel(config: TrainConfig, model_config) -> None:
                         f"Ulysses degree {degree}, but model.num_attention_heads ({c.num_attention_heads}) and "
                         f"model.num_key_value_heads ({c.num_key_value_heads}) per tensor-parallel rank "
                         f"(tensor_parallel {p.tensor_parallel}) are not both divisible by it")
-    if config.monitor.train_state.max_attention_logit:
-        problems.append("monitor.train_state.max_attention_logit with parallelism.context_parallel > 1: the "
+    if config.kiln.train_state.max_attention_logit:
+        problems.append("kiln.train_state.max_attention_logit with parallelism.context_parallel > 1: the "
                         "context-parallel attention never holds a layer's whole score matrix")
     loader = config.train_dataset.dataloader
     if getattr(getattr(loader, "config", None), "document_attention", False):
@@ -316,7 +316,7 @@ def apply_context_parallel(model, mesh: DeviceMesh, config: TrainConfig) -> Cont
     check_context_parallel(config, model.config)
     p = config.parallelism
     plan = ContextParallelPlan(mesh, p.context_parallel_method, p.ulysses_degree_in_cp or 1,
-                               p.context_parallel_load_balance, model.config.seq_length)
+                               config.kiln.parallelism.context_parallel_load_balance, model.config.seq_length)
     for attention in model._attentions():  # MLA: one query head per group
         attention.context_attention = ContextAttention(plan, attention.softmax_dtype,
                                                        getattr(attention, "heads_per_group", 1))

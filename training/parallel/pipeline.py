@@ -29,7 +29,7 @@ last stage has nobody to send to, so its forward waits for its backward and runs
 
 The loss of each micro-batch exists on the last stage, its load-balancing parts on the stages of their MoE
 layers: every rank reports its part and the trainer sums them over the world (``Trainer.train_step``), so
-rank 0 logs the step's loss. Validation (``training.eval_interval``) runs its batch forward only through the
+rank 0 logs the step's loss. Validation (``kiln.training.eval_interval``) runs its batch forward only through the
 stages in order (``Pipeline.held_out_loss_sums``); its loss sums, on the last stage, are summed over the world
 as well.
 """
@@ -602,16 +602,17 @@ class Pipeline:
         grads, _ = clip_grad_norm(unclipped, max_norm, np.array([grad_norm]))
         return result.loss, result.components, grads, unclipped, norms, grad_norm
 
-    def gather_monitored(self, record: dict, train_state) -> dict:
+    def gather_monitored(self, record: dict, config) -> dict:
         """Collective over the pipeline ranks: ``TrainStateMonitor.record``'s per-parameter norms (``device_norm``,
         ``param_norm``: each rank selects among its stage's parameters) of every stage, in the model's parameter
         order, so rank 0 reports them all; a tensor two stages hold (the embedding's copy) is the first one's.
-        The rest of the record is alike on every stage. ``train_state``: the monitor.train_state section, which
-        says which norms every rank gathers (a selector may pick none of a stage's parameters)."""
+        The rest of the record is alike on every stage. ``config`` (the TrainConfig) says which norms every rank
+        gathers (a selector may pick none of a stage's parameters)."""
         names = [p.name for p in self.model.trainable_params()]  # every stage's model names every parameter
         out = dict(record)
-        for key in ("device_norm", "param_norm"):
-            if not getattr(train_state, key):
+        asked = {"device_norm": config.monitor.train_state.device_norm, "param_norm": config.kiln.train_state.param_norm}
+        for key, selector in asked.items():
+            if not selector:
                 continue
             values = record.get(key, {})
             rows = np.zeros((2, len(names)))  # each norm, and whether this rank reports it
@@ -653,8 +654,8 @@ def build_pipeline(model, mesh: DeviceMesh, config, micro_batches: int, tensor_p
         raise ConfigError("monitor.train_state.local_norm with parallelism.pipeline_parallel > 1 is not implemented: "
                           "a stage adds each micro-batch's gradients into the step's as its backwards run, in the "
                           "schedule's order, and measures no gradient of a single micro-batch")
-    if train_state.max_attention_logit:
-        raise ConfigError("monitor.train_state.max_attention_logit with parallelism.pipeline_parallel > 1 is not "
+    if config.kiln.train_state.max_attention_logit:
+        raise ConfigError("kiln.train_state.max_attention_logit with parallelism.pipeline_parallel > 1 is not "
                           "implemented: each stage tracks only its own layers' maxima, and the report stacks every "
                           "layer's (GPTModel.pop_max_attention_logits gives none while a layer has not run)")
     sequence_parallel = bool(tensor_parallel and tensor_parallel.sequence_parallel)
