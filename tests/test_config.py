@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from training.config import ConfigError, TrainConfig, apply_overrides, load_config
@@ -97,15 +99,31 @@ def dataloader(section):
 def test_dataloader_schema_follows_its_type():
     from training.config import MindDatasetLoaderConfig
 
-    loader = dataloader({"type": "MindDataset", "dataset_files": ["/r/a.mindrecord"], "eod": 2,
-                         "shuffle": "infile"}).train_dataset.dataloader
-    assert isinstance(loader, MindDatasetLoaderConfig) and loader.shuffle == "infile" and loader.seed == 1234
+    config = dataloader({"type": "MindDataset", "dataset_files": ["/r/a.mindrecord"], "shuffle": True})
+    loader = config.train_dataset.dataloader
+    assert isinstance(loader, MindDatasetLoaderConfig) and loader.shuffle is True and config.data_seed == 1234
+    assert dataloader({"type": "MindDataset", "dataset_files": "/r"}).train_dataset.dataloader.shuffle is False
     with pytest.raises(ConfigError, match=r"train_dataset\.dataloader\.type = 'HFDataLoader' is not supported"):
         dataloader({"type": "HFDataLoader"})
     with pytest.raises(ConfigError, match=r"train_dataset\.dataloader\.data_path: unknown key"):
-        dataloader({"type": "MindDataset", "dataset_files": "/r", "eod": 2, "data_path": []})
-    with pytest.raises(ConfigError, match=r"train_dataset\.dataloader\.shuffle must be"):
-        dataloader({"type": "MindDataset", "dataset_files": "/r", "eod": 2, "shuffle": "sometimes"})
+        dataloader({"type": "MindDataset", "dataset_files": "/r", "data_path": []})
+    # MindFormers' DataloaderConfig types shuffle as bool (MultiSourceDataLoader's mode names are no MindDataset's)
+    with pytest.raises(ConfigError, match=r"train_dataset\.dataloader\.shuffle: expected bool, got 'infile'"):
+        dataloader({"type": "MindDataset", "dataset_files": "/r", "shuffle": "infile"})
+
+
+@pytest.mark.parametrize("key, value, new", [("dataset_ratios", [1.0], "kiln.mindrecord.dataset_ratios"),
+                                             ("samples_count", 3, "kiln.mindrecord.samples_count"),
+                                             ("nums_per_dataset", [3], "kiln.mindrecord.nums_per_dataset"),
+                                             ("shuffle_buffer_size", 8, "kiln.mindrecord.shuffle_buffer_size"),
+                                             ("seed", 3, "kiln.mindrecord.seed"), ("pad", 0, "kiln.mindrecord.pad")])
+def test_a_mind_dataset_section_holds_what_mindspores_mind_dataset_takes(key, value, new):
+    with pytest.raises(ConfigError, match=rf"^train_dataset\.dataloader\.{key} is Kiln's own setting and moved to "
+                                          rf"{re.escape(new)}: MindFormers refuses keys"):
+        dataloader({"type": "MindDataset", "dataset_files": "/r", key: value})
+    with pytest.raises(ConfigError, match=r"^train_dataset\.dataloader\.eod is no longer read: a MindDataset item's "
+                                          r"labels, loss mask and positions come from input_ids alone"):
+        dataloader({"type": "MindDataset", "dataset_files": "/r", "eod": 2})
 
 
 def test_reset_attention_mask_needs_a_mask():

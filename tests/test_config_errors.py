@@ -114,8 +114,7 @@ def test_every_problem_is_reported_at_once_unknown_keys_first():
 def test_a_missing_required_section_is_named_with_the_other_problems():
     with pytest.raises(ConfigError) as raised:
         TrainConfig.from_dict({"model": {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM"},
-                               "train_dataset": {"dataloader": {"type": "MindDataset", "dataset_files": "x",
-                                                                "eod": 2}},
+                               "train_dataset": {"dataloader": {"type": "MindDataset", "dataset_files": "x"}},
                                "trainin": {}})
     assert raised.value.problems == ["trainin: unknown top-level section; did you mean 'training'?",
                                      "lr_scheduler: required, but missing"]

@@ -34,9 +34,9 @@ READ = {
         "reset_position_ids", "reset_attention_mask", "eod_mask_loss", "create_compressed_eod_mask",
         "eod_pad_length", "drop_last_partial_validation_sequence", "add_extra_token_to_sequence")},
     "train_dataset.dataloader.sizes": "training/config.py::TrainConfig.split_samples",
-    **{f"train_dataset.dataloader.{name}": "training/data/mindrecord.py" for name in (
-        "dataset_files", "dataset_ratios", "samples_count", "nums_per_dataset", "shuffle", "shuffle_buffer_size")},
-    **{f"train_dataset.dataloader.{name}": "training/data/loader.py" for name in ("seed", "eod", "pad")},
+    **{f"train_dataset.dataloader.{name}": "training/data/loader.py" for name in ("dataset_files", "shuffle")},
+    **{f"kiln.mindrecord.{name}": "training/data/mindrecord.py" for name in (
+        "dataset_ratios", "samples_count", "nums_per_dataset", "shuffle_buffer_size", "seed", "pad")},
     **{f"checkpoint.{name}": "training/trainer.py" for name in (
         "enable_save", "save_path", "save_max", "save_interleaved_steps", "no_save_optim", "async_save", "prefix",
         "remove_redundancy", "load_path", "load_balanced", "no_load_optim", "load_worker_number")},
@@ -91,8 +91,7 @@ BLENDED = {
                                      "config": {"seq_length": 32, "data_path": ["shard"], "eod": 0}}},
     "checkpoint": {"enable_save": False},
 }
-MINDRECORD = {**BLENDED, "train_dataset": {"dataloader": {"type": "MindDataset", "dataset_files": "a.mindrecord",
-                                                          "eod": 0}}}
+MINDRECORD = {**BLENDED, "train_dataset": {"dataloader": {"type": "MindDataset", "dataset_files": "a.mindrecord"}}}
 # non-default values a section's check() accepts, where a made-up one would be refused as invalid instead
 VALID_NON_DEFAULT = {
     "parallelism.context_parallel_method": "ulysses",

@@ -142,3 +142,17 @@ def test_a_config_with_a_kiln_setting_in_its_old_place_is_told_the_new_one(old, 
         f"{key} is Kiln's own setting and moved to {new}: MindFormers refuses keys it does not know in "
         f"{key.rsplit('.', 1)[0]}, so Kiln keeps its own in the top-level kiln section")
     assert "optimizer.eps must be > 0" in raised.value.problems
+
+
+def test_a_mind_dataset_section_kiln_writes_is_a_mindspore_mind_dataset_call_in_mindformers():
+    data = written(MICRO_CONFIG, "train_dataset.dataloader={type: MindDataset, dataset_files: [/r/a.mindrecord], "
+                                 "shuffle: true}", "kiln.mindrecord.dataset_ratios=[1.0]",
+                   "kiln.mindrecord.samples_count=8")
+    assert data["kiln"]["mindrecord"]["dataset_ratios"] == [1.0]
+    assert section_problems(data, "TrainConfig") == [] and mindformers_dataset_problems(data) == []
+    # what the section held before: MindDataset took none of these
+    old = {"train_dataset": {"dataloader": {"type": "MindDataset", "dataset_files": "a", "dataset_ratios": [1.0],
+                                            "seed": 1, "eod": 2}}}
+    assert mindformers_dataset_problems(old) == [
+        f"train_dataset.dataloader.{key}: not an argument of mindspore.dataset.MindDataset"
+        for key in ("dataset_ratios", "eod", "seed")]

@@ -4,7 +4,7 @@ import os
 
 import numpy as np
 import pytest
-from mindspore.mindrecord import FileReader
+from mindspore.mindrecord import FileReader, FileWriter
 
 from training.data.gpt_dataset import GPTDataset
 from training.data.hashing import sha256_file
@@ -49,27 +49,24 @@ def corpora(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory, corpora):
-    """A as one file; B with two shards, one directory level down."""
+    """A as one file; B written as two files, one directory level down."""
     root = tmp_path_factory.mktemp("mindrecord")
     a = root / "a.mindrecord"
     b = root / "nested" / "deeper" / "b.mindrecord"
     convert_to_mindrecord(corpora["a"], a, seq_length=SEQ, eod_id=EOD, pad_id=PAD, num_samples=A_SAMPLES, seed=SEED)
     convert_to_mindrecord(corpora["b"], b, seq_length=SEQ, eod_id=EOD, pad_id=PAD, num_samples=B_SAMPLES, seed=SEED,
                           shard_num=2)
-    return {"a": str(a), "b_dir": str(root / "nested"), "b_shard": str(b) + "1"}
+    return {"a": str(a), "b_dir": str(root / "nested"),
+            "b_files": [str(b.with_name("b_0.mindrecord")), str(b.with_name("b_1.mindrecord"))]}
 
 
 def _dataset(converted, **options):
-    defaults = dict(eod_id=EOD, pad_id=PAD, seed=3, shuffle=False)
-    return MultiSourceMindRecordDataset([converted["a"], converted["b_shard"]], **{**defaults, **options})
+    defaults = dict(pad_id=PAD, seed=3, shuffle=False)
+    return MultiSourceMindRecordDataset([converted["a"], converted["b_files"]], **{**defaults, **options})
 
 
 def _all_from_b(records):
     return bool((records.max(axis=1) >= B_BASE).all())
-
-
-def _rows(array):
-    return sorted(map(tuple, array.tolist()))
 
 
 # ---- conversion ----------------------------------------------------------------------------
@@ -82,11 +79,22 @@ def test_records_are_the_gpt_dataset_samples_in_order(converted, corpora):
     assert np.array_equal(records, np.stack([expected.sample_tokens(i) for i in range(A_SAMPLES)]))
 
 
-def test_a_sharded_group_is_read_whole_from_any_shard(converted, corpora):
+def test_a_sharded_write_is_files_mindformers_reads_holding_the_samples_in_order(converted, corpora):
     expected = _gpt(corpora["b"], B_SAMPLES)
-    records = read_mindrecord_samples(converted["b_shard"], "b")
-    # MindSpore reads shard by shard, so the order is not the write order, but every sample is there once.
-    assert _rows(records) == _rows(np.stack([expected.sample_tokens(i) for i in range(B_SAMPLES)]))
+    sidecar = json.loads(open(os.path.join(os.path.dirname(converted["b_files"][0]), "b.mindrecord.json")).read())
+    assert sidecar["files"] == ["b_0.mindrecord", "b_1.mindrecord"]
+    halves = [read_mindrecord_samples([name], "b") for name in converted["b_files"]]
+    assert [len(h) for h in halves] == [B_SAMPLES // 2, B_SAMPLES - B_SAMPLES // 2]
+    assert np.array_equal(np.concatenate(halves), np.stack([expected.sample_tokens(i) for i in range(B_SAMPLES)]))
+
+
+def test_an_output_named_otherwise_than_mindformers_reads_is_refused(corpora, tmp_path):
+    with pytest.raises(ValueError, match=r"must be named <name>\.mindrecord: MindFormers' loader reads no other"):
+        convert_to_mindrecord(corpora["a"], tmp_path / "a.mr", seq_length=SEQ, eod_id=EOD, num_samples=4)
+    with pytest.raises(ValueError, match=r"shard_num = 5 files for 4 samples would leave a file empty"):
+        convert_to_mindrecord(corpora["a"], tmp_path / "a.mindrecord", seq_length=SEQ, eod_id=EOD, num_samples=4,
+                              shard_num=5)
+    assert not list(tmp_path.iterdir())
 
 
 def test_sidecar_records_the_source(converted, corpora, tmp_path):
@@ -138,8 +146,12 @@ def test_existing_output_needs_overwrite(corpora, tmp_path):
                           overwrite=True)
     # The single-file output is gone; only the new two-shard group and its sidecar remain.
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "x.mindrecord.json", "x.mindrecord0", "x.mindrecord0.db", "x.mindrecord1", "x.mindrecord1.db"]
-    assert _all_from_b(read_mindrecord_samples(tmp_path / "x.mindrecord0", "x"))
+        "x.mindrecord.json", "x_0.mindrecord", "x_0.mindrecord.db", "x_1.mindrecord", "x_1.mindrecord.db"]
+    assert _all_from_b(read_mindrecord_samples(tmp_path / "x_0.mindrecord", "x"))
+    # and back: the files of the sharded output are replaced, MindSpore's shard names of an older Kiln too
+    (tmp_path / "x.mindrecord0").write_bytes(b"an older Kiln's shard")
+    convert_to_mindrecord(corpora["a"], output, seq_length=SEQ, eod_id=EOD, num_samples=10, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.mindrecord", "x.mindrecord.db", "x.mindrecord.json"]
 
 
 class _FailingDataset(GPTDataset):
@@ -179,7 +191,7 @@ def test_too_many_document_ends_name_the_sample(corpora, tmp_path):
 
 
 def test_items_match_gpt_dataset_items(converted, corpora):
-    dataset = MultiSourceMindRecordDataset([converted["a"]], eod_id=EOD, pad_id=PAD, seed=0, shuffle=False)
+    dataset = MultiSourceMindRecordDataset([converted["a"]], pad_id=PAD, seed=0, shuffle=False)
     expected = _gpt(corpora["a"], A_SAMPLES)
     assert dataset.seq_length == SEQ and len(dataset) == A_SAMPLES
     masked = 0
@@ -281,29 +293,51 @@ def test_more_samples_than_an_epoch_repeat_it_reshuffled(converted):
 # ---- YAML builder --------------------------------------------------------------------------
 
 
-def _config(**keys):
-    return {"type": "MindDataset", **keys}
+def _build(dataset_files, shuffle=False, num_samples=10, **blend):
+    from training.config import KilnMindRecordConfig
+
+    return build_mindrecord_train_dataset(dataset_files, shuffle=shuffle, num_samples=num_samples,
+                                          blend=KilnMindRecordConfig(**{"seed": 1, "pad": PAD, **blend}))
 
 
 def test_builder_reads_files_and_directories(converted):
-    config = _config(dataset_files=[converted["a"], converted["b_dir"]], dataset_ratios=[0.6, 0.4],
-                     samples_count=50, shuffle="files")
-    dataset = build_mindrecord_train_dataset(config, num_samples=40, seed=1, pad_id=PAD, eod_id=EOD)
+    dataset = _build([converted["a"], converted["b_dir"]], shuffle=True, num_samples=40, dataset_ratios=[0.6, 0.4],
+                     samples_count=50)
     assert dataset.counts == [30, 20] and len(dataset) == 40
     assert dataset.labels == ["train_dataset.dataloader.dataset_files[0]", "train_dataset.dataloader.dataset_files[1]"]
-    # The directory's two shard files are one source holding all of B.
+    # The directory's two files are one source holding all of B.
     assert len(dataset.records[1]) == B_SAMPLES and _all_from_b(dataset.records[1])
 
 
 def test_builder_takes_a_single_path(converted):
-    dataset = build_mindrecord_train_dataset(_config(dataset_files=converted["a"]), num_samples=5, seed=1,
-                                             pad_id=PAD, eod_id=EOD)
+    dataset = _build(converted["a"], num_samples=5)
     assert dataset.counts == [A_SAMPLES] and len(dataset) == 5
+
+
+def test_without_shuffle_kiln_reads_what_mindformers_mind_dataset_reads_in_its_order(converted):
+    """MindFormers' PyNative trainer reads a MindDataset section as mindspore.dataset.MindDataset over the files
+    its loader finds (every *.mindrecord of a directory, a named .mindrecord file), shuffle off by default."""
+    from mindspore.dataset import MindDataset
+
+    files = [converted["a"], *converted["b_files"]]
+    theirs = [row["input_ids"] for row in MindDataset(files, columns_list=["input_ids"], shuffle=False)
+              .create_dict_iterator(num_epochs=1, output_numpy=True)]
+    ours = _build([converted["a"], converted["b_dir"]], num_samples=A_SAMPLES + B_SAMPLES)
+    assert np.array_equal(np.stack(theirs), np.stack([ours.sample_tokens(i) for i in range(len(ours))]))
+
+
+def test_a_directory_source_holds_the_files_mindformers_finds(converted):
+    walked = sorted(os.path.join(root, name) for root, _, names in os.walk(converted["b_dir"])
+                    for name in names if name.endswith(".mindrecord"))  # its _get_mindrecord_files rule
+    assert walked == converted["b_files"]
+    dataset = _build([converted["b_dir"]], num_samples=B_SAMPLES)
+    assert np.array_equal(dataset.records[0], read_mindrecord_samples(walked, "b"))
 
 
 @pytest.fixture(scope="module")
 def broken(tmp_path_factory, corpora):
-    """An empty directory, a file that is no MindRecord and a MindRecord cut in half."""
+    """An empty directory, a file that is no MindRecord, a MindRecord cut in half, one that MindFormers' loader
+    skips for its name, a directory holding MindSpore's shard names and a MindRecord without records."""
     root = tmp_path_factory.mktemp("broken")
     (root / "empty").mkdir()
     (root / "garbage.mindrecord").write_bytes(b"not a mindrecord")
@@ -311,53 +345,51 @@ def broken(tmp_path_factory, corpora):
     convert_to_mindrecord(corpora["a"], truncated, seq_length=SEQ, eod_id=EOD, num_samples=10)
     # In place: MindRecord files are sparse and large, a copy would write tens of MB.
     os.truncate(truncated, truncated.stat().st_size // 2)
-    return {"EMPTY": str(root / "empty"), "GARBAGE": str(root / "garbage.mindrecord"), "TRUNCATED": str(truncated)}
+    convert_to_mindrecord(corpora["a"], root / "renamed.mindrecord", seq_length=SEQ, eod_id=EOD, num_samples=4)
+    os.rename(root / "renamed.mindrecord", root / "renamed.records")
+    (root / "legacy").mkdir()
+    (root / "legacy" / "x.mindrecord0").write_bytes(b"")
+    writer = FileWriter(str(root / "no_records.mindrecord"), shard_num=1)
+    writer.add_schema({"input_ids": {"type": "int32", "shape": [-1]}}, "empty")
+    writer.commit()
+    return {"EMPTY": str(root / "empty"), "GARBAGE": str(root / "garbage.mindrecord"), "TRUNCATED": str(truncated),
+            "RENAMED": str(root / "renamed.records"), "LEGACY": str(root / "legacy"),
+            "NO_RECORDS": str(root / "no_records.mindrecord")}
 
 
-@pytest.mark.parametrize("keys, message", [
-    ({"dataset_files": ["A", "missing.mindrecord"]},
+@pytest.mark.parametrize("files, blend, message", [
+    (["A", "missing.mindrecord"], {},
      r"train_dataset\.dataloader\.dataset_files\[1\]: no such file or directory: missing\.mindrecord"),
-    ({"dataset_files": ["A", "EMPTY"]}, r"dataset_files\[1\]: no \*\.mindrecord files under"),
-    ({"dataset_files": ["GARBAGE"]}, r"dataset_files\[0\]: cannot read MindRecord .*garbage\.mindrecord"),
-    ({"dataset_files": ["TRUNCATED"]}, r"dataset_files\[0\]: cannot read MindRecord .*truncated\.mindrecord"),
-    ({"dataset_files": []}, r"train_dataset\.dataloader\.dataset_files must be a path or a non-empty list"),
-    ({"dataset_files": ["A", 3]}, r"dataset_files\[1\]: 3 is not a path"),
-    ({}, r"train_dataset\.dataloader\.dataset_files is required"),
-    ({"dataset_files": "A", "shufle": True}, r"train_dataset\.dataloader\.shufle: unknown key"),
-    ({"dataset_files": "A", "type": "MultiSourceDataLoader"}, r"type must be 'MindDataset'"),
-    ({"dataset_files": ["A", "B"], "dataset_ratios": [1.0]},
-     r"train_dataset\.dataloader\.dataset_ratios has 1 entries but there are 2 sources"),
-    ({"dataset_files": ["A", "B"], "dataset_ratios": [0.5, 0.6], "samples_count": 10},
-     r"dataset_ratios must sum to 1"),
-    ({"dataset_files": ["A", "B"], "dataset_ratios": [1.5, -0.5], "samples_count": 10},
+    (["A", "EMPTY"], {}, r"dataset_files\[1\]: no \*\.mindrecord files under"),
+    (["GARBAGE"], {}, r"dataset_files\[0\]: cannot read MindRecord .*garbage\.mindrecord"),
+    (["TRUNCATED"], {}, r"dataset_files\[0\]: cannot read MindRecord .*truncated\.mindrecord"),
+    (["RENAMED"], {}, r"dataset_files\[0\]: \S+renamed\.records does not end in \.mindrecord: MindFormers' "
+                      r"loader skips it"),
+    (["LEGACY"], {}, r"dataset_files\[0\]: \S+legacy holds x\.mindrecord0, which MindFormers' loader skips .*: a "
+                     r"MindSpore shard group; write it again with `kiln mindrecord --shards N`"),
+    (["A", "NO_RECORDS"], {}, r"dataset_files\[1\]: holds no records"),
+    ([], {}, r"train_dataset\.dataloader\.dataset_files must be a path or a non-empty list"),
+    (["A", 3], {}, r"dataset_files\[1\]: 3 is not a path"),
+    (["A", "B"], {"dataset_ratios": [1.0]}, r"kiln\.mindrecord\.dataset_ratios has 1 entries but there are 2 sources"),
+    (["A", "B"], {"dataset_ratios": [0.5, 0.6], "samples_count": 10}, r"dataset_ratios must sum to 1"),
+    (["A", "B"], {"dataset_ratios": [1.5, -0.5], "samples_count": 10},
      r"dataset_ratios\[1\] must be a non-negative number"),
-    ({"dataset_files": ["A", "B"], "dataset_ratios": [0.5, 0.5]}, r"samples_count must be a positive integer"),
-    ({"dataset_files": ["A", "B"], "samples_count": 10}, r"samples_count is only used with"),
-    ({"dataset_files": ["A", "B"], "nums_per_dataset": [3, -1]},
-     r"nums_per_dataset\[1\] must be a non-negative integer"),
-    ({"dataset_files": ["A", "B"], "nums_per_dataset": [0, 0]}, r"select no samples"),
-    ({"dataset_files": ["A", "B"], "nums_per_dataset": [1, 1], "dataset_ratios": [0.5, 0.5], "samples_count": 2},
-     r"are exclusive"),
-    ({"dataset_files": "A", "shuffle": "sometimes"}, r"train_dataset\.dataloader\.shuffle must be true, false"),
-    ({"dataset_files": "A", "column_names": ["text"]}, r"column_names must be a list naming 'input_ids'"),
+    (["A", "B"], {"dataset_ratios": [0.5, 0.5]}, r"kiln\.mindrecord\.samples_count must be a positive integer"),
+    (["A", "B"], {"samples_count": 10}, r"samples_count is only used with"),
+    (["A", "B"], {"nums_per_dataset": [3, -1]}, r"nums_per_dataset\[1\] must be a non-negative integer"),
+    (["A", "B"], {"nums_per_dataset": [0, 0]}, r"select no samples"),
+    (["A", "B"], {"nums_per_dataset": [1, 1], "dataset_ratios": [0.5, 0.5], "samples_count": 2}, r"are exclusive"),
 ])
-def test_builder_errors_name_the_yaml_path(converted, broken, keys, message):
-    places = {"A": converted["a"], "B": converted["b_shard"], **broken}
-    keys = dict(keys)
-    files = keys.get("dataset_files")
-    if isinstance(files, str):
-        keys["dataset_files"] = places[files]
-    elif files:
-        keys["dataset_files"] = [places.get(f, f) for f in files]
+def test_builder_errors_name_the_yaml_path(converted, broken, files, blend, message):
+    places = {"A": converted["a"], "B": converted["b_files"][0], **broken}
     with pytest.raises(ValueError, match=message):
-        build_mindrecord_train_dataset(_config(**keys), num_samples=10, seed=1, pad_id=PAD, eod_id=EOD)
+        _build([places.get(f, f) if isinstance(f, str) else f for f in files], **blend)
 
 
 def test_sources_of_different_lengths_are_rejected(converted, corpora, tmp_path):
     convert_to_mindrecord(corpora["a"], tmp_path / "long.mindrecord", seq_length=SEQ * 2, eod_id=EOD, num_samples=5)
     with pytest.raises(ValueError, match=r"different lengths .*dataset_files\[1\]: 33"):
-        build_mindrecord_train_dataset(_config(dataset_files=[converted["a"], str(tmp_path / "long.mindrecord")]),
-                                       num_samples=5, seed=1, pad_id=PAD, eod_id=EOD)
+        _build([converted["a"], str(tmp_path / "long.mindrecord")], num_samples=5)
 
 
 def test_token_ids_beyond_the_model_vocabulary_are_refused_naming_the_file_record_and_field(corpora, tmp_path):
@@ -371,7 +403,7 @@ def test_token_ids_beyond_the_model_vocabulary_are_refused_naming_the_file_recor
     convert_to_mindrecord(corpora["a"], directory / "x.mindrecord", seq_length=SEQ, eod_id=EOD, num_samples=5)
     convert_to_mindrecord(corpora["b"], directory / "y.mindrecord", seq_length=SEQ, eod_id=EOD, num_samples=5)
     config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
-        f"train_dataset.dataloader={{type: MindDataset, eod: {EOD}, pad: {PAD}, dataset_files: ['{directory}']}}",
+        f"train_dataset.dataloader={{type: MindDataset, dataset_files: ['{directory}']}}", f"kiln.mindrecord.pad={PAD}",
         "checkpoint.enable_save=false"])
     with pytest.raises(ValueError) as raised:
         build_dataset(config, num_samples=8, vocab_size=1000)

@@ -389,8 +389,8 @@ def test_trains_from_mindrecord_sources(tmp_path, shard):
 
     convert_to_mindrecord(shard, tmp_path / "records/random.mindrecord", seq_length=32, eod_id=2)
     config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
-        "train_dataset.dataloader={type: MindDataset, eod: 2, pad: 3, dataset_files: "
-        f"['{tmp_path / 'records/random.mindrecord'}'], shuffle: files}}",
+        "train_dataset.dataloader={type: MindDataset, dataset_files: "
+        f"['{tmp_path / 'records/random.mindrecord'}'], shuffle: true}}", "kiln.mindrecord.pad=3",
         "checkpoint.enable_save=false"])
     trainer = Trainer(config, WORLD, tmp_path / "mr", Reporter(None, enabled=False))
     assert trainer.seq_length == 32

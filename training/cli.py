@@ -224,7 +224,8 @@ def _mindrecord(args) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"kiln mindrecord: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {sidecar['num_samples']:,} samples of {args.seq_length} + 1 tokens to {args.output}")
+    where = args.output if len(sidecar["files"]) == 1 else f"{', '.join(sidecar['files'])} next to {args.output}.json"
+    print(f"wrote {sidecar['num_samples']:,} samples of {args.seq_length} + 1 tokens to {where}")
     return 0
 
 
@@ -397,7 +398,8 @@ def main(argv=None) -> int:
     mindrecord.add_argument("--num-samples", type=int, help="default: one pass over the data")
     mindrecord.add_argument("--seed", type=int, help="GPTDataset shuffle seed (default 1234)")
     mindrecord.add_argument("--actual-seq-len", action="store_true", help="also store compressed EOD masks")
-    mindrecord.add_argument("--shards", type=int, default=1, help="MindRecord files to spread the samples over")
+    mindrecord.add_argument("--shards", type=int, default=1, help="MindRecord files to cut the samples into, in "
+                            "order: <stem>_<i>.mindrecord, names MindFormers reads")
     mindrecord.add_argument("--overwrite", action="store_true")
     mindrecord.set_defaults(handler=_mindrecord)
 

@@ -136,6 +136,8 @@ class Section:
     SAME_AS_DEFAULT: typing.ClassVar[dict[str, tuple]] = {}
     # former Kiln-only key -> where it lives now (the kiln section): named when an old config still has it
     MOVED: typing.ClassVar[dict[str, str]] = {}
+    # former key -> why nothing reads it now: named when an old config still has it
+    DROPPED: typing.ClassVar[dict[str, str]] = {}
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "") -> "Section":
@@ -154,6 +156,10 @@ class Section:
                     f"{_join(path, key)} is Kiln's own setting and moved to {cls.MOVED[key]}: MindFormers refuses "
                     f"keys it does not know in {path or 'this section'}, so Kiln keeps its own in the top-level "
                     f"kiln section"]))
+                continue
+            if key in cls.DROPPED:
+                errors.append(ConfigError(unknown=[f"{_join(path, key)} is no longer read: {cls.DROPPED[key]}; "
+                                                   f"drop it"]))
                 continue
             if key not in names:
                 errors.append(unknown_key_error(str(key), names, path))
@@ -528,25 +534,16 @@ class BlendedMegatronLoaderConfig(Section):
                 f"{path}.sizes[0] is the train split's sample count and must be > 0 (leave sizes unset for "
                 f"training.steps x training.global_batch_size), got {self.sizes}")
 
-    @property
-    def seed(self) -> int:
-        return self.config.seed
-
 
 @dataclass
 class MindDatasetLoaderConfig(Section):
-    """``type: MindDataset``: MindRecord sources (``kiln mindrecord`` writes them) read with
-    MindFormers' MultiSourceDataLoader ratios; see training/data/mindrecord.py for each key."""
+    """``type: MindDataset``: MindRecord files (``kiln mindrecord`` writes them). The section holds what
+    MindFormers' PyNative trainer hands to ``mindspore.dataset.MindDataset`` (column_names as columns_list), so
+    the same YAML reads the same files there; several sources are blended as ``kiln.mindrecord`` says
+    (training/data/mindrecord.py)."""
     type: str
     dataset_files: Union[str, list[str]]
-    dataset_ratios: Optional[list[float]] = None
-    samples_count: Optional[int] = None
-    nums_per_dataset: Optional[list[int]] = None
-    shuffle: Union[bool, str] = True
-    shuffle_buffer_size: int = 320
-    seed: int = 1234
-    eod: int = -1
-    pad: int = -1
+    shuffle: bool = False  # MindFormers' default
     column_names: list[str] = field(default_factory=lambda: ["input_ids"])
     python_multiprocessing: bool = False
 
@@ -556,11 +553,31 @@ class MindDatasetLoaderConfig(Section):
         "python_multiprocessing": "Kiln reads samples in the training process, not through a MindSpore "
                                   "dataset pipeline with worker processes",
     }
+    # MindFormers passes every key of this section to mindspore.dataset.MindDataset, which takes none of these
+    MOVED = {name: f"kiln.mindrecord.{name}" for name in (
+        "dataset_ratios", "samples_count", "nums_per_dataset", "shuffle_buffer_size", "seed", "pad")}
+    DROPPED = {"eod": "a MindDataset item's labels, loss mask and positions come from input_ids alone, as in "
+                      "MindFormers, so no end-of-document id is read"}
+
+
+@dataclass
+class KilnMindRecordConfig(Section):
+    """How a ``MindDataset`` dataloader blends its ``dataset_files`` sources (MindFormers' PyNative trainer reads
+    them as one MindDataset; these are MultiSourceDataLoader's keys): per-source counts from ``dataset_ratios`` ×
+    ``samples_count`` or ``nums_per_dataset`` (neither: every source whole), interleaved in windows of
+    ``shuffle_buffer_size`` when the section's ``shuffle`` is on, every order drawn from ``seed``. ``pad``: the id
+    the samples were padded with (masked in the labels; -1: none)."""
+    dataset_ratios: Optional[list[float]] = None
+    samples_count: Optional[int] = None
+    nums_per_dataset: Optional[list[int]] = None
+    shuffle_buffer_size: int = 320
+    seed: int = 1234
+    pad: int = -1
 
     def check(self, path):
-        require(self.eod >= 0, f"{path}.eod must be the tokenizer's end-of-document id, got {self.eod}")
-        require(self.shuffle in (True, False, "global", "files", "infile"),
-                f"{path}.shuffle must be true, false, 'global', 'files' or 'infile', got {self.shuffle!r}")
+        require(self.shuffle_buffer_size >= 1, f"{path}.shuffle_buffer_size must be >= 1, got "
+                                               f"{self.shuffle_buffer_size}")
+        require(self.seed >= 0, f"{path}.seed must be >= 0, got {self.seed}")
 
 
 class DataloaderConfig:
@@ -785,11 +802,13 @@ class KilnParallelismConfig(Section):
 @dataclass
 class KilnConfig(Section):
     """Kiln's own settings, in the top-level section ``kiln`` (MindFormers' TrainConfig keeps top-level keys it
-    does not know and ignores them, but refuses unknown keys inside its own sections): each subsection extends
-    the MindFormers section of its name, so a YAML Kiln writes loads in MindFormers unchanged."""
+    does not know and ignores them, but refuses unknown keys inside its own sections): training, train_state and
+    parallelism extend the MindFormers sections of their names, mindrecord a MindDataset dataloader, so a YAML
+    Kiln writes loads in MindFormers unchanged."""
     training: KilnTrainingConfig = field(default_factory=KilnTrainingConfig)
     train_state: KilnTrainStateConfig = field(default_factory=KilnTrainStateConfig)
     parallelism: KilnParallelismConfig = field(default_factory=KilnParallelismConfig)
+    mindrecord: KilnMindRecordConfig = field(default_factory=KilnMindRecordConfig)
 
 
 @dataclass
@@ -840,6 +859,13 @@ class TrainConfig(Section):
             require(isinstance(vocab, int) and vocab > largest,
                     f"{_DATA_CONFIG}.mock: the mock documents hold token ids up to {largest}, so model.vocab_size "
                     f"must be at least {largest + 1}, got {vocab}")
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the training samples' order: GPTDataset's for Megatron sources, kiln.mindrecord's for
+        MindRecord ones."""
+        loader = self.train_dataset.dataloader
+        return loader.config.seed if isinstance(loader, BlendedMegatronLoaderConfig) else self.kiln.mindrecord.seed
 
     def split_samples(self, split: str = "train") -> int | None:
         """How many samples ``split``'s dataset is built for (its index, so its shuffle, depends on it): the

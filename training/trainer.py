@@ -573,7 +573,7 @@ class Trainer:
         state = {  # Kiln's own: what a bit-identical resume and an audit need
             "loss": metrics["loss"], "lr": metrics["lr"], "tokens_seen": metrics["tokens_seen"],
             "config_sha256": config_sha256(self.resolved_yaml),
-            "data_position": {"consumed_samples": self.consumed_samples, "seed": cfg.train_dataset.dataloader.seed},
+            "data_position": {"consumed_samples": self.consumed_samples, "seed": cfg.data_seed},
             "rng": capture_rng_state(cfg.training.seed, self.model.dropout_masks),
             "world_size": self.world.size,
         }

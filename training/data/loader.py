@@ -1,8 +1,8 @@
 """The dataset a training config describes, built one way for the trainer and `kiln dataset inspect`.
 
 `train_dataset.dataloader.type` picks the reader: `BlendedMegatronDatasetDataLoader` (Megatron
-.bin/.idx sources blended by weight, GPTDataset samples) or `MindDataset` (MindRecord sources with
-MultiSourceDataLoader ratios). Both give items with `input_ids`, `labels`, `loss_mask` and
+.bin/.idx sources blended by weight, GPTDataset samples) or `MindDataset` (MindRecord sources, blended as
+kiln.mindrecord says). Both give items with `input_ids`, `labels`, `loss_mask` and
 `position_ids`, plus `attention_mask` or `actual_seq_len` when document-local attention is asked for.
 """
 from __future__ import annotations
@@ -23,9 +23,8 @@ def build_dataset(config: TrainConfig, num_samples: int, split: str = "train", v
     if isinstance(loader, MindDatasetLoaderConfig):
         if split != "train":
             raise ValueError(f"train_dataset.dataloader: a MindDataset has no {split!r} split")
-        reader_keys = {k: v for k, v in loader.to_dict().items() if k not in ("seed", "eod", "pad")}
-        return build_mindrecord_train_dataset(reader_keys, num_samples=num_samples, seed=loader.seed,
-                                              pad_id=loader.pad, eod_id=loader.eod, vocab_size=vocab_size)
+        return build_mindrecord_train_dataset(loader.dataset_files, shuffle=loader.shuffle, blend=config.kiln.mindrecord,
+                                              num_samples=num_samples, vocab_size=vocab_size)
     assert isinstance(loader, BlendedMegatronLoaderConfig)
     c = loader.config
     split_index = SPLITS.index(split)

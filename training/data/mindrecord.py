@@ -5,11 +5,23 @@ Megatron indexed dataset with `GPTDataset` and writes one record per sample: col
 (int32), plus MindFormers' compressed-EOD column `actual_seq_len` when asked. A JSON sidecar
 `<output>.json` records where the samples came from.
 
-Reading (`MultiSourceMindRecordDataset`, `build_mindrecord_train_dataset`) follows the
-"random_access" flavour of MindFormers' MultiSourceDataLoader: per-source sample counts from
-`dataset_ratios` + `samples_count`, `nums_per_dataset`, or the full sizes; a source-index array
-and a per-source sample-index array are precomputed, and item i is record
-`sample_index[i]` of source `source_index[i]`.
+Files are named as MindFormers finds them: its loader (`_get_mindrecord_files`) takes a path ending in
+`.mindrecord`, or every file under a directory whose name ends so, and skips anything else; a sharded write
+is therefore N independent files `<stem>_<i>.mindrecord`, not MindSpore's `<name>.mindrecord<i>` group.
+
+Reading (`MultiSourceMindRecordDataset`, `build_mindrecord_train_dataset`). MindFormers' PyNative trainer reads a
+`MindDataset` section as one `mindspore.dataset.MindDataset` over every file: without `shuffle` (its default)
+the records of each file in order, file after file in the order listed. Kiln reads the same records in the same
+order then, each `dataset_files` entry a source. Blending the sources by `kiln.mindrecord`'s counts
+(`dataset_ratios` × `samples_count`, `nums_per_dataset`, else every source whole; MultiSourceDataLoader's keys
+and rules) and the shuffled order are Kiln's own, as MindFormers' PyNative trainer has no multi-source
+MindRecord loader: neither flavour of MultiSourceDataLoader is followed. Its "iterator" flavour keeps the source
+order and redraws with Python's global `random` every epoch; its "random_access" flavour shuffles the list of
+sources once (seeded by train_dataset.seed) and repeats one order every epoch. Kiln keeps the listed order of
+sources, interleaves them at fixed proportions within windows of `shuffle_buffer_size` (`multi_source_indices`),
+and draws every epoch afresh from (`seed`, epoch), like a shuffled MindDataset, so a run and its resume read the
+same samples. Item i is record `sample_index[i]` of source `source_index[i]`. A source with no records is
+refused (MindFormers takes 0 samples from it): an empty source is a failed conversion more often than a choice.
 """
 
 from __future__ import annotations
@@ -49,10 +61,10 @@ _CHECK_TOKENS = 1 << 23
 # Samples handed to FileWriter per call: large enough to amortize its per-call cost, small enough
 # to keep memory flat.
 _WRITE_BATCH = 256
-# A MindRecord group: `<name>` (one shard) or `<name>0`, `<name>1`, ... and each file's `.db` index.
-_SHARD_SUFFIX = re.compile(r"\d*(\.db)?")
-# What a directory scan picks up: `*.mindrecord` and the shards `*.mindrecord<N>` of a sharded write.
-_MINDRECORD_NAME = re.compile(r".*\.mindrecord\d*")
+# The only file names MindFormers' loader reads (a directory scan keeps these, a named file must be one).
+MINDRECORD_SUFFIX = ".mindrecord"
+# MindSpore's own shard names, `<name>.mindrecord<N>`: MindFormers skips them, so Kiln refuses them by name.
+_MINDSPORE_SHARD = re.compile(r".*\.mindrecord\d+")
 
 
 # ---- conversion ------------------------------------------------------------------------------
@@ -81,8 +93,9 @@ def convert_to_mindrecord(
     split, pad_id and eod_id, when given, must agree with it). Record i holds sample i's
     seq_length + 1 tokens as int32; pad ids are stored as they are and masked when read.
 
-    With `shard_num` > 1 MindSpore names the files `<output_path>0`, `<output_path>1`, ... Each data
-    file gets a `.db` index. Everything is written into a temporary directory next to the output
+    `output_path` must end in `.mindrecord`, the only name MindFormers' loader reads. With `shard_num` > 1 the
+    samples are cut into `shard_num` consecutive runs written as independent files `<stem>_<i>.mindrecord`
+    (`i` zero-padded), which read in name order give the samples in order. Each data file gets a `.db` index. Everything is written into a temporary directory next to the output
     and renamed into place, the sidecar `<output_path>.json` last, so a failure leaves no output
     files. An existing output is an error unless `overwrite`.
 
@@ -90,6 +103,9 @@ def convert_to_mindrecord(
     writing 4 bytes per sample token.
     """
     output = Path(output_path)
+    if not output.name.endswith(MINDRECORD_SUFFIX) or output.name == MINDRECORD_SUFFIX:
+        raise ValueError(f"{output}: a MindRecord output must be named <name>{MINDRECORD_SUFFIX}: MindFormers' "
+                         f"loader reads no other name")
     dataset = _gpt_dataset_for(source, seq_length=seq_length, eod_id=eod_id, num_samples=num_samples,
                                seed=seed, split=split, pad_id=pad_id)
     count = len(dataset) if num_samples is None else _positive_int("num_samples", num_samples)
@@ -97,6 +113,8 @@ def convert_to_mindrecord(
         raise ValueError(f"num_samples = {count} but the dataset holds only {len(dataset)} samples")
     if actual_seq_len:
         _positive_int("eod_pad_length", eod_pad_length)
+    if _positive_int("shard_num", shard_num) > count:
+        raise ValueError(f"shard_num = {shard_num} files for {count} samples would leave a file empty")
     existing = _group_files(output)
     if existing and not overwrite:
         raise FileExistsError(f"{output}: already exists ({existing[0].name}); pass overwrite=True to replace it")
@@ -104,8 +122,8 @@ def convert_to_mindrecord(
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
     try:
-        _write_samples(dataset, count, staging / output.name, shard_num=shard_num,
-                       eod_pad_length=eod_pad_length if actual_seq_len else None)
+        for name, samples in zip(shard_names(output.name, shard_num), _consecutive_runs(count, shard_num)):
+            _write_samples(dataset, samples, staging / name, eod_pad_length=eod_pad_length if actual_seq_len else None)
         written = sorted(path.name for path in staging.iterdir())
         sidecar = _sidecar(dataset, count, written, actual_seq_len, eod_pad_length)
         (staging / _sidecar_path(output).name).write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
@@ -149,13 +167,27 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
+def shard_names(name: str, shard_num: int) -> list[str]:
+    """The file names of `name` (`<stem>.mindrecord`) written as `shard_num` files."""
+    if shard_num == 1:
+        return [name]
+    stem, width = name[: -len(MINDRECORD_SUFFIX)], len(str(shard_num - 1))
+    return [f"{stem}_{i:0{width}d}{MINDRECORD_SUFFIX}" for i in range(shard_num)]
+
+
+def _consecutive_runs(count: int, parts: int) -> list[range]:
+    bounds = [count * i // parts for i in range(parts + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
 def _group_files(output: Path) -> list[Path]:
-    """The files of an existing MindRecord group at `output` (any shard count) and its sidecar."""
+    """The files of an existing output at `output` (any shard count, MindSpore's shard names included, each
+    with its `.db` index) and its sidecar."""
     if not output.parent.is_dir():
         return []
-    prefix = output.name
-    found = [path for path in output.parent.iterdir()
-             if path.name.startswith(prefix) and _SHARD_SUFFIX.fullmatch(path.name[len(prefix):])]
+    stem = re.escape(output.name[: -len(MINDRECORD_SUFFIX)])
+    pattern = re.compile(rf"{stem}(_\d+)?\.mindrecord\d*(\.db)?")
+    found = [path for path in output.parent.iterdir() if pattern.fullmatch(path.name)]
     sidecar = _sidecar_path(output)
     return sorted(found) + ([sidecar] if sidecar.exists() else [])
 
@@ -164,16 +196,16 @@ def _sidecar_path(output: Path) -> Path:
     return output.with_name(output.name + ".json")
 
 
-def _write_samples(dataset: GPTDataset, count: int, file_name: Path, *, shard_num: int,
-                   eod_pad_length: int | None) -> None:
+def _write_samples(dataset: GPTDataset, samples: range, file_name: Path, *, eod_pad_length: int | None) -> None:
+    """Samples `samples` of `dataset` as one MindRecord file (and its `.db` index)."""
     schema = {INPUT_IDS: {"type": "int32", "shape": [-1]}}
     if eod_pad_length is not None:
         schema[ACTUAL_SEQ_LEN] = {"type": "int32", "shape": [-1]}
-    writer = FileWriter(str(file_name), shard_num=shard_num)
+    writer = FileWriter(str(file_name), shard_num=1)
     writer.add_schema(schema, "kiln GPT samples")
-    for start in range(0, count, _WRITE_BATCH):
+    for start in range(samples.start, samples.stop, _WRITE_BATCH):
         rows = []
-        for index in range(start, min(count, start + _WRITE_BATCH)):
+        for index in range(start, min(samples.stop, start + _WRITE_BATCH)):
             tokens = _int32_tokens(dataset.sample_tokens(index), file_name, index)
             row = {INPUT_IDS: tokens}
             if eod_pad_length is not None:
@@ -449,9 +481,10 @@ def multi_source_indices(
     return sources, samples
 
 
-def _gpt_sample_item(tokens: np.ndarray, *, eod_id: int, pad_id: int) -> dict[str, np.ndarray]:
-    """GPTDataset's own sample-to-item conversion, so both readers treat pads and masks alike."""
-    return gpt_dataset.sample_item(tokens, eod_id=eod_id, pad_id=pad_id)
+def _gpt_sample_item(tokens: np.ndarray, *, pad_id: int) -> dict[str, np.ndarray]:
+    """GPTDataset's own sample-to-item conversion, so both readers treat pads and masks alike. No document flag
+    is set (MindFormers' MindDataset items carry none), so no end-of-document id is read: -1 matches no token."""
+    return gpt_dataset.sample_item(tokens, eod_id=-1, pad_id=pad_id)
 
 
 class MultiSourceMindRecordDataset(gpt_dataset.SourceIndexedDataset):
@@ -461,7 +494,7 @@ class MultiSourceMindRecordDataset(gpt_dataset.SourceIndexedDataset):
     errors and warnings (default: the paths). Per-source counts come from `sample_counts`; one
     epoch holds their sum. Item i is a GPTDataset-style dict (`input_ids`, `labels`, `loss_mask`,
     `position_ids`, seq_length each) made by `to_item` from the record's seq_length + 1 tokens;
-    the default is `gpt_dataset.sample_item` with this dataset's eod_id / pad_id, so both readers
+    the default is `gpt_dataset.sample_item` with this dataset's pad_id, so both readers
     treat pads identically. `num_samples` beyond one epoch repeats the epoch, each with fresh
     shuffles; every order is a function of `seed` only. With `vocab_size` (the model's), every stored id
     is checked against it once the records are read (`check_token_ids`); they are not read again.
@@ -474,7 +507,6 @@ class MultiSourceMindRecordDataset(gpt_dataset.SourceIndexedDataset):
         self,
         sources: Sequence[str | os.PathLike | Sequence[str | os.PathLike]],
         *,
-        eod_id: int,
         pad_id: int,
         seed: int,
         num_samples: int | None = None,
@@ -518,7 +550,7 @@ class MultiSourceMindRecordDataset(gpt_dataset.SourceIndexedDataset):
                                                shuffle_buffer_size=buffer_size))
         self.source_index = np.concatenate([sources for sources, _ in epochs])[: self.size]
         self.sample_index = np.concatenate([samples for _, samples in epochs])[: self.size]
-        self.to_item = to_item or functools.partial(_gpt_sample_item, eod_id=eod_id, pad_id=pad_id)
+        self.to_item = to_item or functools.partial(_gpt_sample_item, pad_id=pad_id)
 
     def sample_tokens(self, idx: int) -> np.ndarray:
         """The seq_length + 1 stored tokens behind item `idx`."""
@@ -529,53 +561,29 @@ class MultiSourceMindRecordDataset(gpt_dataset.SourceIndexedDataset):
         return self.to_item(self.sample_tokens(idx))
 
 
-# ---- YAML ------------------------------------------------------------------------------------
+# ---- YAML ----------------------------------------------------------------------------------
 
-CONFIG_PATH = "train_dataset.dataloader"
-# Keys of the `MindDataset` dataloader section Kiln reads. `column_names` must name input_ids
-# (the only column read); `python_multiprocessing` is accepted and dropped, as MindFormers does.
-_KNOWN_KEYS = ("type", "dataset_files", "dataset_ratios", "samples_count", "nums_per_dataset",
-               "shuffle", "shuffle_buffer_size", "column_names", "python_multiprocessing")
+FILES_PATH = "train_dataset.dataloader.dataset_files"
+BLEND_PATH = "kiln.mindrecord"
 
 
-def build_mindrecord_train_dataset(config: Mapping, num_samples: int, seed: int, pad_id: int,
-                                   eod_id: int, vocab_size: int | None = None) -> MultiSourceMindRecordDataset:
-    """The training dataset of a `train_dataset.dataloader` section of type `MindDataset`.
+def build_mindrecord_train_dataset(dataset_files, *, shuffle: bool, blend, num_samples: int,
+                                   vocab_size: int | None = None) -> MultiSourceMindRecordDataset:
+    """The training dataset of a `MindDataset` dataloader: `dataset_files` (its YAML key) read as MindFormers
+    finds the files, blended as `blend` (the kiln.mindrecord section: dataset_ratios, samples_count,
+    nums_per_dataset, shuffle_buffer_size, seed, pad) says; `shuffle` is the dataloader's.
 
-    Keys:
-      dataset_files        a MindRecord file (its whole shard group is read), a directory (every
-                           *.mindrecord / *.mindrecord<N> file under it, recursively, as one
-                           source), or a list of those, one source each.
-      dataset_ratios       per-source share of `samples_count` (non-negative, summing to 1).
-      samples_count        total samples per epoch to split by dataset_ratios.
-      nums_per_dataset     per-source sample counts (instead of the two above).
-                           Neither: every source whole. Counts above a source's size are capped.
-      shuffle              true/"global" (default), "files", "infile" or false; see parse_shuffle.
-      shuffle_buffer_size  window of interleaved items shuffled together (320).
-    Errors name the YAML path, e.g. `train_dataset.dataloader.dataset_files[1]: no such file`. With
-    `vocab_size`, a token id outside [0, vocab_size) (pads aside) is one, naming the file and record too.
+    `dataset_files` is a path or a list of them, one source each: a file named `*.mindrecord` (read alone), or a
+    directory (every `*.mindrecord` under it, recursively, in name order, as one source). Errors name the YAML
+    path, e.g. `train_dataset.dataloader.dataset_files[1]: no such file`. With `vocab_size`, a token id outside
+    [0, vocab_size) (pads aside) is one, naming the file and record too.
     """
-    where = f"{CONFIG_PATH}."
-    if not isinstance(config, Mapping):
-        raise ValueError(f"{CONFIG_PATH} must be a mapping, got {type(config).__name__}")
-    unknown = sorted(set(config) - set(_KNOWN_KEYS))
-    if unknown:
-        raise ValueError(f"{where}{unknown[0]}: unknown key for a MindDataset dataloader "
-                         f"(known: {', '.join(_KNOWN_KEYS)})")
-    if config.get("type") != "MindDataset":
-        raise ValueError(f"{where}type must be 'MindDataset', got {config.get('type')!r}")
-    columns = config.get("column_names", [INPUT_IDS])
-    if not isinstance(columns, list) or INPUT_IDS not in columns:
-        raise ValueError(f"{where}column_names must be a list naming {INPUT_IDS!r}, got {columns!r}")
-    if "dataset_files" not in config:
-        raise ValueError(f"{where}dataset_files is required")
-
-    sources, labels = _resolve_dataset_files(config["dataset_files"], f"{where}dataset_files")
+    sources, labels = _resolve_dataset_files(dataset_files, FILES_PATH)
     return MultiSourceMindRecordDataset(
-        sources, labels=labels, where=where, eod_id=eod_id, pad_id=pad_id, seed=seed, num_samples=num_samples,
-        dataset_ratios=config.get("dataset_ratios"), samples_count=config.get("samples_count"),
-        nums_per_dataset=config.get("nums_per_dataset"), shuffle=config.get("shuffle", True),
-        shuffle_buffer_size=config.get("shuffle_buffer_size", DEFAULT_SHUFFLE_BUFFER_SIZE), vocab_size=vocab_size)
+        sources, labels=labels, where=f"{BLEND_PATH}.", pad_id=blend.pad, seed=blend.seed, num_samples=num_samples,
+        dataset_ratios=blend.dataset_ratios, samples_count=blend.samples_count,
+        nums_per_dataset=blend.nums_per_dataset, shuffle=shuffle, shuffle_buffer_size=blend.shuffle_buffer_size,
+        vocab_size=vocab_size)
 
 
 def _resolve_dataset_files(entries, where: str) -> tuple[list, list[str]]:
@@ -588,16 +596,33 @@ def _resolve_dataset_files(entries, where: str) -> tuple[list, list[str]]:
     return [_source_files(entry, label) for entry, label in zip(entries, labels)], labels
 
 
-def _source_files(entry, where: str) -> str | list[str]:
+def _source_files(entry, where: str) -> list[str]:
+    """The files of one `dataset_files` entry, as MindFormers' loader finds them, or an error where it would
+    read something else (a file it skips, a directory holding such files)."""
     if not isinstance(entry, (str, os.PathLike)):
         raise ValueError(f"{where}: {entry!r} is not a path")
     path = Path(entry)
     if path.is_file():
-        return str(path)
+        if not path.name.endswith(MINDRECORD_SUFFIX):
+            raise ValueError(f"{where}: {path} does not end in {MINDRECORD_SUFFIX}: MindFormers' loader skips it; "
+                             f"rename it{_rewrite_hint(path.name)}")
+        return [str(path)]
     if not path.is_dir():
         raise ValueError(f"{where}: no such file or directory: {path}")
-    files = sorted(str(found) for found in path.rglob("*")
-                   if found.is_file() and _MINDRECORD_NAME.fullmatch(found.name))
+    found = sorted(p for p in path.rglob("*") if p.is_file())
+    skipped = [p.name for p in found if _MINDSPORE_SHARD.fullmatch(p.name)]
+    if skipped:
+        raise ValueError(f"{where}: {path} holds {', '.join(skipped[:3])}{' ...' if len(skipped) > 3 else ''}, "
+                         f"which MindFormers' loader skips (it reads names ending in {MINDRECORD_SUFFIX} only)"
+                         f"{_rewrite_hint(skipped[0])}")
+    files = [str(p) for p in found if p.name.endswith(MINDRECORD_SUFFIX)]
     if not files:
-        raise ValueError(f"{where}: no *.mindrecord files under {path}")
+        raise ValueError(f"{where}: no *{MINDRECORD_SUFFIX} files under {path}")
     return files
+
+
+def _rewrite_hint(name: str) -> str:
+    if _MINDSPORE_SHARD.fullmatch(name):
+        return (": a MindSpore shard group; write it again with `kiln mindrecord --shards N`, which names its "
+                f"files <name>_<i>{MINDRECORD_SUFFIX}")
+    return ""
