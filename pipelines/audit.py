@@ -44,6 +44,7 @@ from pathlib import Path
 import yaml
 
 from assets.versions import CodePartError, current_code_versions
+from training.boundary import guarded
 from training.cli import LINEAGE_STORE_HELP
 from training.data.hashing import PER_SOURCE_DATA_VERSION, combined_hash, sha256_file
 from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
@@ -428,10 +429,16 @@ def main(argv=None) -> int:
     parser.add_argument("--data-root", help="where the data root is now (default: as recorded)")
     parser.add_argument("--lineage-store", metavar="DIR", help=LINEAGE_STORE_HELP)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a bad input too (or KILN_DEBUG=1)")
     args = parser.parse_args(argv)
+    return guarded(parser.prog, lambda: cross_checked_audit(args), args.debug)
+
+
+def cross_checked_audit(args) -> int:
+    prog = "python -m pipelines.audit"
 
     def fail(message: str) -> int:
-        print(f"{parser.prog}: {message}", file=sys.stderr)
+        print(f"{prog}: {message}", file=sys.stderr)
         return 2
 
     if not args.dagster_home:

@@ -26,6 +26,7 @@ from pydantic import Field
 
 from resources.devices import DevicesBusy, lease_devices
 from resources.storage import PROJECT_ROOT
+from training.failures import error_line
 from training.reporting import is_report_line
 from training.launch import (MsrunSettings, SettingError, check_visible_devices, free_port, msrun_command,
                              msrun_environment, under_parent_death_signal)
@@ -266,13 +267,17 @@ class MsrunResource(dg.ConfigurableResource):
             pass
 
     def _failure(self, returncode: int, log_dir: Path) -> dict:
-        logs = sorted(log_dir.glob("worker_*.log"))
-        # the worker that raised is the one with a traceback; the others were killed by msrun
-        failing = [p for p in logs if "Traceback" in p.read_text(errors="replace")] or logs
+        logs = sorted(log_dir.glob("worker_*.log"))  # worker_0 (rank 0) first
+        # a worker that stopped on a user error said so in one line (training.run's error boundary): rank 0's
+        # leads; else the worker that raised is the one with a traceback; the others were killed by msrun
+        said = {p: [line for line in p.read_text(errors="replace").splitlines() if error_line(line)] for p in logs}
+        failing = ([p for p in logs if said[p]] or [p for p in logs if "Traceback" in p.read_text(errors="replace")]
+                   or logs)
         first = failing[0] if failing else log_dir / "worker_0.log"
         excerpt = tail(first, self.failure_tail_lines)
+        headline = f"{first.name}: {said[first][-1]}" if said.get(first) else f"{first.name} ends with:"
         return {
-            "description": f"msrun exited with code {returncode}; {first.name} ends with:\n{excerpt}",
+            "description": f"msrun exited with code {returncode}; {headline}\n{excerpt}",
             "metadata": {"log_dir": dg.MetadataValue.path(str(log_dir)),
                          **{f"tail_{p.stem}": dg.MetadataValue.md(f"```\n{tail(p, self.failure_tail_lines)}\n```")
                             for p in logs + [log_dir / "scheduler.log"] if p.exists()}},

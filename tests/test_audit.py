@@ -83,7 +83,10 @@ def test_consumers_lists_every_checkpoint_with_its_share(tmp_path, capsys):
     assert consumers("shards/b1") == [("first", 2, 0.1875), ("first", 4, 0.1875), ("second", 10, 0.375)]
     assert consumers("/anywhere/data/raw/a/part-00001.jsonl") == [
         ("first", 2, 0.1875), ("first", 4, 0.1875), ("second", 10, 0.125)]
-    assert consumers("raw/c/part-00000.jsonl") == []
+    # a name no lineage records is a typo until shown otherwise: exit 1, and the recorded names nearest it
+    assert kiln(["lineage", "--consumers", "raw/c/part-00000.jsonl", "--runs-root", str(runs)]) == 1
+    assert ("records 'raw/c/part-00000.jsonl' as a source, chunk, file or shard; did you mean "
+            "'raw/b/part-00000.jsonl', 'raw/a/part-00000.jsonl'") in capsys.readouterr().err
     assert kiln(["lineage", "--consumers", "shards/a0.bin", "--runs-root", str(runs)]) == 0
     assert "run second step 10: shards/a0.bin, 50.0% of the run's tokens" in capsys.readouterr().out
 

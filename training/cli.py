@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from training.boundary import guarded, user_error
+
 
 CROSS_CHECK_COMMAND = "python -m pipelines.audit"  # the Dagster side lives with the Dagster code, in pipelines/
 LINEAGE_STORE_HELP = ("where the checkpoint's lineage inputs entry (<sha256>.json) is, e.g. copied along with it "
@@ -19,8 +21,7 @@ def _audit(args) -> int:
     try:
         lineage, checks = audit_checkpoint(args.checkpoint, args.data_root, lineage_store=args.lineage_store)
     except (ValueError, KeyError) as exc:
-        print(f"kiln audit: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln audit", exc, args.debug)
     checkpoint = Path(args.checkpoint)
     if args.json:
         print(audit_json(checkpoint, lineage, checks))
@@ -32,15 +33,27 @@ def _audit(args) -> int:
 
 
 def _lineage(args) -> int:
-    from training.lineage import consumers_json, consumers_report, find_consumers
+    """Exit 0 when checkpoints consumed the target or it is a file of their data root; 1 when it names nothing
+    their lineage records, with the near names it does."""
+    import difflib
+
+    from training.lineage import consumers_json, consumers_report, find_consumers, recorded_names
 
     try:
         consumers = find_consumers(args.runs_root, args.consumers)
     except ValueError as exc:
-        print(f"kiln lineage: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln lineage", exc, args.debug)
     print((consumers_json if args.json else consumers_report)(args.consumers, consumers))
-    return 0
+    names, data_roots = recorded_names(args.runs_root)
+    if consumers or any(Path(root, args.consumers).exists() for root in data_roots):
+        return 0  # a file of the data no checkpoint trained on (yet) is an answer, not a typo
+    near = difflib.get_close_matches(args.consumers, names, n=3, cutoff=0.5)
+    print(f"kiln lineage: no checkpoint under {args.runs_root} records {args.consumers!r} as a source, chunk, file or "
+          f"shard" + (f"; did you mean {', '.join(map(repr, near))}?" if near else
+                      f" (their lineage names {len(names)}: {', '.join(sorted(names)[:5])}"
+                      f"{' …' if len(names) > 5 else ''})" if names else "; no checkpoint there records lineage"),
+          file=sys.stderr)
+    return 1
 
 
 def _eval(args) -> int:
@@ -55,8 +68,7 @@ def _eval(args) -> int:
         tasks = _task_run(args)
         record = evaluate_checkpoint(args.checkpoint, args.split, args.batches, args.lineage_store, tasks=tasks)
     except (ConfigError, CheckpointError, ValueError, KeyError, OSError) as exc:
-        print(f"kiln eval: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln eval", exc, args.debug)
     path = write_evaluation(record)
     from training.downstream import discard_partial, log_to_tensorboard
 
@@ -113,8 +125,7 @@ def _preprocess(args) -> int:
                                     append_eod=args.append_eod, prepend_bos=args.prepend_bos, workers=args.workers,
                                     on_bad_line=args.on_bad_line, max_shard_tokens=args.max_shard_tokens)
     except (ValueError, OSError) as exc:  # CorpusError is a ValueError: its message names file:line
-        print(f"kiln preprocess: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln preprocess", exc, args.debug)
     seconds = time.perf_counter() - args.started
     print(f"{stats['docs']:,} documents, {stats['tokens']:,} tokens ({stats['dtype']}) from {stats['records']:,} "
           f"records in {seconds:.2f} s: {stats['tokens'] / seconds:,.0f} tokens/s with {stats['workers']} workers")
@@ -181,8 +192,7 @@ def _merge(args) -> int:
         prefixes = dataset_prefixes(args.input, args.pattern)
         merged = merge_datasets(prefixes, args.output_prefix)
     except (ValueError, OSError) as exc:  # IndexedDatasetError is a ValueError: it names the file
-        print(f"kiln merge: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln merge", exc, args.debug)
     print(f"merged {len(prefixes)} datasets into {merged['prefix']}.bin and .idx: {merged['docs']:,} documents, "
           f"{merged['tokens']:,} tokens ({merged['dtype']})")
     return 0
@@ -198,8 +208,7 @@ def _dataset_inspect(args) -> int:
         config = load_config(args.config, args.overrides)
         tokens, sources = inspect_samples(config, args.split, args.num)
     except (ConfigError, ValueError, OSError) as exc:
-        print(f"kiln dataset inspect: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln dataset inspect", exc, args.debug)
     decode = None
     if processor is not None:
         decode = lambda ids: processor.decode([i for i in ids if 0 <= i < processor.vocab_size()])  # noqa: E731
@@ -222,8 +231,7 @@ def _mindrecord(args) -> int:
                                         actual_seq_len=args.actual_seq_len, shard_num=args.shards,
                                         overwrite=args.overwrite)
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"kiln mindrecord: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln mindrecord", exc, args.debug)
     where = args.output if len(sidecar["files"]) == 1 else f"{', '.join(sidecar['files'])} next to {args.output}.json"
     print(f"wrote {sidecar['num_samples']:,} samples of {args.seq_length} + 1 tokens to {where}")
     return 0
@@ -249,8 +257,7 @@ def _export_hf(args) -> int:
         hf_config = export_hf(Path(args.checkpoint), Path(args.out_dir), _model_section(args.config),
                               max_shard_bytes=args.max_shard_bytes, allow_unverified=args.allow_unverified)
     except (ValueError, OSError, RuntimeError) as exc:  # HFConversionError, CheckpointError name the tensor/file
-        print(f"kiln export-hf: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln export-hf", exc, args.debug)
     files = sorted(p.name for p in Path(args.out_dir).iterdir() if p.name != "config.json")
     print(f"wrote {args.out_dir}: config.json ({hf_config['architectures'][0]}) + {', '.join(files)}")
     return 0
@@ -264,8 +271,7 @@ def _import_hf(args) -> int:
     try:
         path, section = import_hf(Path(args.hf_dir), Path(args.save_path), _model_section(args.config))
     except (ValueError, OSError, RuntimeError) as exc:
-        print(f"kiln import-hf: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln import-hf", exc, args.debug)
     print(f"wrote {path} (weights only): train from it with checkpoint.load_path={args.save_path} and "
           f"checkpoint.no_load_optim=true, and this model section:")
     print(yaml.safe_dump({"model": section}, sort_keys=False), end="")
@@ -275,6 +281,8 @@ def _import_hf(args) -> int:
 def main(argv=None) -> int:
     started = time.perf_counter()
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln pretraining pipeline tools")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error in what was given too (or KILN_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True)
     audit = commands.add_parser("audit", help="re-verify a checkpoint's lineage back to the raw files",
                                 description="Exit 0: every file matches; 1: a file changed since training; "
@@ -288,7 +296,9 @@ def main(argv=None) -> int:
     lineage = commands.add_parser("lineage", help="reverse lineage: the checkpoints that consumed a file",
                                   description="Reads each run's checkpoints/lineage_index.jsonl and each lineage "
                                               "store entry it names once (a checkpoint the index misses: its "
-                                              "lineage.json).")
+                                              "lineage.json). Exit 0: the checkpoints that consumed it are listed "
+                                              "(none, for a file of the data root no run trained on); 1: it names "
+                                              "nothing their lineage records (the near names are suggested).")
     lineage.add_argument("--consumers", required=True, metavar="FILE_SHARD_OR_SOURCE",
                          help="a raw file or shard path (relative to the data root, or ending in it), a shard "
                               "prefix, or a source name")
@@ -427,7 +437,7 @@ def main(argv=None) -> int:
     importer.add_argument("--config", help="training YAML whose model: section to build (default: from config.json)")
     importer.set_defaults(handler=_import_hf)
     args = parser.parse_args(argv)
-    return args.handler(args)
+    return guarded(f"kiln {args.command}", lambda: args.handler(args), args.debug)
 
 
 if __name__ == "__main__":

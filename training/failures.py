@@ -14,13 +14,19 @@ CONFIG_ERROR = "config error:"  # how training.run reports a ConfigError, on one
 
 
 def not_retriable(exc: BaseException) -> bool:
-    """Whether ``exc``, stopping a worker, would stop a retry the same way."""
-    from training.checkpoint import CheckpointError
-    from training.config import ConfigError
-    from training.data.indexed import IndexedDatasetError
-    from training.optim import NonFiniteStepError
+    """Whether ``exc``, stopping a worker, would stop a retry the same way: an error in what the run was given
+    (its config, data or checkpoint: training.boundary's user errors), not one of the machine's."""
+    from training.boundary import user_error_types
 
-    return isinstance(exc, (ConfigError, IndexedDatasetError, CheckpointError, NonFiniteStepError))
+    return isinstance(exc, user_error_types())
+
+
+USER_ERROR = "error:"  # how training.run reports a user error a retry may heal (a file the machine could not read)
+
+
+def error_line(line: str) -> bool:
+    """Whether a worker log's line is training.run's one line for a user error."""
+    return line.startswith((NOT_RETRIABLE, CONFIG_ERROR, USER_ERROR))
 
 
 def not_retriable_line(exc: BaseException) -> str:

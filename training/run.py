@@ -31,6 +31,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                           "to record in every checkpoint's lineage.json")
     parser.add_argument("--tokenizer-model", help="the sentencepiece .model the data was tokenized with: its "
                                                   "vocabulary must fit model.vocab_size")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error in the config, data or checkpoint too (or KILN_DEBUG=1)")
     parser.add_argument("--load-unverified", action="store_true",
                         help="load checkpoint.load_path even though it has no lineage.json to verify its files "
                              "against (e.g. MindFormers' own checkpoint); the log and this run's lineage say so")
@@ -64,15 +66,23 @@ def asks_host_blocking_dispatch(data: dict) -> bool:
 
 
 def main(argv=None) -> int:
+    """The error boundary (training.boundary) around ``train``."""
     if "MS_ROLE" in os.environ:
         _die_with_parent()
     args = parse_args(argv)
+    from training.boundary import guarded
+
+    return guarded("python -m training.run", lambda: train(args), args.debug)
+
+
+def train(args: argparse.Namespace) -> int:
     if args.mode != 1:
         print(f"--mode {args.mode}: graph mode is not supported; Kiln trains in PyNative mode (--mode 1)",
               file=sys.stderr)
         return 2
+    from training.boundary import debugging, is_user_error
     from training.config import ConfigError, parse_config, read_config
-    from training.failures import CONFIG_ERROR, not_retriable, not_retriable_line
+    from training.failures import CONFIG_ERROR, USER_ERROR, not_retriable, not_retriable_line
 
     try:
         data = read_config(args.config, args.overrides)
@@ -84,6 +94,8 @@ def main(argv=None) -> int:
         validate_model_section(config, args.tokenizer_model)
     except ConfigError as exc:
         print(f"{CONFIG_ERROR} {exc}", file=sys.stderr)
+        if debugging(args.debug):
+            raise
         return 2
     if "ASCEND_RT_VISIBLE_DEVICES" in os.environ and config.context.device_target != "Ascend":
         print(f"note: ASCEND_RT_VISIBLE_DEVICES is set but context.device_target is "
@@ -113,13 +125,20 @@ def main(argv=None) -> int:
     except ConfigError as exc:  # found while building the run's data (e.g. a validation split too small)
         reporter.close(exc)
         print(f"{CONFIG_ERROR} {exc}", file=sys.stderr)
+        if debugging(args.debug):
+            raise
         return 2
     except BaseException as exc:
         reporter.close(exc)
+        if not is_user_error(exc):
+            raise  # a bug: its traceback
         if not_retriable(exc):  # told to training_run, which then does not launch the run again; the message
-            print(not_retriable_line(exc), file=sys.stderr, flush=True)  # names the file and what to do:
-            return 1  # no traceback after it
-        raise
+            print(not_retriable_line(exc), file=sys.stderr, flush=True)  # names the file and what to do
+        else:  # a file the machine could not read or write: a retry may find it healed
+            print(f"{USER_ERROR} {exc}", file=sys.stderr, flush=True)
+        if debugging(args.debug):
+            raise
+        return 1
     if summary.first_loss is not None:
         reporter.info(f"[kiln] done: steps {summary.start_step}->{summary.end_step}, loss {summary.first_loss:.4f} "
                       f"-> {summary.last_loss:.4f}, {summary.tokens_per_s or 0:.0f} tokens/s")

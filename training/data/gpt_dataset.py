@@ -38,6 +38,12 @@ from training.data.indexed import IndexedDataset, IndexedDatasetError
 
 logger = logging.getLogger(__name__)
 
+
+class DatasetError(ValueError):
+    """A dataset or blend that cannot be built from its input (the files, or the config fields describing them);
+    the message names the file or the field."""
+
+
 # Megatron: a final epoch used for less than this share of its samples is shuffled on its own.
 _SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 # Megatron asks each blended source for this many times its share, so rounding never starves the blend.
@@ -60,23 +66,23 @@ _BLEND_PARALLEL_MIN_SIZE = 1 << 18
 def parse_split(split: str) -> list[float]:
     """Megatron's `split` string ("train,valid,test" ratios, up to 3) normalized to sum 1."""
     if not isinstance(split, str):
-        raise ValueError(f"split must be a string like '99,1,0', got {split!r}")
+        raise DatasetError(f"split must be a string like '99,1,0', got {split!r}")
     fields = [field.strip() for field in split.split(",")]
     if not 1 <= len(fields) <= 3:
-        raise ValueError(f"split {split!r}: expected 1 to 3 comma-separated ratios, got {len(fields)}")
+        raise DatasetError(f"split {split!r}: expected 1 to 3 comma-separated ratios, got {len(fields)}")
     try:
         ratios = [float(field) for field in fields]
     except ValueError:
-        raise ValueError(f"split {split!r}: every ratio must be a number") from None
+        raise DatasetError(f"split {split!r}: every ratio must be a number") from None
     if any(not math.isfinite(r) or r < 0 for r in ratios) or sum(ratios) <= 0:
-        raise ValueError(f"split {split!r}: ratios must be finite, non-negative and not all zero")
+        raise DatasetError(f"split {split!r}: ratios must be finite, non-negative and not all zero")
     return _normalize(ratios + [0.0] * (3 - len(ratios)))
 
 
 def split_document_range(split: str, split_index: int, num_documents: int) -> tuple[int, int]:
     """[begin, end) documents of split `split_index` (0 train, 1 valid, 2 test), as Megatron rounds them."""
     if split_index not in (0, 1, 2):
-        raise ValueError(f"split_index must be 0 (train), 1 (valid) or 2 (test), got {split_index!r}")
+        raise DatasetError(f"split_index must be 0 (train), 1 (valid) or 2 (test), got {split_index!r}")
     bookends = [0.0]
     for ratio in parse_split(split):
         bookends.append(bookends[-1] + ratio)
@@ -96,19 +102,19 @@ def _normalize(weights: Sequence[float]) -> list[float]:
 
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise DatasetError(f"{name} must be a positive integer, got {value!r}")
     return int(value)
 
 
 def _integer(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise DatasetError(f"{name} must be an integer, got {value!r}")
     return int(value)
 
 
 def _flag(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        raise DatasetError(f"{name} must be true or false, got {value!r}")
     return bool(value)
 
 
@@ -338,7 +344,7 @@ def _actual_seq_len(eods: np.ndarray, eod_pad_length: int, where: str) -> np.nda
     right-padded with the sequence length: MindFormers' compressed EOD mask."""
     ends = np.flatnonzero(eods[:-1]) + 1
     if ends.size > eod_pad_length:
-        raise ValueError(f"{where} has {ends.size} document ends, more than eod_pad_length = {eod_pad_length}")
+        raise DatasetError(f"{where} has {ends.size} document ends, more than eod_pad_length = {eod_pad_length}")
     padded = np.full(eod_pad_length, eods.size, dtype=np.int32)
     padded[: ends.size] = ends
     return padded
@@ -380,7 +386,7 @@ class GPTDataset:
         self.seq_length = _positive_int("seq_length", seq_length)
         self.num_samples = None if num_samples is None else _positive_int("num_samples", num_samples)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
-            raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+            raise DatasetError(f"seed must be an integer in [0, 2**32), got {seed!r}")
         self.seed = int(seed)
         self.format = SampleFormat(eod_id=eod_id, pad_id=pad_id, **sample_options)
         self.split = split
@@ -388,13 +394,16 @@ class GPTDataset:
         drop_last_partial = _flag("drop_last_partial_validation_sequence", drop_last_partial_validation_sequence)
         self.drop_last_partial_sequence = drop_last_partial or split_index != 1
         if indexed.num_documents != len(indexed):
-            raise ValueError(
+            raise DatasetError(
                 f"{indexed.prefix}: {indexed.num_documents} documents but {len(indexed)} sequences; "
                 "GPTDataset needs one sequence per document"
             )
         self.document_begin, self.document_end = split_document_range(split, split_index, indexed.num_documents)
+        if indexed.num_documents == 0:
+            raise DatasetError(f"{indexed.prefix}: holds no documents (an empty .bin/.idx pair): tokenize data into it, "
+                               f"or take it out of the blend")
         if self.document_end <= self.document_begin:
-            raise ValueError(
+            raise DatasetError(
                 f"{indexed.prefix}: split {split!r} gives split_index {split_index} no documents "
                 f"(of {indexed.num_documents})"
             )
@@ -403,7 +412,7 @@ class GPTDataset:
         # Samples may span epochs, so a short split only fails when it must supply one epoch.
         if self.tokens_per_epoch == 0 or (
                 num_samples is None and self.tokens_per_epoch < self.seq_length + self._extra_token):
-            raise ValueError(
+            raise DatasetError(
                 f"{indexed.prefix}: split {split_index} holds {self.tokens_per_epoch} tokens, too few for one "
                 f"sample of seq_length {self.seq_length}"
             )
@@ -667,26 +676,26 @@ class BlendedDataset(SourceIndexedDataset):
         cache_dir: str | os.PathLike | None = None,
     ) -> None:
         if not datasets:
-            raise ValueError("a blend needs at least one dataset")
+            raise DatasetError("a blend needs at least one dataset")
         if len(datasets) > _MAX_SOURCES:
-            raise ValueError(f"at most {_MAX_SOURCES} datasets can be blended, got {len(datasets)}")
+            raise DatasetError(f"at most {_MAX_SOURCES} datasets can be blended, got {len(datasets)}")
         self.datasets = list(datasets)
         if weights is None:
             if size is not None:
-                raise ValueError(f"an exhaustive blend (weights None) takes every sample: size must be None, got {size}")
+                raise DatasetError(f"an exhaustive blend (weights None) takes every sample: size must be None, got {size}")
             lengths = [len(d) for d in self.datasets]
             self.weights, self.size = _normalize(lengths), sum(lengths)
             description = {"class": "BlendedDataset", "index_format": _INDEX_FORMAT, "exhaustive": lengths}
             build = functools.partial(_exhaustive_blending_indices, lengths)
         else:
             if len(datasets) != len(weights):
-                raise ValueError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
+                raise DatasetError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
             try:
                 values = [float(w) for w in weights]
             except (TypeError, ValueError):
-                raise ValueError(f"weights must be numbers, got {list(weights)}") from None
+                raise DatasetError(f"weights must be numbers, got {list(weights)}") from None
             if any(not math.isfinite(w) or w < 0 for w in values) or sum(values) <= 0:
-                raise ValueError(f"weights must be finite, non-negative and not all zero, got {values}")
+                raise DatasetError(f"weights must be finite, non-negative and not all zero, got {values}")
             self.weights = _normalize(values)
             self.size = _positive_int("size", size)
             # The greedy index depends on the weights and the size only.
@@ -701,7 +710,7 @@ class BlendedDataset(SourceIndexedDataset):
         needed = np.bincount(self.source_index, minlength=len(self.datasets))
         for source, (count, dataset) in enumerate(zip(needed, self.datasets)):
             if count > len(dataset):
-                raise ValueError(f"blend source {source} must supply {count} samples but has only {len(dataset)}")
+                raise DatasetError(f"blend source {source} must supply {count} samples but has only {len(dataset)}")
 
     def sample_tokens(self, idx: int) -> np.ndarray:
         """The raw tokens behind item `idx` (see GPTDataset.sample_tokens)."""
@@ -737,10 +746,10 @@ def parse_data_path(data_path: Sequence, where: str = "data_path") -> tuple[list
     files of every prefix must exist. Errors name the entry as `where[i]`.
     """
     if isinstance(data_path, (str, bytes)) or not isinstance(data_path, Sequence):
-        raise ValueError(f"{where} must be a list [weight, prefix, ...] or [prefix, ...], "
+        raise DatasetError(f"{where} must be a list [weight, prefix, ...] or [prefix, ...], "
                          f"got {type(data_path).__name__}")
     if not data_path:
-        raise ValueError(f"{where} is empty: name at least one dataset prefix")
+        raise DatasetError(f"{where} is empty: name at least one dataset prefix")
     weights: list[float] | None = None
     prefixes = list(data_path)
     if len(data_path) % 2 == 0:
@@ -749,19 +758,19 @@ def parse_data_path(data_path: Sequence, where: str = "data_path") -> tuple[list
             weights, prefixes = raw, list(data_path[1::2])
         elif any(w is not None for w in raw):
             bad = next(i for i, w in zip(range(0, len(data_path), 2), raw) if w is None)
-            raise ValueError(f"{where}[{bad}]: weight {data_path[bad]!r} is not a number (the list mixes "
+            raise DatasetError(f"{where}[{bad}]: weight {data_path[bad]!r} is not a number (the list mixes "
                              "[weight, prefix] pairs with bare prefixes)")
     step = 1 if weights is None else 2
     for k, weight in enumerate(weights or []):
         if not math.isfinite(weight) or weight <= 0:
-            raise ValueError(f"{where}[{2 * k}]: weight {data_path[2 * k]!r} must be a positive number")
+            raise DatasetError(f"{where}[{2 * k}]: weight {data_path[2 * k]!r} must be a positive number")
     for k, prefix in enumerate(prefixes):
         index = k * step + step - 1
         if not isinstance(prefix, (str, os.PathLike)):
-            raise ValueError(f"{where}[{index}]: prefix {prefix!r} is not a path")
+            raise DatasetError(f"{where}[{index}]: prefix {prefix!r} is not a path")
         for suffix in (".bin", ".idx"):
             if not Path(f"{prefix}{suffix}").is_file():
-                raise ValueError(f"{where}[{index}]: {prefix}{suffix} not found")
+                raise DatasetError(f"{where}[{index}]: {prefix}{suffix} not found")
     return [str(prefix).strip() for prefix in prefixes], weights
 
 
@@ -856,7 +865,7 @@ def build_blended_dataset(
     if weights is None and len(datasets) > 1:
         blend = BlendedDataset(datasets, None, None, cache_dir=cache_dir)
         if len(blend) < num_samples:
-            raise ValueError(f"{where}: the unweighted blend holds {len(blend)} samples (one epoch of every "
+            raise DatasetError(f"{where}: the unweighted blend holds {len(blend)} samples (one epoch of every "
                              f"source) but {num_samples} are needed; give weights to repeat sources")
         return blend
     return BlendedDataset(datasets, weights or [1.0], sum(sizes), cache_dir=cache_dir)

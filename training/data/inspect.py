@@ -16,12 +16,17 @@ def source_labels(config: TrainConfig, dataset, split: str) -> list[str]:
     return list(dataset.labels)
 
 
+MAX_SAMPLES = 10_000  # a screenful's worth many times over; building a split for more takes minutes
+
+
 def inspect_samples(config: TrainConfig, split: str = "train", num: int = 8) -> tuple[np.ndarray, list[str]]:
     """The first ``num`` samples' raw tokens ([num, seq_length + 1] int64) and each one's source.
 
     The split is built for as many samples as the trainer builds it for (``TrainConfig.split_samples``), so
     the shuffles and the blend are the ones training uses; sample i is read at step i // global_batch_size.
     """
+    if not 1 <= num <= MAX_SAMPLES:
+        raise ValueError(f"--num {num}: must be between 1 and {MAX_SAMPLES:,} (the samples are printed one by one)")
     total = config.split_samples(split) or num
     if num > total:
         raise ValueError(f"--num {num}: the {split} split of this config holds {total} samples")
