@@ -151,8 +151,7 @@ def _clean(args) -> int:
         sidecar = clean_files([Path(p) for p in args.input], Path(args.output_dir), recipe, args.json_keys,
                               args.on_bad_line)
     except (CleaningError, ValueError, OSError) as exc:  # RecipeError, CorpusError are ValueErrors
-        print(f"kiln clean: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln clean", exc, args.debug)
     seconds = time.perf_counter() - args.started
     print(f"recipe {recipe.name} ({recipe.sha256[:12]}): {sidecar['docs_in']:,} documents in, "
           f"{sidecar['docs_out']:,} kept, in {seconds:.2f} s")
@@ -174,8 +173,7 @@ def _why(args) -> int:
     try:
         entries = explain(Path(path), int(line), [Path(d) for d in args.clean_dir])
     except OSError as exc:
-        print(f"kiln why: {exc}", file=sys.stderr)
-        return 2
+        return user_error("kiln why", exc, args.debug)
     if not entries:
         print(f"kiln why: no cleaning under {', '.join(args.clean_dir)} read {path} as it is now (sha256) with a "
               f"document at line {line}", file=sys.stderr)
