@@ -26,7 +26,6 @@ from training.data.hashing import sha256_file
 from training.data.manifest import ManifestError, read_manifest, training_data_path
 from training.failures import log_sizes, not_retriable_cause
 from training.lineage import PROBLEMS, AuditCache, audit_checkpoint, lineage_inputs, store_lineage_inputs
-from training.parallel.mesh import ParallelDims
 from training.profiling import profile_root
 from training.reporting import CHECKPOINT_MESSAGE, METRICS_MESSAGE, drop_partial_line, is_step_record, read_records
 
@@ -359,16 +358,13 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     try:
         # model: as the workers will build it, before msrun takes the devices, its problems in the same report;
         # imported here, as the model package imports MindSpore, which loading the definitions does not need
+        from training.launch import check_layout
         from training.model import model_config, validate_model_section
-        from training.parallel.expert_parallel import check_expert_parallel
 
         train_config = load_config(config_file, model_check=model_config)
-        # the parallel degrees must factorise msrun's workers, and the batch split over them, before launch
-        dims = ParallelDims.from_config(train_config.parallelism, msrun.worker_num)
-        dims.check_batch(train_config.training)
-
         model = validate_model_section(train_config, storage.root / manifest["tokenizer"]["path"])
-        check_expert_parallel(train_config.parallelism, model.n_routed_experts if model.has_moe else None)
+        # every parallel layout mistake, as training.run checks it again before any communicator is built
+        dims = check_layout(train_config, model, msrun.worker_num)
     except ConfigError as exc:
         raise dg.Failure(f"training config {config.config_path}: {exc}", allow_retries=False) from None
     lineage_file = run_dir / "lineage_inputs.json"

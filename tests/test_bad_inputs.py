@@ -45,6 +45,82 @@ CASES = {
     "invalid YAML": (text("training: [1"), r"qwen3_micro_case\.yaml:\d+: invalid YAML"),
 }
 
+TP2 = ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]
+PP2 = ["parallelism.pipeline_parallel=2"]
+INTERLEAVED = [*PP2, "parallelism.pipeline_parallel_interleave_num=2",
+               "parallelism.pipeline_parallel_schedule=interleaved_1f1b"]
+# (overrides, workers) -> the arithmetic the refusal names; checked as training_run and training.run check it
+LAYOUTS = {
+    "tp 3 on 2 workers": ((["parallelism.tensor_parallel=3", "parallelism.sequence_parallel=true"], 2),
+                          r"tensor_parallel 3 × pipeline_parallel 1 × context_parallel 1 = 3 does not divide the 2 "
+                          r"workers"),
+    "tp 2 with 1 KV head": (([*TP2, "model.num_key_value_heads=1"], 2),
+                            r"parallelism\.tensor_parallel 2 does not divide model\.num_key_value_heads 1 \(1 % 2 = "
+                            r"1\): linear_qkv is split by whole query groups"),
+    "tp 2 with an odd vocabulary": (([*TP2, "model.vocab_size=511"], 2),
+                                    r"does not divide model\.vocab_size 511 \(511 % 2 = 1\)"),
+    "interleave 2 on 2 layers": ((INTERLEAVED, 2),
+                                 r"'auto' splits the 2 decoder layers equally over pipeline_parallel 2 × "
+                                 r"pipeline_parallel_interleave_num 2 = 4 virtual stages"),
+    "interleaved 1F1B with 1 micro-batch": (([*INTERLEAVED, "model.num_hidden_layers=4", "training.global_batch_size=2"],
+                                             2), r"interleaved_1f1b needs the micro-batches per step \(1: "
+                                                 r"global_batch_size / \(local_batch_size × data parallel\)\) to be a "
+                                                 r"multiple of pipeline_parallel \(2\)"),
+    "1F1B with interleaving": (([*INTERLEAVED[:2], "model.num_hidden_layers=4"], 2),
+                               r"1f1b runs one chunk per rank; with pipeline_parallel_interleave_num > 1 use"),
+    "interleaving without a pipeline": ((["parallelism.pipeline_parallel_interleave_num=2"], 1),
+                                        r"pipeline_parallel_interleave_num = 2 splits .* but "
+                                        r"parallelism\.pipeline_parallel is 1"),
+    "layer ranges past the model": (([*PP2, "parallelism.pipeline_parallel_layers_per_stage=['0-0', '1-5']"], 2),
+                                    r"the stages cover layers 0-5; the model has 2"),
+    "layer ranges with a gap": (([*PP2, "parallelism.pipeline_parallel_layers_per_stage=['0-0', '2-2']"], 2),
+                                r"virtual stage 1 \(rank 1, chunk 0\) starts at layer 2, expected 1"),
+    "cp 3 on a sequence of 32": ((["parallelism.context_parallel=3"], 3),
+                                 r"the sequence length 32 does not split into parallelism\.context_parallel = 3"),
+    "ep on a dense model": ((["parallelism.expert_parallel=2"], 2),
+                            r"parallelism\.expert_parallel is 2 but the model has no routed experts"),
+    "a batch the ranks cannot share": ((["training.global_batch_size=6"], 2),
+                                       r"training\.global_batch_size=6 is not divisible by training\.local_batch_size=2 "
+                                       r"× data_parallel=2"),
+    "two layout mistakes at once": (([*TP2, "model.num_key_value_heads=1", "parallelism.expert_parallel=2"], 2),
+                                    r"num_key_value_heads 1.*\n.*expert_parallel is 2"),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUTS, ids=list(LAYOUTS))
+def test_a_layout_mistake_is_refused_before_launch_naming_the_arithmetic(case):
+    from training.launch import check_layout
+
+    (sets, workers), fragment = LAYOUTS[case]
+    config = load_config(PROJECT_ROOT / MICRO_CONFIG, [*WIRED, *sets], model_check=model_config)
+    with pytest.raises(ConfigError) as raised:
+        check_layout(config, model_config(config.model), workers)
+    assert __import__("re").search(fragment, str(raised.value)), str(raised.value)
+
+
+@pytest.mark.parametrize("config_path, sets, workers", [
+    (MICRO_CONFIG, TP2, 2), (MICRO_CONFIG, PP2, 2), (MICRO_CONFIG, ["parallelism.context_parallel=2"], 2),
+    (MICRO_CONFIG, [*INTERLEAVED, "model.num_hidden_layers=4"], 2), (MICRO_CONFIG, ["training.local_batch_size=1"], 4),
+    ("tests/configs/deepseek_v3_micro.yaml", ["parallelism.expert_parallel=2"], 2)])
+def test_the_layouts_the_suite_trains_pass_the_check(config_path, sets, workers):
+    from training.launch import check_layout
+
+    config = load_config(PROJECT_ROOT / config_path, [*WIRED, *sets], model_check=model_config)
+    assert check_layout(config, model_config(config.model), workers).world == workers
+
+
+def test_training_run_refuses_a_layout_on_every_rank_before_any_communicator_is_built(monkeypatch, capsys):
+    from training.run import main as run
+
+    # as msrun starts a worker: a communicator would wait for the other worker, which never comes
+    monkeypatch.setenv("MS_ROLE", "MS_WORKER")
+    monkeypatch.setenv("MS_WORKER_NUM", "2")
+    sets = [a for o in [*WIRED, "parallelism.tensor_parallel=3", "parallelism.sequence_parallel=true"]
+            for a in ("--set", o)]
+    monkeypatch.setattr("training.run._die_with_parent", lambda: None)
+    assert run(["--config", str(PROJECT_ROOT / MICRO_CONFIG), *sets]) == 2
+    assert "= 3 does not divide the 2 workers" in capsys.readouterr().err
+
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_a_bad_input_is_one_report_naming_what_is_wrong(case, tmp_path):

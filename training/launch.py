@@ -166,6 +166,81 @@ def run_msrun(command: list[str], env: Mapping[str, str], *, cwd: Optional[Path]
             pass
 
 
+def world_size_before_init() -> int:
+    """The number of workers msrun started this process among (its MS_WORKER_NUM), before any communicator is
+    built; 1 for a process started alone."""
+    return int(os.environ.get("MS_WORKER_NUM", "1")) if "MS_ROLE" in os.environ else 1
+
+
+def check_layout(config, model, workers: int):
+    """Every reason ``config``'s parallel layout cannot train ``model`` (its GPTConfig, as validate_model_section
+    gives it) on ``workers`` workers, in one ConfigError whose problems name the fields and the arithmetic:
+    the degrees against the workers, the batch against the data-parallel ranks, tensor parallelism against the
+    model's widths, the pipeline's stages and schedule, context parallelism against the sequence, expert
+    parallelism against the experts. training_run runs it before msrun starts and training.run before any
+    communicator is built, so a mistake is one line before launch, not a C++ stack in a worker log after it.
+    Returns the ParallelDims. Loads MindSpore (the parallel package does)."""
+    from training.config import ConfigError
+    from training.parallel.context_parallel import check_context_parallel, token_positions
+    from training.parallel.expert_parallel import check_expert_parallel
+    from training.parallel.mesh import ParallelDims
+    from training.parallel.pipeline import stage_layer_ranges, work_order
+
+    p, problems = config.parallelism, []
+
+    def attempt(check):
+        try:
+            return check()
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            return None
+
+    dims = attempt(lambda: ParallelDims.from_config(p, workers))
+    micro_batches = attempt(lambda: dims.check_batch(config.training)) if dims else None
+    problems += _tensor_parallel_problems(p.tensor_parallel, p.sequence_parallel, model)
+    if p.pipeline_parallel > 1:
+        attempt(lambda: stage_layer_ranges(p.pipeline_parallel_layers_per_stage, model.num_hidden_layers,
+                                           p.pipeline_parallel, p.pipeline_parallel_interleave_num))
+        if micro_batches:
+            attempt(lambda: work_order(p.pipeline_parallel_schedule, p.pipeline_parallel, 0, micro_batches,
+                                       p.pipeline_parallel_interleave_num))
+    elif p.pipeline_parallel_interleave_num > 1:
+        problems.append(f"parallelism.pipeline_parallel_interleave_num = {p.pipeline_parallel_interleave_num} "
+                        f"splits each pipeline rank's layers into chunks, but parallelism.pipeline_parallel is 1")
+    if p.context_parallel > 1:
+        attempt(lambda: token_positions(model.seq_length, p.context_parallel, 0,
+                                        config.kiln.parallelism.context_parallel_load_balance))
+        attempt(lambda: check_context_parallel(config, model))
+    attempt(lambda: check_expert_parallel(p, getattr(model, "n_routed_experts", None) if model.has_moe else None))
+    if problems:
+        raise ConfigError(*problems)
+    return dims
+
+
+def _tensor_parallel_problems(tp: int, sequence_parallel: bool, model) -> list[str]:
+    """What tensor parallelism of degree ``tp`` cannot cut in ``model``: each width it splits must divide."""
+    if tp == 1:
+        return []
+    multi_latent = getattr(model, "kv_lora_rank", None) is not None
+    dense = not model.has_moe or any(not model.is_moe_layer(i) for i in range(model.num_hidden_layers))
+    widths = [("model.vocab_size", model.vocab_size, "each rank holds an equal slice of the vocabulary"),
+              ("model.num_attention_heads", model.num_attention_heads, "each rank computes whole heads")]
+    if not multi_latent:
+        widths.append(("model.num_key_value_heads", model.num_key_value_heads,
+                       "linear_qkv is split by whole query groups, each rank holding its own K/V heads"))
+    if dense:
+        widths.append(("model.intermediate_size", model.intermediate_size, "linear_fc1/linear_fc2 split it"))
+    if sequence_parallel:
+        widths.append(("model.seq_length", model.seq_length,
+                       "sequence parallelism gives each rank an equal part of every sequence"))
+    problems = [f"parallelism.tensor_parallel {tp} does not divide {field} {count} ({count} % {tp} = "
+                f"{count % tp}): {why}" for field, count, why in widths if count % tp]
+    if multi_latent and not model.q_lora_rank:
+        problems.append("model.q_lora_rank is unset: tensor-parallel MLA needs the query compression (linear_qb "
+                        "splits the heads), as in MindFormers")
+    return problems
+
+
 class LaunchFailed(RuntimeError):
     """A local msrun launch that exited with an error; the message holds the tail of every worker's log."""
 

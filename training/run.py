@@ -87,11 +87,14 @@ def train(args: argparse.Namespace) -> int:
     try:
         data = read_config(args.config, args.overrides)
         use_host_blocking_dispatch(asks_host_blocking_dispatch(data))
+        from training.launch import check_layout, world_size_before_init
         from training.model import model_config, validate_model_section  # loads MindSpore
 
         config = parse_config(data, args.config, model_check=model_config)  # the model's problems in one report
         require_device_runtime(config.context.device_target)
-        validate_model_section(config, args.tokenizer_model)
+        model = validate_model_section(config, args.tokenizer_model)
+        # the layout training_run checked before launch, again on every rank before any communicator is built
+        check_layout(config, model, world_size_before_init())
     except ConfigError as exc:
         print(f"{CONFIG_ERROR} {exc}", file=sys.stderr)
         if debugging(args.debug):
