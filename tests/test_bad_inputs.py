@@ -43,6 +43,32 @@ CASES = {
     "a long value": (overrides("training.steps=" + "9" * 1_000_000 + "x"),
                      r"training\.steps: expected int, got '9{10,}\.\.\.9+x'$"),
     "invalid YAML": (text("training: [1"), r"qwen3_micro_case\.yaml:\d+: invalid YAML"),
+    # numbers past sane bounds, refused before numpy or MindSpore meets them (issue 36)
+    "steps 1e30": (overrides("training.steps=1000000000000000000000000000000"),
+                   r"training\.steps: 1000000000000000000000000000000 does not fit in 64 bits"),
+    "steps 1e12": (overrides("training.steps=1000000000000"),
+                   r"training\.steps = 1,000,000,000,000 is more than 1,000,000,000: a billion steps"),
+    "steps as a float 1e30": (overrides("training.steps=1.0e+30"), r"training\.steps: expected int, got 1e\+30"),
+    "a learning rate of inf": (overrides("lr_scheduler.learning_rate=.inf"),
+                               r"lr_scheduler\.learning_rate: expected a finite number, got inf"),
+    "hidden 2^40": (overrides(f"model.hidden_size={2**40}"),
+                    r"model\.hidden_size = 1,099,511,627,776 is more than 131,072: wider than any model trained"),
+    "vocab 1e12": (overrides("model.vocab_size=1000000000000"),
+                   r"model\.vocab_size = 1,000,000,000,000 is more than 2,147,483,647: token ids are int32"),
+    "a model of petabytes": (overrides("model.hidden_size=131072", "model.intermediate_size=1048576",
+                                       "model.num_hidden_layers=4096"),
+                             r"model: about [\d.]+e\+15 parameters .* more than 2\.2e\+12"),
+    "a seed numpy cannot take": (overrides("training.seed=4294967296"),
+                                 r"training\.seed = 4,294,967,296 is more than 4,294,967,295: numpy's seeds are 32-bit"),
+    "a billion samples per step": (overrides("training.global_batch_size=1000000000"),
+                                   r"training\.global_batch_size = 1,000,000,000 is more than 16,777,216"),
+    "too many samples": (overrides("training.steps=1000000000", "training.global_batch_size=1024",
+                                   "training.local_batch_size=1024"),
+                         r"training\.steps × training\.global_batch_size = 1,024,000,000,000 samples, more than "
+                         r"68,719,476,736"),
+    "a sample of a billion tokens": (overrides("train_dataset.dataloader.config.seq_length=1000000000",
+                                               "model.seq_length=1000000000"),
+                                     r"train_dataset\.dataloader\.config\.seq_length = 1,000,000,000 is more than"),
 }
 
 TP2 = ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import math
 import re
 import reprlib
 import types
@@ -104,12 +105,16 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{path}: expected int, got {shown(value)}")
+        if not -2**63 <= value < 2**63:
+            raise ConfigError(f"{path}: {shown(value)} does not fit in 64 bits")
         return value
     if annotation is float:
         if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
             return float(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected float, got {shown(value)}")
+        if not math.isfinite(float(value)):
+            raise ConfigError(f"{path}: expected a finite number, got {shown(value)}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
@@ -138,6 +143,9 @@ class Section:
     MOVED: typing.ClassVar[dict[str, str]] = {}
     # former key -> why nothing reads it now: named when an old config still has it
     DROPPED: typing.ClassVar[dict[str, str]] = {}
+    # field name -> (largest value accepted, why): past it a number would overflow or exhaust memory in numpy or
+    # MindSpore, after launch and without naming the field
+    LIMITS: typing.ClassVar[dict[str, tuple[int, str]]] = {}
 
     @classmethod
     def from_dict(cls, data: dict, path: str = "") -> "Section":
@@ -171,6 +179,8 @@ class Section:
         missing = [f.name for f in fields if f.name not in data
                    and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
         errors += [ConfigError(f"{_join(path, name)}: required, but missing") for name in missing]
+        errors += [ConfigError(f"{_join(path, name)} = {kwargs[name]:,} is more than {high:,}: {why}")
+                   for name, (high, why) in cls.LIMITS.items() if _number(kwargs.get(name)) and kwargs[name] > high]
         # the value checks relate fields to each other: they run only when every given field has its value
         if all(key in kwargs for key in data if key in names) and not missing:
             section = cls(**kwargs)
@@ -201,6 +211,18 @@ class Section:
         return dataclasses.asdict(self)
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# The bounds of LIMITS, named once
+STEPS_LIMIT = (10**9, "a billion steps is past any training run; a larger number is a typo")
+SEED_LIMIT = (2**32 - 1, "numpy's seeds are 32-bit")
+TOKEN_ID_LIMIT = (2**31 - 1, "token ids are int32 in the samples and the embedding lookup")
+BATCH_LIMIT = (2**24, "a step of more samples than that is past any training run")
+WORKERS_LIMIT = (2**16, "more threads or workers than any machine runs")
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -229,6 +251,8 @@ class CheckpointConfig(Section):
     save_global_layout_cache: bool = True
     reshard_worker_num: int = 1
 
+    LIMITS = {"save_max": (10**6, "checkpoints kept on disk"), "save_interleaved_steps": STEPS_LIMIT,
+              "load_worker_number": WORKERS_LIMIT}
     UNSUPPORTED = {
         "save_trainable_only": "LoRA is not implemented",
         "base_load_path": "LoRA base weights are not implemented",
@@ -260,6 +284,8 @@ class TrainingConfig(Section):
     rampup_batch_size: Optional[list[int]] = None
 
     UNSUPPORTED = {"rampup_batch_size": "batch-size ramp-up is not implemented"}
+    LIMITS = {"steps": STEPS_LIMIT, "local_batch_size": BATCH_LIMIT, "global_batch_size": BATCH_LIMIT,
+              "max_consecutive_skipped_steps": STEPS_LIMIT, "seed": SEED_LIMIT}
     MOVED = {"eval_interval": "kiln.training.eval_interval", "eval_iters": "kiln.training.eval_iters"}
 
     def check(self, path):
@@ -406,6 +432,7 @@ class LrSchedulerConfig(Section):
     decay_start_ratio: Optional[float] = None
 
     SCHEDULES = ("ConstantWarmUpLR", "LinearWithWarmUpLR", "CosineWithWarmUpLR", "WarmUpStableDecayLR")
+    LIMITS = {"warmup_steps": STEPS_LIMIT, "decay_start_steps": STEPS_LIMIT}
 
     def check(self, path):
         require(self.type in self.SCHEDULES,
@@ -458,6 +485,10 @@ class GPTDatasetConfig(Section):
     add_extra_token_to_sequence: bool = True
 
     SPLIT_PATHS = ("train_data_path", "valid_data_path", "test_data_path")
+    LIMITS = {"seq_length": (2**24, "16M tokens per sample is past any model's context"), "seed": SEED_LIMIT,
+              "eod": TOKEN_ID_LIMIT, "pad": TOKEN_ID_LIMIT, "eod_pad_length": (2**24, "more document ends than "
+                                                                                    "tokens in any sample"),
+              "num_dataset_builder_threads": WORKERS_LIMIT}
 
     def check(self, path):
         require(self.seq_length > 0, f"{path}.seq_length must be > 0")
@@ -573,6 +604,10 @@ class KilnMindRecordConfig(Section):
     shuffle_buffer_size: int = 320
     seed: int = 1234
     pad: int = -1
+
+    LIMITS = {"samples_count": (2**40, "past any corpus"), "shuffle_buffer_size": (2**24, "a window past any "
+                                                                                          "corpus' sources"),
+              "seed": SEED_LIMIT, "pad": TOKEN_ID_LIMIT}
 
     def check(self, path):
         require(self.shuffle_buffer_size >= 1, f"{path}.shuffle_buffer_size must be >= 1, got "
@@ -778,6 +813,8 @@ class KilnTrainingConfig(Section):
     eval_interval: int = 0
     eval_iters: int = 100
 
+    LIMITS = {"eval_interval": STEPS_LIMIT, "eval_iters": (10**6, "a million batches per evaluation is a typo")}
+
     def check(self, path):
         require(self.eval_interval >= 0, f"{path}.eval_interval must be >= 0 (0: no validation), got "
                                          f"{self.eval_interval}")
@@ -837,6 +874,9 @@ class TrainConfig(Section):
                    "lora_config": "LoRA is not implemented", "inference": "inference is not implemented"}
 
     def check(self, path):
+        samples = self.training.steps * self.training.global_batch_size
+        require(samples <= MAX_SAMPLES, f"training.steps × training.global_batch_size = {samples:,} samples, more "
+                                        f"than {MAX_SAMPLES:,}: the dataset's index holds 16 bytes per sample")
         for key in ("model_type", "architectures"):
             require(key in self.model, f"model.{key} is required")
         require(isinstance(self.model["model_type"], str),
@@ -877,6 +917,41 @@ class TrainConfig(Section):
         if sizes:
             return sizes[SPLITS.index(split)]
         return self.training.steps * self.training.global_batch_size if split == "train" else None
+
+
+MAX_SAMPLES = 2**36
+# The model section's widths MindSpore allocates from: bounded here, before a worker asks for petabytes.
+MODEL_LIMITS = {
+    "vocab_size": TOKEN_ID_LIMIT, "hidden_size": (2**17, "wider than any model trained"),
+    "intermediate_size": (2**20, "wider than any model trained"),
+    "moe_intermediate_size": (2**20, "wider than any model trained"),
+    "num_hidden_layers": (2**12, "deeper than any model trained"), "num_layers": (2**12, "deeper than any model trained"),
+    "num_attention_heads": (2**12, "more heads than any model has"), "num_key_value_heads": (2**12, "more heads "
+                                                                                                    "than any model has"),
+    "head_dim": (2**12, "wider heads than any model has"), "kv_channels": (2**12, "wider heads than any model has"),
+    "max_position_embeddings": (2**24, "16M positions is past any model's context"),
+    "seq_length": (2**24, "16M tokens per sample is past any model's context"),
+    "n_routed_experts": (2**16, "more experts than any model has"),
+}
+MAX_PARAMETERS = 2**41  # about 2.2 trillion: twice the largest models trained
+
+
+def _model_size_problems(model: dict) -> list[str]:
+    """The model section's widths past MODEL_LIMITS, and a dense size past MAX_PARAMETERS (estimated from the
+    embedding and the layers' attention and MLP matrices, experts left out)."""
+    problems = [f"model.{name} = {model[name]:,} is more than {high:,}: {why}" for name, (high, why) in
+                MODEL_LIMITS.items() if _number(model.get(name)) and model[name] > high]
+    sizes = [model.get(name) for name in ("vocab_size", "hidden_size", "intermediate_size")]
+    layers = model.get("num_hidden_layers", model.get("num_layers"))
+    if all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in [*sizes, layers]):
+        vocab, hidden, ffn = sizes
+        embeddings = 1 if model.get("tie_word_embeddings") else 2
+        parameters = vocab * hidden * embeddings + layers * (4 * hidden * hidden + 3 * hidden * ffn)
+        if parameters > MAX_PARAMETERS:
+            problems.append(f"model: about {parameters:.3g} parameters (vocab_size × hidden_size × {embeddings} + "
+                            f"layers × (4 × hidden_size² + 3 × hidden_size × intermediate_size)), more than "
+                            f"{MAX_PARAMETERS:.3g}: check the sizes")
+    return problems
 
 
 def set_field(data: dict, dotted_key: str, value: Any) -> dict:
@@ -1010,7 +1085,10 @@ def parse_config(data: dict, where: str, model_check: Optional[typing.Callable[[
         config = TrainConfig.from_dict(data)
     except ConfigError as exc:
         errors.append(exc)
-    if model_check is not None and isinstance(data.get("model"), dict):
+    if isinstance(data.get("model"), dict) and _model_size_problems(data["model"]):
+        # before the model's own checks, which would take the sizes as they are
+        errors.append(ConfigError(*_model_size_problems(data["model"])))
+    elif model_check is not None and isinstance(data.get("model"), dict):
         # with the samples' length as model.seq_length, as TrainConfig.check resolves it
         model = config.model if config else _model_with_data_seq_length(data)
         try:
