@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from assets.builtin_corpus import BUILTIN_KINDS
+from training.config import check_plain_name
 from training.data.corpus import ON_BAD_LINE
 
 
@@ -51,6 +52,10 @@ def load_sources(path: str | Path) -> dict[str, SourceSpec]:
     specs = {}
     for name, entry in sources.items():
         where = f"{path}: sources.{name}"
+        try:
+            check_plain_name(name, f"{path}: source")  # its directories under raw/ and shards/ of the data root
+        except ValueError as exc:
+            raise SourcesConfigError(str(exc)) from None
         if not isinstance(entry, dict):
             raise SourcesConfigError(f"{where}: expected a mapping")
         unknown = set(entry) - _KEYS

@@ -21,7 +21,7 @@ from resources.msrun import MsrunResource, OrphanedStep
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.atomic import write_json_atomic, write_text_atomic
 from training.checkpoint import LINEAGE, complete_steps, iteration_dir, latest_complete_checkpoint
-from training.config import ConfigError, apply_overrides, load_config, read_config, set_field
+from training.config import ConfigError, apply_overrides, check_plain_name, load_config, read_config, set_field
 from training.data.hashing import sha256_file
 from training.data.manifest import ManifestError, read_manifest, training_data_path
 from training.failures import log_sizes, not_retriable_cause
@@ -61,8 +61,12 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
                            ) -> tuple[dict, Path]:
     """The user's YAML with Kiln's wiring: data, seq_length, split and seed from the blend ``manifest``
     (storage's, as read_manifest read it), save/resume paths from the run dir."""
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", cfg.run_name):
-        raise dg.Failure(f"run_name {cfg.run_name!r}: use letters, digits, '_', '.', '-' only")
+    try:
+        check_plain_name(cfg.run_name, "training_run config run_name")  # its directory, inside the runs root
+        if cfg.init_from:
+            check_plain_name(cfg.init_from, "training_run config init_from")
+    except ValueError as exc:
+        raise dg.Failure(str(exc)) from None
     source = (PROJECT_ROOT / cfg.config_path).resolve()
     try:
         data = read_config(source)  # duplicate keys and alias bombs refused, as when training reads it

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import dagster as dg
 
+from training.config import check_plain_name
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -26,16 +28,16 @@ class KilnStorage(dg.ConfigurableResource):
 
     def raw_dir(self, chunk: str) -> Path:
         """`raw/<chunk>/`: `raw/<source>/` for an unchunked source, `raw/<source>/NNNNN/` for a chunk of one."""
-        return self.root / "raw" / chunk
+        return self.root / "raw" / "/".join(check_plain_name(part, "chunk") for part in chunk.split("/"))
 
     def tokenizer_prefix(self) -> Path:
         return self.root / "tokenizer" / "kiln"
 
     def shard_prefix(self, source: str) -> Path:
-        return self.root / "shards" / source / f"{source}_text_document"
+        return self.root / "shards" / check_plain_name(source, "source") / f"{source}_text_document"
 
     def manifest_path(self) -> Path:
         return self.root / "blend" / "manifest.json"
 
     def run_dir(self, run_name: str) -> Path:
-        return Path(self.runs_root).resolve() / run_name
+        return Path(self.runs_root).resolve() / check_plain_name(run_name, "run_name")

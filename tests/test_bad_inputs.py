@@ -160,3 +160,53 @@ def test_a_bad_input_is_one_report_naming_what_is_wrong(case, tmp_path):
     assert time.perf_counter() - started < 30  # refused before anything big is built (a bound, not a target)
     assert len(message) < 4000, message[:4000]
     assert __import__("re").search(fragment, message), message
+
+
+# names that would leave their root: each entry point refuses them with the reason
+NAMES = {
+    "run_name ..": ("run", "..", r"training_run config run_name '\.\.': '\.\.' is the directory above, outside its root"),
+    "run_name .": ("run", ".", r"run_name '\.': a name starting with '\.' is the root itself or a hidden directory"),
+    "run_name with /": ("run", "a/b", r"run_name 'a/b': '/' would make it a path of several directories"),
+    "init_from ../other": ("init_from", "../other", r"init_from '\.\./other': '/' would make it a path"),
+    "source ../escape": ("source", "../escape", r"sources\.yaml: source '\.\./escape': '/' would make it a path"),
+    "source ..": ("source", "..", r"source '\.\.': '\.\.' is the directory above"),
+    "source with /": ("source", "web/news", r"source 'web/news': '/' would make it a path"),
+    "source with a space": ("source", "web news", r"source 'web news': use letters, digits"),
+    "chunk ../x": ("chunk", "../00001", r"chunk '\.\.': '\.\.' is the directory above"),
+    "a run directory ..": ("run_dir", "..", r"run_name '\.\.': '\.\.' is the directory above"),
+}
+
+
+@pytest.mark.parametrize("case", NAMES, ids=list(NAMES))
+def test_a_name_that_would_leave_its_root_is_refused_with_the_reason(case, tmp_path):
+    import dagster as dg
+
+    from assets.sources import SourcesConfigError, load_sources
+    from resources.storage import KilnStorage
+    from test_render_config import storage_with_manifest
+
+    kind, name, fragment = NAMES[case]
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                          sources_config=str(tmp_path / "sources.yaml"))
+    with pytest.raises((ValueError, SourcesConfigError, dg.Failure)) as raised:
+        if kind in ("run", "init_from"):
+            overrides = {"run_name": name} if kind == "run" else {"init_from": name, "start": "weights_only"}
+            _render_as(storage_with_manifest(tmp_path, 32, "98,2,0", 1234), overrides)
+        elif kind == "source":
+            (tmp_path / "sources.yaml").write_text(yaml.safe_dump({"sources": {name: {"builtin": "stdlib_code"}}}))
+            load_sources(tmp_path / "sources.yaml")
+        elif kind == "chunk":
+            storage.raw_dir(name)
+        else:
+            storage.run_dir(name)
+    message = getattr(raised.value, "description", None) or str(raised.value)
+    assert __import__("re").search(fragment, message), message
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def _render_as(storage, fields):
+    from assets.training import TrainingRunConfig, render_training_config
+    from training.data.manifest import load_manifest
+
+    config = TrainingRunConfig(config_path=MICRO_CONFIG, **{"run_name": "r", **fields})
+    render_training_config(config, storage, "CPU", load_manifest(storage.manifest_path(), storage.root))

@@ -1147,5 +1147,27 @@ def dump_config(config: TrainConfig) -> str:
     return yaml.safe_dump(config.to_dict(), sort_keys=False)
 
 
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def check_plain_name(name: Any, what: str) -> str:
+    """``name`` if it is one plain path component (letters, digits, '_', '.', '-', not starting with '.'), the
+    name of a directory inside its root (a run under the runs root, a source under the data root's raw/ and
+    shards/); else ValueError naming ``what`` and why: '/' would nest it, '..' would leave the root, a leading
+    '.' would hide it or make it the root itself."""
+    if isinstance(name, str) and _PLAIN_NAME.fullmatch(name):
+        return name
+    if not isinstance(name, str) or not name:
+        why = "a name must be a non-empty string"
+    elif "/" in name or "\\" in name:
+        why = "'/' would make it a path of several directories; a name is one"
+    elif name.startswith("."):
+        why = ("'..' is the directory above, outside its root" if name.startswith("..") else
+               "a name starting with '.' is the root itself or a hidden directory")
+    else:
+        why = "use letters, digits, '_', '.' and '-' only"
+    raise ValueError(f"{what} {shown(name)}: {why}")
+
+
 def config_sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
