@@ -44,7 +44,7 @@ def inside(directory: Path, name: str) -> Path:
 
 
 def read_hashed(path: Path, expected: dict | None, recorded_in: str) -> tuple[bytearray, str]:
-    """The bytes of ``path`` and their sha256, hashed as they are read; ``expected`` ({"bytes", "sha256"}, as
+    """The bytes of ``path`` and their sha256, hashed as they are read; ``expected`` ({"sha256"} and maybe "bytes", as
     ``recorded_in`` holds them) refuses any other bytes. The file is opened without following a symlink."""
     try:
         fd = os.open(path.resolve(), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -52,7 +52,7 @@ def read_hashed(path: Path, expected: dict | None, recorded_in: str) -> tuple[by
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
     with os.fdopen(fd, "rb", buffering=0) as stream:
         size = os.fstat(stream.fileno()).st_size
-        if expected is not None and size != expected["bytes"]:
+        if expected is not None and expected.get("bytes", size) != size:
             raise CheckpointError(f"{path}: {size} bytes, {recorded_in} recorded {expected['bytes']} when it was "
                                   f"written (truncated or replaced); refusing to load it (restore it from a copy, "
                                   f"or load another checkpoint)")

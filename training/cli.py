@@ -252,12 +252,18 @@ def _export_hf(args) -> int:
     from training.hf import export_hf
 
     try:
-        hf_config = export_hf(Path(args.checkpoint), Path(args.out_dir), _model_section(args.config),
-                              max_shard_bytes=args.max_shard_bytes, allow_unverified=args.allow_unverified)
+        hf_config, no_tokenizer = export_hf(
+            Path(args.checkpoint), Path(args.out_dir), _model_section(args.config),
+            max_shard_bytes=args.max_shard_bytes, allow_unverified=args.allow_unverified,
+            tokenizer_model=args.tokenizer_model and Path(args.tokenizer_model),
+            data_root=args.data_root and Path(args.data_root))
     except (ValueError, OSError, RuntimeError) as exc:  # HFConversionError, CheckpointError name the tensor/file
         return user_error("kiln export-hf", exc, args.debug)
     files = sorted(p.name for p in Path(args.out_dir).iterdir() if p.name != "config.json")
     print(f"wrote {args.out_dir}: config.json ({hf_config['architectures'][0]}) + {', '.join(files)}")
+    if no_tokenizer:
+        print(f"kiln export-hf: WARNING: no tokenizer written ({no_tokenizer}); AutoTokenizer cannot read text "
+              f"from this export", file=sys.stderr)
     return 0
 
 
@@ -412,7 +418,8 @@ def main(argv=None) -> int:
     mindrecord.set_defaults(handler=_mindrecord)
 
     export = commands.add_parser(
-        "export-hf", help="write a Hugging Face model directory (config.json + model.safetensors) from a checkpoint",
+        "export-hf", help="write a Hugging Face model directory (config.json, model.safetensors and the tokenizer: "
+                          "tokenizer.json for AutoTokenizer, tokenizer.model) from a checkpoint",
         description="Qwen3 -> Qwen3ForCausalLM, DeepSeek-V3 -> DeepseekV3ForCausalLM (MTP depths as "
                     "model.layers.{num_hidden_layers + k}.*). Exit 2 on bad input, naming the tensor and file.")
     export.add_argument("checkpoint", help="an iteration_XXXXXXXX directory or a save root (its tracked step)")
@@ -421,6 +428,9 @@ def main(argv=None) -> int:
                         help="training YAML whose model: section to use (default: the checkpoint's lineage)")
     export.add_argument("--max-shard-bytes", type=int, default=5 * 10**9,
                         help="split the weights into indexed files of at most this size (default 5 GB, as HF)")
+    export.add_argument("--tokenizer-model", metavar="FILE",
+                        help="the sentencepiece model to export (default: the one the checkpoint's lineage names)")
+    export.add_argument("--data-root", help="where the data root is now (default: as the lineage recorded)")
     export.add_argument("--allow-unverified", action="store_true",
                         help="export a checkpoint without lineage.json (e.g. MindFormers'), whose files cannot be "
                              "verified; kiln_export.json in the export says so")

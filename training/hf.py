@@ -636,18 +636,49 @@ def write_hf_dir(out_dir: Path, hf_state: dict[str, np.ndarray], hf_config: dict
 
 
 def export_hf(checkpoint_dir: Path, out_dir: Path, model_section: dict | None = None,
-              max_shard_bytes: int = 5 * 10**9, allow_unverified: bool = False) -> dict:
+              max_shard_bytes: int = 5 * 10**9, allow_unverified: bool = False, tokenizer_model: Path | None = None,
+              data_root: Path | None = None) -> tuple[dict, str | None]:
     """A Kiln step checkpoint (iteration dir or save root) → an HF model directory, its files verified as they
-    are read (``allow_unverified``: one without lineage.json). Returns config.json."""
+    are read (``allow_unverified``: one without lineage.json), with the tokenizer it trained with (its lineage's,
+    verified, under ``data_root`` when the data moved; or ``tokenizer_model``). Returns config.json and, when no
+    tokenizer was written, why."""
     from training.checkpoint import load_checkpoint, resolve_load_path
+    from training.hf_tokenizer import TokenizerExportError, hf_tokenizer_files
 
     path = resolve_load_path(checkpoint_dir)
     section = model_section or checkpoint_model_section(path)
     hf_config = kiln_to_hf_config(section)
+    tokenizer, model_bytes = _exported_tokenizer(path, tokenizer_model, data_root)
+    try:
+        tokenizer_files = hf_tokenizer_files(model_bytes, tokenizer["path"]) if model_bytes else {}
+    except TokenizerExportError as exc:
+        raise HFConversionError(str(exc)) from None
     loaded = load_checkpoint(path, load_optim=False, allow_unverified=allow_unverified)
     write_hf_dir(out_dir, kiln_to_hf_state(loaded.model, section, where=str(path)), hf_config, max_shard_bytes,
-                 source=loaded.origin)
-    return hf_config
+                 source={**loaded.origin, "tokenizer": tokenizer}, extra_files=tokenizer_files)
+    return hf_config, tokenizer.get("missing")
+
+
+def _exported_tokenizer(checkpoint_dir: Path, tokenizer_model: Path | None, data_root: Path | None
+                        ) -> tuple[dict, bytes | None]:
+    """The sentencepiece model to export with the weights (read once, verified against the sha256 the checkpoint's
+    lineage recorded when it comes from there) and its record, or a record saying why there is none."""
+    from training.lineage import read_lineage
+
+    if tokenizer_model is not None:
+        data, sha256 = read_hashed(Path(tokenizer_model), None, "")
+        return {"path": str(Path(tokenizer_model).resolve()), "sha256": sha256, "given": True}, bytes(data)
+    lineage = read_lineage(checkpoint_dir)[0] if (checkpoint_dir / "lineage.json").is_file() else {}
+    record = lineage.get("tokenizer")
+    if not record:
+        return {"missing": "the checkpoint's lineage names no tokenizer (trained without --lineage): pass "
+                           "--tokenizer-model FILE, the sentencepiece model its data was tokenized with"}, None
+    file = Path(data_root or lineage.get("data_root") or ".") / record["path"]
+    if not file.is_file():
+        raise HFConversionError(f"{file}: the tokenizer {checkpoint_dir} trained with is not there (the data root "
+                                f"moved? pass --data-root DIR, or --tokenizer-model FILE)")
+    data, _ = read_hashed(file, {"sha256": record["sha256"]}, f"{checkpoint_dir}'s lineage")
+    return {"path": record["path"], "sha256": record["sha256"]}, bytes(data)
 
 
 def import_hf(hf_dir: Path, save_path: Path, model_section: dict | None = None) -> tuple[Path, dict]:
