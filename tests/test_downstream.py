@@ -45,7 +45,8 @@ def trained(tmp_path_factory):
                "shards": [{"source": "code", "path": f"shards/code.{ext}", "sha256": sha256_file(f"{shard}.{ext}")}
                           for ext in ("bin", "idx")]}
     trainer = make_trainer(root, shard, RUN, "training.steps=2", "checkpoint.save_interleaved_steps=2",
-                           "train_dataset.dataloader.config.split='90,10,0'", lineage=lineage)
+                           "train_dataset.dataloader.config.split='90,10,0'",
+                           f"monitor.tensorboard.output_dir={root / 'tensorboard'}", lineage=lineage)
     trainer.train()
     trainer.model.set_train(False)
     return root, trainer, processor
@@ -148,6 +149,15 @@ def test_kiln_eval_with_tasks_writes_scores_and_held_out_bits_per_byte(trained, 
     assert record["bpb"] == pytest.approx(code["bpb"]) and "bits per byte: all sources" in out
     assert kiln(["audit", str(checkpoint)]) == 0
     assert "ok        evaluation  eval.json" in capsys.readouterr().out
+    # TensorBoard: the scores at the checkpoint's step, in the run's monitor.tensorboard.output_dir
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    events = EventMultiplexer(size_guidance={"scalars": 0}).AddRunsFromDirectory(str(root / "tensorboard"))
+    events.Reload()
+    scalars = {(tag, e.step): e.value for run in events.Runs() for tag in events.Runs()[run]["scalars"]
+               for e in events.Scalars(run, tag)}
+    assert scalars[("eval/tasks/piqa/len_norm", 2)] == pytest.approx(record["tasks"]["piqa"]["len_norm"])
+    assert scalars[("eval/bpb/code", 2)] == pytest.approx(code["bpb"], rel=1e-6)  # stored as float32
 
 
 def test_an_evaluation_stopped_half_way_writes_no_sidecar_and_resumes_at_the_next_task(trained, monkeypatch, capsys):
@@ -195,7 +205,7 @@ def test_validation_during_training_records_bits_per_byte_beside_the_loss(traine
                "tokenizer": {"path": "tokenizer/kiln.model", "sha256": sha256_file(root / "data/tokenizer/kiln.model")}}
     shard = root / "data/shards/code"
     trainer = make_trainer(tmp_path, shard, "validated", "training.steps=2", "checkpoint.enable_save=false",
-                           "training.eval_interval=2", "training.eval_iters=2",
+                           "kiln.training.eval_interval=2", "kiln.training.eval_iters=2",
                            "train_dataset.dataloader.config.split='90,10,0'", lineage=lineage)
     trainer.train()
     (record,) = [r for r in read_records(tmp_path / "validated/metrics.jsonl") if "val_loss" in r]

@@ -280,11 +280,12 @@ def tensorboard_scalars(record: dict) -> dict[str, float]:
 def log_to_tensorboard(record: dict) -> Path | None:
     """The evaluation's scalars at its checkpoint's step, into the run's TensorBoard directory (its config's
     monitor.tensorboard.output_dir) beside the training curves; None when the run writes no TensorBoard."""
+    from training.config import TrainConfig
     from training.monitor import _summary_writer_class
 
     checkpoint_dir = Path(record["checkpoint"]["path"])
-    run_config = json.loads((checkpoint_dir / "lineage.json").read_text()).get("run", {}).get("config", {})
-    output_dir = (run_config.get("monitor") or {}).get("tensorboard", {}).get("output_dir")
+    run = json.loads((checkpoint_dir / "lineage.json").read_text())["run"]
+    output_dir = TrainConfig.from_dict(run["config"]).monitor.tensorboard.output_dir
     if not output_dir:
         return None
     writer = _summary_writer_class()(logdir=output_dir)
