@@ -40,3 +40,23 @@ def test_a_reader_never_finds_the_target_missing_while_it_is_replaced(tmp_path):
     done.set()
     reader.join()
     assert (target / "file").read_text() == "299" and missing == []
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_written_files_take_the_mode_the_umask_gives(tmp_path, umask, mode):
+    """A checkpoint, shard or export written through a temporary file is as readable as a file open() creates:
+    group-readable under umask 022 (shared storage), private under 077."""
+    import os
+
+    from training.atomic import write_text_atomic
+    from training.data.indexed import IndexedDatasetWriter
+
+    previous = os.umask(umask)
+    try:
+        write_text_atomic(tmp_path / "out.json", "{}")
+        with IndexedDatasetWriter(tmp_path / "shard", "uint16") as writer:
+            writer.add_document([1, 2, 3])
+    finally:
+        os.umask(previous)
+    for name in ("out.json", "shard.bin", "shard.idx"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == mode, name

@@ -173,3 +173,16 @@ def test_under_msrun_rank_0s_one_line_heads_the_failure(world, tmp_path):
     headline = MsrunResource()._failure(1, log_dir)["description"].splitlines()[0]
     assert headline == ("msrun exited with code 1; worker_0.log: [kiln] not retriable: DatasetError: "
                         "train_dataset.dataloader.config.data_path[0]: weight 0.0 must be a positive number")
+
+
+def test_output_piped_into_head_ends_without_a_traceback(world):
+    """`kiln dataset inspect ... | head -1`: the reader stops after one line; kiln ends quietly."""
+    import subprocess
+    import sys
+
+    root, _ = world
+    config = next((root / "trained").glob("config-*.yaml"))
+    done = subprocess.run(f"{sys.executable} -m training.cli dataset inspect --config {config} --set training.steps=1000 --num 2000 | head -1",
+                          shell=True, cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.stdout.startswith("sample 0 (step 0)") and len(done.stdout.splitlines()) == 1
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr

@@ -538,3 +538,22 @@ def test_threaded_dispatch_trains_to_the_same_losses_as_synchronous_dispatch(tmp
     assert "synchronous dispatch" in synchronous.step_mode
     synchronous.train()
     assert losses(threaded) == losses(tmp_path / "synchronous")
+
+
+def test_the_logs_name_every_parallel_degree_and_blame_the_layout_it_has(tmp_path, shard, capsys):
+    """The start line gives tp, pp, cp and ep beside dp; a compiled step kept from its graph under tensor
+    parallelism says so with the layout, not "data parallel"."""
+    from types import SimpleNamespace
+
+    from training.parallel.mesh import ParallelDims
+    from training.trainer import whole_step_blockers
+
+    make_trainer(tmp_path, shard, "degrees", "training.steps=1").train()
+    assert "on 1 worker(s), dp=1, tp=1, pp=1, cp=1, ep=1, accumulation=2" in capsys.readouterr().out
+    config = load_config(PROJECT_ROOT / MICRO_CONFIG, ["train_dataset.dataloader.config.data_path=[1.0, '/d']",
+                                                        "train_dataset.dataloader.config.eod=2",
+                                                        "checkpoint.save_path=/tmp/unused"])
+    fp32 = SimpleNamespace(names=["w"], params=[SimpleNamespace(dtype=ms.float32)])
+    reasons = whole_step_blockers(config, ParallelDims(world=2, tp=2), SimpleNamespace(local_norm=False,
+                                                                                     device_norm=False), fp32)
+    assert reasons and reasons[0].startswith("2 workers (dp=1, tp=2, pp=1, cp=1, ep=1): fast_step.compile_reduction")

@@ -13,11 +13,33 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 
+def _umask() -> int:
+    """The process's umask: Linux tells it in /proc/self/status; elsewhere it is read by setting it and back."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_mode(directory: bool = False) -> int:
+    """The mode open() or mkdir() gives a new file or directory: 0o666 / 0o777 less the umask. tempfile's mkstemp
+    and mkdtemp create theirs 0o600 / 0o700, which renamed into place would keep every output from the group
+    (shared storage on a cluster) whatever the umask says."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
-    """``write(stream)`` into a temporary file next to ``path``, then rename it to ``path``."""
+    """``write(stream)`` into a temporary file next to ``path``, then rename it to ``path`` (mode as the umask
+    gives a new file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.fchmod(fd, default_mode())
     try:
         with os.fdopen(fd, "wb") as stream:
             write(stream)

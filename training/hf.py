@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from training.atomic import write_atomic, write_json_atomic
+from training.atomic import default_mode, write_atomic, write_json_atomic
 from training.checkpoint_files import inside, read_hashed, recorded_files
 from training.data.hashing import sha256_file
 from training.safetensors_io import SafetensorsFile, SafetensorsFileError
@@ -612,6 +612,7 @@ def write_hf_dir(out_dir: Path, hf_state: dict[str, np.ndarray], hf_config: dict
         raise HFConversionError(f"{out_dir}: exists and is not empty")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging.chmod(default_mode(directory=True))
     try:
         files = shard_names({name: a.nbytes for name, a in hf_state.items()}, max_shard_bytes)
         for file_name, names in files.items():

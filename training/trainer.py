@@ -97,6 +97,11 @@ class ScaledLoss(nn.Cell):
         return (loss * self.scale, loss) + parts
 
 
+def degrees(dims: ParallelDims) -> str:
+    """The layout as the logs name it: every parallelism's degree, data parallel's first."""
+    return f"dp={dims.dp}, tp={dims.tp}, pp={dims.pp}, cp={dims.cp}, ep={dims.ep}"
+
+
 def whole_step_blockers(config: TrainConfig, dims: ParallelDims, monitor: TrainStateMonitor,
                         optimizer: AdamW) -> list[str]:
     """Why the clip and the AdamW update of a compiled step stay outside its graphs (run eagerly after them);
@@ -104,8 +109,9 @@ def whole_step_blockers(config: TrainConfig, dims: ParallelDims, monitor: TrainS
     too when ``fast_step.compile_reduction`` asks for it)."""
     reasons = []
     if dims.world > 1 and not config.fast_step.compile_reduction:
-        reasons.append("data parallel: fast_step.compile_reduction is false (the gradient reduction, clip and update "
-                       "in the graph measured slower on CPU: benchmarks/context_parallel.py)")
+        reasons.append(f"{dims.world} workers ({degrees(dims)}): fast_step.compile_reduction is false (the gradient "
+                       f"reduction across them, clip and update in the graph measured slower on CPU: "
+                       f"benchmarks/context_parallel.py)")
     if monitor.local_norm or monitor.device_norm:
         reasons.append("monitor.train_state.local_norm/device_norm read gradients on the host")
     low_precision = [name for name, param in zip(optimizer.names, optimizer.params) if param.dtype != ms.float32]
@@ -618,7 +624,7 @@ class Trainer:
             write_text_atomic(self.resolved_config_path, self.resolved_yaml)
         start_step = self.step
         self.reporter.info(f"[kiln] training {cfg.model['model_type']} ({self.num_parameters:,} parameters) on "
-                           f"{self.world.size} worker(s), dp={self.dp}, accumulation={self.accumulation}, "
+                           f"{self.world.size} worker(s), {degrees(self.mesh.dims)}, accumulation={self.accumulation}, "
                            f"steps {start_step}->{cfg.training.steps}")
         self.reporter.info(f"[kiln] training step: {self.step_mode}")
         if cfg.profiler.enable_profiling:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import orjson
 
+from training.atomic import default_mode
 from training.data.hashing import sha256_file
 
 ON_BAD_LINE = ("error", "skip")
@@ -433,6 +434,7 @@ class BadRecords:
                 self.quarantine_path.parent.mkdir(parents=True, exist_ok=True)
                 fd, name = tempfile.mkstemp(dir=self.quarantine_path.parent, prefix=self.quarantine_path.name + ".",
                                             suffix=".tmp")
+                os.fchmod(fd, default_mode())
                 self._temp, self._stream = Path(name), os.fdopen(fd, "w", encoding="utf-8")
             entry = {"file": rejection.path, **rejection.place, "reason": rejection.reason,
                      "detail": rejection.detail, "raw": rejection.raw}

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from training.atomic import default_mode
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = len(MAGIC) + 8 + 1 + 8 + 8  # = 34
@@ -79,6 +81,7 @@ def _code_for(dtype: np.dtype) -> int:
 
 def _temp_path_next_to(path: Path) -> Path:
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    os.fchmod(fd, default_mode())
     os.close(fd)
     return Path(name)
 
