@@ -379,6 +379,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     sharding = f"FSDP {parallelism.data_parallel_shard_strategy}" if dims.dp_shard > 1 else "parameters replicated"
     mesh = f"{dims.describe()}; {sharding}" + (", sequence parallel" if dims.tp > 1 else "")
     context.log.info(f"mesh: {mesh}")
+    for warning in train_config.warnings():
+        context.log.warning(warning)
     if train_config.checkpoint.load_path:
         what = ("starting from the weights of" if train_config.checkpoint.no_load_optim
                 else "resuming from the newest complete checkpoint in")

@@ -71,6 +71,60 @@ CASES = {
                                      r"train_dataset\.dataloader\.config\.seq_length = 1,000,000,000 is more than"),
 }
 
+# the silent cases of issue 36: an error where the config contradicts itself (with the message), a warning
+# where it is allowed but likely not meant (TrainConfig.warnings, logged by training.run and training_run)
+SILENT = {
+    "lr_end above the learning rate": (["lr_scheduler.lr_end=0.01"], r"lr_scheduler\.lr_end \(0\.01\) is above "
+                                       r"lr_scheduler\.learning_rate \(0\.003\): the decay would raise"),
+    "warm-up from above the learning rate": (["lr_scheduler.warmup_lr_init=0.01"],
+                                             r"warmup_lr_init \(0\.01\) is above .*the warm-up would lower"),
+    "runner_config": (["runner_config={epochs: 2}"], r"^runner_config: unknown top-level section: a section of MindFormers' graph-mode YAML, "
+                                                    r"which its PyNative trainer \(and Kiln\) does not read; its "
+                                                    r"settings go in training \(steps"),
+    "a typo far from any key": (["training.runner=3"], r"training\.runner: unknown key; valid keys: "),
+}
+WARNED = {
+    "warm-up longer than the run": (["lr_scheduler.warmup_steps=10"], "lr_scheduler.warmup_steps (10) is more than "
+                                    "training.steps (6): the run ends in warm-up"),
+    "sequence parallel without tensor parallel": (["parallelism.sequence_parallel=true"],
+                                                  "parallelism.sequence_parallel: true has no effect"),
+}
+
+
+@pytest.mark.parametrize("case", SILENT, ids=list(SILENT))
+def test_a_config_that_contradicts_itself_is_an_error(case):
+    sets, fragment = SILENT[case]
+    with pytest.raises(ConfigError) as raised:
+        load_config(PROJECT_ROOT / MICRO_CONFIG, [*WIRED, *sets])
+    assert any(__import__("re").search(fragment, p) for p in raised.value.problems), raised.value.problems
+
+
+@pytest.mark.parametrize("case", WARNED, ids=list(WARNED))
+def test_a_config_allowed_but_likely_not_meant_is_warned_about(case):
+    sets, warning = WARNED[case]
+    assert load_config(PROJECT_ROOT / MICRO_CONFIG, WIRED).warnings() == []
+    assert [w for w in load_config(PROJECT_ROOT / MICRO_CONFIG, [*WIRED, *sets]).warnings()
+            if w.startswith(warning)]
+
+
+def test_mock_data_on_a_shipped_config_says_to_set_data_path_null(capsys):
+    from training.run import main as run
+
+    assert run(["--config", "configs/qwen3_tiny.yaml", "--set", "train_dataset.dataloader.config.mock=true"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("config error: configs/qwen3_tiny.yaml: train_dataset.dataloader.config.mock: true on a config "
+                   "that leaves its data to training_run (data_path: []): also set "
+                   "train_dataset.dataloader.config.data_path: null (mock data and a blend exclude each other), "
+                   "train_dataset.dataloader.config.seq_length, train_dataset.dataloader.config.eod and "
+                   "checkpoint.save_path (or checkpoint.enable_save: false)\n")
+    # as it says, and it loads
+    assert run(["--config", "configs/qwen3_tiny.yaml", "--set", "train_dataset.dataloader.config.mock=true",
+                "--set", "train_dataset.dataloader.config.data_path=null", "--set", "checkpoint.enable_save=false",
+                "--set", "train_dataset.dataloader.config.seq_length=64", "--set", "train_dataset.dataloader.config.eod=2",
+                "--set", "training.steps=0"]) == 2
+    assert capsys.readouterr().err == "config error: configs/qwen3_tiny.yaml: training.steps must be > 0, got 0\n"
+
+
 TP2 = ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"]
 PP2 = ["parallelism.pipeline_parallel=2"]
 INTERLEAVED = [*PP2, "parallelism.pipeline_parallel_interleave_num=2",

@@ -43,7 +43,8 @@ def test_the_base_config_is_valid():
     ("train_dataset.dataloader.config.data_path=null", r"train_dataset\.dataloader\.config: no data: set data_path"),
     ("train_dataset.dataloader.config.train_data_path=[/data/t]",
      r"train_dataset\.dataloader\.config: data_path and train_data_path exclude each other"),
-    ("train_dataset.dataloader.config.mock=true", r"data_path and mock exclude each other"),
+    ("train_dataset.dataloader.config.mock=true", r"mock: true trains on Megatron's mock documents, and data_path "
+                                                  r"names a blend: set train_dataset\.dataloader\.config\.data_path: null"),
     ("train_dataset.dataloader.type=HFDataLoader", r"train_dataset\.dataloader\.type = 'HFDataLoader' is not supported"),
     # cross-field
     ("profiler.start_step=5", r"profiler: need 0 < start_step <= end_step, got 5 and 1"),

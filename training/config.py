@@ -123,10 +123,26 @@ def _coerce(value: Any, annotation: Any, path: str) -> Any:
     raise TypeError(f"{path}: unsupported annotation {annotation!r}")  # a bug in this module, not in YAML
 
 
+# Top-level sections of MindFormers' graph-mode YAML (run_mindformer.py), which its PyNative trainer and Kiln
+# do not read, and where their settings go in the PyNative layout
+GRAPH_MODE_SECTIONS = {
+    "runner_config": "training (steps, local_batch_size, global_batch_size) and checkpoint",
+    "parallel_config": "parallelism (tensor_parallel, pipeline_parallel, ...)",
+    "use_parallel": "parallelism (the degrees; msrun's worker count decides the rest)",
+    "runner_wrapper": "training (max_norm) and optimizer",
+}
+# How close a misspelling must be to a key to be suggested (difflib's ratio; its default 0.6 offered
+# lora_config for runner_config, 0.67)
+_SUGGEST_CUTOFF = 0.75
+
+
 def unknown_key_error(key: str, valid: typing.Iterable[str], path: str) -> ConfigError:
     valid = sorted(valid)
-    near = difflib.get_close_matches(key, valid, n=1)
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=_SUGGEST_CUTOFF)
     hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(valid)}"
+    if not path and key in GRAPH_MODE_SECTIONS:
+        hint = (f": a section of MindFormers' graph-mode YAML, which its PyNative trainer (and Kiln) does not read; "
+                f"its settings go in {GRAPH_MODE_SECTIONS[key]}")
     return ConfigError(unknown=[f"{path}.{key}: unknown key{hint}" if path else
                                 f"{key}: unknown top-level section{hint}"])
 
@@ -442,6 +458,13 @@ class LrSchedulerConfig(Section):
                  f"{path}: set warmup_steps or warmup_ratio, not both")
         require(self.warmup_ratio is None or 0 <= self.warmup_ratio <= 1, f"{path}.warmup_ratio must be in [0, 1]")
         require(self.warmup_steps is None or self.warmup_steps >= 0, f"{path}.warmup_steps must be >= 0")
+        # errors, not warnings: a schedule that rises where it should fall (or the reverse) is no choice of rate
+        if self.lr_end is not None and self.lr_end > self.learning_rate:
+            raise ConfigError(f"{path}.lr_end ({self.lr_end:g}) is above {path}.learning_rate ({self.learning_rate:g}): "
+                              f"the decay would raise the learning rate; set lr_end below it (or leave it unset)")
+        if self.warmup_lr_init > self.learning_rate:
+            raise ConfigError(f"{path}.warmup_lr_init ({self.warmup_lr_init:g}) is above {path}.learning_rate "
+                              f"({self.learning_rate:g}): the warm-up would lower the learning rate")
         if self.type == "WarmUpStableDecayLR":
             require((self.decay_start_steps is None) != (self.decay_start_ratio is None),
                     f"{path}: WarmUpStableDecayLR needs decay_start_steps or decay_start_ratio (exactly one)")
@@ -496,6 +519,10 @@ class GPTDatasetConfig(Section):
         chosen = (["data_path"] if self.data_path is not None else []) + per_split + (["mock"] if self.mock else [])
         require(chosen, f"{path}: no data: set data_path, train_data_path (with valid_/test_data_path), "
                         f"or mock: true for Megatron's mock data")
+        require(not (self.mock and self.data_path is not None),
+                f"{path}: mock: true trains on Megatron's mock documents, and data_path names a blend: set "
+                f"{path}.data_path: null to train on mock data (a shipped config's data_path: [] too, which "
+                f"training_run fills), or drop mock")
         require(len(chosen) == 1 or not (self.data_path is not None or self.mock),
                 f"{path}: {' and '.join(chosen)} exclude each other: data_path with split, a blend per split, "
                 f"or mock")
@@ -900,6 +927,23 @@ class TrainConfig(Section):
                     f"{_DATA_CONFIG}.mock: the mock documents hold token ids up to {largest}, so model.vocab_size "
                     f"must be at least {largest + 1}, got {vocab}")
 
+    def warnings(self) -> list[str]:
+        """What this config asks for that is allowed but likely not meant (training.run's log and training_run's
+        say each): they are warnings, not errors, as a shortened run of a shipped config (training.steps=20 for
+        a try) is a sound thing to ask for."""
+        found = []
+        steps, schedule = self.training.steps, self.lr_scheduler
+        if schedule.warmup_steps is not None and schedule.warmup_steps > steps:
+            found.append(f"lr_scheduler.warmup_steps ({schedule.warmup_steps}) is more than training.steps ({steps}): "
+                         f"the run ends in warm-up, and the learning rate never reaches lr_scheduler.learning_rate")
+        if schedule.decay_start_steps is not None and schedule.decay_start_steps >= steps:
+            found.append(f"lr_scheduler.decay_start_steps ({schedule.decay_start_steps}) is not before "
+                         f"training.steps ({steps}): the learning rate never decays")
+        if self.parallelism.sequence_parallel and self.parallelism.tensor_parallel == 1:
+            found.append("parallelism.sequence_parallel: true has no effect at tensor_parallel 1 (it splits "
+                         "activations across the tensor-parallel group), as in MindFormers")
+        return found
+
     @property
     def data_seed(self) -> int:
         """The seed of the training samples' order: GPTDataset's for Megatron sources, kiln.mindrecord's for
@@ -1098,16 +1142,12 @@ def parse_config(data: dict, where: str, model_check: Optional[typing.Callable[[
             errors.append(exc if "seq_length" in model else
                           ConfigError(*(p for p in exc.problems if not p.startswith("model.seq_length")),
                                       unknown=exc.unknown))
-    if _left_to_training_run(data):
-        # the shipped configs leave data, eod and save path to training_run: one sentence for all three
+    wired = _left_to_training_run(data)
+    if wired:
+        # the shipped configs leave data, eod and save path to training_run: one sentence for them all
         errors = [ConfigError(*(p for p in e.problems if not p.startswith(_WIRED_BY_TRAINING_RUN)),
                               unknown=e.unknown) for e in errors]
-        errors.append(ConfigError(
-            f"{_DATA_CONFIG}.data_path is empty: this config leaves its data and checkpoint paths to the "
-            f"training_run asset, which fills them from the blend manifest; train with the copy it renders, "
-            f"runs/<run_name>/config.yaml (after `make demo`: python -m training.run --config "
-            f"runs/qwen3_tiny/config.yaml --set checkpoint.load_path=runs/qwen3_tiny/checkpoints), or set "
-            f"data_path, seq_length, eod and checkpoint.save_path"))
+        errors.append(ConfigError(_MOCK_ON_WIRED if wired == "mock" else _WIRED_HINT))
     if errors:
         raise ConfigError.merged(errors).located(where)
     return config
@@ -1121,7 +1161,16 @@ def load_config(path: str | Path, overrides: typing.Iterable[str] = (),
 
 # what a shipped config's empty data_path leaves for training_run to set (the problems its one sentence covers)
 _WIRED_BY_TRAINING_RUN = (f"{_DATA_CONFIG}.data_path", f"{_DATA_CONFIG}.seq_length", f"{_DATA_CONFIG}.eod",
-                          "checkpoint.save_path")
+                          "checkpoint.save_path", f"{_DATA_CONFIG}: mock: true")
+_WIRED_HINT = (f"{_DATA_CONFIG}.data_path is empty: this config leaves its data and checkpoint paths to the "
+               f"training_run asset, which fills them from the blend manifest; train with the copy it renders, "
+               f"runs/<run_name>/config.yaml (after `make demo`: python -m training.run --config "
+               f"runs/qwen3_tiny/config.yaml --set checkpoint.load_path=runs/qwen3_tiny/checkpoints), or set "
+               f"data_path, seq_length, eod and checkpoint.save_path")
+_MOCK_ON_WIRED = (f"{_DATA_CONFIG}.mock: true on a config that leaves its data to training_run (data_path: []): "
+                  f"also set {_DATA_CONFIG}.data_path: null (mock data and a blend exclude each other), "
+                  f"{_DATA_CONFIG}.seq_length, {_DATA_CONFIG}.eod and checkpoint.save_path (or "
+                  f"checkpoint.enable_save: false)")
 
 
 def _model_with_data_seq_length(data: dict) -> dict:
@@ -1135,12 +1184,15 @@ def _model_with_data_seq_length(data: dict) -> dict:
     return model
 
 
-def _left_to_training_run(data: dict) -> bool:
-    """The shipped configs' ``data_path: []``: wired by training_run."""
+def _left_to_training_run(data: dict) -> str:
+    """The shipped configs' ``data_path: []``, wired by training_run: "wired", "mock" when mock: true is asked of
+    such a config, else ""."""
     node = data
     for key in _DATA_CONFIG.split("."):
         node = node.get(key) if isinstance(node, dict) else None
-    return isinstance(node, dict) and node.get("data_path") == []
+    if not (isinstance(node, dict) and node.get("data_path") == []):
+        return ""
+    return "mock" if node.get("mock") is True else "wired"
 
 
 def dump_config(config: TrainConfig) -> str:

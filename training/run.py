@@ -118,9 +118,8 @@ def train(args: argparse.Namespace) -> int:
              if tensorboard.output_dir and world.is_main else [])
     reporter = Reporter(output_dir / "metrics.jsonl", enabled=world.is_main, log_interval=tensorboard.log_interval,
                         sinks=sinks)
-    if config.parallelism.sequence_parallel and config.parallelism.tensor_parallel == 1:
-        reporter.info("[kiln] parallelism.sequence_parallel: true has no effect at tensor_parallel 1 (it splits "
-                      "activations across the tensor-parallel group), as in MindFormers")
+    for warning in config.warnings():
+        reporter.info(f"[kiln] warning: {warning}")
     try:
         trainer = Trainer(config, world, output_dir, reporter, lineage_inputs=load_lineage_inputs(args.lineage),
                           command=sys.argv, load_unverified=args.load_unverified)
