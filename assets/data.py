@@ -84,6 +84,11 @@ def _ingest_chunk(storage: KilnStorage, key: str) -> dg.MaterializeResult:
         rows = [{"path": str((target / p.name).relative_to(storage.root)),
                  **scan_corpus(p, spec.json_keys, spec.on_bad_line), "mtime_ns": p.stat().st_mtime_ns}
                 for p in _part_files(staging)]
+        if not sum(r["docs"] for r in rows):  # an error now, not an empty shard that fails training later
+            files = ", ".join(spec.files) or spec.builtin or "no files"
+            raise dg.Failure(f"source {spec.name}{f' chunk {key}' if key != spec.name else ''}: {files} hold no "
+                             f"document ({sum(r['empty_docs'] for r in rows)} empty, {sum(r['skipped'] for r in rows)} "
+                             f"skipped): give it text, or take it out of the sources config", allow_retries=False)
         write_json_atomic(staging / f"{key_stem(key)}{SIDECAR}", {"source": spec.name, "chunk": key, "files": rows})
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -100,3 +100,25 @@ def test_token_shards_records_every_shard_and_the_skipped_records(tmp_path, monk
     raw_file.write_bytes(edited)  # the same size, a later modification time
     assert raw_file_hashes(storage, "stdlib_code", [raw_file]) == {raw_file.name: sha256_file(raw_file)}
     assert sha256_file(raw_file) != raw_files[0]["sha256"]
+
+
+def test_a_source_whose_only_file_is_empty_fails_raw_corpus_naming_it(tmp_path):
+    """Not a raw_corpus of 0 documents that tokenizes into an empty shard training refuses later."""
+    empty = tmp_path / "user" / "empty.jsonl"
+    empty.parent.mkdir()
+    empty.write_text("")
+    sources = tmp_path / "sources.yaml"
+    sources.write_text("sources:\n"
+                       f"  stdlib_code: {{files: ['{empty}'], weight: 0.5}}\n"
+                       "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 60000, weight: 0.5}\n")
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                          sources_config=str(sources))
+    with dg.instance_for_test() as instance:
+        register_source_chunks(instance, storage)
+        result = dg.materialize(DATA_ASSETS, selection=["raw_corpus"], partition_key="stdlib_code", instance=instance,
+                                resources={"storage": storage, "tokenizer_settings": TokenizerSettings()},
+                                raise_on_error=False)
+    assert not result.success
+    failure = result.get_step_failure_events()[0].step_failure_data.error
+    assert f"source stdlib_code: {empty} hold no document (0 empty, 0 skipped)" in failure.message
+    assert not (tmp_path / "data" / "raw" / "stdlib_code").exists()
