@@ -1,4 +1,4 @@
-"""Step checkpoints in MindFormers' layout (DESIGN.md 4.5), written atomically.
+"""Step checkpoints in MindFormers' layout (docs/architecture.md, Step checkpoint), written atomically.
 
 Order of writes for step N, so a crash at any point leaves every complete checkpoint as it was: every
 rank writes its safetensors files into the staging directory ``.iteration_N.partial/``; a barrier; rank 0

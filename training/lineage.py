@@ -1,4 +1,4 @@
-"""Lineage sidecars and the audit that re-verifies them (DESIGN.md 6).
+"""Lineage sidecars and the audit that re-verifies them (docs/architecture.md, Lineage).
 
 Every checkpoint carries ``lineage.json``: the run (resolved config and its sha256) and its own files,
 and the upstream chain it trained on, the blend manifest, every shard, the tokenizer and every raw file,

@@ -1,4 +1,4 @@
-"""Blend manifest (DESIGN.md 4.3): which shards, with which weights, tokenized by which tokenizer.
+"""Blend manifest (docs/architecture.md, Blend manifest): which shards, with which weights, tokenized by which tokenizer.
 
 Paths inside a manifest are relative to the data root, so a data root can move (or sit on shared
 storage at another mount point); a path that escapes the root is rejected.

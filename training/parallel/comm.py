@@ -28,8 +28,8 @@ the trainer's world-group façade.
 On a group of one every function is the identity and nothing touches MindSpore's communication, so a
 process not started by msrun (a world of one) never initialises it.
 
-Backends, chosen in ``_backend()`` alone: on Ascend the native HCCL collectives. On CPU (MindSpore 2.10,
-measured in ../shared/reference/mindspore-cpu-collectives.md) only AllReduce, the list form of
+Backends, chosen in ``_backend()`` alone: on Ascend the native HCCL collectives. On CPU (MindSpore 2.10, as
+measured when this was written; tests/test_parallel_comm.py holds each collective to its result) only AllReduce, the list form of
 ``mint.distributed.all_gather`` and ``mint.distributed.broadcast`` (global source rank) work on sub-groups,
 so reduce-scatter is an all-reduce and a slice, and all-to-all an all-gather and a selection; send/recv are
 never used (on CPU ``recv`` can silently return its zero buffer). Tensors must be float32 (AllReduce on CPU

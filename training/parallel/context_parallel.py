@@ -1,4 +1,4 @@
-"""Context parallelism (reference mindformers-pynative.md §6.4): the ``cp`` ranks of a sample each hold a part
+"""Context parallelism (docs/parallelism.md): the ``cp`` ranks of a sample each hold a part
 of its sequence, and attention stays exactly causal across the parts.
 
 - Inputs: each cp rank takes its tokens of input_ids, labels, loss_mask and position_ids (made 0..seq-1 when

@@ -1,4 +1,4 @@
-"""Expert parallelism for DeepSeek-V3's MoE layers (reference mindformers-pynative.md §6.6), applied to a built
+"""Expert parallelism for DeepSeek-V3's MoE layers (docs/parallelism.md), applied to a built
 GPTModel after tensor parallelism and before FSDP.
 
 ``apply_expert_parallel(model, mesh, parallelism)`` works over ``mesh.group("ep")`` and, in place:

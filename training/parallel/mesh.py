@@ -1,7 +1,7 @@
 """The world as MindFormers factorises it, and the named process groups every strategy communicates over.
 
 ``ParallelDims`` is pure arithmetic (no MindSpore): the degrees of ``world = pp × dp_replicate × dp_shard ×
-cp × tp`` (reference mindformers-pynative.md §6.1), rank ↔ coordinates, and the ranks of every named group.
+cp × tp`` (docs/parallelism.md), rank ↔ coordinates, and the ranks of every named group.
 ``DeviceMesh`` is one rank's view of it under msrun: it creates each MindSpore communicator this rank
 belongs to once and hands out ``Group`` objects, which ``training.parallel.comm`` takes.
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (reference mindformers-pynative.md §6.5): the model's layers split into stages over the
+"""Pipeline parallelism (docs/parallelism.md): the model's layers split into stages over the
 mesh's ``pp`` axis, micro-batches (the step's gradient-accumulation steps) flowing through them.
 
 Placement. ``pp × interleave_num`` virtual stages; virtual stage ``v`` runs on pipeline rank ``v mod pp`` as

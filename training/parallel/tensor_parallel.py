@@ -1,5 +1,5 @@
 """Tensor parallelism (Megatron-style), with MindFormers' sequence parallelism, applied to a built GPTModel
-(reference mindformers-pynative.md §6.3). Parallelize after building: the full model is built from the seed
+(docs/parallelism.md). Parallelize after building: the full model is built from the seed
 in every process, so each rank's shards are exactly the single-process weights' slices.
 
 ``apply_tensor_parallel(model, mesh, sequence_parallel)`` works over ``mesh.group("tp")`` and, in place:
