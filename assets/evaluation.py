@@ -7,6 +7,7 @@ by ``kiln_automation``) and runs ``kiln eval`` in a process of its own, holding 
 sharing one with a training run. The numbers are metadata (plotted across checkpoints in the UI, one series
 per source) and a sidecar beside the checkpoint, ``eval.json``, which ``kiln audit`` verifies.
 """
+import base64
 import json
 import os
 import re
@@ -124,3 +125,40 @@ def checkpoint_eval(context: dg.AssetExecutionContext, config: CheckpointEvalCon
     record = json.loads(sidecar.read_text())
     return dg.MaterializeResult(metadata=eval_metadata(record, sidecar),
                                 data_version=dg.DataVersion(record["results_sha256"]))
+
+
+class RunComparisonConfig(dg.Config):
+    runs: list[str] = Field(default=[], description="run names under the runs root; [] for every run there")
+
+
+@versioned_asset(group_name="training", kinds={"python"}, owners=["team:kiln"], tags={"stage": "evaluate"})
+def run_comparison(context: dg.AssetExecutionContext, config: RunComparisonConfig,
+                   storage: KilnStorage) -> dg.MaterializeResult:
+    """Runs side by side, by tokens seen (training/compare.py, as `kiln compare`): a table of each run's latest
+    loss, validation loss / bits per byte and task scores, and a plot per metric, in the metadata (the
+    Dagster UI draws one run's curves at a time; this puts several in one view) and as an HTML page."""
+    from training.compare import compare_runs, svg_panel, metrics_of, table, write_html
+
+    root = Path(storage.runs_root)
+    names = config.runs or sorted(p.name for p in root.iterdir() if (p / "metrics.jsonl").is_file()) \
+        if root.is_dir() else config.runs
+    if not names:
+        raise dg.Failure(f"no run with a metrics.jsonl under {root}", allow_retries=False)
+    try:
+        runs = compare_runs(names, root)
+    except ValueError as exc:
+        raise dg.Failure(str(exc), allow_retries=False) from None
+    page = write_html(runs, root / "comparison.html")
+    context.log.info(f"compared {', '.join(names)}: {page}")
+    plots = "\n\n".join(f"![{metric}](data:image/svg+xml;base64,"
+                        f"{base64.b64encode(svg_panel(metric, runs).encode()).decode()})" for metric in metrics_of(runs))
+    legend = ", ".join(f"{run.name}: {color}" for run, color in zip(runs, _colors(len(runs))))
+    return dg.MaterializeResult(metadata={
+        "runs": dg.MetadataValue.text(", ".join(names)), "table": dg.MetadataValue.md(table(runs)),
+        "plots": dg.MetadataValue.md(f"line colors: {legend}\n\n{plots}"), "page": dg.MetadataValue.path(str(page))})
+
+
+def _colors(count: int) -> list[str]:
+    from training.compare import COLORS
+
+    return [COLORS[i % len(COLORS)] for i in range(count)]

@@ -83,7 +83,12 @@ ASSET_PARTS: dict[str, tuple[str, ...]] = {
         "assets/evaluation.py:checkpoint_eval", "assets/evaluation.py:<module>",
         "assets/evaluation.py:CheckpointEvalConfig", "assets/evaluation.py:eval_command",
         "assets/evaluation.py:eval_metadata", "assets/evaluation.py:_unevaluated_table",
+        "assets/evaluation.py:_bpb_metadata", "assets/evaluation.py:task_metadata", "assets/evaluation.py:_score",
         "assets/training.py:checkpoint_dir", "resources/storage.py", "training/"),
+    "run_comparison": (
+        "assets/evaluation.py:run_comparison", "assets/evaluation.py:<module>",
+        "assets/evaluation.py:RunComparisonConfig", "assets/evaluation.py:_colors", "resources/storage.py",
+        "training/compare.py", "training/reporting.py", "training/atomic.py"),
 }
 
 

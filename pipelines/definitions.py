@@ -3,7 +3,7 @@ import dagster as dg
 
 from assets.checks import checkpoint_audit, manifest_shards_match, shards_are_well_formed
 from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
-from assets.evaluation import checkpoint_eval
+from assets.evaluation import checkpoint_eval, run_comparison
 from assets.training import checkpoint, training_run
 from pipelines.jobs import nightly_schedule, preprocess_then_train, shard_chunks
 from pipelines.sensors import kiln_automation, raw_files_sensor
@@ -11,7 +11,8 @@ from resources.msrun import MsrunResource
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 
-ALL_ASSETS = [raw_corpus, tokenizer, token_shards, blend_manifest, training_run, checkpoint, checkpoint_eval]
+ALL_ASSETS = [raw_corpus, tokenizer, token_shards, blend_manifest, training_run, checkpoint, checkpoint_eval,
+              run_comparison]
 ALL_CHECKS = [shards_are_well_formed, manifest_shards_match, checkpoint_audit]
 
 

@@ -117,6 +117,19 @@ def _print_task_scores(record: dict) -> None:
     print(f"  mean primary {record['tasks_mean']['primary']:.4f}, mean bpb {record['tasks_mean']['bpb']:.4f}")
 
 
+def _compare(args) -> int:
+    from training.compare import compare_runs, table, write_html
+
+    try:
+        runs = compare_runs(args.runs, args.runs_root)
+        page = write_html(runs, Path(args.out or Path(args.runs_root) / "comparison.html"))
+    except (ValueError, OSError) as exc:
+        return user_error("kiln compare", exc, args.debug)
+    print(table(runs))
+    print(f"wrote {page}")
+    return 0
+
+
 def _preprocess(args) -> int:
     from training.data.preprocess import tokenize_to_indexed
 
@@ -331,6 +344,16 @@ def main(argv=None) -> int:
     evaluate.add_argument("--tokenizer-model", metavar="FILE",
                           help="the run's sentencepiece .model (default: the tokenizer its lineage names)")
     evaluate.set_defaults(handler=_eval)
+
+    compare = commands.add_parser(
+        "compare", help="runs side by side: loss, validation loss / bits per byte and task scores by tokens seen",
+        description="Reads each run's metrics.jsonl and its checkpoints' eval.json; prints a table of each "
+                    "run's latest values and writes an HTML page with a plot per metric. Exit 2 on bad input.")
+    compare.add_argument("runs", nargs="+", metavar="RUN", help="a run directory or a run name under --runs-root")
+    compare.add_argument("--runs-root", default=os.environ.get("KILN_RUNS_ROOT", "runs"),
+                         help="where the runs are (default: $KILN_RUNS_ROOT, else runs)")
+    compare.add_argument("--out", metavar="FILE.html", help="default: <runs root>/comparison.html")
+    compare.set_defaults(handler=_compare)
 
     preprocess = commands.add_parser(
         "preprocess", help="tokenize JSONL / JSON-array / Parquet files into Megatron .bin/.idx datasets",
