@@ -187,3 +187,14 @@ def test_token_ids_past_the_vocabulary_are_one_line_without_a_traceback(tmp_path
     assert done.stderr.splitlines()[-1].startswith(
         "[kiln] not retriable: IndexedDatasetError: train_dataset.dataloader.config.data_path: ")
     assert "model.vocab_size is 512" in done.stderr
+
+
+def test_a_field_of_the_wrong_type_does_not_hide_the_sections_other_problems():
+    with pytest.raises(ConfigError) as raised:
+        load(*VALID, "training.steps=many", "training.global_batch_size=0", "lr_scheduler.warmup_steps=x",
+             "lr_scheduler.learning_rate=0")
+    problems = raised.value.problems
+    assert "training.steps: expected int, got 'many'" in problems
+    assert "training.global_batch_size must be > 0, got 0" in problems  # before: a second round
+    assert "lr_scheduler.learning_rate must be > 0" in problems
+    assert not any(p.startswith("training.steps must") for p in problems)  # the default stood in, unreported

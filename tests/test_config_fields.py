@@ -64,7 +64,7 @@ READ = {
     "parallelism.data_parallel_shard": "training/parallel/mesh.py",
     **{f"parallelism.{name}": "training/parallel/parallelize.py" for name in (
         "data_parallel_shard_strategy", "disable_gradient_division", "reshard_after_forward_policy")},
-    "parallelism.sequence_parallel": "training/run.py",
+    "parallelism.sequence_parallel": "training/parallel/parallelize.py",
     "parallelism.tensor_parallel": "training/parallel/mesh.py",
     "parallelism.context_parallel": "training/parallel/mesh.py",
     **{f"parallelism.{name}": "training/parallel/context_parallel.py" for name in (

@@ -197,14 +197,18 @@ class Section:
         errors += [ConfigError(f"{_join(path, name)}: required, but missing") for name in missing]
         errors += [ConfigError(f"{_join(path, name)} = {kwargs[name]:,} is more than {high:,}: {why}")
                    for name, (high, why) in cls.LIMITS.items() if _number(kwargs.get(name)) and kwargs[name] > high]
-        # the value checks relate fields to each other: they run only when every given field has its value
-        if all(key in kwargs for key in data if key in names) and not missing:
+        # the value checks relate fields to each other: a field whose value failed takes its default for them,
+        # and what they then say of that field is left out (its own problem is already reported)
+        failed = [key for key in data if key in names and key not in kwargs]
+        required = [f.name for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if all(name in kwargs for name in required):
             section = cls(**kwargs)
             try:
                 section.check(path)
             except ConfigError as exc:
-                errors.append(exc)
-            errors += section._unsupported(path)
+                errors.append(ConfigError(*(p for p in exc.problems
+                                            if not any(_names_field(p, _join(path, key)) for key in failed))))
+            errors += [e for e in section._unsupported(path) if not failed]
         if errors:
             raise ConfigError.merged(errors)
         return section
@@ -225,6 +229,11 @@ class Section:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _names_field(problem: str, dotted: str) -> bool:
+    """Whether ``problem`` speaks of the field ``dotted`` (or of what is inside it)."""
+    return re.search(rf"(?<![\w.]){re.escape(dotted)}(?![\w])", problem) is not None
 
 
 def _number(value: Any) -> bool:
