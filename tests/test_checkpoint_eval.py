@@ -162,3 +162,38 @@ def test_checkpoint_eval_is_requested_for_a_new_checkpoint_and_records_the_evalu
     # the source without test documents, named with why in a table
     assert f"| notes | 4 | 0 | 0 | train_dataset.dataloader.config.data_path[5] {shards['notes']}: {NOTES_LEFT_OUT} |" \
         in metadata["unevaluated_sources"]
+
+
+def test_a_run_moved_with_its_data_still_evaluates_and_audits_there(trained, tmp_path, capsys):
+    """The run directory and the data root copied together elsewhere, the originals gone: kiln eval reads the
+    copy's data and kiln audit verifies the copy's config and files; a copy of the data alone is --data-root."""
+    import shutil
+
+    root, _, _ = trained
+    moved = tmp_path / "moved"
+    shutil.copytree(root, moved, ignore=shutil.ignore_patterns("eval*.json"))
+    hidden = root.with_name(root.name + ".away")
+    root.rename(hidden)
+    try:
+        checkpoint = moved / RUN / "checkpoints" / CHECKPOINT
+        assert kiln(["eval", str(checkpoint), "--batches", "1"]) == 0
+        record = json.loads((checkpoint / "eval.json").read_text())
+        assert record["data_root"] == str(moved / "data")
+        capsys.readouterr()
+        assert kiln(["audit", str(checkpoint)]) == 0
+        out = capsys.readouterr().out
+        assert f"ok        run config  {moved / RUN}/config-" in out and "missing" not in out
+        assert f"ok        shard       shards/code.bin" in out
+        # the copy's data is the data audited: a changed copy fails although the original is back in place
+        hidden.rename(root)
+        (moved / "data" / "shards" / "code.bin").write_bytes(b"changed")
+        assert kiln(["audit", str(checkpoint)]) == 1
+        capsys.readouterr()
+        # data moved on its own: named with --data-root
+        shutil.copytree(root / "data", tmp_path / "elsewhere")
+        shutil.rmtree(moved / "data")
+        assert kiln(["eval", str(checkpoint), "--batches", "1", "--data-root", str(tmp_path / "elsewhere")]) == 0
+        assert json.loads((checkpoint / "eval.json").read_text())["data_root"] == str(tmp_path / "elsewhere")
+    finally:
+        if hidden.exists():
+            hidden.rename(root)

@@ -66,7 +66,8 @@ def _eval(args) -> int:
         return 2
     try:
         tasks = _task_run(args)
-        record = evaluate_checkpoint(args.checkpoint, args.split, args.batches, args.lineage_store, tasks=tasks)
+        record = evaluate_checkpoint(args.checkpoint, args.split, args.batches, args.lineage_store, tasks=tasks,
+                                     data_root=args.data_root)
     except (ConfigError, CheckpointError, ValueError, KeyError, OSError) as exc:
         return user_error("kiln eval", exc, args.debug)
     path = write_evaluation(record)
@@ -335,6 +336,8 @@ def main(argv=None) -> int:
     evaluate.add_argument("--batches", type=int, default=10,
                           help="global batches of the run's global_batch_size to evaluate (default 10)")
     evaluate.add_argument("--lineage-store", metavar="DIR", help=LINEAGE_STORE_HELP)
+    evaluate.add_argument("--data-root", help="where the run's data root is now (default: where the run directory's "
+                                              "move took it, else as recorded)")
     evaluate.add_argument("--tasks", metavar="NAMES",
                           help="downstream tasks to score, comma-separated: fast (the default set of "
                                "checkpoint_eval), <task> (its rc_0shot form) or <task>:<formulation>, from the "

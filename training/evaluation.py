@@ -323,21 +323,24 @@ def _load_weights(model, path: Path) -> dict:
 
 
 def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, batches: int = 10,
-                        lineage_store: str | Path | None = None, tasks=None) -> dict:
+                        lineage_store: str | Path | None = None, tasks=None,
+                        data_root: str | Path | None = None) -> dict:
     """Held-out loss of a checkpoint in this process: ``batches`` global batches of its run's ``split`` (default:
     test, or valid when the blend has no test split), overall and per source, with what it read (the
     checkpoint, its lineage.json's hash, the shards and their hashes, the split and the sample range); with the
     run's tokenizer known, bits per byte beside each loss, and the downstream scores of ``tasks`` (a
-    downstream.TaskRun)."""
+    downstream.TaskRun). The run's data is read under ``data_root`` when given, else where the run directory's
+    move took it (``lineage.moved_run``), else where it was."""
     from training.downstream import TokenBytes, checkpoint_tokenizer
-    from training.lineage import read_lineage, results_sha256
+    from training.lineage import moved_run, read_lineage, results_sha256
     from training.model import build_model
     from training.parallel.mesh import ParallelDims
     from training.trainer import compile_blockers, configure_runtime
 
     checkpoint_dir = Path(checkpoint_dir)
     lineage, _ = read_lineage(checkpoint_dir, lineage_store)
-    config = TrainConfig.from_dict(lineage["run"]["config"])
+    lineage, config_section = moved_run(checkpoint_dir, lineage, data_root)
+    config = TrainConfig.from_dict(config_section)
     split = split or default_split(config)
     if split not in ("valid", "test"):
         raise ConfigError(f"--split {split!r}: evaluate on a held-out split, valid or test")

@@ -89,17 +89,67 @@ class LineageInputsMissing(ValueError):
     pass
 
 
-def _store_candidates(checkpoint_dir: Path, pointer: dict, lineage_store: str | Path | None) -> list[Path]:
+def relocated(checkpoint_dir: Path, run: dict, recorded: str | Path) -> Path:
+    """Where a path recorded (absolute) when the checkpoint was trained is now. When the run directory moved
+    (the checkpoint sits in ``<run dir>/checkpoints/`` beside the config file run.config_path names, and that is
+    no longer where the config was written), the path at the same place relative to the run directory, if
+    something is there: a run directory moved with its data root and runs root keeps its links. Else as
+    recorded."""
+    config_path = run.get("config_path")
+    if not config_path or not os.path.isabs(recorded):
+        return Path(recorded)
+    old_run_dir, new_run_dir = Path(config_path).parent, Path(checkpoint_dir).resolve().parent.parent
+    if new_run_dir == old_run_dir or not (new_run_dir / Path(config_path).name).is_file():
+        return Path(recorded)
+    moved = Path(os.path.normpath(new_run_dir / os.path.relpath(recorded, old_run_dir)))
+    return moved if moved.exists() else Path(recorded)
+
+
+def moved_run(checkpoint_dir: Path, lineage: dict, data_root: str | Path | None = None) -> tuple[dict, dict]:
+    """The lineage with ``data_root`` where the data is now, and the run's config with its paths under the recorded
+    data root and run directory moved to where they are now: ``data_root`` when given, else where the run
+    directory's move took them (``relocated``). What a forward pass over the run's data needs after a move."""
+    run = lineage["run"]
+    recorded_root = lineage.get("data_root")
+    moves = []
+    if recorded_root:
+        moves.append((recorded_root, str(data_root or relocated(checkpoint_dir, run, recorded_root))))
+    if run.get("config_path"):
+        old_run_dir = str(Path(run["config_path"]).parent)
+        moves.append((old_run_dir, str(relocated(checkpoint_dir, run, old_run_dir))))
+    moves = [(old, new) for old, new in moves if os.path.normpath(old) != os.path.normpath(new)]
+
+    def move(value):
+        if isinstance(value, dict):
+            return {key: move(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [move(item) for item in value]
+        for old, new in moves:
+            if isinstance(value, str) and (value == old or value.startswith(old.rstrip(os.sep) + os.sep)):
+                return new + value[len(old.rstrip(os.sep)):]
+        return value
+
+    config = {**run["config"], "train_dataset": move(run["config"]["train_dataset"])}
+    return ({**lineage, "data_root": moves[0][1]} if recorded_root and moves and moves[0][0] == recorded_root
+            else lineage), config
+
+
+def _store_candidates(checkpoint_dir: Path, pointer: dict, lineage_store: str | Path | None,
+                      run: dict | None = None) -> list[Path]:
     """Where a checkpoint's inputs entry may be: the store given, the store of the runs root the checkpoint
-    sits in (``<runs root>/<run>/checkpoints/iteration_N``), the store recorded when it was trained."""
+    sits in (``<runs root>/<run>/checkpoints/iteration_N``), the recorded store where the run moved with it
+    (``relocated``), the store recorded when it was trained."""
     stores = [Path(lineage_store)] if lineage_store else []
-    stores += [checkpoint_dir.resolve().parent.parent.parent / STORE_DIR, Path(pointer["store"])]
-    return [store / f"{pointer['sha256']}.json" for store in stores]
+    stores += [checkpoint_dir.resolve().parent.parent.parent / STORE_DIR,
+               relocated(checkpoint_dir, run or {}, pointer["store"]), Path(pointer["store"])]
+    return [store / f"{pointer['sha256']}.json" for store in dict.fromkeys(stores)]
 
 
-def load_inputs_entry(checkpoint_dir: Path, pointer: dict, lineage_store: str | Path | None = None) -> dict:
-    """The store entry ``pointer`` names, its sha256 verified; LineageInputsMissing when it is nowhere."""
-    candidates = _store_candidates(checkpoint_dir, pointer, lineage_store)
+def load_inputs_entry(checkpoint_dir: Path, pointer: dict, lineage_store: str | Path | None = None,
+                      run: dict | None = None) -> dict:
+    """The store entry ``pointer`` names, its sha256 verified; LineageInputsMissing when it is nowhere. ``run``:
+    the checkpoint's run record, to find a store that moved with its run directory."""
+    candidates = _store_candidates(checkpoint_dir, pointer, lineage_store, run)
     for entry in candidates:
         if entry.is_file():
             actual = sha256_file(entry)
@@ -125,7 +175,7 @@ def read_lineage(checkpoint_dir: Path, lineage_store: str | Path | None = None) 
     if pointer is None:  # inline upstream records, or a run trained outside Dagster without any
         return lineage, False
     try:
-        return {**load_inputs_entry(checkpoint_dir, pointer, lineage_store), **lineage}, False
+        return {**load_inputs_entry(checkpoint_dir, pointer, lineage_store, lineage.get("run")), **lineage}, False
     except LineageInputsMissing:
         return lineage, True
     except (OSError, json.JSONDecodeError) as exc:
@@ -230,7 +280,7 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
     missing link: the checkpoint's own files and config are still verified."""
     checkpoint_dir = Path(checkpoint_dir)
     lineage, inputs_missing = read_lineage(checkpoint_dir, lineage_store)
-    root = Path(data_root or lineage.get("data_root", "."))
+    root = Path(data_root) if data_root else relocated(checkpoint_dir, lineage["run"], lineage.get("data_root", "."))
     checks = [_check("checkpoint", checkpoint_dir / f["name"], f["name"], f["sha256"], cache)
               for f in lineage["checkpoint"]["files"]]
     common_path = checkpoint_dir / "common.json"
@@ -242,7 +292,8 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
         checks.append(Check("checkpoint", "common.json", "as recorded", None, "missing"))
     checks += evaluation_checks(checkpoint_dir)
     run = lineage["run"]
-    config_check = _check("run config", Path(run["config_path"]), run["config_path"], run["config_sha256"], cache)
+    config_path = relocated(checkpoint_dir, run, run["config_path"])
+    config_check = _check("run config", config_path, str(config_path), run["config_sha256"], cache)
     if config_check.status == "missing" and "config" in run:
         config_check = _embedded_config_check(run)  # e.g. the checkpoint was copied to another machine
     checks.append(config_check)
