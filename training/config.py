@@ -2,7 +2,11 @@
 
 Loading is strict where MindFormers is lenient: an unknown key anywhere is an error naming its dotted
 path and the nearest valid key, and a field Kiln accepts but does not implement yet is an error as soon
-as it leaves its default (``UNSUPPORTED``), so nothing in a user's YAML is silently ignored.
+as it leaves its default (``UNSUPPORTED``), so nothing in a user's YAML is silently ignored. The YAML may not
+repeat a key nor expand aliases past a bound (``parse_yaml``); numbers that size something are bounded
+(``LIMITS``, the model section's ``MODEL_LIMITS``); every problem of a config comes in one ConfigError, unknown
+keys first (``parse_config``). Kiln's own settings live in the top-level sections ``fast_step`` and ``kiln``,
+which MindFormers' loader ignores, so a YAML Kiln writes loads there unchanged (docs/architecture.md).
 """
 from __future__ import annotations
 
