@@ -102,10 +102,7 @@ def convert_to_mindrecord(
     Both source files are hashed for the sidecar: a sequential read of the corpus, small next to
     writing 4 bytes per sample token.
     """
-    output = Path(output_path)
-    if not output.name.endswith(MINDRECORD_SUFFIX) or output.name == MINDRECORD_SUFFIX:
-        raise ValueError(f"{output}: a MindRecord output must be named <name>{MINDRECORD_SUFFIX}: MindFormers' "
-                         f"loader reads no other name")
+    output = _mindrecord_output(output_path)
     dataset = _gpt_dataset_for(source, seq_length=seq_length, eod_id=eod_id, num_samples=num_samples,
                                seed=seed, split=split, pad_id=pad_id)
     count = len(dataset) if num_samples is None else _positive_int("num_samples", num_samples)
@@ -131,6 +128,14 @@ def convert_to_mindrecord(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return sidecar
+
+
+def _mindrecord_output(output_path: str | os.PathLike) -> Path:
+    output = Path(output_path)
+    if not output.name.endswith(MINDRECORD_SUFFIX) or output.name == MINDRECORD_SUFFIX:
+        raise ValueError(f"{output}: a MindRecord output must be named <name>{MINDRECORD_SUFFIX}: MindFormers' "
+                         f"loader reads no other name")
+    return output
 
 
 def _gpt_dataset_for(source, *, seq_length, eod_id, num_samples, seed, split, pad_id) -> GPTDataset:
