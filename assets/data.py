@@ -21,6 +21,7 @@ from assets.versions import code_version, sources_config, versioned_asset
 from resources.storage import KilnStorage
 from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
 from training.atomic import replace_dir, write_json_atomic
+from training.boundary import is_user_error
 from training.data.corpus import SUFFIXES, iter_texts, scan_corpus
 from training.data.hashing import PER_SOURCE_DATA_VERSION, combined_hash, sha256_file
 from training.data.manifest import build_manifest
@@ -116,7 +117,12 @@ def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult
     (`combined_result`)."""
     results = {}
     for key in context.partition_keys:
-        results[key] = build(key)
+        try:
+            results[key] = build(key)
+        except Exception as exc:  # noqa: BLE001 -- a user error is one line (training.boundary); a bug is raised
+            if not is_user_error(exc):
+                raise
+            raise dg.Failure(f"{context.asset_key.to_user_string()}[{key}]: {exc}", allow_retries=False) from None
         context.log.info(f"{context.asset_key.to_user_string()}[{key}]: "
                          + ", ".join(f"{k}={v}" for k, v in figures(results[key]).items()))
     return combined_result(results)
