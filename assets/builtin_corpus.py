@@ -5,13 +5,19 @@
 * `python_stdlib_docstrings`: module, class and function docstrings, read with `ast` (nothing is
   imported): {"text": docstring, "path": ..., "qualname": "<module>" or e.g. "Class.method"}.
 
-Files are visited in sorted order, so the output depends only on the Python installation and
-`max_bytes`. Test suites, test data and installed packages are left out.
+Files are visited in sorted order, so the output depends only on the Python installation, `max_bytes` and
+`planted_every`. Test suites, test data and installed packages are left out.
+
+With `planted_every: N` (the demo's sources), documents are planted after every Nth one so that cleaning has
+something to find: an exact copy of it, half-way between two of those a near copy of the next document of 80+
+words (one word in its middle changed: MinHash Jaccard ~0.85-0.95), and a quarter of the way a junk document
+(the document's first line repeated 30 times, or a run of symbols). Each carries `"planted"` naming what it is.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
 import re
@@ -79,15 +85,46 @@ def _records(kind: str, root: Path) -> Iterator[dict]:
                 yield {"text": doc, "path": relative, "qualname": qualname}
 
 
+def _junk(record: dict, number: int) -> dict:
+    first_line = record["text"].strip().splitlines()[0] if record["text"].strip() else "junk"
+    text = "\n".join([first_line] * 30) if number % 2 else "".join(itertools.islice(itertools.cycle("#=*~<>|"), 2000))
+    return {**record, "text": text, "planted": "junk"}
+
+
+def _near_copy(record: dict) -> dict:
+    words = record["text"].split(" ")
+    middle = len(words) // 2
+    words[middle] = words[middle] + "_changed"
+    return {**record, "text": " ".join(words), "planted": "near_copy"}
+
+
+def _planted(records: Iterator[dict], every: int) -> Iterator[dict]:
+    """The records with copies and junk planted among them (module docstring)."""
+    near_pending = False
+    for number, record in enumerate(records, start=1):
+        yield record
+        if not every:
+            continue
+        if near_pending and len(record["text"].split()) >= 80:
+            yield _near_copy(record)
+            near_pending = False
+        if number % every == 0:
+            yield {**record, "planted": "exact_copy"}
+        elif number % every == every // 2:
+            near_pending = True
+        elif number % every == max(1, every // 4):
+            yield _junk(record, number // every)
+
+
 def write_builtin_source(
-    kind: str, out_dir: str | os.PathLike, max_bytes: int, part_bytes: int = PART_BYTES
+    kind: str, out_dir: str | os.PathLike, max_bytes: int, part_bytes: int = PART_BYTES, planted_every: int = 0
 ) -> list[Path]:
     """Write the built-in corpus `kind` as `out_dir/part-NNNNN.jsonl`, at most `max_bytes` of text.
 
     Documents are added in order until the next one would pass `max_bytes` (UTF-8 bytes of the
     texts); each part holds at most `part_bytes` bytes of JSONL. Parts are written under
     temporary names and renamed at the end; parts left from an earlier, larger call are removed.
-    Returns the part paths in order.
+    Returns the part paths in order. `planted_every`: see the module docstring (0: nothing planted).
     """
     if kind not in BUILTIN_KINDS:
         raise ValueError(f"unknown builtin source kind {kind!r}; expected one of {', '.join(BUILTIN_KINDS)}")
@@ -101,7 +138,7 @@ def write_builtin_source(
     temporaries: list[Path] = []
     try:
         part, part_size, text_bytes = None, 0, 0
-        for record in _records(kind, root):
+        for record in _planted(_records(kind, root), planted_every):
             try:
                 text_size = len(record["text"].encode("utf-8"))
                 line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")

@@ -1,4 +1,4 @@
-"""Data assets: raw corpus → tokenizer → token shards → blend manifest.
+"""Data assets: raw corpus → (clean corpus, assets/cleaning.py) → tokenizer → token shards → blend manifest.
 
 Each asset records what it read and wrote (paths, bytes, counts, sha256) and returns a content-hash
 ``DataVersion``, so Dagster can tell when a downstream asset is stale and an audit can re-verify it.
@@ -16,7 +16,7 @@ import dagster as dg
 
 from assets.builtin_corpus import write_builtin_source
 from assets.chunks import chunk_files, group_chunks, key_stem, source_chunk_keys, source_chunks, source_of
-from assets.sources import load_sources
+from assets.sources import load_sources, source_recipe
 from assets.versions import code_version, sources_config, versioned_asset
 from resources.storage import KilnStorage
 from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
@@ -67,6 +67,33 @@ def raw_files(storage: KilnStorage, key: str) -> list[Path]:
         raise dg.Failure(f"no raw files for {key!r} in {storage.raw_dir(key)}; materialize raw_corpus[{key}] first")
     return files
 
+CLEAN_CORPUS = dg.AssetKey("clean_corpus")  # assets/cleaning.py, which builds on this module's helpers
+
+
+def clean_dir(storage: KilnStorage, key: str) -> Path:
+    """`clean/<chunk>/`: the chunk's cleaned files, its removals sidecar and `<stem>.kiln.json`."""
+    return storage.root / "clean" / key
+
+
+def clean_sidecar(storage: KilnStorage, key: str) -> dict | None:
+    """What clean_corpus recorded for the chunk; None when it has not cleaned it."""
+    path = clean_dir(storage, key) / f"{key_stem(key)}{SIDECAR}"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def chunk_inputs(storage: KilnStorage, key: str) -> tuple[list[Path], dict | None]:
+    """The files the tokenizer and token_shards read for the chunk, with its cleaning sidecar: clean_corpus's
+    output for a cleaned source, the raw files (and None) for a source with `cleaning: none`."""
+    spec = _source_spec(storage, source_of(key))
+    if source_recipe(spec, storage.sources_config) is None:
+        return raw_files(storage, key), None
+    sidecar = clean_sidecar(storage, key)
+    if sidecar is None:
+        raise dg.Failure(f"source {spec.name!r} is cleaned (recipe {spec.cleaning!r}) and {key!r} has no "
+                         f"clean_corpus output in {clean_dir(storage, key)}; materialize clean_corpus[{key}] first")
+    return [clean_dir(storage, key) / output["name"] for output in sidecar["outputs"]], sidecar
+
+
 def _ingest_chunk(storage: KilnStorage, key: str) -> dg.MaterializeResult:
     spec = _source_spec(storage, source_of(key))
     target = storage.raw_dir(key)
@@ -75,7 +102,7 @@ def _ingest_chunk(storage: KilnStorage, key: str) -> dg.MaterializeResult:
     staging.mkdir(parents=True)
     try:
         if spec.builtin:
-            write_builtin_source(spec.builtin, staging, spec.max_bytes)
+            write_builtin_source(spec.builtin, staging, spec.max_bytes, planted_every=spec.planted_every)
         else:
             for i, src in enumerate(chunk_files(storage, spec, key)):
                 # validate before copying: errors name the user's file:line
@@ -161,14 +188,15 @@ def raw_corpus(context: dg.AssetExecutionContext, storage: KilnStorage) -> dg.Ma
     """
     return per_source(context, lambda key: _ingest_chunk(storage, key))
 
-@versioned_asset(deps=[raw_corpus], group_name="data", kinds={"sentencepiece"}, owners=["team:kiln"],
+@versioned_asset(deps=[raw_corpus, CLEAN_CORPUS], group_name="data", kinds={"sentencepiece"}, owners=["team:kiln"],
                  tags={"stage": "tokenizer"})
 def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
               tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
-    """A sentencepiece model trained on a seeded, bounded sample of every source's raw documents."""
+    """A sentencepiece model trained on a seeded, bounded sample of every source's documents: cleaned ones
+    (clean_corpus) for a source with a cleaning recipe, raw ones for a source with `cleaning: none`."""
     sources = load_sources(storage.sources_config)
     inputs = [(name, path) for name in sorted(sources) for key in source_chunk_keys(storage, sources[name])
-              for path in raw_files(storage, key)]
+              for path in chunk_inputs(storage, key)[0]]
 
     def documents():
         for name, path in inputs:
@@ -232,6 +260,16 @@ def raw_file_hashes(storage: KilnStorage, key: str, files: list[Path]) -> dict[s
     return hashes
 
 
+def clean_file_records(storage: KilnStorage, key: str, cleaning: dict | None) -> list[dict]:
+    """The cleaned files a chunk's shards hold, with the recipe and cleaning code that made them (lineage)."""
+    if cleaning is None:
+        return []
+    return [{"path": str((clean_dir(storage, key) / o["name"]).relative_to(storage.root)), "chunk": key,
+             "sha256": o["sha256"], "bytes": o["bytes"], "raw_sha256": o["raw_sha256"],
+             "recipe": cleaning["recipe"]["name"], "recipe_sha256": cleaning["recipe_sha256"],
+             "code_version": cleaning["code_version"]} for o in cleaning["outputs"]]
+
+
 def _tokenize_chunk(storage: KilnStorage, key: str, log, workers: int | None = None) -> dg.MaterializeResult:
     source = source_of(key)
     spec = _source_spec(storage, source)
@@ -243,9 +281,10 @@ def _tokenize_chunk(storage: KilnStorage, key: str, log, workers: int | None = N
     staging = target.with_name(f".{target.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)
     stem = key_stem(key)
+    tokenized, cleaning = chunk_inputs(storage, key)
     try:
         raw_hashes = raw_file_hashes(storage, key, inputs)
-        stats = tokenize_to_indexed(inputs, model_path, staging / stem, json_keys=spec.json_keys,
+        stats = tokenize_to_indexed(tokenized, model_path, staging / stem, json_keys=spec.json_keys,
                                     append_eod=True, on_bad_line=spec.on_bad_line,
                                     max_shard_tokens=spec.max_shard_tokens, workers=workers)
         shards = [{"prefix": str((target / Path(out["prefix"]).name).relative_to(storage.root)), "chunk": key,
@@ -256,6 +295,7 @@ def _tokenize_chunk(storage: KilnStorage, key: str, log, workers: int | None = N
             "tokenizer": {"path": str(model_path.relative_to(storage.root)), "sha256": sha256_file(model_path)},
             "raw_files": [{"path": str(p.relative_to(storage.root)), "chunk": key, "sha256": raw_hashes[p.name],
                            "bytes": p.stat().st_size} for p in inputs],
+            "clean_files": clean_file_records(storage, key, cleaning),
         }
         write_json_atomic(staging / f"{stem}{SIDECAR}", sidecar)
     except BaseException:
@@ -310,7 +350,8 @@ def chunk_steps(storage: KilnStorage, keys: list[str], step_mib: float) -> list[
     workers = max(1, cores // min(len(groups), cores))
     return [ChunkStep(tuple(group), workers) for group in groups]
 
-@dg.op(ins={"raw_corpus": dg.In(dg.Nothing), "tokenizer": dg.In(dg.Nothing)}, out=dg.DynamicOut(ChunkStep))
+@dg.op(ins={"raw_corpus": dg.In(dg.Nothing), "clean_corpus": dg.In(dg.Nothing), "tokenizer": dg.In(dg.Nothing)},
+       out=dg.DynamicOut(ChunkStep))
 def chunks_of_run(context: dg.OpExecutionContext, config: ChunkStepConfig, storage: KilnStorage):
     """One output per group of contiguous chunks of the run's partition range: each is tokenized by a step of
     its own."""
@@ -339,11 +380,12 @@ def shards_of_run(context: dg.OpExecutionContext, steps: list[list[tuple[str, di
 
 @dg.graph_asset(
     partitions_def=source_chunks, ins={"raw_corpus": dg.AssetIn(dagster_type=dg.Nothing),
+                                       "clean_corpus": dg.AssetIn(key=CLEAN_CORPUS, dagster_type=dg.Nothing),
                                        "tokenizer": dg.AssetIn(dagster_type=dg.Nothing)},
     group_name="data", kinds={"numpy"}, owners=["team:kiln"], tags={"stage": "tokenize", "format": "megatron-indexed"},
     backfill_policy=dg.BackfillPolicy.single_run(), automation_condition=EAGER_AFTER_CHECKS,
     code_version=code_version("token_shards"))
-def token_shards(raw_corpus, tokenizer):
+def token_shards(raw_corpus, clean_corpus, tokenizer):
     """Each chunk tokenized into Megatron `.bin/.idx` datasets (EOD after every document).
 
     `shards/<chunk>/<stem>_<key>_document` per json key, or `..._document_00000`, ... with the
@@ -354,7 +396,8 @@ def token_shards(raw_corpus, tokenizer):
     multiprocess executor: as many at once as there are cores). Re-materialized automatically (eager) when
     its raw chunk or the tokenizer changes.
     """
-    return shards_of_run(chunks_of_run(raw_corpus=raw_corpus, tokenizer=tokenizer).map(tokenize_chunks).collect())
+    return shards_of_run(chunks_of_run(raw_corpus=raw_corpus, clean_corpus=clean_corpus, tokenizer=tokenizer)
+                         .map(tokenize_chunks).collect())
 
 def _blend_summary(manifest: dict, total: int) -> str:
     lines = [f"**{len(manifest['sources'])} sources, {total:,} tokens**, sequences of {manifest['seq_length']} "
@@ -383,6 +426,7 @@ def source_shards(storage: KilnStorage, spec) -> dict:
     sidecars = {key: read_shard_sidecar(storage, key) for key in keys}
     return {"shards": [shard for s in sidecars.values() for shard in s["shards"]],
             "raw_files": [raw for s in sidecars.values() for raw in s["raw_files"]],
+            "clean_files": [clean for s in sidecars.values() for clean in s.get("clean_files", [])],
             "tokenizers": {key: s["tokenizer"]["sha256"] for key, s in sidecars.items()}}
 
 @versioned_asset(deps=[token_shards, tokenizer], group_name="data", kinds={"json"}, owners=["team:kiln"],
@@ -404,8 +448,8 @@ def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
         raise dg.Failure(f"shards of {stale} were tokenized with another tokenizer than {model_path} "
                          f"(sha256 {sorted(tokenizer_shas)} vs {current}); re-materialize token_shards for them")
     manifest = build_manifest(
-        sources=[{"name": name, "weight": sources[name].weight, "shards": s["shards"], "raw_files": s["raw_files"]}
-                 for name, s in sidecars.items()],
+        sources=[{"name": name, "weight": sources[name].weight, "shards": s["shards"], "raw_files": s["raw_files"],
+                  "clean_files": s["clean_files"]} for name, s in sidecars.items()],
         tokenizer={"path": str(model_path), "sha256": current, "special_ids": {**SPECIAL_IDS, "eod": SPECIAL_IDS["eos"]}},
         seq_length=config.seq_length, split=config.split, seed=config.seed, data_root=storage.root)
     path = storage.manifest_path()

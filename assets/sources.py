@@ -10,6 +10,7 @@ import yaml
 
 from assets.builtin_corpus import BUILTIN_KINDS
 from training.config import check_plain_name
+from training.data.cleaning.recipe import Recipe, RecipeError, load_recipe
 from training.data.corpus import ON_BAD_LINE
 
 
@@ -28,6 +29,10 @@ class SourceSpec:
     on_bad_line: str = "error"  # or "skip": bad records are counted and quarantined, not fatal
     max_shard_tokens: int | None = None  # split the source's tokens into shards of at most this many
     files_per_chunk: int | None = None  # ingest and tokenize the files in chunks of this many (assets/chunks.py)
+    # clean_corpus's recipe (training/data/cleaning/recipe.py): a built-in name, a YAML file (relative to the
+    # sources config) or an inline mapping; "none" uses the raw documents as they are
+    cleaning: str | dict = "none"
+    planted_every: int = 0  # a built-in source: plant duplicates and junk after every Nth document (the demo's)
 
     def input_files(self) -> list[Path]:
         """The user's files (globs expanded, sorted); not used for built-in sources."""
@@ -37,7 +42,16 @@ class SourceSpec:
         return paths
 
 
-_KEYS = {"builtin", "max_bytes", "files", "json_keys", "weight", "on_bad_line", "max_shard_tokens", "files_per_chunk"}
+_KEYS = {"builtin", "max_bytes", "files", "json_keys", "weight", "on_bad_line", "max_shard_tokens", "files_per_chunk",
+         "cleaning", "planted_every"}
+
+
+def source_recipe(spec: SourceSpec, sources_config: str | Path) -> Recipe | None:
+    """The source's cleaning recipe (None: not cleaned); a recipe file is found relative to the sources config."""
+    try:
+        return load_recipe(spec.cleaning, Path(sources_config).parent)
+    except RecipeError as exc:
+        raise SourcesConfigError(f"{sources_config}: sources.{spec.name}.cleaning: {exc}") from None
 
 
 def load_sources(path: str | Path) -> dict[str, SourceSpec]:
@@ -92,7 +106,14 @@ def load_sources(path: str | Path) -> dict[str, SourceSpec]:
                                             or not isinstance(files_per_chunk, int) or files_per_chunk <= 0):
             raise SourcesConfigError(f"{where}.files_per_chunk must be a positive int on a `files` source, "
                                      f"got {files_per_chunk!r}")
+        planted_every = entry.get("planted_every", 0)
+        if builtin is None and planted_every or isinstance(planted_every, bool) or not isinstance(planted_every, int) \
+                or planted_every < 0:
+            raise SourcesConfigError(f"{where}.planted_every must be an int >= 0 on a built-in source, "
+                                     f"got {planted_every!r}")
         specs[str(name)] = SourceSpec(name=str(name), weight=float(weight), builtin=builtin, max_bytes=max_bytes,
                                       files=tuple(files or ()), json_keys=tuple(json_keys), on_bad_line=on_bad_line,
-                                      max_shard_tokens=max_shard_tokens, files_per_chunk=files_per_chunk)
+                                      max_shard_tokens=max_shard_tokens, files_per_chunk=files_per_chunk,
+                                      cleaning=entry.get("cleaning", "none"), planted_every=planted_every)
+        source_recipe(specs[str(name)], path)  # a bad recipe is named when the config loads
     return specs

@@ -51,16 +51,24 @@ def default_training_config() -> str:
 _SETTING_FILES = {SOURCES_CONFIG: sources_config, TRAINING_CONFIG: lambda: PROJECT_ROOT / default_training_config()}
 
 _DATA_COMMON = ("assets/chunks.py", "assets/sources.py", "resources/storage.py", "training/atomic.py",
-                "training/data/hashing.py", SOURCES_CONFIG)
+                "training/data/hashing.py", "training/data/cleaning/recipe.py", "training/data/cleaning/filters.py",
+                "training/data/cleaning/minhash.py", SOURCES_CONFIG)
 ASSET_PARTS: dict[str, tuple[str, ...]] = {
     "raw_corpus": (
         "assets/data.py:raw_corpus", "assets/data.py:<module>", "assets/data.py:_ingest_chunk",
         "assets/data.py:_source_spec", "assets/data.py:_part_files", "assets/data.py:per_source",
         "assets/data.py:figures", "assets/data.py:combined_result", "assets/data.py:files_table",
         "assets/builtin_corpus.py", "training/data/corpus.py", *_DATA_COMMON),
+    "clean_corpus": (
+        "assets/cleaning.py", "assets/data.py:<module>", "assets/data.py:_source_spec", "assets/data.py:raw_files",
+        "assets/data.py:_part_files", "assets/data.py:raw_file_hashes", "assets/data.py:clean_dir",
+        "assets/data.py:clean_sidecar", "assets/data.py:combined_result", "assets/data.py:figures",
+        "training/data/cleaning/", "training/data/corpus.py", *_DATA_COMMON),
     "tokenizer": (
         "assets/data.py:tokenizer", "assets/data.py:<module>", "assets/data.py:raw_files",
-        "assets/data.py:_part_files", "resources/tokenizer.py", "training/data/corpus.py", *_DATA_COMMON),
+        "assets/data.py:_part_files", "assets/data.py:chunk_inputs", "assets/data.py:clean_dir",
+        "assets/data.py:clean_sidecar", "assets/data.py:_source_spec", "resources/tokenizer.py",
+        "training/data/corpus.py", *_DATA_COMMON),
     "token_shards": (
         "assets/data.py:token_shards", "assets/data.py:<module>", "assets/data.py:ChunkStepConfig",
         "assets/data.py:ChunkStep", "assets/data.py:chunks_of_run", "assets/data.py:chunk_steps",
@@ -68,7 +76,9 @@ ASSET_PARTS: dict[str, tuple[str, ...]] = {
         "assets/data.py:_source_spec", "assets/data.py:raw_files", "assets/data.py:_part_files",
         "assets/data.py:raw_file_hashes", "assets/data.py:shard_dir", "assets/data.py:shards_hash",
         "assets/data.py:_histogram_table", "assets/data.py:files_table", "assets/data.py:figures",
-        "assets/data.py:combined_result", "training/data/corpus.py", "training/data/encoding.py",
+        "assets/data.py:combined_result", "assets/data.py:chunk_inputs", "assets/data.py:clean_dir",
+        "assets/data.py:clean_sidecar", "assets/data.py:clean_file_records", "training/data/corpus.py",
+        "training/data/encoding.py",
         "training/data/indexed.py", "training/data/preprocess.py", *_DATA_COMMON),
     "blend_manifest": (
         "assets/data.py:blend_manifest", "assets/data.py:<module>", "assets/data.py:BlendConfig",

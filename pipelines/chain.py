@@ -28,12 +28,12 @@ def config_for(key: str, run_config: dict) -> dict:
 
 def materialize_chain(instance: dg.DagsterInstance, resources: dict, run_config: dict | None = None,
                       log=print, through: str = "training_run") -> ChainResult:
-    """raw_corpus[*] → tokenizer → token_shards[*] → blend_manifest → training_run (+ checkpoints), stopping after
-    the asset ``through``."""
+    """raw_corpus[*] → clean_corpus[*] → tokenizer → token_shards[*] → blend_manifest → training_run
+    (+ checkpoints), stopping after the asset ``through``."""
     result = ChainResult()
     chunks = register_source_chunks(instance, resources["storage"])
-    plan = [("raw_corpus", chunks), ("tokenizer", [None]), ("token_shards", chunks), ("blend_manifest", [None]),
-            ("training_run", [None])]
+    plan = [("raw_corpus", chunks), ("clean_corpus", chunks), ("tokenizer", [None]), ("token_shards", chunks),
+            ("blend_manifest", [None]), ("training_run", [None])]
     plan = plan[:[key for key, _ in plan].index(through) + 1]
     for key, partitions in plan:
         for partition in partitions:

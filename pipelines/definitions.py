@@ -2,6 +2,7 @@
 import dagster as dg
 
 from assets.checks import checkpoint_audit, manifest_shards_match, shards_are_well_formed
+from assets.cleaning import clean_corpus, clean_removals_within_limit
 from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
 from assets.evaluation import checkpoint_eval, run_comparison
 from assets.training import checkpoint, training_run
@@ -11,9 +12,9 @@ from resources.msrun import MsrunResource
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 
-ALL_ASSETS = [raw_corpus, tokenizer, token_shards, blend_manifest, training_run, checkpoint, checkpoint_eval,
-              run_comparison]
-ALL_CHECKS = [shards_are_well_formed, manifest_shards_match, checkpoint_audit]
+ALL_ASSETS = [raw_corpus, clean_corpus, tokenizer, token_shards, blend_manifest, training_run, checkpoint,
+              checkpoint_eval, run_comparison]
+ALL_CHECKS = [clean_removals_within_limit, shards_are_well_formed, manifest_shards_match, checkpoint_audit]
 
 
 def resources(**overrides) -> dict:

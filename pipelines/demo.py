@@ -26,6 +26,12 @@ def main() -> int:
     with dg.DagsterInstance.get() as instance:
         chain = materialize_chain(instance, resources(), run_config=DEMO_VALIDATION)
     print("\n=== Kiln demo summary ===")
+    for event in chain.materializations["clean_corpus"]:
+        md = {k: v.value for k, v in event.metadata.items()}
+        if "docs_in" in md:
+            removed = ", ".join(f"{k.split('/', 1)[1]} {v}" for k, v in md.items() if k.startswith("removed/") and v)
+            print(f"cleaned {event.partition:<11} {md['docs_in']:>6} docs -> {md['docs_out']:>6} with recipe "
+                  f"{md['recipe']} (removed: {removed or 'none'}; why: kiln why <raw file>:<line>)")
     for event in chain.materializations["token_shards"]:
         md = {k: v.value for k, v in event.metadata.items()}
         raw = chain.metadata("raw_corpus", event.partition)

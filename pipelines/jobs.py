@@ -2,19 +2,21 @@
 
 The job mixes chunk-partitioned assets (raw_corpus, token_shards) with unpartitioned ones. Its run
 covers the whole partition range (every chunk of every source): those two assets have a single-run
-backfill policy (raw_corpus ingests the range in one step, token_shards in a step per chunk), so raw →
+backfill policy (raw_corpus ingests the range in one step, clean_corpus cleans it in one step with one dedup,
+token_shards in a step per chunk), so raw → clean →
 tokenizer → shards → manifest → training run in order inside one run, checks included.
 """
 import dagster as dg
 
 from assets.chunks import register_source_chunks, source_chunks
+from assets.cleaning import clean_corpus
 from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
 from assets.training import training_run
 from resources.storage import KilnStorage
 
 preprocess_then_train = dg.define_asset_job(
-    "preprocess_then_train", selection=dg.AssetSelection.assets(raw_corpus, tokenizer, token_shards, blend_manifest,
-                                                                training_run),
+    "preprocess_then_train", selection=dg.AssetSelection.assets(raw_corpus, clean_corpus, tokenizer, token_shards,
+                                                                blend_manifest, training_run),
     description="Re-ingest every source, retrain the tokenizer, re-shard, re-blend and train.",
     # the chain is strictly sequential: one process spares a subprocess start (and the imports) per step
     executor_def=dg.in_process_executor)

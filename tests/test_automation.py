@@ -45,7 +45,8 @@ def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_p
     with dg.instance_for_test() as instance:
         register_source_chunks(instance, storage)
         job = defs.resolve_implicit_global_asset_job_def()
-        for key, partition in [("raw_corpus", "stdlib_code"), ("raw_corpus", "stdlib_docs"), ("tokenizer", None),
+        for key, partition in [("raw_corpus", "stdlib_code"), ("raw_corpus", "stdlib_docs"),
+                               ("clean_corpus", "stdlib_code"), ("clean_corpus", "stdlib_docs"), ("tokenizer", None),
                                ("token_shards", "stdlib_code"), ("token_shards", "stdlib_docs"),
                                ("blend_manifest", None)]:
             assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey(key)],
@@ -69,7 +70,11 @@ def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_p
                                       partition_key="stdlib_code").success
 
         after_raw = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=baseline.cursor)
+        # one tick requests the chunk's cleaning and its shards: one run, in dependency order
+        assert after_raw.get_requested_partitions(dg.AssetKey("clean_corpus")) == {"stdlib_code"}
         assert after_raw.get_requested_partitions(dg.AssetKey("token_shards")) == {"stdlib_code"}
+        assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("clean_corpus")],
+                                      partition_key="stdlib_code").success
         assert after_raw.get_num_requested(dg.AssetKey("blend_manifest")) == 0  # waits for the shards
         assert after_raw.get_num_requested(dg.AssetKey("training_run")) == 0
         assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("token_shards")],
@@ -149,7 +154,7 @@ def test_assets_code_versions_follow_the_sources_config(tmp_path):
     assert before == same
     changed = {key for key in before if before[key] != after[key]}
     # every asset that reads sources.yaml; training reads the manifest, not the sources
-    assert changed == {"raw_corpus", "tokenizer", "token_shards", "blend_manifest"}
+    assert changed == {"raw_corpus", "clean_corpus", "tokenizer", "token_shards", "blend_manifest"}
 
 
 def test_a_second_training_step_waits_for_the_npu_slot(tmp_path):

@@ -61,8 +61,8 @@ def test_the_audits_versions_are_the_definitions_before_and_after_edits(tmp_path
     monkeypatch.delenv("KILN_SOURCES", raising=False)
     monkeypatch.delenv("KILN_TRAIN_CONFIG", raising=False)
     before = current_code_versions()
-    assert set(before) == {"raw_corpus", "tokenizer", "token_shards", "blend_manifest", "training_run",
-                           "checkpoint", "checkpoint_eval", "run_comparison"} \
+    assert set(before) == {"raw_corpus", "clean_corpus", "tokenizer", "token_shards", "blend_manifest",
+                           "training_run", "checkpoint", "checkpoint_eval", "run_comparison"} \
         and before["checkpoint"] == before["training_run"]
     # a function two data assets run, one only checkpoint_eval's launch runs, the training package, the sources
     add_statement(root / "assets" / "data.py", "figures")
@@ -81,7 +81,8 @@ def test_the_audits_versions_are_the_definitions_before_and_after_edits(tmp_path
     (root / "configs" / "sources.yaml").write_text((PROJECT_ROOT / "configs" / "sources.yaml").read_text())
     shutil.copy(PROJECT_ROOT / "training" / "data" / "hashing.py", root / "training" / "data" / "hashing.py")
     after = current_code_versions()
-    assert {key for key in before if after[key] != before[key]} == {"raw_corpus", "token_shards", "checkpoint_eval"}
+    assert {key for key in before if after[key] != before[key]} == {"raw_corpus", "clean_corpus", "token_shards",
+                                                                    "checkpoint_eval"}
     # what is in no asset's parts: training_run's recording of checkpoints, the schedule, a new module
     add_statement(root / "assets" / "training.py", "audit_summary")
     add_statement(root / "pipelines" / "jobs.py", "nightly_schedule")

@@ -6,13 +6,14 @@ import pytest
 
 import assets.data
 from assets.chunks import register_source_chunks
+from assets.cleaning import clean_corpus
 from assets.data import blend_manifest, raw_corpus, raw_file_hashes, token_shards, tokenizer
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 from training.data.hashing import sha256_file
 from training.data.indexed import IndexedDataset
 
-DATA_ASSETS = [raw_corpus, tokenizer, token_shards, blend_manifest]
+DATA_ASSETS = [raw_corpus, clean_corpus, tokenizer, token_shards, blend_manifest]
 
 
 def _write_sources(tmp_path):

@@ -318,8 +318,8 @@ def main(argv=None) -> int:
                                               "(none, for a file of the data root no run trained on); 1: it names "
                                               "nothing their lineage records (the near names are suggested).")
     lineage.add_argument("--consumers", required=True, metavar="FILE_SHARD_OR_SOURCE",
-                         help="a raw file or shard path (relative to the data root, or ending in it), a shard "
-                              "prefix, or a source name")
+                         help="a raw file, cleaned file or shard path (relative to the data root, or ending in "
+                              "it), a shard prefix, a source name, or a cleaning recipe (its name or sha256)")
     lineage.add_argument("--runs-root", default=os.environ.get("KILN_RUNS_ROOT", "runs"),
                          help="where the runs are (default: $KILN_RUNS_ROOT, else runs)")
     lineage.add_argument("--json", action="store_true", help="machine-readable output")

@@ -45,7 +45,7 @@ def lineage_inputs(manifest_path: str | Path, data_root: str | Path, read: tuple
     root = Path(data_root).resolve()
     manifest_path = Path(manifest_path).resolve()
     manifest, manifest_sha256 = read or read_manifest(manifest_path, root)
-    shards, raw_files = [], []
+    shards, raw_files, clean_files = [], [], []
     total_weight = sum(source["weight"] for source in manifest["sources"])
     for source in manifest["sources"]:
         # the fraction of training samples drawn from this source (Megatron normalizes the blend weights),
@@ -62,6 +62,11 @@ def lineage_inputs(manifest_path: str | Path, data_root: str | Path, read: tuple
         source_bytes = sum(raw.get("bytes", 0) for raw in source["raw_files"]) or 1
         raw_files += [{"source": source["name"], **raw, "token_share": share * raw.get("bytes", 0) / source_bytes}
                       for raw in source["raw_files"]]
+        # a cleaned source's shards hold its cleaned files (clean_corpus), named with their recipe's hash
+        cleaned = source.get("clean_files") or []
+        cleaned_bytes = sum(c["bytes"] for c in cleaned) or 1
+        clean_files += [{"source": source["name"], **c, "token_share": share * c["bytes"] / cleaned_bytes}
+                        for c in cleaned]
     return {
         "kiln_lineage_version": LINEAGE_VERSION,
         "data_root": str(root),
@@ -69,6 +74,7 @@ def lineage_inputs(manifest_path: str | Path, data_root: str | Path, read: tuple
         "shards": shards,
         "tokenizer": {"path": manifest["tokenizer"]["path"], "sha256": manifest["tokenizer"]["sha256"]},
         "raw_files": raw_files,
+        **({"clean_files": clean_files} if clean_files else {}),
     }
 
 
@@ -353,7 +359,7 @@ def _upstream_checks(lineage: dict, root: Path, cache: AuditCache | None) -> lis
     # a run trained outside Dagster on hand-picked shards has no upstream links to check
     checks = []
     for link, key in (("manifest", "manifest"), ("shard", "shards"), ("tokenizer", "tokenizer"),
-                      ("raw file", "raw_files")):
+                      ("clean file", "clean_files"), ("raw file", "raw_files")):
         records = lineage.get(key) or []
         for record in [records] if isinstance(records, dict) else records:
             checks.append(_check(link, root / record["path"], record["path"], record["sha256"], cache))
@@ -413,16 +419,26 @@ class Consumer:
 def _matches(record: dict, target: str) -> bool:
     path = record["path"]
     return target in (path, record.get("source"), record.get("chunk")) or path.rsplit(".", 1)[0] == target or \
-        target.endswith("/" + path)
+        target.endswith("/" + path) or _cleaned_with(record, target)
+
+
+def _cleaned_with(record: dict, target: str) -> bool:
+    """A cleaned file's record made by the recipe ``target``: its name, or its sha256 (12 hex digits suffice)."""
+    recipe_sha256 = record.get("recipe_sha256") or ""
+    return target == record.get("recipe") or (len(target) >= 12 and recipe_sha256.startswith(target))
 
 
 def _consumed(inputs: dict, target: str) -> tuple[str, float | None] | None:
     """What in a checkpoint's upstream records names ``target`` (a raw file or shard path, a shard prefix, a
     chunk or a source name), and its share of the run's tokens; None when nothing does. A file or shard is
     named with its chunk when its source is chunked."""
-    records = [r for key in ("raw_files", "shards") for r in inputs.get(key) or [] if _matches(r, target)]
+    records = [r for key in ("raw_files", "clean_files", "shards") for r in inputs.get(key) or []
+               if _matches(r, target)]
     if not records:
         return None
+    if all(_cleaned_with(r, target) for r in records):  # a recipe: the cleaned files it made, their token shares
+        shares = [r.get("token_share") for r in records]
+        return f"recipe {records[0]['recipe']} ({records[0]['recipe_sha256'][:12]})", sum(shares)
     for field in ("source", "chunk"):  # a whole source or chunk: the sum over its shards
         if {r.get(field) == target for r in records} == {True}:
             shares = [r.get("token_share") for r in inputs.get("shards") or [] if r.get(field) == target
@@ -519,7 +535,8 @@ def recorded_names(runs_root: str | Path) -> tuple[set[str], set[str]]:
 
 def _sources_named(inputs: dict, target: str) -> set[str]:
     """The sources of the upstream records ``target`` names (see _consumed)."""
-    return {r["source"] for key in ("raw_files", "shards") for r in inputs.get(key) or [] if _matches(r, target)}
+    return {r["source"] for key in ("raw_files", "clean_files", "shards") for r in inputs.get(key) or []
+            if _matches(r, target)}
 
 
 def consumers_report(target: str, consumers: list[Consumer]) -> str:

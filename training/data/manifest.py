@@ -57,7 +57,7 @@ def build_manifest(*, sources: list[dict], tokenizer: dict, seq_length: int, spl
         for shard in shards:
             data_path += [round(weight * int(shard["tokens"]) / tokens, 12), shard["prefix"]]
         out_sources.append({"name": source["name"], "weight": weight, "tokens": tokens, "shards": shards,
-                            "raw_files": source.get("raw_files", [])})
+                            "raw_files": source.get("raw_files", []), "clean_files": source.get("clean_files", [])})
     return {"kiln_manifest_version": MANIFEST_VERSION, "seq_length": seq_length, "split": split, "seed": seed,
             "tokenizer": {**tokenizer, "path": relative_to_root(tokenizer["path"], data_root)},
             "sources": out_sources, "data_path": data_path}

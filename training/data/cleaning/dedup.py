@@ -46,34 +46,49 @@ def _group_links(keys: np.ndarray, valid: np.ndarray | None = None) -> tuple[np.
     return group_first[linked], members[linked]
 
 
-def cluster(stage_dirs: list[Path], bands: int, rows: int, exact: bool = True, near: bool = True) -> Clusters:
-    """The clusters of every document of the chunks whose stage directories are given, in that order."""
-    exact_keys = [matrix(d / EXACT, 2) for d in stage_dirs]
-    signatures = [matrix(d / SIGNATURES, bands * rows) for d in stage_dirs] if near else []
-    total = sum(len(k) for k in exact_keys)
-    links_from, links_to = [np.empty(0, np.int64)], [np.empty(0, np.int64)]
-    exact_all = np.concatenate([np.asarray(k) for k in exact_keys]) if total else np.zeros((0, 2), np.uint64)
-    if exact and total:
-        a, b = _group_links(exact_all)
-        links_from.append(a)
-        links_to.append(b)
-    if near and total:
-        for band in range(bands):
-            column = np.concatenate([np.asarray(s[:, band * rows:(band + 1) * rows]) for s in signatures])
-            valid = column[:, 0] != NO_SHINGLES
-            a, b = _group_links(column, valid)
-            links_from.append(a)
-            links_to.append(b)
-            del column
-    src, dst = np.concatenate(links_from), np.concatenate(links_to)
+def exact_links(stage_dirs: list[Path]) -> tuple[np.ndarray, np.ndarray]:
+    """Links between documents with equal exact keys, numbered over the stages in order."""
+    keys = [matrix(d / EXACT, 2) for d in stage_dirs]
+    if not sum(len(k) for k in keys):
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    return _group_links(np.concatenate([np.asarray(k) for k in keys]))
+
+
+def band_links(stage_dirs: list[Path], band: int, rows: int, bands: int) -> tuple[np.ndarray, np.ndarray]:
+    """Links between documents whose ``band``-th ``rows`` hashes are all equal: one band of every chunk's
+    signatures in memory, read from the memory-mapped files (a worker of its own per band on a cluster)."""
+    signatures = [matrix(d / SIGNATURES, bands * rows) for d in stage_dirs]
+    if not sum(len(s) for s in signatures):
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    column = np.concatenate([np.asarray(s[:, band * rows:(band + 1) * rows]) for s in signatures])
+    return _group_links(column, column[:, 0] != NO_SHINGLES)
+
+
+def components(stage_dirs: list[Path], links: list[tuple[np.ndarray, np.ndarray]]) -> Clusters:
+    """The clusters the links make: connected components, each kept as its lowest-numbered document."""
+    exact_all = [np.asarray(matrix(d / EXACT, 2)) for d in stage_dirs]
+    exact_all = np.concatenate(exact_all) if exact_all else np.zeros((0, 2), np.uint64)
+    total = len(exact_all)
+    if not total:
+        empty = np.zeros(0, np.int64)
+        return Clusters(kept=empty, size=empty, exact=np.zeros(0, bool))
+    src = np.concatenate([np.empty(0, np.int64), *(a for a, _ in links)])
+    dst = np.concatenate([np.empty(0, np.int64), *(b for _, b in links)])
     graph = coo_matrix((np.ones(len(src), dtype=np.int8), (src, dst)), shape=(total, total))
     _, labels = connected_components(graph, directed=False)
-    first = np.full(labels.max() + 1 if total else 0, total, dtype=np.int64)
+    first = np.full(labels.max() + 1, total, dtype=np.int64)
     np.minimum.at(first, labels, np.arange(total))
     kept = first[labels]
-    size = np.bincount(labels)[labels] if total else np.zeros(0, np.int64)
-    same = (exact_all == exact_all[kept]).all(axis=1) if total else np.zeros(0, bool)
-    return Clusters(kept=kept, size=size.astype(np.int64), exact=same)
+    size = np.bincount(labels)[labels].astype(np.int64)
+    return Clusters(kept=kept, size=size, exact=(exact_all == exact_all[kept]).all(axis=1))
+
+
+def cluster(stage_dirs: list[Path], bands: int, rows: int, exact: bool = True, near: bool = True) -> Clusters:
+    """The clusters of every document of the chunks whose stage directories are given, in that order."""
+    links = [exact_links(stage_dirs)] if exact else []
+    if near:
+        links += [band_links(stage_dirs, band, rows, bands) for band in range(bands)]
+    return components(stage_dirs, links)
 
 
 def matrix(path: Path, width: int, dtype=np.uint64) -> np.ndarray:

@@ -137,6 +137,7 @@ class ChunkFilter:
             files = [self._file(index, raw, out) for index, raw in enumerate(inputs)]
             out.close()
             stats = {"recipe": self.recipe.spec(), "recipe_sha256": self.recipe.sha256, "files": files,
+                     "max_removed_share": self.recipe.max_removed_share,
                      "read": vars(self.read), "steps": [vars(s) for s in self.steps],
                      "decontamination": self.contamination, "survivors": sum(f["survivors"] for f in files)}
             if self.recipe.decontaminate:
@@ -433,7 +434,8 @@ def _sidecar(stage: ChunkStage, outputs: list[dict], dedup: StepStats, clusters:
             "docs_in": raw_docs, "docs_out": sum(o["docs"] for o in outputs), "steps": steps,
             "dedup": {"chunks_compared": len(numbering.stages), "docs_in_clusters": in_clusters,
                       "largest_clusters": _largest_clusters(numbering, position, clusters)},
-            "decontamination": stats["decontamination"], "removals": REMOVALS}
+            "decontamination": stats["decontamination"], "removals": REMOVALS,
+            "max_removed_share": stats["max_removed_share"]}
 
 
 def clean_files(inputs: Sequence[Path], out_dir: Path, recipe: Recipe, json_keys: Sequence[str] = ("text",),

@@ -32,7 +32,11 @@ BUILTIN_RECIPES: dict[str, dict | None] = {
     # its terminal-punctuation line rule, FineWeb's filters, MinHash 5-grams 14 x 8
     "fineweb": {"steps": [{"language": {"languages": ["en"], "min_score": 0.65}}, "gopher_repetition",
                           "gopher_quality", {"c4": {"filter_no_terminal_punct": False}}, "fineweb_quality"]},
-    "code": {"steps": [{"length": {"min_chars": 20, "max_chars": 1_000_000}}, "code_quality"]},
+    # code: no stop-word, punctuation or n-gram rule (they read code as bad prose); a file that is mostly one
+    # repeated line is still junk
+    "code": {"steps": [{"length": {"min_chars": 20, "max_chars": 1_000_000}}, "code_quality",
+                       {"gopher_repetition": {"dup_line_frac": 0.5, "dup_para_frac": None, "dup_line_char_frac": None,
+                                              "dup_para_char_frac": None, "top_n_grams": {}, "dup_n_grams": {}}}]},
     "none": None,
 }
 _RECIPE_KEYS = ("name", "steps", "dedup", "decontaminate", "on_error", "max_removed_share")
