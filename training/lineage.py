@@ -30,6 +30,7 @@ import yaml
 from training.atomic import write_atomic
 from training.data.hashing import sha256_file
 from training.data.manifest import read_manifest
+from training.relocation import moved_path, rebase
 
 LINEAGE_VERSION = 2  # 2: upstream records in the lineage store, lineage.json points at them (1: inline)
 STORE_DIR = "lineage"  # under the runs root
@@ -96,19 +97,17 @@ class LineageInputsMissing(ValueError):
 
 
 def relocated(checkpoint_dir: Path, run: dict, recorded: str | Path) -> Path:
-    """Where a path recorded (absolute) when the checkpoint was trained is now. When the run directory moved
-    (the checkpoint sits in ``<run dir>/checkpoints/`` beside the config file run.config_path names, and that is
-    no longer where the config was written), the path at the same place relative to the run directory, if
-    something is there: a run directory moved with its data root and runs root keeps its links. Else as
-    recorded."""
+    """Where a path recorded (absolute) when the checkpoint was trained is now (training.relocation): when its run
+    directory moved (the checkpoint sits in ``<run dir>/checkpoints/`` beside the config file run.config_path
+    names, no longer where that was written), at its place relative to the run directory if something is there;
+    else as recorded."""
     config_path = run.get("config_path")
-    if not config_path or not os.path.isabs(recorded):
+    if not config_path:
         return Path(recorded)
-    old_run_dir, new_run_dir = Path(config_path).parent, Path(checkpoint_dir).resolve().parent.parent
-    if new_run_dir == old_run_dir or not (new_run_dir / Path(config_path).name).is_file():
+    new_run_dir = Path(checkpoint_dir).resolve().parent.parent
+    if not (new_run_dir / Path(config_path).name).is_file():
         return Path(recorded)
-    moved = Path(os.path.normpath(new_run_dir / os.path.relpath(recorded, old_run_dir)))
-    return moved if moved.exists() else Path(recorded)
+    return moved_path(Path(config_path).parent, new_run_dir, recorded)
 
 
 def moved_run(checkpoint_dir: Path, lineage: dict, data_root: str | Path | None = None) -> tuple[dict, dict]:
@@ -124,18 +123,7 @@ def moved_run(checkpoint_dir: Path, lineage: dict, data_root: str | Path | None 
         old_run_dir = str(Path(run["config_path"]).parent)
         moves.append((old_run_dir, str(relocated(checkpoint_dir, run, old_run_dir))))
     moves = [(old, new) for old, new in moves if os.path.normpath(old) != os.path.normpath(new)]
-
-    def move(value):
-        if isinstance(value, dict):
-            return {key: move(item) for key, item in value.items()}
-        if isinstance(value, list):
-            return [move(item) for item in value]
-        for old, new in moves:
-            if isinstance(value, str) and (value == old or value.startswith(old.rstrip(os.sep) + os.sep)):
-                return new + value[len(old.rstrip(os.sep)):]
-        return value
-
-    config = {**run["config"], "train_dataset": move(run["config"]["train_dataset"])}
+    config = {**run["config"], "train_dataset": rebase(run["config"]["train_dataset"], moves)}
     return ({**lineage, "data_root": moves[0][1]} if recorded_root and moves and moves[0][0] == recorded_root
             else lineage), config
 

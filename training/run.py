@@ -82,10 +82,15 @@ def train(args: argparse.Namespace) -> int:
         return 2
     from training.boundary import debugging, is_user_error
     from training.config import ConfigError, parse_config, read_config
+    from training.relocation import moved_rendered_config
     from training.failures import CONFIG_ERROR, USER_ERROR, not_retriable, not_retriable_line
 
     try:
-        data = read_config(args.config, args.overrides)
+        data, rendered_for = moved_rendered_config(read_config(args.config, args.overrides), Path(args.config))
+        if rendered_for is not None:
+            print(f"[kiln] {args.config} was rendered for the run directory {rendered_for}: its paths there (and "
+                  f"the data's, where this copy has them) are taken from {Path(args.config).resolve().parent}",
+                  flush=True)
         use_host_blocking_dispatch(asks_host_blocking_dispatch(data))
         from training.launch import check_layout, world_size_before_init
         from training.model import model_config, validate_model_section  # loads MindSpore
