@@ -79,8 +79,9 @@ def task_metadata(record: dict) -> dict:
         key = "task_" + name.replace(":", "_")
         plotted[key] = dg.MetadataValue.float(s["primary"])
         plotted[f"{key}_bpb"] = dg.MetadataValue.float(s["bpb"])
-    rows = "\n".join(f"| {name} | {_score(s['acc'])} | {_score(s['len_norm'])} | {s['bpb']:.4f} | {s['primary_metric']} "
-                     f"| {s['instances']} | {s['requests_per_second']:.1f} |" for name, s in record["tasks"].items())
+    rows = "\n".join(f"| {name} | {_score(s['acc'])} | {_score(s['len_norm'])} | {s['bpb']:.4f} | "
+                     f"{s['primary_metric']} | {s['instances']} | {s['requests_per_second']:.1f} |"
+                     for name, s in record["tasks"].items())
     return {"tasks_mean_primary": dg.MetadataValue.float(record["tasks_mean"]["primary"]),
             "tasks_mean_bpb": dg.MetadataValue.float(record["tasks_mean"]["bpb"]), **plotted,
             "task_scores": dg.MetadataValue.md("| task | acc | len_norm | bpb | primary | instances | requests/s |\n"
@@ -151,7 +152,8 @@ def run_comparison(context: dg.AssetExecutionContext, config: RunComparisonConfi
     page = write_html(runs, root / "comparison.html")
     context.log.info(f"compared {', '.join(names)}: {page}")
     plots = "\n\n".join(f"![{metric}](data:image/svg+xml;base64,"
-                        f"{base64.b64encode(svg_panel(metric, runs).encode()).decode()})" for metric in metrics_of(runs))
+                        f"{base64.b64encode(svg_panel(metric, runs).encode()).decode()})"
+                        for metric in metrics_of(runs))
     legend = ", ".join(f"{run.name}: {color}" for run, color in zip(runs, _colors(len(runs))))
     return dg.MaterializeResult(metadata={
         "runs": dg.MetadataValue.text(", ".join(names)), "table": dg.MetadataValue.md(table(runs)),

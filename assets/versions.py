@@ -35,6 +35,7 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SOURCES_CONFIG = "$KILN_SOURCES"
 TRAINING_CONFIG = "$KILN_TRAIN_CONFIG"
+ABLATION_CONFIG = "$KILN_ABLATION_SPEC"
 TOP_LEVEL = "<module>"  # as Python names a module's own code
 
 
@@ -48,7 +49,9 @@ def default_training_config() -> str:
     return os.environ.get("KILN_TRAIN_CONFIG", "configs/qwen3_tiny.yaml")
 
 
-_SETTING_FILES = {SOURCES_CONFIG: sources_config, TRAINING_CONFIG: lambda: PROJECT_ROOT / default_training_config()}
+_SETTING_FILES = {SOURCES_CONFIG: sources_config, TRAINING_CONFIG: lambda: PROJECT_ROOT / default_training_config(),
+                  ABLATION_CONFIG: lambda: Path(os.environ.get("KILN_ABLATION_SPEC",
+                                                               PROJECT_ROOT / "configs" / "ablation.yaml"))}
 
 _DATA_COMMON = ("assets/chunks.py", "assets/sources.py", "resources/storage.py", "training/atomic.py",
                 "training/data/hashing.py", "training/data/cleaning/recipe.py", "training/data/cleaning/filters.py",
@@ -95,6 +98,13 @@ ASSET_PARTS: dict[str, tuple[str, ...]] = {
         "assets/evaluation.py:eval_metadata", "assets/evaluation.py:_unevaluated_table",
         "assets/evaluation.py:_bpb_metadata", "assets/evaluation.py:task_metadata", "assets/evaluation.py:_score",
         "assets/training.py:checkpoint_dir", "resources/storage.py", "training/"),
+    "ablation_run": (
+        "assets/ablation.py:ablation_run", "assets/ablation.py:<module>", "assets/ablation.py:_result_path",
+        "assets/ablation.py:_seed_table",
+        "resources/storage.py", "training/", ABLATION_CONFIG),
+    "ablation_ranking": (
+        "assets/ablation.py:ablation_ranking", "assets/ablation.py:<module>", "assets/ablation.py:_result_path",
+        "resources/storage.py", "training/ablation.py", ABLATION_CONFIG),
     "run_comparison": (
         "assets/evaluation.py:run_comparison", "assets/evaluation.py:<module>",
         "assets/evaluation.py:RunComparisonConfig", "assets/evaluation.py:_colors", "resources/storage.py",

@@ -1,6 +1,7 @@
 """Kiln's one Definitions object, loaded by workspace.yaml."""
 import dagster as dg
 
+from assets.ablation import ablation_ranking, ablation_run, data_ablation, weekly_data_ablation
 from assets.checks import checkpoint_audit, manifest_shards_match, shards_are_well_formed
 from assets.cleaning import clean_corpus, clean_removals_within_limit
 from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
@@ -13,7 +14,7 @@ from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 
 ALL_ASSETS = [raw_corpus, clean_corpus, tokenizer, token_shards, blend_manifest, training_run, checkpoint,
-              checkpoint_eval, run_comparison]
+              checkpoint_eval, run_comparison, ablation_run, ablation_ranking]
 ALL_CHECKS = [clean_removals_within_limit, shards_are_well_formed, manifest_shards_match, checkpoint_audit]
 
 
@@ -24,8 +25,9 @@ def resources(**overrides) -> dict:
 
 
 def build_definitions(resources: dict, schedule_run_config: dict | None = None) -> dg.Definitions:
-    return dg.Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS, jobs=[preprocess_then_train, shard_chunks],
-                          schedules=[nightly_schedule(schedule_run_config)],
+    return dg.Definitions(assets=ALL_ASSETS, asset_checks=ALL_CHECKS,
+                          jobs=[preprocess_then_train, shard_chunks, data_ablation],
+                          schedules=[nightly_schedule(schedule_run_config), weekly_data_ablation],
                           sensors=[raw_files_sensor, kiln_automation], resources=resources)
 
 

@@ -62,8 +62,9 @@ def test_the_audits_versions_are_the_definitions_before_and_after_edits(tmp_path
     monkeypatch.delenv("KILN_TRAIN_CONFIG", raising=False)
     before = current_code_versions()
     assert set(before) == {"raw_corpus", "clean_corpus", "tokenizer", "token_shards", "blend_manifest",
-                           "training_run", "checkpoint", "checkpoint_eval", "run_comparison"} \
-        and before["checkpoint"] == before["training_run"]
+                           "training_run", "checkpoint", "checkpoint_eval", "run_comparison", "ablation_run",
+                           "ablation_ranking"}
+    assert before["checkpoint"] == before["training_run"]
     # a function two data assets run, one only checkpoint_eval's launch runs, the training package, the sources
     add_statement(root / "assets" / "data.py", "figures")
     add_statement(root / "assets" / "evaluation.py", "eval_command")
@@ -76,8 +77,9 @@ def test_the_audits_versions_are_the_definitions_before_and_after_edits(tmp_path
     assert definitions["checkpoint"] is None  # an external asset: the audit gives it training_run's
     assert audit == {**definitions, "checkpoint": definitions["training_run"]}
     changed = {key for key in before if audit[key] != before[key]}
-    # hashing.py is run by every data asset and part of training/; run_comparison runs none of what changed
-    assert changed == set(before) - {"run_comparison"}
+    # hashing.py is run by every data asset and part of training/; run_comparison and ablation_ranking run none
+    # of what changed
+    assert changed == set(before) - {"run_comparison", "ablation_ranking"}
     (root / "configs" / "sources.yaml").write_text((PROJECT_ROOT / "configs" / "sources.yaml").read_text())
     shutil.copy(PROJECT_ROOT / "training" / "data" / "hashing.py", root / "training" / "data" / "hashing.py")
     after = current_code_versions()

@@ -220,7 +220,9 @@ def test_validation_during_training_records_bits_per_byte_beside_the_loss(traine
 
     def piece_bytes(t):  # decoding drops the "▁" a text starts with (the dummy prefix): it spells a space
         piece = processor.id_to_piece(t)
-        return 1 if processor.is_byte(t) else len(processor.decode_pieces([piece]).encode()) + piece.startswith("\u2581")
+        if processor.is_byte(t):
+            return 1
+        return len(processor.decode_pieces([piece]).encode()) + piece.startswith("\u2581")
 
     text = sum(piece_bytes(int(t)) for item in items for t, m in zip(item["labels"], item["loss_mask"])
                if m and not processor.is_control(int(t)) and not processor.is_unknown(int(t)))

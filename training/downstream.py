@@ -74,7 +74,8 @@ def encode_task(task: Task, documents, processor, max_length: int) -> tuple[Enco
     unk = processor.unk_id()
     windows, targets, document, choice, unknown, kept, too_long = [], [], [], [], {}, [], []
     for doc in documents:
-        encoded = [(processor.encode(context), processor.encode(continuation)) for context, continuation in doc.requests]
+        encoded = [(processor.encode(context), processor.encode(continuation))
+                   for context, continuation in doc.requests]
         for (ctx, cont), (context, continuation) in zip(encoded, doc.requests):
             if unk in ctx or unk in cont:
                 chars = {c for c in context + continuation if unk in processor.encode(c)}
