@@ -48,6 +48,9 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
   (256 MiB; `--gib 1` for the issue's 1 GB) backfilled by `shard_chunks`, 2 steps at once under the
   multiprocess executor, vs. one `kiln preprocess` of the same files, rounds alternating (target >= 0.9), and
   Dagster's per-step overhead in seconds.
+- cleaning (benchmarks/cleaning.py, in a process of its own): the FineWeb filter chain's documents/s per core vs.
+  DataTrove's LocalPipelineExecutor (its own venv), and near-dup recall, false flags, exact recall and pair
+  agreement with DataTrove's MinHash stages on planted pairs of known Jaccard similarity.
 """
 from __future__ import annotations
 
@@ -285,6 +288,8 @@ def main(argv=None) -> int:
             subprocess.run([sys.executable, "-m", "benchmarks.preprocess_memory"], cwd=PROJECT_ROOT, check=True)
             # a chunked source's backfill vs one kiln preprocess, each arm a process of its own (a few minutes)
             subprocess.run([sys.executable, "-m", "benchmarks.chunked_preprocess"], cwd=PROJECT_ROOT, check=True)
+            # cleaning vs DataTrove (its own venv, made on the first run) and the near-dup quality (a few minutes)
+            subprocess.run([sys.executable, "-m", "benchmarks.cleaning"], cwd=PROJECT_ROOT, check=True)
     return 0
 
 
