@@ -9,6 +9,8 @@
   (targets: >= 0.90 at J >= 0.8, <= 0.06 at J <= 0.5), exact-duplicate recall (copies differing in case and
   spacing: target 1.0), and the share of planted pairs both Kiln and DataTrove's MinHash stages at the same
   settings judge alike (target >= 0.99);
+- language ID: CLD2's accuracy on paragraphs of the gettext translation catalogs installed on the machine
+  (/usr/share/locale/<language>/LC_MESSAGES/*.mo, human translations labelled by their directory);
 - memory: peak RSS of the whole cleaning (FineWeb recipe) on a generated corpus and on 8 times it, each in a
   process of its own (streamed: the ratio should stay near 1).
 
@@ -225,6 +227,69 @@ def memory(work: Path, rng: random.Random, docs: int) -> None:
     print(f"peak RSS 8x / 1x: {peaks[8] / peaks[1]:.2f}  ({load_note()})", flush=True)
 
 
+LOCALE_ROOT = Path("/usr/share/locale")
+SAMPLE_CHARS = 300  # about a paragraph: translations joined until this long
+
+
+def translation_samples(per_language: int = 20, min_catalogs: int = 20) -> list[tuple[str, str]]:
+    """(language, text) samples from the gettext catalogs (.mo) installed under /usr/share/locale: human
+    translations of program messages, labelled by their directory; languages with at least ``min_catalogs``."""
+    import gettext
+
+    samples = []
+    for directory in sorted(LOCALE_ROOT.glob("*/LC_MESSAGES")):
+        language = directory.parent.name.split("_")[0].split("@")[0]
+        catalogs = sorted(directory.glob("*.mo"))
+        if len(catalogs) < min_catalogs or directory.parent.name != language:
+            continue  # few catalogs, or a regional variant (pt_BR, zh_CN...): its base language is enough
+        texts, current = [], ""
+        for path in catalogs:
+            try:
+                with open(path, "rb") as stream:
+                    catalog = gettext.GNUTranslations(stream)._catalog
+            except (OSError, UnicodeDecodeError, ValueError):
+                continue
+            for key, message in catalog.items():
+                if key == "":  # the catalog's header, not a translation
+                    continue
+                if isinstance(message, str) and len(message.split()) >= 4 and "%" not in message:
+                    current += " " + message.strip()
+                    if len(current) >= SAMPLE_CHARS:
+                        texts.append(current.strip())
+                        current = ""
+            if len(texts) >= per_language:
+                break
+        samples += [(language, text) for text in texts[:per_language]]
+    return samples
+
+
+def language_accuracy() -> None:
+    """CLD2's accuracy (training/data/cleaning/filters.py Language) on the machine's translation catalogs."""
+    from training.data.cleaning.filters import detect_language
+
+    import pycld2
+
+    known = {code for _, code in pycld2.LANGUAGES}
+    everything = translation_samples()
+    samples = [(language, text) for language, text in everything if language in known]
+    if not samples:
+        print(f"language ID: no gettext catalogs under {LOCALE_ROOT} to measure on", flush=True)
+        return
+    aliases = {"iw": "he", "no": "nb", "in": "id", "jw": "jv"}  # CLD2's older codes
+    right = [aliases.get(code, code) == language
+             for code, language in ((detect_language(text)[0].split("-")[0], language) for language, text in samples)]
+    english = [ok for (language, _), ok in zip(samples, right) if language == "en"]
+    languages = sorted({language for language, _ in samples})
+    print(f"language ID (CLD2, pycld2) on {len(samples)} paragraphs of gettext translations in {len(languages)} "
+          f"languages: accuracy {np.mean(right):.3f}" + (f", English {np.mean(english):.3f}" if english else "")
+          + f" ({len(everything) - len(samples)} paragraphs in languages CLD2 does not know left out)", flush=True)
+    wrong = {}
+    for (language, _), ok in zip(samples, right):
+        wrong[language] = wrong.get(language, 0) + (not ok)
+    worst = sorted(wrong.items(), key=lambda item: -item[1])[:5]
+    print("  most missed: " + ", ".join(f"{language} {count}" for language, count in worst if count), flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=1000, help="documents per filter corpus (default 1000)")
@@ -241,6 +306,7 @@ def main(argv=None) -> int:
         filter_speed("generated prose", generated_prose(args.docs, rng), work, args.rounds)
         dedup_quality(work, rng)
         memory(work, rng, args.docs * 4)
+    language_accuracy()
     return 0
 
 

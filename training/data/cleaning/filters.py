@@ -293,7 +293,9 @@ class CodeQuality(Step):
 class Language(Step):
     """Language ID by CLD2 (Chromium's Compact Language Detector 2, the `pycld2` package: its model is compiled
     into the extension, nothing is downloaded). Kept when the most likely language is one of ``languages``
-    with at least ``min_score`` of the text (CLD2's percent / 100; FineWeb's fastText cut is 0.65)."""
+    with at least ``min_score`` of the text (CLD2's percent / 100; FineWeb's fastText cut is 0.65). Measured by
+    benchmarks/cleaning.py: 0.965 accuracy on 1,076 paragraphs of human gettext translations in 54 languages
+    (misses mostly between close languages: Bosnian/Croatian, Malay/Indonesian)."""
     name: ClassVar[str] = "language"
     languages: list = field(default_factory=lambda: ["en"])
     min_score: float = 0.65
