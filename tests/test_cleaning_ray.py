@@ -1,71 +1,24 @@
 """The cleaning on a Ray cluster of two nodes started as processes on 127.0.0.1 (`ray start --head`, then a
 worker node joining it): the same output as a local run, byte for byte; an unreachable address in one line."""
 import json
-import os
 import random
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("ray")
 
+from benchmarks.ray_cluster import free_port, local_ray_cluster  # noqa: E402
 from test_cleaning import vocabulary, words  # noqa: E402
-from training.data.cleaning.pipeline import ChunkStage, CleaningError, RawInput  # noqa: E402
+from training.data.cleaning.pipeline import CleaningError, RawInput  # noqa: E402
 from training.data.cleaning.recipe import load_recipe  # noqa: E402
-from training.data.cleaning.runners import FilterJob, FinalizeJob, LocalRunner, RayRunner  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from training.data.cleaning.runners import LocalRunner, RayRunner, clean_chunks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """`ray start --head` and a second node, each a process group of its own that only this fixture ends."""
-    ray_bin = Path(sys.executable).with_name("ray")
-    port = free_port()
-    temp = Path(f"/tmp/kr{os.getpid()}")
-    common = ["--block", "--num-cpus=1", "--disable-usage-stats"]
-    head = subprocess.Popen([str(ray_bin), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                             "--include-dashboard=false", f"--temp-dir={temp}", *common], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    worker = None
-    try:
-        address = f"127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(1)
-        worker = subprocess.Popen([str(ray_bin), "start", f"--address={address}", "--node-ip-address=127.0.0.1",
-                                   *common], start_new_session=True, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-        import ray
-
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False, _node_ip_address="127.0.0.1")
-        while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.monotonic() < deadline:
-            time.sleep(1)
-        assert len([n for n in ray.nodes() if n["Alive"]]) == 2, "the worker node did not join"
+    with local_ray_cluster(nodes=2) as address:
         yield address
-    finally:
-        import ray
-
-        ray.shutdown()
-        for process in (worker, head):
-            if process is not None:
-                os.killpg(process.pid, signal.SIGTERM)
-                process.wait(timeout=60)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def chunks(tmp_path: Path) -> list[list[Path]]:
@@ -83,21 +36,11 @@ def chunks(tmp_path: Path) -> list[list[Path]]:
     return files
 
 
-def clean(runner, files: list[list[Path]], out: Path) -> None:
-    recipe = load_recipe({"steps": [{"length": {"min_chars": 10}}, "gopher_repetition"]})
-    stages = [out / "filtered" / f"c{i}" for i in range(len(files))]
-    runner.filter([FilterJob(recipe, tuple(RawInput(p, p.name) for p in paths), stage)
-                   for paths, stage in zip(files, stages)])
-    loaded = [ChunkStage.load(f"c{i}", stage) for i, stage in enumerate(stages)]
-    clusters = runner.cluster(loaded, recipe)
-    keys = tuple((s.key, s.stage) for s in loaded)
-    runner.finalize([FinalizeJob(keys, i, out / "clean" / f"c{i}", f"c{i}") for i in range(len(files))], clusters)
-
-
 def test_ray_cleaning_is_byte_identical_to_local(tmp_path, ray_cluster):
-    files = chunks(tmp_path)
-    clean(LocalRunner(), files, tmp_path / "local")
-    clean(RayRunner(ray_cluster), files, tmp_path / "ray")
+    recipe = load_recipe({"steps": [{"length": {"min_chars": 10}}, "gopher_repetition"]})
+    inputs = [(f"c{i}", tuple(RawInput(p, p.name) for p in paths)) for i, paths in enumerate(chunks(tmp_path))]
+    clean_chunks(LocalRunner(), recipe, inputs, tmp_path / "local")
+    clean_chunks(RayRunner(ray_cluster), recipe, inputs, tmp_path / "ray")
     local = sorted(p.relative_to(tmp_path / "local" / "clean") for p in (tmp_path / "local" / "clean").rglob("*.*"))
     assert len(local) == 6  # per chunk: cleaned JSONL, removals.jsonl, c<i>.kiln.json
     for name in local:

@@ -296,6 +296,34 @@ def _import_hf(args) -> int:
     return 0
 
 
+def _add_cleaning_commands(commands, started: float) -> None:
+    """`kiln clean` and `kiln why` (training/data/cleaning)."""
+    clean = commands.add_parser(
+        "clean", help="filter and deduplicate JSONL / JSON-array / Parquet files with a cleaning recipe",
+        description="Writes a cleaned JSONL per input, removals.jsonl (one line per raw document: kept, or the "
+                    "step that removed it and why) and clean.kiln.json (per-step figures). Exit 2 on bad input.")
+    clean.add_argument("--input", action="append", required=True, metavar="FILE",
+                       help="a .jsonl, .json (one array) or .parquet file; repeat for several (deduplicated together)")
+    clean.add_argument("--output-dir", required=True, metavar="DIR")
+    clean.add_argument("--recipe", default="fineweb",
+                       help="a built-in recipe (fineweb, code) or a recipe YAML file (default: fineweb)")
+    clean.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                       help="keys holding the text; the first is cleaned, the others carried along (default: text)")
+    clean.add_argument("--on-bad-line", choices=["error", "skip"], default="error",
+                       help="skip: count bad records, each named in removals.jsonl")
+    clean.set_defaults(handler=_clean, started=started)
+
+    why = commands.add_parser("why", help="what cleaning did with one raw document: kept, or removed by which "
+                                          "step and why",
+                              description="Hashes the raw file and looks it up in the cleaning sidecars. Exit 1 "
+                                          "when no cleaning read it.")
+    why.add_argument("document", metavar="FILE:LINE", help="a raw file and a line (a Parquet row from 0)")
+    why.add_argument("--clean-dir", action="append", metavar="DIR",
+                     default=[os.path.join(os.environ.get("KILN_DATA_ROOT", "data"), "clean")],
+                     help="where cleaning outputs are (repeatable; default: $KILN_DATA_ROOT/clean, else data/clean)")
+    why.set_defaults(handler=_why)
+
+
 def main(argv=None) -> int:
     started = time.perf_counter()
     parser = argparse.ArgumentParser(prog="kiln", description="Kiln pretraining pipeline tools")
@@ -377,30 +405,7 @@ def main(argv=None) -> int:
                             help="split each dataset into shards of at most this many tokens")
     preprocess.set_defaults(handler=_preprocess, started=started)
 
-    clean = commands.add_parser(
-        "clean", help="filter and deduplicate JSONL / JSON-array / Parquet files with a cleaning recipe",
-        description="Writes a cleaned JSONL per input, removals.jsonl (one line per raw document: kept, or the "
-                    "step that removed it and why) and clean.kiln.json (per-step figures). Exit 2 on bad input.")
-    clean.add_argument("--input", action="append", required=True, metavar="FILE",
-                       help="a .jsonl, .json (one array) or .parquet file; repeat for several (deduplicated together)")
-    clean.add_argument("--output-dir", required=True, metavar="DIR")
-    clean.add_argument("--recipe", default="fineweb",
-                       help="a built-in recipe (fineweb, code) or a recipe YAML file (default: fineweb)")
-    clean.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
-                       help="keys holding the text; the first is cleaned, the others carried along (default: text)")
-    clean.add_argument("--on-bad-line", choices=["error", "skip"], default="error",
-                       help="skip: count bad records, each named in removals.jsonl")
-    clean.set_defaults(handler=_clean, started=started)
-
-    why = commands.add_parser("why", help="what cleaning did with one raw document: kept, or removed by which "
-                                          "step and why",
-                              description="Hashes the raw file and looks it up in the cleaning sidecars. Exit 1 "
-                                          "when no cleaning read it.")
-    why.add_argument("document", metavar="FILE:LINE", help="a raw file and a line (a Parquet row from 0)")
-    why.add_argument("--clean-dir", action="append", metavar="DIR",
-                     default=[os.path.join(os.environ.get("KILN_DATA_ROOT", "data"), "clean")],
-                     help="where cleaning outputs are (repeatable; default: $KILN_DATA_ROOT/clean, else data/clean)")
-    why.set_defaults(handler=_why)
+    _add_cleaning_commands(commands, started)
 
     merge = commands.add_parser(
         "merge", help="merge the .bin/.idx datasets of a directory into one (Megatron's merge_datasets.py)",

@@ -114,3 +114,15 @@ class RayRunner(LocalRunner):
 
 def runner(ray_address: str | None) -> LocalRunner:
     return RayRunner(ray_address) if ray_address else LocalRunner()
+
+
+def clean_chunks(run: LocalRunner, recipe: Recipe, chunks: Sequence[tuple[str, tuple[RawInput, ...]]],
+                 work: Path) -> list[dict]:
+    """Every phase over ``chunks`` (key and raw inputs, in order), deduplicated together: the filter stages in
+    ``work/filtered/<key>``, the outputs in ``work/clean/<key>``; each chunk's sidecar."""
+    stages = [work / "filtered" / key for key, _ in chunks]
+    run.filter([FilterJob(recipe, inputs, stage) for (_, inputs), stage in zip(chunks, stages)])
+    loaded = [ChunkStage.load(key, stage) for (key, _), stage in zip(chunks, stages)]
+    keys = tuple((s.key, s.stage) for s in loaded)
+    jobs = [FinalizeJob(keys, i, work / "clean" / key, key) for i, (key, _) in enumerate(chunks)]
+    return run.finalize(jobs, run.cluster(loaded, recipe))
