@@ -1038,6 +1038,7 @@ def apply_overrides(data: dict, overrides: typing.Iterable[str]) -> dict:
 # Aliases are references while loading but copies to everything that walks the result (a repr, a dump, a
 # recursive check): a few lines of YAML can stand for billions of values (a "billion laughs" document).
 MAX_EXPANDED_VALUES = 1_000_000
+MAX_MAPPING_NESTING = 10  # MindFormers' check_yaml_depth_before_loading refuses a YAML deeper than this
 _SHOWN_CHARS = 200  # of a value in an error message: a message names the value, it does not carry it
 
 
@@ -1059,10 +1060,12 @@ _BOUNDED_REPR = _bounded_repr()
 
 
 def _yaml_problems(root: yaml.Node, where: str) -> list[str]:
-    """Keys a mapping repeats (YAML keeps the last one silently; Kiln refuses, naming both lines) and a
-    document that aliases expand past MAX_EXPANDED_VALUES, found on the composed nodes before anything is built."""
+    """Keys a mapping repeats (YAML keeps the last one silently; Kiln refuses, naming both lines), a document
+    that aliases expand past MAX_EXPANDED_VALUES and mappings nested deeper than MindFormers loads, found on the
+    composed nodes before anything is built."""
     problems: list[str] = []
     expanded: dict[int, int] = {}  # node id -> values it stands for once its aliases are expanded
+    nesting: dict[int, int] = {}  # node id -> mappings nested in it, counted as MindFormers counts (not lists)
 
     def walk(node: yaml.Node, path: str) -> int:
         if id(node) in expanded:  # an alias: counted again, its duplicates already reported
@@ -1081,6 +1084,7 @@ def _yaml_problems(root: yaml.Node, where: str) -> list[str]:
                                     f"{first_line[key]}): YAML would keep the second silently; keep one")
                 first_line.setdefault(key, line)
                 count += walk(value_node, path if merge else _join(path, key))
+            nesting[id(node)] = 1 + max((nesting.get(id(value), 0) for _, value in node.value), default=0)
         else:
             count = 1
         expanded[id(node)] = count
@@ -1090,6 +1094,9 @@ def _yaml_problems(root: yaml.Node, where: str) -> list[str]:
         problems.append(f"{where}: its aliases expand it to {expanded[id(root)]:,} values, more than the "
                         f"{MAX_EXPANDED_VALUES:,} a training config may hold; write the values out or use fewer "
                         f"nested aliases")
+    if nesting.get(id(root), 0) > MAX_MAPPING_NESTING:
+        problems.append(f"{where}: its mappings nest {nesting[id(root)]} deep, more than the {MAX_MAPPING_NESTING} "
+                        f"MindFormers' loader accepts (a training config needs 4)")
     return problems
 
 
@@ -1109,6 +1116,9 @@ def parse_yaml(text: str, where: str) -> Any:
         mark = getattr(exc, "problem_mark", None)
         at = f"{where}:{mark.line + 1}" if mark else where
         raise ConfigError(f"{at}: invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{where}: nested too deeply for a YAML reader (thousands of levels); a training config "
+                          f"nests 4") from None
     finally:
         loader.dispose()
 
