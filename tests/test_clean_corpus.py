@@ -25,7 +25,7 @@ def corpus(tmp_path):
     near[60] = "changed"
     second = [" ".join(words(rng, 120, vocab)) + "." for _ in range(10)] + [first[2], " ".join(near), "x"]
     folder = tmp_path / "web"
-    folder.mkdir(exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     for name, texts in (("a.jsonl", first), ("b.jsonl", second)):
         (folder / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return folder

@@ -54,3 +54,23 @@ def test_an_unreachable_ray_address_is_one_line(tmp_path):
     with pytest.raises(CleaningError) as caught:
         RayRunner(f"127.0.0.1:{free_port()}")
     assert "\n" not in str(caught.value) and "the Ray cluster at '127.0.0.1:" in str(caught.value)
+
+
+def test_clean_corpus_pointed_at_the_cluster_writes_what_it_writes_locally(tmp_path, ray_cluster):
+    import dagster as dg
+
+    from assets.chunks import register_source_chunks
+    from test_clean_corpus import materialize, setup
+
+    outputs = {}
+    on_ray = {"ops": {"clean_corpus": {"config": {"ray_address": ray_cluster}}}}
+    for where, run_config in (("local", None), ("ray", on_ray)):
+        storage, resources = setup(tmp_path / where)
+        with dg.instance_for_test() as instance:
+            keys = register_source_chunks(instance, storage)
+            materialize(instance, resources, "raw_corpus", keys)
+            assert materialize(instance, resources, "clean_corpus", keys, run_config=run_config).success
+        root = storage.root / "clean"
+        outputs[where] = {p.relative_to(root): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert len(outputs["local"]) == 2 * 3 + 2 * 6  # per chunk: 3 outputs; its filter stage: 6 files
+    assert outputs["ray"] == outputs["local"]
