@@ -501,8 +501,8 @@ def find_consumers(runs_root: str | Path, target: str) -> list[Consumer]:
 
 def recorded_names(runs_root: str | Path) -> tuple[set[str], set[str]]:
     """Every name ``find_consumers`` matches in the lineage the indexed checkpoints under ``runs_root`` record
-    (sources, chunks, file paths and shard prefixes: to suggest the near ones for a target that matches none),
-    and the data roots they record."""
+    (sources, chunks, recipes, file paths and shard prefixes: to suggest the near ones for a target that matches
+    none), and the data roots they record."""
     entries: dict[str, tuple[Path, str]] = {}
     for save_path in sorted(Path(runs_root).glob("*/checkpoints")):
         for step, line in _read_index(save_path).items():
@@ -515,8 +515,8 @@ def recorded_names(runs_root: str | Path) -> tuple[set[str], set[str]]:
         except (OSError, ValueError):
             continue  # an entry that cannot be read names nothing to suggest
         roots.add(inputs.get("data_root") or ".")
-        for record in [r for key in ("raw_files", "shards") for r in inputs.get(key) or []]:
-            names.update(n for n in (record.get("source"), record.get("chunk"), record["path"],
+        for record in [r for key in ("raw_files", "clean_files", "shards") for r in inputs.get(key) or []]:
+            names.update(n for n in (record.get("source"), record.get("chunk"), record.get("recipe"), record["path"],
                                      record["path"].rsplit(".", 1)[0]) if n)
     return names, roots
 
