@@ -115,3 +115,17 @@ def test_a_step_removing_too_much_fails_the_check_and_a_new_parameter_is_a_new_d
             check.metadata["problems"].value
         changed = after.asset_materializations_for_node("clean_corpus")[0].metadata["data_version/web/00000"].value
         assert changed != version
+
+
+def test_a_chunk_cleaned_before_the_copy_it_holds_was_kept_elsewhere_is_reported_stale(tmp_path):
+    storage, resources = setup(tmp_path)
+    with dg.instance_for_test() as instance:
+        keys = register_source_chunks(instance, storage)
+        materialize(instance, resources, "raw_corpus", keys)
+        alone = materialize(instance, resources, "clean_corpus", ["web/00001"])
+        assert chunk_metadata(alone, "clean_corpus", None)["docs_out"] == 12  # nothing to compare with yet
+        first = materialize(instance, resources, "clean_corpus", ["web/00000"])
+        assert chunk_metadata(first, "clean_corpus", None)["stale_chunks"] == "web/00001"
+        again = materialize(instance, resources, "clean_corpus", ["web/00001"])
+        metadata = chunk_metadata(again, "clean_corpus", None)
+        assert metadata["docs_out"] == 10 and "stale_chunks" not in metadata
