@@ -15,8 +15,6 @@ from functools import lru_cache
 import numpy as np
 import xxhash
 
-from training.data.cleaning.text import simplify_text
-
 MERSENNE_PRIME = np.uint64((1 << 61) - 1)
 NO_SHINGLES = np.iinfo(np.uint64).max  # a document of fewer words than an n-gram: its signature row, never a match
 _BLOCK = 4096  # shingles per block: a long document's shingles x hashes matrix stays a few MB

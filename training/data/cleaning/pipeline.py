@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field

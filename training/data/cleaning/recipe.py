@@ -176,7 +176,7 @@ def load_recipe(spec, base: Path | None = None) -> Recipe | None:
         builtin = BUILTIN_RECIPES[spec]
         return None if builtin is None else recipe_from_mapping(builtin, spec)
     path = Path(spec) if base is None or Path(spec).is_absolute() else base / spec
-    if not path.suffix.lower() in (".yaml", ".yml") or not path.is_file():
+    if path.suffix.lower() not in (".yaml", ".yml") or not path.is_file():
         raise RecipeError(f"recipe {spec!r} is neither a built-in recipe ({', '.join(BUILTIN_RECIPES)}) nor a "
                           f"YAML file")
     try:
