@@ -8,6 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import MICRO_CONFIG, PROJECT_ROOT  # noqa: E402
+from plain_gpt import PLAIN_CONFIG  # noqa: E402  (registers model_type plain_gpt)
 from training.parallel.mesh import init_world  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.reporting import Reporter  # noqa: E402
@@ -55,6 +56,14 @@ DEEPSEEK_CASES = {"deepseek_zero3": [],
                                                      "fast_step.compile=true"]}
 
 
+# the third model (tests/plain_gpt.py, unknown to training/parallel) against its own reference: ZeRO-3 eagerly, and
+# tensor + sequence parallel inside ZeRO-3 compiled (its q/k/v biases cut with their rows, its LayerNorms' vectors
+# gathered in the graph)
+PLAIN_CASES = {"plain_zero3": [],
+               "plain_tp2_sp_zero3_compiled": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
+                                               "fast_step.compile=true"]}
+
+
 def case_config(shard: str, overrides: list[str], save_path: Path | None = None, model_config: str = MICRO_CONFIG):
     save = [f"checkpoint.save_path={save_path}", "checkpoint.save_interleaved_steps=1000"] if save_path else [
         "checkpoint.enable_save=false"]
@@ -81,7 +90,8 @@ def train_cases(out: str, shard: str, cases: list[tuple[str, list[str], str]]) -
 
 def main(out: str, shard: str) -> None:
     train_cases(out, shard, [(name, overrides, MICRO_CONFIG) for name, overrides in CASES.items()]
-                + [(name, overrides, DEEPSEEK) for name, overrides in DEEPSEEK_CASES.items()])
+                + [(name, overrides, DEEPSEEK) for name, overrides in DEEPSEEK_CASES.items()]
+                + [(name, overrides, PLAIN_CONFIG) for name, overrides in PLAIN_CASES.items()])
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import MICRO_CONFIG  # noqa: E402
 from fsdp_cases import case_config  # noqa: E402
+from plain_gpt import PLAIN_CONFIG  # noqa: E402  (registers model_type plain_gpt)
 from training.parallel.mesh import init_world  # noqa: E402
 from training.reporting import Reporter  # noqa: E402
 from training.trainer import Trainer, configure_runtime  # noqa: E402
@@ -21,7 +22,9 @@ BATCH = ["training.global_batch_size=4", "train_dataset.dataloader.config.split=
 # the micro Qwen3 with 4 layers, so that 2 pipeline ranks × 2 chunks, or 4 ranks, each get one; its output layer tied
 # to the embedding, whose copy on the last stage is then the output matmul's weight
 FOUR_LAYERS_TIED = ["model.num_hidden_layers=4", "model.tie_word_embeddings=true"]
-REFERENCES = {"qwen3": (MICRO_CONFIG, BATCH), "qwen3_4_layers_tied": (MICRO_CONFIG, BATCH + FOUR_LAYERS_TIED)}
+REFERENCES = {"qwen3": (MICRO_CONFIG, BATCH), "qwen3_4_layers_tied": (MICRO_CONFIG, BATCH + FOUR_LAYERS_TIED),
+              # the third model (tests/plain_gpt.py, unknown to training/parallel), its output layer tied
+              "plain_tied": (PLAIN_CONFIG, BATCH + ["model.tie_word_embeddings=true"])}
 PP2 = ["parallelism.pipeline_parallel=2"]
 # validation after the last step (training.steps): one global batch of the held-out split, forward through the stages
 VALIDATE_ONCE = ["kiln.training.eval_interval=1000", "kiln.training.eval_iters=1"]
@@ -51,6 +54,8 @@ CASES = {
     # one layer per rank, 4 micro-batches through 4 stages; rank 0 reports the training-state statistics of every
     # stage's parameters (whole tensors: no data parallel here)
     "pp4_1f1b": ("qwen3_4_layers_tied", ["parallelism.pipeline_parallel=4"] + VALIDATE_ONCE + MONITORED),
+    # the third model split in two stages, ZeRO-3 over each stage's two data-parallel ranks, the embedding on both
+    "plain_pp2_tied_zero3": ("plain_tied", PP2 + VALIDATE_ONCE),
 }
 
 

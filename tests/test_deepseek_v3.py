@@ -342,13 +342,13 @@ def test_after_step_moves_biases_toward_balance_and_resets_counts():
     ids = random_ids()
     model(Tensor(ids), Tensor(ids), Tensor(np.ones(ids.shape, np.float32)))
     moe = dict(model.moe_layers())["decoder.layers.1"]
-    counts = moe._counts.copy()
+    counts = moe.token_counts.copy()
     assert counts.sum() == ids.size * 3
     reported = model.after_step(Collectives(World(rank=0, size=1)))
     assert reported["decoder.layers.1"] == counts.tolist()
     np.testing.assert_allclose(moe.expert_bias.asnumpy(), 0.01 * np.sign(counts.mean() - counts), atol=1e-7)
     np.testing.assert_array_equal(moe.tokens_per_expert.asnumpy(), counts)
-    assert moe._counts.sum() == 0
+    assert moe.token_counts.sum() == 0
     model.after_step(Collectives(World(rank=0, size=1)), applied=False)  # a skipped step leaves biases alone
     np.testing.assert_allclose(moe.expert_bias.asnumpy(), 0.01 * np.sign(counts.mean() - counts), atol=1e-7)
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from conftest import MICRO_CONFIG, assert_resumes_as_one_process, run_under_msrun, train_alone, write_random_documents
-from fsdp_cases import CASES, DEEPSEEK, DEEPSEEK_CASES, STEPS, TIED, case_config
+from fsdp_cases import CASES, DEEPSEEK, DEEPSEEK_CASES, PLAIN_CASES, STEPS, TIED, case_config
+from plain_gpt import PLAIN_CONFIG
 from training.parallel import fsdp
 from training.parallel.mesh import World, world_group
 from training.checkpoint import load_checkpoint
@@ -31,20 +32,21 @@ def single_process(root, shard, model_config, overrides=()):
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fsdp")
     shard = write_random_documents(root / "data/random")
-    references = {config: single_process(root, shard, config) for config in (MICRO_CONFIG, DEEPSEEK)}
+    references = {config: single_process(root, shard, config) for config in (MICRO_CONFIG, DEEPSEEK, PLAIN_CONFIG)}
     references[TIED] = single_process(root, shard, MICRO_CONFIG, [TIED])
     assert len(references[MICRO_CONFIG][1]) == 19  # embedding, output layer, final norm, 8 tensors x 2 layers
     run_under_msrun(["tests/fsdp_cases.py", root / "cases", shard], root / "msrun_log", workers=4)
     return root, references
 
 
-@pytest.mark.parametrize("case", [*CASES, *DEEPSEEK_CASES])
+@pytest.mark.parametrize("case", [*CASES, *DEEPSEEK_CASES, *PLAIN_CASES])
 def test_layout_trains_as_one_process(runs, case):
     root, references = runs
-    single, expected = references[DEEPSEEK if case in DEEPSEEK_CASES else TIED if TIED in CASES[case] else MICRO_CONFIG]
+    single, expected = references[DEEPSEEK if case in DEEPSEEK_CASES else PLAIN_CONFIG if case in PLAIN_CASES
+                                  else TIED if TIED in CASES[case] else MICRO_CONFIG]
     if "compiled" in case:  # the micro config trains eagerly unless a case turns compiling on
         step_mode = (root / "cases" / case / "step_mode.txt").read_text()
-        whole = "fast_step.compile_reduction=true" in {**CASES, **DEEPSEEK_CASES}[case]
+        whole = "fast_step.compile_reduction=true" in {**CASES, **DEEPSEEK_CASES, **PLAIN_CASES}[case]
         assert step_mode.startswith("whole step compiled (mindspore.jit: forward, backward, gradient reduction" if whole
                                     else "forward+backward compiled (mindspore.jit)"), step_mode
     sharded = read_records(root / "cases" / case / "metrics.jsonl")

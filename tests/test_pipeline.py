@@ -1,5 +1,5 @@
 """Pipeline parallelism proven by equivalence: under msrun with 4 CPU workers, the micro Qwen3 in PP2 with each
-schedule (gpipe with ZeRO-3, 1f1b with ZeRO-1, the interleaved one with 4 layers in 2 chunks per rank and a tied
+schedule (gpipe with ZeRO-3, 1f1b with ZeRO-1, the interleaved one with 4 layers in 2 virtual stages per rank and a tied
 output layer under ZeRO-3), TP2 × PP2, PP2 × CP2 and PP4 trains as one process reading the same global batches,
 and validation through the stages gives one process's validation loss; a PP checkpoint (each stage writing its
 tensors) resumes in one process. DeepSeek-V3 (MoE, MTP) under PP is proven in tests/test_expert_parallel.py. The
@@ -119,8 +119,8 @@ def test_every_rank_does_each_forward_and_backward_once_after_its_inputs(schedul
     last = pp * interleave - 1
     for rank, program in enumerate(programs):
         works = [step for step in program if isinstance(step, Work)]
-        assert sorted((w.kind, w.chunk, w.micro) for w in works) == sorted(
-            (kind, chunk, m) for kind in (FORWARD, BACKWARD) for chunk in range(interleave) for m in range(micro))
+        assert sorted((w.kind, w.local_stage, w.micro) for w in works) == sorted(
+            (kind, local, m) for kind in (FORWARD, BACKWARD) for local in range(interleave) for m in range(micro))
         arrived = set()
         for step in program:  # an input from another rank is received before the work that reads it
             if isinstance(step, Transfer):
@@ -128,7 +128,7 @@ def test_every_rank_does_each_forward_and_backward_once_after_its_inputs(schedul
                 if step.dst == rank:
                     arrived.add((step.kind, step.stage, step.micro))
                 continue
-            stage = step.chunk * pp + rank
+            stage = step.local_stage * pp + rank
             if step.kind == FORWARD and stage > 0:
                 assert (FORWARD, stage, step.micro) in arrived
             if step.kind == BACKWARD and stage < last:

@@ -510,7 +510,7 @@ class Trainer:
         else:
             (local_loss, components, norms, grad_norm), unclipped = self._compiled_whole_step(), None
         embedding_norm = (float(norms[self.embedding_index]) if self.pipeline is None
-                          else self.pipeline.embedding_norm(norms))
+                          else self.pipeline.norm_of(EMBEDDING_PARAM, norms))
         # Every rank decides alike: the loss is summed over ranks (a NaN anywhere is NaN everywhere) and
         # the norm is of the all-reduced gradients, which every rank holds identically.
         # the same all-reduce tells every rank whether each rank's async checkpoint writer is done

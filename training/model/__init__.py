@@ -15,6 +15,15 @@ SUPPORTED = {"qwen3": ("Qwen3ForCausalLM", Qwen3Config),
              "deepseek_v3": ("DeepseekV3ForCausalLM", DeepseekV3Config)}
 
 
+def register_model(model_type: str, architecture: str, config_class: type[GPTConfig]) -> None:
+    """Let ``model.model_type: <model_type>`` (with ``model.architectures: <architecture>``) build a GPTModel of
+    ``config_class``: a GPTConfig family whose layer specs name its layers, each declaring how every parallelism
+    cuts it (training/parallel/parallelize.py lists what a model declares). tests/plain_gpt.py registers one."""
+    if SUPPORTED.get(model_type, (architecture, config_class)) != (architecture, config_class):
+        raise ValueError(f"model_type {model_type!r} is registered already ({SUPPORTED[model_type][0]})")
+    SUPPORTED[model_type] = (architecture, config_class)
+
+
 def _architecture(value) -> str:
     """MindFormers accepts a string or a one-element list (HF config.json style)."""
     if isinstance(value, list) and len(value) == 1:
@@ -68,4 +77,5 @@ def validate_model_section(config: TrainConfig, tokenizer_model: str | os.PathLi
     return model
 
 
-__all__ = ["DeepseekV3Config", "GPTModel", "Qwen3Config", "build_model", "model_config", "validate_model_section"]
+__all__ = ["DeepseekV3Config", "GPTModel", "Qwen3Config", "build_model", "model_config", "register_model",
+           "validate_model_section"]

@@ -51,6 +51,23 @@ class SelfAttention(nn.Cell):
     def mask_repeats(config) -> int:
         return config.num_attention_heads // config.num_key_value_heads
 
+    def check_tensor_parallel(self, tp) -> None:
+        tp.require_divisible(self.num_groups, "model.num_key_value_heads", "linear_qkv is split by whole query groups")
+
+    def parallelize_tensor(self, tp) -> None:
+        """Tensor parallelism: ``linear_qkv`` column-parallel by whole KV groups (its rows are grouped per group),
+        ``linear_proj`` row-parallel; the q/k norms stay whole but apply to this rank's heads only."""
+        tp.column_parallel(self.linear_qkv)
+        self.num_groups //= tp.size
+        self.num_heads //= tp.size
+        tp.applied_to_local_heads(self.q_layernorm.weight, self.k_layernorm.weight)
+        self.logit_tracker.heads_comm = tp.gather_heads()
+        tp.row_parallel(self.linear_proj)
+
+    def parallelize_context(self, cp) -> None:
+        """Context parallelism: the attention core over the cp ranks' tokens."""
+        self.context_attention = cp.attention(self.softmax_dtype, self.heads_per_group)
+
     def _qk_normed(self, qk: Tensor) -> Tensor:
         """q_layernorm on every q head and k_layernorm on every k head, as one RMSNorm over the [batch, seq,
         groups, per_group + 1, dim] q|k slots of qkv: on CPU, norms of separate q and k views measured ~3x slower

@@ -16,7 +16,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from training.config import Section, require
+from training.config import ConfigError, Section, require
 from training.model import ascend
 from training.model.dropout import Dropout, MaskStream
 from training.model.layers import (DTYPE_FIELDS, DTYPES, Init, LanguageModelEmbedding, Linear, RotaryEmbedding,
@@ -24,7 +24,7 @@ from training.model.layers import (DTYPE_FIELDS, DTYPES, Init, LanguageModelEmbe
 from training.model.moe import MoELayer
 from training.model.mtp import MultiTokenPredictionBlock
 from training.model.spec import ModuleSpec
-from training.model.transformer import TransformerBlock
+from training.model.transformer import TransformerBlock, TransformerLayer
 
 
 @dataclass
@@ -132,6 +132,7 @@ class GPTModel(nn.Cell):
         self.output_layer = None if config.tie_word_embeddings else Linear(init, config.hidden_size, config.vocab_size)
         # MTP layers reuse the last decoder layer's spec (as MindFormers' get_gpt_mtp_block_spec)
         self.mtp = MultiTokenPredictionBlock(init, config, layer_specs[-1]) if config.num_mtp_layers else None
+        self.embedding.word_embeddings.is_output_layer = self.output_layer is None
         self.mask_repeats = config.mask_repeats()
         # the parts of the loss besides itself, for the log: none for a plain dense model (its loss is the LM loss)
         self._mtp_loss_names = [f"mtp_{k + 1}_loss" for k in range(config.num_mtp_layers)]
@@ -268,13 +269,19 @@ class GPTModel(nn.Cell):
         for _, moe in self.moe_layers():
             moe.aux_loss_gradient.loss_scale = scale
 
-    # ---- MoE bookkeeping ---------------------------------------------------------------------
-    def moe_layers(self) -> list[tuple[str, MoELayer]]:
-        """(layer name, its MoELayer) for every MoE layer, decoder first, then MTP depths."""
+    # ---- structure -----------------------------------------------------------------------------
+    def transformer_layers(self) -> list[tuple[str, TransformerLayer]]:
+        """(name, layer) of every transformer layer: the decoder's, then each MTP depth's (cut alike by every
+        parallelism, as in MindFormers)."""
         layers = [(f"decoder.layers.{i}", layer) for i, layer in enumerate(self.decoder.layers)]
         if self.mtp is not None:
             layers += [(f"mtp.layers.{k}", layer.transformer_layer) for k, layer in enumerate(self.mtp.layers)]
-        return [(name, layer.mlp) for name, layer in layers if isinstance(layer.mlp, MoELayer)]
+        return layers
+
+    # ---- MoE bookkeeping ---------------------------------------------------------------------
+    def moe_layers(self) -> list[tuple[str, MoELayer]]:
+        """(layer name, its MoELayer) for every MoE layer, decoder first, then MTP depths."""
+        return [(name, layer.mlp) for name, layer in self.transformer_layers() if isinstance(layer.mlp, MoELayer)]
 
     def after_step(self, collectives, applied: bool = True) -> dict[str, list[int]]:
         """After an optimizer step: sum every MoE layer's tokens-per-expert counts over the data-parallel
@@ -290,10 +297,85 @@ class GPTModel(nn.Cell):
                 layer.update_expert_bias(counts)
         return {name: counts.tolist() for (name, _), counts in zip(moe, total)}
 
+    # ---- parallel plan: how each parallelism of training.parallel cuts this model -------------------------
+    def check_tensor_parallel(self, tp) -> None:
+        """What tensor parallelism (``tp``: training.parallel.tensor_parallel.TensorParallel) needs of this model
+        and of each transformer layer, refused naming the fields."""
+        c = self.config
+        tp.require_divisible(c.vocab_size, "model.vocab_size", "each rank holds an equal slice of the vocabulary")
+        if tp.sequence_parallel:
+            tp.require_divisible(c.seq_length, "model.seq_length",
+                                 "sequence parallelism gives each rank an equal part of every sequence")
+        elif c.hidden_dropout > 0:
+            raise ConfigError(f"model.hidden_dropout ({c.hidden_dropout}) with tensor parallelism needs "
+                              "parallelism.sequence_parallel: true: without it every tp rank holds the same "
+                              "activations and would drop different elements of them")
+        for _, layer in self.transformer_layers():
+            layer.check_tensor_parallel(tp)
+
+    def parallelize_tensor(self, tp) -> None:
+        """Tensor parallelism's cut: the vocabulary rows of the embedding and of the output layer (a tied output
+        layer uses the embedding's), the hidden states' collective into the output layer, the vocab-parallel loss;
+        then each transformer layer's own cut."""
+        embedding = self.embedding.word_embeddings
+        embedding.parallelize_tensor(tp)
+        if self.output_layer is not None:
+            tp.cut(self.output_layer, "weight", 0)
+        self.output_input_comm = tp.enter
+        self.token_loss = tp.vocab_parallel_cross_entropy(embedding.vocab_start)
+        for _, layer in self.transformer_layers():
+            layer.parallelize_tensor(tp)
+
+    def parallelize_experts(self, ep) -> None:
+        """Expert parallelism's cut (``ep``: training.parallel.expert_parallel.ExpertParallel): every MoE layer's."""
+        moe = [layer for _, layer in self.moe_layers()]
+        ep.require_experts(moe[0].num_experts if moe else None)
+        for layer in moe:
+            layer.parallelize_experts(ep)
+
+    def parallelize_context(self, cp) -> None:
+        """Context parallelism (``cp``: training.parallel.context_parallel.ContextParallelPlan): every attention
+        layer's core over the cp ranks' tokens, the loss's token count over them, MTP's one-token moves across
+        their sequence segments, and each MoE layer's balancing statistics over them."""
+        for attention in self._attentions():
+            attention.parallelize_context(cp)
+        self.count_loss_tokens = cp.loss_token_count()
+        self.roll_inputs_left = cp.move_left()
+        for _, moe in self.moe_layers():
+            moe.parallelize_context(cp)
+
+    def sharding_units(self, pipelined: bool) -> list[nn.Cell]:
+        """What FSDP gathers as one: each decoder and MTP layer, and the model itself for the rest (embedding,
+        final norm, output layer), as MindFormers wraps them; outermost first. A pipeline stage calls the
+        embedding, the final norm and the output layer itself, not the model: under pipeline parallelism they
+        are the units."""
+        root = [self]
+        if pipelined:
+            root = [self.embedding, self.decoder.final_layernorm] + (
+                [self.output_layer] if self.output_layer is not None else [])
+        return [*root, *self.decoder.layers, *(self.mtp.layers if self.mtp is not None else [])]
+
+    def unit_entry_points(self, unit: nn.Cell) -> tuple[str, ...]:
+        """The methods of this model, besides ``unit.construct``, that read the weights of the sharding unit
+        ``unit``, so ZeRO-3 gathers them for those calls too: the training loss with its parts, the inference
+        logits and validation's loss sums for the model itself; and, when the embedding is a unit of its own (a
+        pipeline stage) and the output layer is tied to it, the output matmul."""
+        if unit is self:
+            return ("loss_and_parts", "logits", "sample_loss_sums")
+        return ("_output",) if self.output_layer is None and unit is self.embedding else ()
+
+    @property
+    def pipeline_layers(self) -> int:
+        """How many layers the pipeline stages split among them (the decoder's; see ``pipeline_stage``)."""
+        return len(self.decoder.layers)
+
+    def pipeline_stage(self, layers: range, first: bool, last: bool) -> "PipelineStage":
+        """The pipeline stage of decoder ``layers``, the first and/or the last stage of the model."""
+        return PipelineStage(self, layers, first, last)
+
     # ---- monitoring and accounting -----------------------------------------------------------
     def _attentions(self):
-        layers = list(self.decoder.layers) + ([l.transformer_layer for l in self.mtp.layers] if self.mtp else [])
-        return [layer.self_attention for layer in layers]
+        return [layer.self_attention for _, layer in self.transformer_layers()]
 
     def track_max_attention_logits(self, enabled: bool) -> None:
         """Record each layer's per-head max attention logit from now on (costs one reduction per layer)."""
@@ -324,3 +406,79 @@ class GPTModel(nn.Cell):
         heads, qk_dim, v_dim = c.attention_dims()
         attention = 6 * (c.num_hidden_layers + c.num_mtp_layers) * heads * (qk_dim + v_dim) * seq_length
         return float(6 * matmul_params + attention)
+
+
+class PipelineStage:
+    """One pipeline stage of a GPTModel, what training.parallel.pipeline runs, replays and differentiates: decoder
+    ``layers``; the embedding on the ``first`` stage; on the ``last`` one the final norm, the output layer, the loss
+    and the MTP depths, with the embedding again when the MTP depths embed or the output layer is tied to it (both
+    copies start equal, and the pipeline sums the gradients of a tensor two stages hold)."""
+
+    def __init__(self, model: GPTModel, layers: range, first: bool, last: bool):
+        self.model, self.first, self.last = model, first, last
+        self.layers = [model.decoder.layers[i] for i in layers]
+        self.cells: list[nn.Cell] = list(self.layers)
+        if first:
+            self.cells.append(model.embedding)
+        if last:
+            self.cells += [model.decoder.final_layernorm] + (
+                [model.output_layer] if model.output_layer is not None else [])
+            if model.mtp is not None:
+                self.cells.append(model.mtp)
+            if model.mtp is not None or model.output_layer is None:
+                self.cells.append(model.embedding)
+        mtp_layers = [layer.transformer_layer for layer in model.mtp.layers] if last and model.mtp is not None else []
+        self.moe = [layer.mlp for layer in self.layers + mtp_layers if isinstance(layer.mlp, MoELayer)]
+        balancing = any(moe.has_aux_loss for moe in self.moe)
+        # this stage's part of the loss and, of the model's named parts, those it gives
+        self.holds_loss = last or balancing
+        self.part_names = [name for name in model.loss_part_names
+                           if (balancing if name == "load_balancing_loss" else last)]
+        # what a stage sends on: hidden states [batch, seq, hidden] in the compute dtype
+        self.hidden_size, self.dtype = model.config.hidden_size, model.compute_dtype
+
+    def decode(self, x, input_ids, position_ids, attention_mask) -> tuple[Tensor, tuple]:
+        """The stage's decoder layers over ``x`` (over the embedded tokens on the first stage), and the rotary
+        tables and the mask they read (each stage makes its own)."""
+        tables = self.model._tables(input_ids.shape[1], position_ids, attention_mask)
+        if self.first:
+            x = self.model._embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, *tables)
+        return x, tables
+
+    def forward(self, x, input_ids, labels, loss_mask, position_ids, attention_mask):
+        """(output hidden states, or None on the last stage; this stage's part of the loss, or None; its parts by
+        name)."""
+        model = self.model
+        x, tables = self.decode(x, input_ids, position_ids, attention_mask)
+        components = {}
+        loss = None
+        if self.last:
+            loss, components = model.head_loss(model.decoder.final_layernorm(x), input_ids, labels, loss_mask,
+                                               *tables)
+            x = None
+        aux = [moe.aux_loss for moe in self.moe if moe.aux_loss is not None]
+        if aux:
+            components["load_balancing_loss"] = sum(aux)
+            loss = components["load_balancing_loss"] if loss is None else loss + components["load_balancing_loss"]
+        return x, loss, components
+
+    def held_out_loss_sums(self, x, labels, loss_mask) -> tuple[Tensor, Tensor]:
+        """The last stage's validation sums (``GPTModel.hidden_loss_sums``) of its decoded ``x``."""
+        return self.model.hidden_loss_sums(self.model.decoder.final_layernorm(x), labels, loss_mask)
+
+    # A forward changes state besides its output: the dropout stream and the MoE layers' token counts. The pipeline
+    # replays a forward in its backward, so it rewinds the stream to draw the same masks and drops the replay's counts.
+    def host_state(self) -> tuple:
+        return self.model.dropout_masks.state(), [moe.token_counts for moe in self.moe]
+
+    def rewind(self, state: tuple) -> None:
+        """The dropout stream back to ``state``'s (a replay draws the forward's masks again)."""
+        self.model.dropout_masks.set_state(state[0])
+
+    def restore(self, state: tuple) -> None:
+        """The dropout stream and the token counts back to ``state``'s (after a replay)."""
+        self.rewind(state)
+        for moe, counts in zip(self.moe, state[1]):
+            moe.token_counts = counts

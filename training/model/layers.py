@@ -96,6 +96,14 @@ class Linear(nn.Cell):
         self.weight_gather = None
         self.bias_gather = None
 
+    def gathered_weights(self, attr: str, gathers) -> dict[str, nn.Cell]:
+        """ZeRO-3 in a compiled step (``gathers``: training.parallel.fsdp.WeightGathers): the product with the
+        gathered weight (its rows put in gate/up halves for the product, the gradient's back in pairs), the bias
+        gathered whole."""
+        if attr == "bias":
+            return {"bias_gather": gathers.whole()}
+        return {"weight_gather": gathers.matrix(gate_up_halves, gate_up_pairs) if self.gate_up else gathers.matrix()}
+
     def construct(self, x: Tensor) -> Tensor:
         if self.input_comm is not None:
             x = self.input_comm(x)
@@ -158,6 +166,10 @@ class RMSNorm(nn.Cell):
     def construct(self, x: Tensor) -> Tensor:
         return self.normalize(x, self.full_weight())
 
+    def gathered_weights(self, attr: str, gathers) -> dict[str, nn.Cell]:
+        """ZeRO-3 in a compiled step: the weight gathered whole (a few KB)."""
+        return {"weight_gather": gathers.whole()}
+
     def full_weight(self) -> Tensor:
         return self.weight if self.weight_gather is None else self.weight_gather(self.weight)
 
@@ -181,6 +193,18 @@ class VocabEmbedding(nn.Cell):
         self.output_comm = None
         self.weight_gather = None
         self.output_gather = None
+        self.is_output_layer = False  # the model's output layer is tied to this table (its owner says)
+
+    def parallelize_tensor(self, tp) -> None:
+        """Tensor parallelism: this rank's rows of the vocabulary; the ranks' lookups summed."""
+        tp.cut(self, "weight", 0)
+        self.vocab_rows = self.weight.shape[0]
+        self.vocab_start = tp.rank * self.vocab_rows
+        self.output_comm = tp.leave
+
+    def gathered_weights(self, attr: str, gathers) -> dict[str, nn.Cell]:
+        """ZeRO-3 in a compiled step: the lookup from the gathered rows, and the tied output layer's product."""
+        return {"weight_gather": gathers.rows(), **({"output_gather": gathers.matrix()} if self.is_output_layer else {})}
 
     def construct(self, input_ids: Tensor) -> Tensor:
         if self.output_comm is None:

@@ -175,8 +175,9 @@ _logged: set[tuple[str, str]] = set()
 
 def resolve(section: dict, family: str, path: str = "model") -> dict:
     """``section`` with aliases folded into Kiln's field names and inert/fixed keys checked and removed;
-    inert keys are logged once per process."""
-    aliases, inert, fixed = ALIASES[family], INERT[family], FIXED[family]
+    inert keys are logged once per process. A family MindFormers does not know (one registered with
+    ``training.model.register_model``) has no other spellings."""
+    aliases, inert, fixed = ALIASES.get(family, {}), INERT.get(family, {}), FIXED.get(family, {})
     settings = {}
     for key, value in section.items():
         if key in inert:

@@ -14,6 +14,7 @@ import math
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from training.config import ConfigError
 from training.model import ascend
 from training.model.attention import SelfAttention
 from training.model.layers import Init, Linear, MaxLogitTracker, RMSNorm, Softmax, apply_rotary
@@ -121,6 +122,27 @@ class MLASelfAttention(nn.Cell):
         else:
             out = self._causal_attention(q, k, v, mask).squeeze(2)
         return self.linear_proj(merge_heads(out))
+
+    def check_tensor_parallel(self, tp) -> None:
+        tp.require_divisible(self.num_heads, "model.num_attention_heads", "MLA splits the heads")
+        if not self.q_lora:
+            raise ConfigError("model.q_lora_rank is unset: tensor-parallel MLA needs the query compression "
+                              "(linear_qb splits the heads), as in MindFormers")
+
+    def parallelize_tensor(self, tp) -> None:
+        """Tensor parallelism splits the heads: ``linear_qb`` and ``linear_kvb`` column-parallel, ``linear_proj``
+        row-parallel; the fused down-projection and the latent norms run whole where the activations are, and the
+        shared rope key (computed on a sequence shard) comes to every head of the whole sequence."""
+        tp.column_parallel(self.linear_qb)
+        tp.column_parallel(self.linear_kvb)
+        self.rope_key_comm = tp.enter
+        self.num_heads //= tp.size
+        self.logit_tracker.heads_comm = tp.gather_heads()
+        tp.row_parallel(self.linear_proj)
+
+    def parallelize_context(self, cp) -> None:
+        """Context parallelism: the attention core over the cp ranks' tokens, one query head per group."""
+        self.context_attention = cp.attention(self.softmax_dtype, 1)
 
     # GQA's causal attention, query block by query block (attention.QUERY_BLOCKS): each block scores only the keys
     # up to its end, 62% of the score square at seq 512. On deepseek_v3_bench's MLA (4 x 512 tokens, forward +

@@ -78,6 +78,10 @@ class TopKRouter(nn.Cell):
         self.scaling = config.routed_scaling_factor
         self.weight_gather = None  # ZeRO-3 in a compiled step: the scores' product from this rank's rows
 
+    def gathered_weights(self, attr: str, gathers) -> dict[str, nn.Cell]:
+        """ZeRO-3 in a compiled step (``gathers``: training.parallel.fsdp.WeightGathers): the scores' product."""
+        return {"weight_gather": gathers.matrix()}
+
     def construct(self, tokens: Tensor, expert_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """tokens [T, hidden] → (scores [T, E] fp32, chosen experts [T, k], gates [T, k])."""
         tokens = cast(tokens, ms.float32)
@@ -106,7 +110,10 @@ def _swiglu_experts(x: Tensor, weight1: Tensor, weight2: Tensor) -> Tensor:
 
 
 class GroupedExperts(nn.Cell):
-    """E SwiGLU experts as two stacked weights (see the module docstring for the layout)."""
+    """E SwiGLU experts as two stacked weights (see the module docstring for the layout), experts along dim 0:
+    what expert parallelism cuts."""
+
+    STACKED_WEIGHTS = ("weight1", "weight2")
 
     def __init__(self, init: Init, config):
         super().__init__()
@@ -117,6 +124,10 @@ class GroupedExperts(nn.Cell):
         # ZeRO-3 in a compiled step: the weights of given experts from this rank's chunks of experts
         self.weight1_gather = None
         self.weight2_gather = None
+
+    def gathered_weights(self, attr: str, gathers) -> dict[str, nn.Cell]:
+        """ZeRO-3 in a compiled step: the rows (experts) a dispatch reads, gathered from this rank's chunk."""
+        return {f"{attr}_gather": gathers.rows()}
 
     def _weights_of(self, experts: Tensor) -> tuple[Tensor, Tensor]:
         """Both stacked weights of ``experts`` [n] int32, one [n, ...] slice per entry."""
@@ -223,6 +234,8 @@ class MoELayer(nn.Cell):
     (``take_counts``; ``tokens_per_expert`` keeps the last step's for the checkpoint), and its load-balancing
     loss of the last forward is ``aux_loss`` (None when moe_aux_loss_coeff is 0 or the type is 'none')."""
 
+    writes_own_state = True  # its RoutingStats: a compiled layer's graph cannot be shared (TransformerLayer.graph_key)
+
     def __init__(self, init: Init, config, router: ModuleSpec, experts: ModuleSpec,
                  shared_experts: ModuleSpec | None = None):
         super().__init__()
@@ -323,21 +336,45 @@ class MoELayer(nn.Cell):
         mean_probs = prob_sums / expand(choices_per_row / self.top_k, prob_sums)
         return (fraction * mean_probs).sum(-1).mean() * self.aux_coeff * self.aux_loss_share
 
+    # ---- parallel plan ----
+    def check_tensor_parallel(self, tp) -> None:
+        """Nothing to require: tensor parallelism cuts nothing here."""
+
+    def parallelize_tensor(self, tp) -> None:
+        """Router, experts and shared experts stay whole under tensor parallelism; under sequence parallelism the
+        balancing loss's statistics are summed over the sequence's shards."""
+        self.sequence_shard_sum = tp.sum_over_sequence_shards()
+
+    def parallelize_experts(self, ep) -> None:
+        """Expert parallelism: the routed experts cut over the ep ranks, the rows reaching them through its
+        dispatchers (eager and compiled)."""
+        ep.cut_experts(self.experts, GroupedExperts.STACKED_WEIGHTS)
+        self.token_dispatcher, self.graph_dispatcher = ep.dispatchers(self.experts, self.num_experts)
+
+    def parallelize_context(self, cp) -> None:
+        """Context parallelism: the balancing loss's statistics over the whole sequences, each rank adding its
+        share. Under sequence parallelism each cp segment is cut again over tp: the statistics are summed over tp
+        first, then over cp, each sum differentiating as its own axis needs."""
+        over_cp = cp.sum_over_cp()
+        self.sequence_shard_sum = over_cp if self.sequence_shard_sum is None else nn.SequentialCell(
+            [self.sequence_shard_sum, over_cp])
+        self.aux_loss_share = 1.0 / cp.cp
+
     # ---- between steps ----
     @property
-    def _counts(self) -> np.ndarray:
-        """Tokens per expert since the last ``take_counts`` (the pipeline saves and restores them around a
+    def token_counts(self) -> np.ndarray:
+        """Tokens per expert since the last ``take_counts`` (a pipeline stage saves and restores them around a
         replayed forward)."""
         return self.stats.tokens.asnumpy().astype(np.int64)
 
-    @_counts.setter
-    def _counts(self, counts: np.ndarray) -> None:
+    @token_counts.setter
+    def token_counts(self, counts: np.ndarray) -> None:
         ops.assign(self.stats.tokens, Tensor(np.asarray(counts, np.float32)))
 
     def take_counts(self) -> np.ndarray:
         """Tokens per expert since the last call (all micro-batches of the step); resets them."""
-        counts = self._counts
-        self._counts = np.zeros(self.num_experts)
+        counts = self.token_counts
+        self.token_counts = np.zeros(self.num_experts)
         return counts
 
     def update_expert_bias(self, counts: np.ndarray) -> None:

@@ -5,7 +5,6 @@ from mindspore import Tensor, lazy_inline, nn, ops
 
 from training.model.dropout import Dropout
 from training.model.layers import Init, Linear, RMSNorm
-from training.model.moe import MoELayer
 from training.model.spec import ModuleSpec, build_module
 
 
@@ -31,6 +30,15 @@ class MLP(nn.Cell):
         # (20% less CPU for this op's forward and backward at the benchmark's [2048, 1536], jit)
         return self.linear_fc2(gate * ops.sigmoid(gate) * up)
 
+    def check_tensor_parallel(self, tp) -> None:
+        tp.require_divisible(self.ffn, "model.intermediate_size", "linear_fc1/linear_fc2 split it")
+
+    def parallelize_tensor(self, tp) -> None:
+        """Tensor parallelism: fc1 column-parallel (a rank's rows hold whole gate/up pairs), fc2 row-parallel."""
+        tp.column_parallel(self.linear_fc1)
+        tp.row_parallel(self.linear_fc2)
+        self.ffn //= tp.size
+
 
 class TransformerLayer(nn.Cell):
     """Pre-norm residual layer: x + dropout(attention(norm(x))), then + dropout(mlp(norm(x))) (dropout:
@@ -50,15 +58,25 @@ class TransformerLayer(nn.Cell):
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_dtype)
         self.mlp = build_module(mlp, init, config)
         self.hidden_dropout = Dropout(config.hidden_dropout)
-        # what the layer's graph depends on. A MoE layer's graph also writes its own RoutingStats, buffers on a
-        # plain object that a shared graph would hold as the first layer's (seen: the load-balancing loss of
-        # three MoE layers counted one layer's): each MoE layer keys on itself and compiles apart
-        self.graph_key = f"{config!r}|{self_attention!r}|{mlp!r}" + (
-            f"|{id(self)}" if isinstance(self.mlp, MoELayer) else "")
+        # what the layer's graph depends on. A part whose forward writes state of its own outside its Parameters
+        # (a MoE layer's RoutingStats: buffers on a plain object) would have a shared graph hold the first layer's
+        # (seen: the load-balancing loss of three MoE layers counted one layer's): such a layer keys on itself and
+        # compiles apart
+        own_state = any(getattr(part, "writes_own_state", False) for part in (self.self_attention, self.mlp))
+        self.graph_key = f"{config!r}|{self_attention!r}|{mlp!r}" + (f"|{id(self)}" if own_state else "")
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), cos, sin, mask))
         return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x)))
+
+    def check_tensor_parallel(self, tp) -> None:
+        self.self_attention.check_tensor_parallel(tp)
+        self.mlp.check_tensor_parallel(tp)
+
+    def parallelize_tensor(self, tp) -> None:
+        """Tensor parallelism: the attention's and the MLP's own cuts; the norms stay whole."""
+        self.self_attention.parallelize_tensor(tp)
+        self.mlp.parallelize_tensor(tp)
 
 
 class TransformerBlock(nn.Cell):

@@ -262,6 +262,21 @@ class ContextParallelPlan:
         return [block_mask(positions[ring.rank], positions[(ring.rank - j) % ring.size], repeats)
                 for j in range(ring.size)]
 
+    # ---- what a model's context-parallel plan (its ``parallelize_context``) sets in its modules ----
+    def attention(self, softmax_dtype, heads_per_group: int) -> ContextAttention:
+        """An attention layer's core over the cp ranks' tokens."""
+        return ContextAttention(self, softmax_dtype, heads_per_group)
+
+    def loss_token_count(self) -> LossTokenCount:
+        return LossTokenCount(self.cp_group)
+
+    def move_left(self) -> MoveLeftAcrossChunks:
+        return MoveLeftAcrossChunks(self)
+
+    def sum_over_cp(self) -> nn.Cell:
+        """A sum over the cp ranks (forward all-reduce, backward all-reduce: every rank's part feeds the total)."""
+        return comm.AllReduce(self.cp_group)
+
     def shard_inputs(self, inputs: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
         """This rank's tokens of (input_ids, labels, loss_mask, position_ids, attention_mask) of the whole
         samples; position ids 0..seq-1 when the data has none."""
@@ -311,22 +326,11 @@ def check_context_parallel(config: TrainConfig, model_config) -> None:
 
 
 def apply_context_parallel(model, mesh: DeviceMesh, config: TrainConfig) -> ContextParallelPlan:
-    """Give every attention layer of ``model`` the context-parallel core, its losses the cp-wide token count,
-    MTP the moves across chunks and each MoE layer's balancing loss the statistics over cp."""
+    """Split ``model``'s attention, its losses' token count, MTP's moves and the MoE balancing statistics over the
+    cp ranks, as its ``parallelize_context`` says."""
     check_context_parallel(config, model.config)
     p = config.parallelism
     plan = ContextParallelPlan(mesh, p.context_parallel_method, p.ulysses_degree_in_cp or 1,
                                config.kiln.parallelism.context_parallel_load_balance, model.config.seq_length)
-    for attention in model._attentions():  # MLA: one query head per group
-        attention.context_attention = ContextAttention(plan, attention.softmax_dtype,
-                                                       getattr(attention, "heads_per_group", 1))
-    model.count_loss_tokens = LossTokenCount(plan.cp_group)
-    model.roll_inputs_left = MoveLeftAcrossChunks(plan)
-    for _, moe in model.moe_layers():  # the balancing loss's statistics over the whole sequences
-        over_cp = comm.AllReduce(plan.cp_group)
-        # under sequence parallelism each cp chunk is cut again over tp: its statistics are summed over tp first,
-        # then over cp, each sum differentiating as its own axis needs
-        moe.sequence_shard_sum = over_cp if moe.sequence_shard_sum is None else nn.SequentialCell(
-            [moe.sequence_shard_sum, over_cp])
-        moe.aux_loss_share = 1.0 / plan.cp
+    model.parallelize_context(plan)
     return plan

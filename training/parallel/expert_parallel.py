@@ -1,11 +1,12 @@
-"""Expert parallelism for DeepSeek-V3's MoE layers (docs/parallelism.md), applied to a built
-GPTModel after tensor parallelism and before FSDP.
+"""Expert parallelism for MoE layers (docs/parallelism.md), applied to a built model after tensor parallelism
+and before FSDP.
 
-``apply_expert_parallel(model, mesh, parallelism)`` works over ``mesh.group("ep")`` and, in place:
+``apply_expert_parallel(model, mesh, parallelism)`` works over ``mesh.group("ep")`` and, in place, as the model's
+``parallelize_experts(ep)`` says (``ExpertParallel`` holds the tools; Kiln's MoELayer uses them all):
 
-- cuts every routed-expert weight (``experts.weight1`` [E, hidden, 2·ffn], ``experts.weight2`` [E, ffn, hidden])
-  along dim 0: ep rank r keeps experts ``[r·E/ep, (r+1)·E/ep)``, the single-process weights' slice (the whole
-  model is built from the seed in every process first);
+- cuts every routed-expert weight (DeepSeek-V3's ``experts.weight1`` [E, hidden, 2·ffn], ``experts.weight2``
+  [E, ffn, hidden]) along dim 0: ep rank r keeps experts ``[r·E/ep, (r+1)·E/ep)``, the single-process weights'
+  slice (the whole model is built from the seed in every process first);
 - gives each MoE layer an ``AllToAllDispatcher`` (``moe_token_dispatcher_type: alltoall``): the layer still
   routes its own tokens over all E experts and sorts the (token, choice) rows by expert, which puts the rows
   for each ep rank's experts next to each other. The per-expert counts are exchanged (one all-reduce of an
@@ -46,12 +47,9 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from training.config import ConfigError, ParallelismConfig
 from training.model.layers import expand
-from training.model.moe import GroupedExperts
 from training.parallel import comm
 from training.parallel.layout import TensorLayout
 from training.parallel.mesh import DeviceMesh, Group
-
-EXPERT_WEIGHTS = ("weight1", "weight2")  # GroupedExperts' stacked weights, experts along dim 0
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ class ExpertParallelPlan:
     """What ``apply_expert_parallel`` did: each routed-expert weight's layout over the world (cut along dim 0
     over ep), and the experts cells, which FSDP gathers as units of their own over ``efsdp``."""
     layouts: dict[str, TensorLayout]
-    expert_cells: tuple[GroupedExperts, ...]
+    expert_cells: tuple[nn.Cell, ...]
 
 
 class AllToAllDispatcher:
@@ -67,7 +65,7 @@ class AllToAllDispatcher:
     layer's rows grouped by expert and ``counts`` over all E experts, returns the experts' outputs in the
     same order."""
 
-    def __init__(self, experts: GroupedExperts, group: Group, num_experts: int, safe_tokens: bool):
+    def __init__(self, experts: nn.Cell, group: Group, num_experts: int, safe_tokens: bool):
         self.experts, self.group = experts, group
         self.num_experts, self.local_experts = num_experts, num_experts // group.size
         self.safe_tokens = safe_tokens
@@ -153,25 +151,40 @@ def check_expert_parallel(parallelism: ParallelismConfig, num_experts: int | Non
                           "each ep rank holds an equal number of whole experts")
 
 
+class ExpertParallel:
+    """What a model's expert-parallel plan (its ``parallelize_experts``) cuts with over the ep group: the cut of
+    stacked expert weights (each recording its layout over the world, the cell becoming an FSDP unit of its own)
+    and each MoE layer's dispatchers."""
+
+    def __init__(self, mesh: DeviceMesh, parallelism: ParallelismConfig):
+        self.group, self.parallelism = mesh.group("ep"), parallelism
+        self.ep_index_of_rank = tuple(mesh.dims.group_index("ep", r) for r in range(mesh.dims.world))
+        self.layouts: dict[str, TensorLayout] = {}
+        self.cells: list[nn.Cell] = []
+
+    def require_experts(self, num_experts: int | None) -> None:
+        check_expert_parallel(self.parallelism, num_experts)
+
+    def cut_experts(self, cell: nn.Cell, attrs: tuple[str, ...]) -> None:
+        """Replace each ``cell.<attr>`` (experts along dim 0) by this rank's experts."""
+        for attr in attrs:
+            param = cell._params[attr]
+            layout = TensorLayout.split(tuple(param.shape), 0, self.ep_index_of_rank, self.group.size)
+            local = param.asnumpy()[layout.chunk_slices(self.group.rank)]
+            cell._params[attr] = Parameter(Tensor(np.ascontiguousarray(local)), name=param.name,
+                                           requires_grad=param.requires_grad)
+            self.layouts[param.name] = layout
+        self.cells.append(cell)
+
+    def dispatchers(self, experts: nn.Cell, num_experts: int) -> tuple[AllToAllDispatcher, AllGatherDispatcher]:
+        """The eager dispatch (all-to-all) and the compiled one (all-gather) of a MoE layer's rows to ``experts``."""
+        return (AllToAllDispatcher(experts, self.group, num_experts, self.parallelism.expert_parallel_use_safe_tokens),
+                AllGatherDispatcher(self.group, num_experts))
+
+
 def apply_expert_parallel(model: nn.Cell, mesh: DeviceMesh, parallelism: ParallelismConfig) -> ExpertParallelPlan:
-    """Cut ``model``'s routed experts over ``mesh.group("ep")`` in place and route their tokens by all-to-all."""
-    moe_layers = [layer for _, layer in model.moe_layers()]
-    check_expert_parallel(parallelism, moe_layers[0].num_experts if moe_layers else None)
-    group = mesh.group("ep")
-    world = mesh.dims.world
-    ep_index_of_rank = tuple(mesh.dims.group_index("ep", r) for r in range(world))
-    layouts, cells = {}, []
-    for layer in moe_layers:
-        experts = layer.experts
-        for attr in EXPERT_WEIGHTS:
-            param = experts._params[attr]
-            layout = TensorLayout.split(tuple(param.shape), 0, ep_index_of_rank, group.size)
-            local = param.asnumpy()[layout.chunk_slices(group.rank)]
-            experts._params[attr] = Parameter(Tensor(np.ascontiguousarray(local)), name=param.name,
-                                              requires_grad=param.requires_grad)
-            layouts[param.name] = layout
-        layer.token_dispatcher = AllToAllDispatcher(experts, group, layer.num_experts,
-                                                    parallelism.expert_parallel_use_safe_tokens)
-        layer.graph_dispatcher = AllGatherDispatcher(group, layer.num_experts)
-        cells.append(experts)
-    return ExpertParallelPlan(layouts, tuple(cells))
+    """Cut ``model``'s routed experts over ``mesh.group("ep")`` in place, as its ``parallelize_experts`` says, and
+    route their tokens by all-to-all."""
+    ep = ExpertParallel(mesh, parallelism)
+    model.parallelize_experts(ep)
+    return ExpertParallelPlan(ep.layouts, tuple(ep.cells))

@@ -33,9 +33,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from training.model.layers import (Linear, RMSNorm, VocabEmbedding, _matmul, _matmul_transpose_a, cast,
-                                   gate_up_halves, gate_up_pairs, linear)
-from training.model.moe import GroupedExperts, TopKRouter
+from training.model.layers import _matmul, _matmul_transpose_a, cast, linear
 from training.optim import tensor_norms
 from training.parallel import comm
 from training.parallel.expert_parallel import ExpertParallelPlan
@@ -257,24 +255,26 @@ class _RegatherInBackward:
 
 # ---- ZeRO-3 in a compiled step: each layer gathers its own weights ---------------------------------------
 # A graph's weights are its Parameters, so the eager units' host wrapper (_UnitGather) cannot run in one; instead
-# each layer holding chunks is given Cells that gather them where they are read (the ``*_gather`` attributes of
-# layers.Linear, RMSNorm, VocabEmbedding and of MoE's TopKRouter and GroupedExperts). A graph keeps whatever its
+# each layer holding chunks is given Cells that gather them where they are read: the layer says which, and where
+# (its ``gathered_weights``, from the kinds ``WeightGathers`` makes; Kiln's Linear, RMSNorm, VocabEmbedding and MoE's
+# TopKRouter and GroupedExperts have them). A graph keeps whatever its
 # backward reads, so resharding after forward takes a hand-written backward that reads only its inputs (x and the
 # chunk) and gathers the weight again: MindSpore 2.10's Cell.recompute does not apply inside a PyNative
 # mindspore.jit graph (measured: the compiled graph held the same MatMul count with and without it). Vectors
 # (norm weights, biases) stay gathered until the backward: a few KB per layer.
 class GatheredMatrix(nn.Cell):
-    """x @ W.T for a Linear's (or a tied output layer's) weight W held as this rank's rows: W gathered for the
-    product (its rows put in gate/up halves for an MLP's fc1), the chunk's gradient the reduce-scatter of W's by
-    the gather's own backward. The graph keeps the gathered W until the backward (no resharding after forward)."""
+    """x @ W.T for a linear's (or a tied output layer's) weight W held as this rank's rows: W gathered for the
+    product (``view``, when the layer gives one, reorders the gathered rows for it: an MLP's fc1 puts its gate/up
+    pairs in halves), the chunk's gradient the reduce-scatter of W's by the gather's own backward. The graph keeps
+    the gathered W until the backward (no resharding after forward). ``unview`` is ``view``'s inverse."""
 
-    def __init__(self, group: Group, gate_up: bool = False):
+    def __init__(self, group: Group, view=None, unview=None):
         super().__init__()
         self.gather = comm.AllGather(group, 0)
-        self.gate_up = gate_up
+        self.view, self.unview = view, unview
 
     def _weight(self, full: Tensor) -> Tensor:
-        return gate_up_halves(full) if self.gate_up else full
+        return full if self.view is None else self.view(full)
 
     def construct(self, x: Tensor, chunk: Tensor) -> Tensor:
         return linear(x, self._weight(self.gather(chunk)))
@@ -289,8 +289,8 @@ class RegatheredMatrix(GatheredMatrix):
         rows = dout.reshape(-1, dout.shape[-1])
         dx = _matmul(rows, cast(weight, rows.dtype)).reshape(x.shape)
         dweight = _matmul_transpose_a(rows, x.reshape(-1, x.shape[-1]))
-        if self.gate_up:
-            dweight = gate_up_pairs(dweight)
+        if self.unview is not None:
+            dweight = self.unview(dweight)
         return dx, cast(transport.reduce_scatter(dweight), chunk.dtype)
 
 
@@ -312,23 +312,24 @@ class GatheredRows(nn.Cell):
         return cast(self.gather.transport.reduce_scatter(table), chunk.dtype), ops.zeros_like(ids)
 
 
-def _gathering_cells(cell: nn.Cell, attr: str, group: Group, reshard: bool, tied: bool) -> dict[str, nn.Cell]:
-    """The ``*_gather`` attributes that let ``cell`` read its chunk ``attr`` in a graph (GatheredMatrix & co);
-    ``tied``: the embedding table is the output layer too."""
-    matrix = RegatheredMatrix if reshard else GatheredMatrix
-    if isinstance(cell, Linear):
-        return ({"weight_gather": matrix(group, cell.gate_up)} if attr == "weight"
-                else {"bias_gather": comm.AllGather(group, 0)})
-    if isinstance(cell, VocabEmbedding):
-        return {"weight_gather": GatheredRows(group), **({"output_gather": matrix(group)} if tied else {})}
-    if isinstance(cell, RMSNorm):
-        return {"weight_gather": comm.AllGather(group, 0)}
-    if isinstance(cell, TopKRouter):
-        return {"weight_gather": matrix(group)}
-    if isinstance(cell, GroupedExperts):
-        return {f"{attr}_gather": GatheredRows(group)}
-    raise ValueError(f"ZeRO-3 in a compiled step: {type(cell).__name__}.{attr} is read where no gathered weight "
-                     "can be given (see trainer.compile_blockers)")
+class WeightGathers:
+    """The Cells a layer's ``gathered_weights(attr, gathers)`` chooses from, to read its chunk ``attr`` inside a
+    compiled step, over the chunk's shard ``group``, resharding after forward or not."""
+
+    def __init__(self, group: Group, reshard: bool):
+        self.group, self.reshard = group, reshard
+
+    def matrix(self, view=None, unview=None) -> GatheredMatrix:
+        """A linear's product with the gathered weight (``GatheredMatrix``)."""
+        return (RegatheredMatrix if self.reshard else GatheredMatrix)(self.group, view, unview)
+
+    def rows(self) -> GatheredRows:
+        """Rows of a gathered table (``GatheredRows``): an embedding's lookup, the experts a dispatch reads."""
+        return GatheredRows(self.group)
+
+    def whole(self) -> nn.Cell:
+        """The tensor gathered whole (a norm's weight, a bias: a few KB)."""
+        return comm.AllGather(self.group, 0)
 
 
 def gather_chunks(chunks: list[Tensor], full_shapes: list[tuple[int, ...]], group) -> list[Tensor]:
@@ -429,11 +430,10 @@ class Parallelism:
                 group_slots = [slot for slot in unit_slots if slot[2].group is group]
                 unit.construct = _UnitGather(unit.construct, group_slots, group, reshard_after_forward)
                 self.unit_wrappers.append((unit, "construct"))
-                for entry in self._entry_points(unit):
-                    if hasattr(self.model, entry):
-                        setattr(self.model, entry, _UnitGather(getattr(self.model, entry), group_slots, group,
-                                                               reshard_after_forward))
-                        self.unit_wrappers.append((self.model, entry))
+                for entry in self.model.unit_entry_points(unit):
+                    setattr(self.model, entry, _UnitGather(getattr(self.model, entry), group_slots, group,
+                                                           reshard_after_forward))
+                    self.unit_wrappers.append((self.model, entry))
 
     def gather_in_layers(self) -> None:
         """ZeRO-3, for a compiled step: the units' host wrappers removed, each layer holding chunks given the Cells
@@ -445,23 +445,13 @@ class Parallelism:
             owner.__dict__.pop(method, None)  # the class's own method again
         self.unit_wrappers = []
         for cell, attr, sharded in self.chunk_slots:
-            for name, gathering in _gathering_cells(cell, attr, sharded.group, self.reshard_after_forward,
-                                                    self._output_is_tied).items():
+            if not hasattr(cell, "gathered_weights"):
+                raise ValueError(f"ZeRO-3 in a compiled step: {type(cell).__name__}.{attr} is a chunk, and "
+                                 f"{type(cell).__name__} declares no gathered_weights (where it reads its gathered "
+                                 "weights in a graph)")
+            for name, gathering in cell.gathered_weights(attr, WeightGathers(sharded.group,
+                                                                             self.reshard_after_forward)).items():
                 setattr(cell, name, gathering)
-
-    @property
-    def _output_is_tied(self) -> bool:
-        """The model's logits come from its embedding table (model.tie_word_embeddings: no output layer)."""
-        return getattr(self.model, "output_layer", True) is None
-
-    def _entry_points(self, unit: nn.Cell) -> tuple[str, ...]:
-        """The model's methods other than ``unit.construct`` that read the unit's weights, so gather them as well:
-        the training loss with its parts (what ScaledLoss calls), the model's inference logits and validation's loss
-        sums; and, when the embedding is a unit of its own (a pipeline stage) and the output layer is tied to it,
-        the output matmul with the embedding table."""
-        if unit is self.model:
-            return ("loss_and_parts", "logits", "sample_loss_sums")
-        return ("_output",) if self._output_is_tied and unit is getattr(self.model, "embedding", None) else ()
 
     # ---- what the trainer differentiates and updates -------------------------------------------------
     @property

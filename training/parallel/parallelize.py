@@ -1,6 +1,19 @@
 """The parallelize step of the trainer's recipe (mesh → model → parallelize → optimizer → checkpoints): the
 model's layers are cut for tensor parallelism first, its attention split along the sequence for context
-parallelism, then its state is sharded over the data-parallel (and context-parallel) ranks."""
+parallelism, then its state is sharded over the data-parallel (and context-parallel) ranks.
+
+The code here is generic: the model says how each parallelism cuts it, as torchtitan's ``parallelize_<model>``
+does (Kiln's GPTModel and its modules in training/model; tests/third_model.py shows a model of its own):
+
+- ``parallelize_tensor(tp)``, ``parallelize_experts(ep)``, ``parallelize_context(cp)``: the model's cut, each
+  module's its own, with the tools ``TensorParallel``, ``ExpertParallel`` and ``ContextParallelPlan`` hand it;
+- ``sharding_units(pipelined)``: what FSDP gathers as one, outermost first; ``unit_entry_points(unit)``: the
+  model's methods besides ``unit.construct`` reading a unit's weights; each cell holding a chunk, under ZeRO-3 in
+  a compiled step: ``gathered_weights(attr, gathers)``, where it reads the gathered weight (``WeightGathers``);
+- ``pipeline_layers`` and ``pipeline_stage(layers, first, last)``: how it splits into stages, each stage
+  naming its cells, its forward, its loss parts and the state a replayed forward must not change twice;
+- ``loss_part_names``: the parts of the loss every rank reports.
+"""
 from __future__ import annotations
 
 from mindspore import nn
@@ -14,27 +27,14 @@ from training.parallel.pipeline import build_pipeline
 from training.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def sharding_units(model: nn.Cell, pipelined: bool = False) -> list[nn.Cell]:
-    """What FSDP gathers as one: each decoder and MTP layer, and the model itself for the rest (embedding, final
-    norm, output layer), as MindFormers wraps them; outermost first. A pipeline stage calls the embedding, the
-    final norm and the output layer itself, not the model: under pipeline parallelism they are the units."""
-    root = [model]
-    if pipelined:
-        root = [model.embedding, model.decoder.final_layernorm] + (
-            [model.output_layer] if model.output_layer is not None else [])
-    units = [*root, *model.decoder.layers]
-    if model.mtp is not None:
-        units += list(model.mtp.layers)
-    return units
-
-
 def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulation: int) -> Parallelism:
     """Apply every parallelism of ``mesh`` to ``model`` in place, in the recipe's order; what was applied."""
     p = config.parallelism
     tensor_parallel = apply_tensor_parallel(model, mesh, p.sequence_parallel) if mesh.dims.tp > 1 else None
     expert_parallel = apply_expert_parallel(model, mesh, p) if mesh.dims.ep > 1 else None
-    # each layer's routed experts gather as a unit of their own under expert parallelism, as MindFormers wraps them
-    units = sharding_units(model, mesh.dims.pp > 1) + list(expert_parallel.expert_cells if expert_parallel else ())
+    # the model's sharding units (outermost first); each layer's routed experts gather as a unit of their own under
+    # expert parallelism, as MindFormers wraps them
+    units = model.sharding_units(mesh.dims.pp > 1) + list(expert_parallel.expert_cells if expert_parallel else ())
     context_parallel = apply_context_parallel(model, mesh, config) if mesh.dims.cp > 1 else None
     pipeline = build_pipeline(model, mesh, config, accumulation, tensor_parallel) if mesh.dims.pp > 1 else None
     parallelism = Parallelism(model, mesh, p.data_parallel_shard_strategy,

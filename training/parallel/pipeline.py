@@ -2,7 +2,7 @@
 mesh's ``pp`` axis, micro-batches (the step's gradient-accumulation steps) flowing through them.
 
 Placement. ``pp × interleave_num`` virtual stages; virtual stage ``v`` runs on pipeline rank ``v mod pp`` as
-its chunk ``v // pp``. ``pipeline_parallel_layers_per_stage`` "auto" (or null) gives each virtual stage an equal
+its local stage ``v // pp``. ``pipeline_parallel_layers_per_stage`` "auto" (or null) gives each virtual stage an equal
 run of decoder layers; a list of ``pp`` strings gives each rank ``interleave_num`` inclusive ranges, e.g.
 ``["0-3,8-11", "4-7,12-15"]``. The first virtual stage also embeds the tokens; the last one runs the final
 norm, the output layer, the loss and the MTP depths, with its own copy of the embedding when MTP or a tied
@@ -11,7 +11,7 @@ its stage's parameters) and stay equal, their gradients summed over the two stag
 
 Schedules (``pipeline_parallel_schedule``): ``gpipe`` (every forward, then every backward), ``1f1b`` (after
 pp − rank − 1 warm-up forwards, one forward then one backward), ``interleaved_1f1b`` (Megatron's order over
-the chunks; micro-batches a multiple of pp). ``schedule_programs`` turns a rank's order of work into a global
+the local stages; micro-batches a multiple of pp). ``schedule_programs`` turns a rank's order of work into a global
 plan in ticks: in each tick every rank does the next piece of its order whose inputs have arrived, then the
 tick's transfers run in one global order. Every rank follows that order, so the blocking point-to-point
 transfers (``comm.send_recv``: a 2-rank broadcast, since send/recv do not work on CPU) never wait on each
@@ -46,7 +46,6 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from training.config import ConfigError, ParallelismConfig
 from training.checkpoint import numpy_dtype
-from training.model.moe import MoELayer
 from training.optim import clip_grad_norm
 from training.parallel import comm
 from training.parallel.layout import TensorLayout
@@ -62,7 +61,7 @@ FORWARD, BACKWARD = "F", "B"
 
 
 def stage_layer_ranges(layers_per_stage, num_layers: int, pp: int, interleave: int) -> list[range]:
-    """The decoder layers of each virtual stage (index ``chunk · pp + rank``), checked to cover
+    """The decoder layers of each virtual stage (index ``local stage · pp + rank``), checked to cover
     ``0..num_layers-1`` once, in order."""
     field_name = "parallelism.pipeline_parallel_layers_per_stage"
     virtual = pp * interleave
@@ -82,16 +81,16 @@ def stage_layer_ranges(layers_per_stage, num_layers: int, pp: int, interleave: i
         if len(parts) != interleave:
             raise ConfigError(f"{field_name}[{rank}] = {spec!r} has {len(parts)} range(s); "
                               f"pipeline_parallel_interleave_num is {interleave}")
-        for chunk, part in enumerate(parts):
+        for local, part in enumerate(parts):
             match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", part)
             if not match or int(match[1]) > int(match[2]):
                 raise ConfigError(f"{field_name}[{rank}]: {part.strip()!r} is not an inclusive range 'first-last'")
-            ranges[chunk * pp + rank] = range(int(match[1]), int(match[2]) + 1)
+            ranges[local * pp + rank] = range(int(match[1]), int(match[2]) + 1)
     ordered = [ranges[v] for v in range(virtual)]
     expected = 0
     for v, layers in enumerate(ordered):
         if layers.start != expected:
-            raise ConfigError(f"{field_name}: virtual stage {v} (rank {v % pp}, chunk {v // pp}) starts at layer "
+            raise ConfigError(f"{field_name}: virtual stage {v} (rank {v % pp}, local stage {v // pp}) starts at layer "
                               f"{layers.start}, expected {expected}: the stages must cover the layers in order")
         expected = layers.stop
     if expected != num_layers:
@@ -106,7 +105,7 @@ def stage_layer_ranges(layers_per_stage, num_layers: int, pp: int, interleave: i
 @dataclass(frozen=True)
 class Work:
     kind: str  # FORWARD or BACKWARD
-    chunk: int
+    local_stage: int  # which of the rank's virtual stages (virtual stage local_stage · pp + rank)
     micro: int
 
 
@@ -129,7 +128,7 @@ def work_order(schedule: str, pp: int, rank: int, micro_batches: int, interleave
         return forwards + [Work(BACKWARD, c, i) for c in reversed(range(interleave)) for i in range(m)]
     if schedule == "1f1b":
         if interleave != 1:
-            raise ConfigError("parallelism.pipeline_parallel_schedule 1f1b runs one chunk per rank; with "
+            raise ConfigError("parallelism.pipeline_parallel_schedule 1f1b runs one stage per rank; with "
                               "pipeline_parallel_interleave_num > 1 use interleaved_1f1b")
         forwards = [Work(FORWARD, 0, i) for i in range(m)]
         backwards = [Work(BACKWARD, 0, i) for i in range(m)]
@@ -141,11 +140,11 @@ def work_order(schedule: str, pp: int, rank: int, micro_batches: int, interleave
                               f"multiple of pipeline_parallel ({pp})")
         total = m * interleave
 
-        def chunk_micro(k: int, backward: bool) -> tuple[int, int]:
-            chunk = (k // pp) % interleave
-            return (interleave - 1 - chunk if backward else chunk), (k // (pp * interleave)) * pp + k % pp
-        forwards = [Work(FORWARD, *chunk_micro(k, False)) for k in range(total)]
-        backwards = [Work(BACKWARD, *chunk_micro(k, True)) for k in range(total)]
+        def local_stage_micro(k: int, backward: bool) -> tuple[int, int]:
+            local = (k // pp) % interleave
+            return (interleave - 1 - local if backward else local), (k // (pp * interleave)) * pp + k % pp
+        forwards = [Work(FORWARD, *local_stage_micro(k, False)) for k in range(total)]
+        backwards = [Work(BACKWARD, *local_stage_micro(k, True)) for k in range(total)]
         warmup = min((pp - rank - 1) * 2 + (interleave - 1) * pp, total)
     else:
         raise ConfigError(f"parallelism.pipeline_parallel_schedule must be one of {', '.join(SCHEDULES)}, "
@@ -170,7 +169,7 @@ def schedule_ticks(orders: list[list[Work]], pp: int, interleave: int) -> list[d
             if position[rank] == len(orders[rank]):
                 continue
             work = orders[rank][position[rank]]
-            stage = work.chunk * pp + rank
+            stage = work.local_stage * pp + rank
             needs = ((FORWARD, stage - 1, work.micro) if work.kind == FORWARD and stage > 0 else
                      (BACKWARD, stage + 1, work.micro) if work.kind == BACKWARD and stage < last else
                      (FORWARD, stage, work.micro) if work.kind == BACKWARD else None)
@@ -180,7 +179,7 @@ def schedule_ticks(orders: list[list[Work]], pp: int, interleave: int) -> list[d
             stuck = {r: orders[r][position[r]] for r in range(pp) if position[r] < len(orders[r])}
             raise RuntimeError(f"pipeline schedule cannot progress: the ranks wait on each other at {stuck}")
         for rank, work in tick.items():
-            done.add((work.kind, work.chunk * pp + rank, work.micro))
+            done.add((work.kind, work.local_stage * pp + rank, work.micro))
             position[rank] += 1
         ticks.append(tick)
     return ticks
@@ -192,7 +191,7 @@ def tick_transfers(tick: dict[int, Work], pp: int, interleave: int) -> list[Tran
     out = []
     for rank in sorted(tick):
         work = tick[rank]
-        stage = work.chunk * pp + rank
+        stage = work.local_stage * pp + rank
         if work.kind == FORWARD and stage < last:
             out.append(Transfer(FORWARD, stage + 1, work.micro, rank, (stage + 1) % pp))
         elif work.kind == BACKWARD and stage > 0:
@@ -226,93 +225,51 @@ def analytic_bubble(pp: int, micro_batches: int, interleave: int = 1) -> float:
 # One rank's stages
 
 
-class _Chunk:
-    """One virtual stage on this rank: its decoder layers, and the embedding (first) or final norm, output
-    layer, loss and MTP (last)."""
+class _Stage:
+    """One virtual stage on this rank: its index among all of them and the model's stage (``model.pipeline_stage``:
+    its cells, forward and loss parts), with the parameters it trains."""
 
     def __init__(self, model, stage: int, last_stage: int, layers: range):
-        self.model, self.stage = model, stage
+        self.stage = stage
         self.first, self.last = stage == 0, stage == last_stage
-        self.layers = [model.decoder.layers[i] for i in layers]
-        cells: list[nn.Cell] = list(self.layers)
-        if self.first:
-            cells.append(model.embedding)
-        if self.last:
-            cells += [model.decoder.final_layernorm] + ([model.output_layer] if model.output_layer is not None else [])
-            if model.mtp is not None:
-                cells.append(model.mtp)
-            if model.mtp is not None or model.output_layer is None:  # the MTP depths embed / the output is tied
-                cells.append(model.embedding)
+        self.model_stage = model.pipeline_stage(layers, self.first, self.last)
         seen, self.params = set(), []
-        for cell in cells:
+        for cell in self.model_stage.cells:
             for param in cell.trainable_params():
                 if param.name not in seen:
                     seen.add(param.name)
                     self.params.append(param)
-        self.moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoELayer)]
-        if self.last and model.mtp is not None:
-            self.moe += [layer.transformer_layer.mlp for layer in model.mtp.layers
-                         if isinstance(layer.transformer_layer.mlp, MoELayer)]
-        # the loss parts this stage's forward gives, in one order; none: the stage holds no part of the loss
-        self.part_names = (["lm_loss", *model._mtp_loss_names] if self.last else []) + (
-            ["load_balancing_loss"] if any(moe.has_aux_loss for moe in self.moe) else [])
-
-    def decode(self, x, input_ids, position_ids, attention_mask) -> tuple[Tensor, tuple]:
-        """The stage's decoder layers over ``x`` (over the embedded tokens on the first stage), and the rotary
-        tables and the mask they read."""
-        tables = self.model._tables(input_ids.shape[1], position_ids, attention_mask)
-        if self.first:
-            x = self.model._embed(input_ids)
-        for layer in self.layers:
-            x = layer(x, *tables)
-        return x, tables
-
-    def forward(self, x, input_ids, labels, loss_mask, position_ids, attention_mask):
-        """(output hidden states or None on the last stage, this stage's part of the loss or None, its named
-        parts)."""
-        model = self.model
-        x, tables = self.decode(x, input_ids, position_ids, attention_mask)
-        components = {}
-        loss = None
-        if self.last:
-            loss, components = model.head_loss(model.decoder.final_layernorm(x), input_ids, labels, loss_mask,
-                                               *tables)
-            x = None
-        aux = [moe.aux_loss for moe in self.moe if moe.aux_loss is not None]
-        if aux:
-            components["load_balancing_loss"] = sum(aux)
-            loss = components["load_balancing_loss"] if loss is None else loss + components["load_balancing_loss"]
-        return x, loss, components
 
 
 class _StageOutput(nn.Cell):
     """A stage's forward before its backward: only the hidden states it sends on (a Cell, so it can compile)."""
 
-    def __init__(self, chunk: _Chunk):
+    def __init__(self, stage: _Stage):
         super().__init__(auto_prefix=False)
-        self.chunk = chunk
+        self.model_stage = stage.model_stage
 
     def construct(self, x, input_ids, labels, loss_mask, position_ids, attention_mask):
-        return self.chunk.forward(x, input_ids, labels, loss_mask, position_ids, attention_mask)[0]
+        return self.model_stage.forward(x, input_ids, labels, loss_mask, position_ids, attention_mask)[0]
 
 
 class _Objective(nn.Cell):
     """What a stage's backward differentiates: its loss part times the loss scale, plus the output's dot product
     with the received output gradient (so the gradients are the vector-Jacobian product with it). Besides, as
     flat outputs (a compiled graph returns no None and no dict): the loss part (zero on a stage without one),
-    then its parts in ``chunk.part_names``' order."""
+    then its parts in the order of the model stage's ``part_names``."""
 
-    def __init__(self, chunk: _Chunk, scale: float):
+    def __init__(self, stage: _Stage, scale: float):
         super().__init__(auto_prefix=False)
-        self.chunk, self.scale = chunk, scale
+        self.model_stage, self.scale = stage.model_stage, scale
 
     def construct(self, x, output_grad, input_ids, labels, loss_mask, position_ids, attention_mask):
-        out, loss, components = self.chunk.forward(x, input_ids, labels, loss_mask, position_ids, attention_mask)
+        out, loss, components = self.model_stage.forward(x, input_ids, labels, loss_mask, position_ids,
+                                                         attention_mask)
         objective = 0.0 if loss is None else loss * self.scale
         if out is not None:
             objective = objective + (out * output_grad).sum()
         loss = ops.zeros((), ms.float32) if loss is None else ops.stop_gradient(loss)
-        return objective, (loss,) + tuple(ops.stop_gradient(components[name]) for name in self.chunk.part_names)
+        return objective, (loss,) + tuple(ops.stop_gradient(components[name]) for name in self.model_stage.part_names)
 
 
 @dataclass
@@ -347,20 +304,21 @@ class Pipeline:
             schedule = "interleaved_1f1b"  # as MindFormers upgrades it
         if schedule == "interleaved_1f1b" and self.interleave == 1:
             raise ConfigError("parallelism.pipeline_parallel_schedule interleaved_1f1b needs "
-                              "pipeline_parallel_interleave_num > 1 (1f1b is the one-chunk schedule)")
+                              "pipeline_parallel_interleave_num > 1 (1f1b is the schedule of one stage per rank)")
         self.schedule = schedule
-        self.ranges = stage_layer_ranges(parallelism.pipeline_parallel_layers_per_stage,
-                                         model.config.num_hidden_layers, self.pp, self.interleave)
+        self.ranges = stage_layer_ranges(parallelism.pipeline_parallel_layers_per_stage, model.pipeline_layers,
+                                         self.pp, self.interleave)
         self.last_stage = self.pp * self.interleave - 1
-        self.chunks = [_Chunk(model, c * self.pp + self.rank, self.last_stage, self.ranges[c * self.pp + self.rank])
-                       for c in range(self.interleave)]
+        # this rank's virtual stages, by local index (virtual stage local · pp + rank)
+        self.stages = [_Stage(model, v, self.last_stage, self.ranges[v])
+                       for v in range(self.rank, self.last_stage + 1, self.pp)]
         self.program = schedule_programs(schedule, self.pp, micro_batches, self.interleave)[0][self.rank]
         self.micro_batches = micro_batches
-        self.hidden_size, self.dtype = model.config.hidden_size, model.compute_dtype
+        self.hidden_size, self.dtype = self.stages[0].model_stage.hidden_size, self.stages[0].model_stage.dtype
         self.sequence_shards = dims.tp if sequence_parallel else 1
-        self.grad_fns: list = []  # one per chunk, once the loss scale is known (finish)
+        self.grad_fns: list = []  # one per local stage, once the loss scale is known (finish)
         # this rank's parameters in the model's order, which the data-parallel reduction and the optimizer follow
-        self.param_names = {p.name for chunk in self.chunks for p in chunk.params}
+        self.param_names = {p.name for stage in self.stages for p in stage.params}
         self.params: list[Parameter] = [p for p in model.trainable_params() if p.name in self.param_names]
         self.trainable_names = {p.name for p in model.trainable_params()}
         # the pipeline rank of every global rank, and the peers this rank exchanges with (same other coordinates)
@@ -370,10 +328,14 @@ class Pipeline:
         self.pairs = {}
         for p in sorted({(self.rank - 1) % self.pp, (self.rank + 1) % self.pp} - {self.rank}):
             self.pairs[p] = mesh.pair(self.peer_rank[p])
-        # the embedding's copies on the first and last stage (MTP, tied output) have their gradients summed
-        self.embedding_name = model.embedding.word_embeddings.weight.name
+        # a tensor two stages hold (GPTModel's embedding on the first and the last: MTP, a tied output layer) has
+        # the sum of the copies' gradients: the two ranks must exchange already, as neighbours
         self.holders = self.holding_pipeline_ranks()
-        self.embedding_on = sorted(self.holders[self.embedding_name])
+        self.shared = {name: sorted(ranks) for name, ranks in self.holders.items() if len(ranks) > 1}
+        for name, ranks in self.shared.items():
+            if len(ranks) > 2 or (self.pp > 2 and (ranks[1] - ranks[0]) % self.pp not in (1, self.pp - 1)):
+                raise ValueError(f"pipeline: {name} is held by pipeline ranks {ranks}; a tensor may be shared by "
+                                 "two neighbouring ranks only (their gradients are summed over the pair)")
         # every rank built the whole model from the seed, so its stage starts from the single-process weights; the
         # other stages' weights are dropped (an empty tensor under the same name)
         for param in model.trainable_params():
@@ -381,42 +343,31 @@ class Pipeline:
                 param.set_data(Tensor(np.zeros((0,), numpy_dtype(param.dtype))), slice_shape=True)
 
     def finish(self, scale: float) -> None:
-        """Once the data-parallel strategy is applied: the stage's parameters as the model now holds them (ZeRO-3
-        replaced each sharded one by its chunk, under the same name), and the backward of each chunk with
+        """Once the data-parallel strategy is applied: the stages' parameters as the model now holds them (ZeRO-3
+        replaced each sharded one by its chunk, under the same name), and the backward of each stage with
         ``scale`` on each micro-batch's loss (``Parallelism.loss_scale``)."""
         current = {p.name: p for p in self.model.trainable_params()}
-        for chunk in self.chunks:
-            chunk.params = [current[p.name] for p in chunk.params]
+        for stage in self.stages:
+            stage.params = [current[p.name] for p in stage.params]
         self.params = [current[p.name] for p in self.params]
-        self.grad_fns = [ms.value_and_grad(_Objective(chunk, scale), None if chunk.first else 0, chunk.params,
-                                           has_aux=True) for chunk in self.chunks]
-        self.forwards = [_StageOutput(chunk) for chunk in self.chunks]
+        self.grad_fns = [ms.value_and_grad(_Objective(stage, scale), None if stage.first else 0, stage.params,
+                                           has_aux=True) for stage in self.stages]
+        self.forwards = [_StageOutput(stage) for stage in self.stages]
 
     def compile(self) -> None:
         """Each stage's forward and its recomputing backward as mindspore.jit graphs (fast_step.compile); the
         schedule, the transfers between stages (2-rank broadcasts, which a graph cannot run) and the rewinding of
-        MoE counts around a replay stay on the host, between the graphs."""
+        the host state around a replay (``_replayed``) stay on the host, between the graphs."""
         self.forwards = [ms.jit(forward) for forward in self.forwards]
         self.grad_fns = [ms.jit(grad_fn) for grad_fn in self.grad_fns]
 
     # ---- what the trainer asks -------------------------------------------------------------------------
-    def component_names(self) -> list[str]:
-        """The loss parts every rank reports, in one order (zero where they live on other stages)."""
-        names = []
-        if self.model.mtp is not None or self.model.config.has_moe:
-            names.append("lm_loss")
-            names += [f"mtp_{k + 1}_loss" for k in range(len(self.model.mtp.layers) if self.model.mtp else 0)]
-        if any(moe.aux_coeff and moe.balancing != "none" for _, moe in self.model.moe_layers()):
-            names.append("load_balancing_loss")
-        return names
-
     def holding_pipeline_ranks(self) -> dict[str, set[int]]:
         """Trainable parameter name -> the pipeline ranks holding it (built alike on every rank)."""
         holders: dict[str, set[int]] = {}
-        for stage, layers in enumerate(self.ranges):
-            chunk = _Chunk(self.model, stage, self.last_stage, layers)
-            for param in chunk.params:
-                holders.setdefault(param.name, set()).add(stage % self.pp)
+        for v, layers in enumerate(self.ranges):
+            for param in _Stage(self.model, v, self.last_stage, layers).params:
+                holders.setdefault(param.name, set()).add(v % self.pp)
         return holders
 
     def keeps(self, name: str) -> bool:
@@ -479,9 +430,10 @@ class Pipeline:
         inputs: dict[tuple[int, int], Tensor | None] = {}  # (virtual stage, micro) -> its input hidden states
         output_grads: dict[tuple[int, int], Tensor] = {}
         outbox: dict[tuple[str, int, int], Tensor] = {}  # (kind, destination stage, micro) -> what to send
-        rewind: dict[tuple[int, int], tuple] = {}  # dropout stream state and MoE counts before a forward
+        rewind: dict[tuple[int, int], tuple] = {}  # the model stage's host state before a forward
         grads = {p.name: None for p in self.params}
-        components = {name: 0.0 for name in self.component_names()}
+        # the loss parts every rank reports, in one order (zero where they live on other stages)
+        components = {name: 0.0 for name in self.model.loss_part_names}
         micro_losses = [0.0] * self.micro_batches
         busy, kept, peak, in_flight, peak_in_flight, sent = 0.0, 0, 0, 0, 0, 0
         started = time.perf_counter()
@@ -489,14 +441,14 @@ class Pipeline:
             if isinstance(step, Transfer):
                 sent += self._transfer(step, batches, inputs, output_grads, outbox)
                 continue
-            chunk = self.chunks[step.chunk]
-            key = (chunk.stage, step.micro)
+            stage = self.stages[step.local_stage]
+            key = (stage.stage, step.micro)
             t0 = time.perf_counter()
             if step.kind == FORWARD:
                 inputs.setdefault(key, None)
-                if not chunk.last:  # the last stage's forward runs with its backward (nothing to send before)
-                    rewind[key] = self._capture(chunk)
-                    outbox[(FORWARD, chunk.stage + 1, step.micro)] = self.forwards[step.chunk](
+                if not stage.last:  # the last stage's forward runs with its backward (nothing to send before)
+                    rewind[key] = stage.model_stage.host_state()
+                    outbox[(FORWARD, stage.stage + 1, step.micro)] = self.forwards[step.local_stage](
                         inputs[key], *batches[step.micro])
                 kept += self._nbytes(inputs[key])
                 in_flight += 1
@@ -504,22 +456,17 @@ class Pipeline:
                 x = inputs.pop(key)
                 dout = output_grads.pop(key, None)
                 replayed = rewind.pop(key, None)
-                current = self._capture(chunk) if replayed else None
-                if replayed:
-                    self._restore(chunk, replayed, counts=False)
-                (_, (loss, *parts)), g = self.grad_fns[step.chunk](x, dout, *batches[step.micro])
-                if replayed:
-                    self._restore(chunk, current, counts=True)
-                if not chunk.first:
+                (_, (loss, *parts)), g = self._replayed(stage, replayed, self.grad_fns[step.local_stage],
+                                                        x, dout, *batches[step.micro])
+                if not stage.first:
                     dx, g = g
-                    outbox[(BACKWARD, chunk.stage - 1, step.micro)] = dx
-                for param, grad in zip(chunk.params, g):
+                    outbox[(BACKWARD, stage.stage - 1, step.micro)] = dx
+                for param, grad in zip(stage.params, g):
                     grads[param.name] = grad if grads[param.name] is None else grads[param.name] + grad
-                if chunk.part_names:  # the stage holds a part of the loss
+                if stage.model_stage.holds_loss:
                     micro_losses[step.micro] += float(loss.asnumpy())
-                for name, value in zip(chunk.part_names, parts):
-                    if name in components:  # a plain dense model's loss is its LM loss: no parts reported
-                        components[name] += float(value.asnumpy())
+                for name, value in zip(stage.model_stage.part_names, parts):
+                    components[name] += float(value.asnumpy())
                 kept -= self._nbytes(x)
                 in_flight -= 1
             peak, peak_in_flight = max(peak, kept), max(peak_in_flight, in_flight)
@@ -562,27 +509,29 @@ class Pipeline:
         other ranks zeros, which add nothing when validation sums them over the world."""
         sums = counts = ops.zeros(input_ids.shape[:1], ms.float32)
         x = None
-        for stage in range(self.last_stage + 1):
-            if stage % self.pp == self.rank:
-                chunk = self.chunks[stage // self.pp]
-                x = chunk.decode(x, input_ids, position_ids, attention_mask)[0]
-                if chunk.last:
-                    sums, counts = self.model.hidden_loss_sums(self.model.decoder.final_layernorm(x), labels,
-                                                               loss_mask)
-            if stage < self.last_stage:
-                x = self._exchange(x, stage % self.pp, (stage + 1) % self.pp, input_ids)
+        for v in range(self.last_stage + 1):
+            if v % self.pp == self.rank:
+                stage = self.stages[v // self.pp].model_stage
+                x = stage.decode(x, input_ids, position_ids, attention_mask)[0]
+                if stage.last:
+                    sums, counts = stage.held_out_loss_sums(x, labels, loss_mask)
+            if v < self.last_stage:
+                x = self._exchange(x, v % self.pp, (v + 1) % self.pp, input_ids)
         return sums, counts
 
-    def _capture(self, chunk: _Chunk) -> tuple:
-        return self.model.dropout_masks.state(), [moe._counts.copy() for moe in chunk.moe]
-
-    def _restore(self, chunk: _Chunk, captured: tuple, counts: bool) -> None:
-        """Back to ``captured``: the dropout stream always; the MoE counts only when asked (after a replay)."""
-        stream, moe_counts = captured
-        self.model.dropout_masks.set_state(stream)
-        if counts:
-            for moe, saved in zip(chunk.moe, moe_counts):
-                moe._counts = saved
+    @staticmethod
+    def _replayed(stage: _Stage, before, grad_fn, *args):
+        """``grad_fn(*args)``, which runs the stage's forward again when it ran before (``before``: its host state
+        then; None when not): the replay draws the forward's dropout masks again, and what else it changes on the
+        host (MoE token counts) is put back as it was after the forward."""
+        if before is None:
+            return grad_fn(*args)
+        model_stage = stage.model_stage
+        after = model_stage.host_state()
+        model_stage.rewind(before)
+        out = grad_fn(*args)
+        model_stage.restore(after)
+        return out
 
     @staticmethod
     def _nbytes(x: Tensor | None) -> int:
@@ -594,7 +543,7 @@ class Pipeline:
         """The trainer's step up to the update: this rank's part of the loss and its parts, the clipped and the
         unclipped reduced gradients of ``params``, their norms, and the global norm over every stage."""
         self.last_result = result = self.run(batches)
-        unclipped = self.sync_embedding_grads(parallel.reduce_gradients(result.grads))
+        unclipped = self.sum_shared_grads(parallel.reduce_gradients(result.grads))
         norms = parallel.tensor_norms(unclipped)
         own = np.sum(np.square(norms[self.counted_once()]))
         grad_norm = float(np.sqrt(comm.all_reduce_array(np.array([own]), self.mesh.group("pp"))[0]))
@@ -623,26 +572,26 @@ class Pipeline:
             out[key] = {name: round(float(norm), 6) for name, norm, held in zip(names, norms, reported) if held}
         return out
 
-    def embedding_norm(self, norms: np.ndarray) -> float:
-        """The embedding gradient's norm, from the first stage (every rank gets it)."""
-        index = next((i for i, p in enumerate(self.params) if p.name == self.embedding_name), None)
-        own = float(norms[index]) if self.rank == 0 and index is not None else 0.0
+    def norm_of(self, name: str, norms: np.ndarray) -> float:
+        """The gradient norm of tensor ``name`` (in ``norms``, of ``params``), from the first pipeline rank holding
+        it (every rank gets it)."""
+        index = next((i for i, p in enumerate(self.params) if p.name == name), None)
+        own = float(norms[index]) if index is not None and self.rank == min(self.holders[name]) else 0.0
         return float(comm.all_reduce_array(np.array([own]), self.mesh.group("pp"))[0])
 
-    def sync_embedding_grads(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        """The embedding's two copies (first and last stage) get the sum of their gradients."""
-        if len(self.embedding_on) < 2 or self.rank not in self.embedding_on:
-            return grads
-        peer = next(p for p in self.embedding_on if p != self.rank)
-        index = next(i for i, p in enumerate(self.params) if p.name == self.embedding_name)
+    def sum_shared_grads(self, grads: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        """A tensor two stages hold gets the sum of its copies' gradients on both."""
         out = list(grads)
-        out[index] = comm.all_reduce(grads[index], self.pairs[peer])
+        for index, param in enumerate(self.params):
+            if param.name in self.shared:
+                peer = next(p for p in self.shared[param.name] if p != self.rank)
+                out[index] = comm.all_reduce(grads[index], self.pairs[peer])
         return tuple(out)
 
     def counted_once(self) -> np.ndarray:
-        """Which of ``params`` count in the global gradient norm: the last stage's embedding copy does not."""
-        duplicate = self.rank != 0 and self.rank in self.embedding_on
-        return np.array([not (duplicate and p.name == self.embedding_name) for p in self.params], dtype=bool)
+        """Which of ``params`` count in the global gradient norm: a shared tensor's copy on its first holder only."""
+        return np.array([p.name not in self.shared or self.rank == self.shared[p.name][0] for p in self.params],
+                        dtype=bool)
 
 
 def build_pipeline(model, mesh: DeviceMesh, config, micro_batches: int, tensor_parallel) -> Pipeline:

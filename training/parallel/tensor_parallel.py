@@ -1,23 +1,25 @@
-"""Tensor parallelism (Megatron-style), with MindFormers' sequence parallelism, applied to a built GPTModel
+"""Tensor parallelism (Megatron-style), with MindFormers' sequence parallelism, applied to a built model
 (docs/parallelism.md). Parallelize after building: the full model is built from the seed
 in every process, so each rank's shards are exactly the single-process weights' slices.
 
-``apply_tensor_parallel(model, mesh, sequence_parallel)`` works over ``mesh.group("tp")`` and, in place:
+``apply_tensor_parallel(model, mesh, sequence_parallel)`` works over ``mesh.group("tp")``: the model says what
+is cut (its ``parallelize_tensor(tp)``, each module of it its own part), with the tools of ``TensorParallel``:
 
-- cuts weights (each rank keeps the chunk at its index in the tp group, an even split along one dim):
-  vocabulary rows of ``embedding.word_embeddings.weight`` and ``output_layer.weight`` (a tied output layer
-  uses the embedding's chunk); column-parallel (rows, dim 0): GQA ``linear_qkv`` (weight and bias) — its
-  rows are grouped per KV group, so each rank holds whole query groups —, MLA ``linear_qb`` and
-  ``linear_kvb``, dense MLP ``linear_fc1`` (interleaved gate/up rows: pairs stay together); row-parallel
-  (dim 1): ``linear_proj`` and dense ``linear_fc2``. Everything else is replicated: norms (the per-head q/k
-  norms too), MLA's fused down-projection ``linear_qkv`` and latent norms, MoE routers, routed experts
-  (until expert parallelism), shared experts, MTP's ``eh_proj`` and norms;
-- sets what modules need to know: local head/group counts (``num_heads``, ``num_groups``) and MLP widths
-  (``ffn``), the collectives around column-parallel (``input_comm``) and row-parallel (``output_comm``)
-  linears, the vocabulary range of the embedding, MLA's rope-key collective, the MoE loss statistics'
-  sum over sequence shards, the gather of every head's max attention logit (``pop_max_attention_logits``
-  returns all heads, so every rank must call it), and the model's vocab-parallel cross-entropy (max, sum of
-  exponentials and label logit all-reduced over tp; the full logits never exist on one rank).
+- ``cut``: a rank keeps the chunk at its index in the tp group, an even split along one dim;
+  ``column_parallel`` cuts a linear's output rows (dim 0, and its bias) and gathers its input,
+  ``row_parallel`` its input columns (dim 1), its partial outputs summed; everything not cut is replicated;
+- the collectives a module sets where it needs them: ``enter``/``leave`` around column- and row-parallel
+  linears, the gather of every head's value (max attention logits: every rank must pop them), the sum over
+  sequence shards (MoE balancing statistics), the vocab-parallel cross-entropy (max, sum of exponentials and
+  label logit all-reduced over tp; the full logits never exist on one rank);
+- ``applied_to_local_heads``: replicated parameters whose gradient is this rank's part (Qwen3's q/k norms).
+
+Kiln's models (training/model: GPTModel, TransformerLayer, SelfAttention, MLASelfAttention, MLP, MoELayer,
+VocabEmbedding) cut the vocabulary rows of the embedding and the output layer (a tied output layer uses the
+embedding's chunk); column-parallel: GQA ``linear_qkv`` by whole KV groups, MLA ``linear_qb`` and
+``linear_kvb``, dense MLP ``linear_fc1`` (gate/up pairs stay together); row-parallel: ``linear_proj`` and dense
+``linear_fc2``; the rest (norms, MLA's down-projection, MoE routers and experts, shared experts, MTP's
+``eh_proj``) stays whole.
 
 Activations between blocks: with ``sequence_parallel`` (MindFormers' only mode when tp > 1) each rank
 holds ``seq / tp`` consecutive positions of every sample ([batch, seq/tp, hidden]: dim 1); column-parallel
@@ -29,7 +31,7 @@ computes the same loss; ``model.logits`` returns this rank's vocabulary slice.
 It returns a ``TensorParallelPlan``: every parameter's ``TensorLayout`` over the world (checkpoints record
 and reshard from it), and ``grads_to_all_reduce_over_tp``: the replicated parameters whose gradient is only
 this rank's part — used on a sequence shard (every replicated parameter under sequence parallelism) or on
-this rank's heads (Qwen3's q/k norms) — which the gradient reduction must sum over tp before anything else.
+this rank's heads — which the gradient reduction must sum over tp before anything else.
 
 What the caller keeps in mind: sharded parameters are new ``Parameter`` objects under the same names (build
 the optimizer and FSDP after this); a gradient norm counts a sharded tensor's squares summed over tp and a
@@ -42,17 +44,13 @@ tp · dp_shard for a column-parallel weight, dim 0 into dp_shard × dim 1 into t
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from training.config import ConfigError
-from training.model.attention import SelfAttention
-from training.model.gpt import GPTModel
-from training.model.layers import Linear
-from training.model.moe import MoELayer
-from training.model.transformer import MLP
 from training.parallel import comm
 from training.parallel.layout import TensorLayout
 from training.parallel.mesh import DeviceMesh, Group
@@ -94,124 +92,90 @@ class VocabParallelCrossEntropy(nn.Cell):
         return ops.log(sums[0]) - sums[1]
 
 
-class _Sharder:
-    """Cuts parameters of the model over the tp group and records every parameter's layout."""
+class TensorParallel:
+    """What a model's tensor-parallel plan cuts with over the tp ``group``: the cuts (each recording the parameter's
+    layout over the world), the collectives around column- and row-parallel linears (``enter``, ``leave``: one
+    Cell for every call site, as they hold no state, so ``comm.for_graph`` switches them all at once), and the
+    record of replicated parameters applied to this rank's heads only. The model's ``check_tensor_parallel(tp)``
+    refuses what it cannot split (``require_divisible``), then its ``parallelize_tensor(tp)`` cuts."""
 
-    def __init__(self, mesh: DeviceMesh, group: Group):
-        self.group = group
+    def __init__(self, mesh: DeviceMesh, group: Group, sequence_parallel: bool):
+        self.group, self.size, self.rank = group, group.size, group.rank
+        self.sequence_parallel = sequence_parallel
         self.world = mesh.dims.world
         self.tp_index_of_rank = tuple(mesh.dims.coords(r)["tp"] for r in range(self.world))
         self.layouts: dict[str, TensorLayout] = {}
+        self.head_local: set[str] = set()
+
+    # made when first set, after the model's checks: what cannot be split is refused before any collective exists
+    @functools.cached_property
+    def enter(self) -> nn.Cell:
+        """Into a column-parallel linear: the whole sequence gathered (sequence parallel), or a copy."""
+        return comm.AllGather(self.group, SEQUENCE_DIM) if self.sequence_parallel else comm.CopyToGroup(self.group)
+
+    @functools.cached_property
+    def leave(self) -> nn.Cell:
+        """Out of a row-parallel linear: the partial outputs reduce-scattered onto the sequence shards, or summed."""
+        return (comm.ReduceScatter(self.group, SEQUENCE_DIM) if self.sequence_parallel
+                else comm.ReduceFromGroup(self.group))
+
+    def require_divisible(self, count: int, field: str, what: str) -> None:
+        if count % self.size:
+            raise ConfigError(f"parallelism.tensor_parallel ({self.size}) must divide {field} ({count}): {what}")
 
     def cut(self, cell: nn.Cell, attr: str, dim: int) -> None:
         """Replace ``cell.<attr>`` by this rank's chunk along ``dim`` (a new Parameter of the same name)."""
         param = cell._params[attr]
-        layout = TensorLayout.split(tuple(param.shape), dim, self.tp_index_of_rank, self.group.size)
-        chunk = param.asnumpy()[layout.chunk_slices(self.group.rank)]
+        layout = TensorLayout.split(tuple(param.shape), dim, self.tp_index_of_rank, self.size)
+        chunk = param.asnumpy()[layout.chunk_slices(self.rank)]
         cell._params[attr] = Parameter(Tensor(np.ascontiguousarray(chunk)), name=param.name,
                                        requires_grad=param.requires_grad)
         self.layouts[param.name] = layout
 
-    def column_parallel(self, linear: Linear, enter) -> None:
+    def column_parallel(self, linear: nn.Cell) -> None:
+        """A linear (``weight`` [out, in], optional ``bias``, ``input_comm``) computing this rank's output rows."""
         self.cut(linear, "weight", 0)
         if linear.bias is not None:
             self.cut(linear, "bias", 0)
-        linear.input_comm = enter
+        linear.input_comm = self.enter
 
-    def row_parallel(self, linear: Linear, leave) -> None:
-        # the bias of a row-parallel linear would be added once per rank: none of these models has one
-        assert linear.bias is None, "row-parallel linears carry no bias"
+    def row_parallel(self, linear: nn.Cell) -> None:
+        """A linear (``weight`` [out, in], ``output_comm``) reading this rank's input columns, its partial outputs
+        summed over the group."""
+        if linear.bias is not None:
+            raise ValueError("a row-parallel linear carries no bias: it would be added once per rank")
         self.cut(linear, "weight", 1)
-        linear.output_comm = leave
+        linear.output_comm = self.leave
+
+    def applied_to_local_heads(self, *params: Parameter) -> None:
+        """Replicated parameters applied to this rank's heads only: their gradients are parts, summed over tp."""
+        self.head_local |= {p.name for p in params}
+
+    def gather_heads(self) -> nn.Cell:
+        """The collective stacking every rank's per-head values (max attention logits) in head order."""
+        return comm.AllGather(self.group, 0)
+
+    def sum_over_sequence_shards(self) -> nn.Cell | None:
+        """Under sequence parallelism, the sum over the ranks holding the other parts of the sequences (forward
+        all-reduce, backward identity); None when every rank sees whole sequences."""
+        return comm.ReduceFromGroup(self.group) if self.sequence_parallel else None
+
+    def vocab_parallel_cross_entropy(self, vocab_start: int) -> nn.Cell:
+        """The per-token loss over logits holding this rank's vocabulary from ``vocab_start``."""
+        return VocabParallelCrossEntropy(vocab_start, self.group)
 
 
-def _require_divisible(count: int, field: str, tp: int, what: str) -> None:
-    if count % tp:
-        raise ConfigError(f"parallelism.tensor_parallel ({tp}) must divide {field} ({count}): {what}")
-
-
-def _transformer_layers(model: GPTModel) -> list[nn.Cell]:
-    """The decoder layers, then each MTP depth's layer (parallelized alike, as in MindFormers)."""
-    return list(model.decoder.layers) + ([m.transformer_layer for m in model.mtp.layers] if model.mtp else [])
-
-
-def _check(model: GPTModel, tp: int, sequence_parallel: bool) -> None:
-    c = model.config
-    _require_divisible(c.vocab_size, "model.vocab_size", tp, "each rank holds an equal slice of the vocabulary")
-    if sequence_parallel:
-        _require_divisible(c.seq_length, "model.seq_length", tp, "sequence parallelism gives each rank an equal "
-                                                                 "part of every sequence")
-    elif c.hidden_dropout > 0:
-        raise ConfigError(f"model.hidden_dropout ({c.hidden_dropout}) with tensor parallelism needs "
-                          "parallelism.sequence_parallel: true: without it every tp rank holds the same "
-                          "activations and would drop different elements of them")
-    layers = _transformer_layers(model)
-    if isinstance(layers[0].self_attention, SelfAttention):
-        _require_divisible(c.num_key_value_heads, "model.num_key_value_heads", tp,
-                           "linear_qkv is split by whole query groups")
-    else:
-        _require_divisible(c.num_attention_heads, "model.num_attention_heads", tp, "MLA splits the heads")
-        if not c.q_lora_rank:
-            raise ConfigError("model.q_lora_rank is unset: tensor-parallel MLA needs the query compression "
-                              "(linear_qb splits the heads), as in MindFormers")
-    if any(isinstance(layer.mlp, MLP) for layer in layers):
-        _require_divisible(c.intermediate_size, "model.intermediate_size", tp, "linear_fc1/linear_fc2 split it")
-
-
-def apply_tensor_parallel(model: GPTModel, mesh: DeviceMesh, sequence_parallel: bool) -> TensorParallelPlan:
-    """Shard ``model`` over ``mesh.group("tp")`` in place (see the module docstring for the contract)."""
+def apply_tensor_parallel(model: nn.Cell, mesh: DeviceMesh, sequence_parallel: bool) -> TensorParallelPlan:
+    """Shard ``model`` over ``mesh.group("tp")`` in place, as its ``parallelize_tensor`` says (see the module
+    docstring for the contract)."""
     group = mesh.group("tp")
-    sharder = _Sharder(mesh, group)
-    sequence_parallel = sequence_parallel and group.size > 1  # a group of one holds whole sequences
-    head_local = set()
+    tp = TensorParallel(mesh, group, sequence_parallel and group.size > 1)  # a group of one holds whole sequences
     if group.size > 1:
-        _check(model, group.size, sequence_parallel)
-        # one Cell for every call site (it holds no state), so for_graph switches them all at once
-        if sequence_parallel:
-            enter, leave = comm.AllGather(group, SEQUENCE_DIM), comm.ReduceScatter(group, SEQUENCE_DIM)
-        else:
-            enter, leave = comm.CopyToGroup(group), comm.ReduceFromGroup(group)
-        head_local = _parallelize(model, sharder, enter, leave, sequence_parallel)
-    layouts = {p.name: sharder.layouts.get(p.name, TensorLayout.replicated(tuple(p.shape), sharder.world))
+        model.check_tensor_parallel(tp)
+        model.parallelize_tensor(tp)
+    layouts = {p.name: tp.layouts.get(p.name, TensorLayout.replicated(tuple(p.shape), tp.world))
                for p in model.get_parameters()}
     # under sequence parallelism every replicated weight saw only this rank's positions
     partial_grads = [p.name for p in model.trainable_params()
-                     if (sequence_parallel and not layouts[p.name].is_sharded) or p.name in head_local]
-    return TensorParallelPlan(sequence_parallel, layouts, tuple(partial_grads))
-
-
-def _parallelize(model: GPTModel, sharder: _Sharder, enter, leave, sequence_parallel: bool) -> set[str]:
-    """Cut the weights and set the collectives; returns the replicated parameters applied to this rank's
-    heads only (their gradients are parts whatever the activations' layout)."""
-    group, tp = sharder.group, sharder.group.size
-    embedding = model.embedding.word_embeddings
-    sharder.cut(embedding, "weight", 0)
-    embedding.vocab_rows = embedding.weight.shape[0]
-    embedding.vocab_start = group.rank * embedding.vocab_rows
-    embedding.output_comm = leave
-    if model.output_layer is not None:
-        sharder.cut(model.output_layer, "weight", 0)
-    model.output_input_comm = enter
-    model.token_loss = VocabParallelCrossEntropy(embedding.vocab_start, group)
-
-    head_local = set()
-    for layer in _transformer_layers(model):
-        attention = layer.self_attention
-        if isinstance(attention, SelfAttention):
-            sharder.column_parallel(attention.linear_qkv, enter)
-            attention.num_groups //= tp
-            head_local |= {attention.q_layernorm.weight.name, attention.k_layernorm.weight.name}
-        else:  # MLA: the down-projection and latent norms run where the activations are; heads are split
-            sharder.column_parallel(attention.linear_qb, enter)
-            sharder.column_parallel(attention.linear_kvb, enter)
-            attention.rope_key_comm = enter
-        attention.num_heads //= tp
-        attention.logit_tracker.heads_comm = comm.AllGather(group, 0)
-        sharder.row_parallel(attention.linear_proj, leave)
-        if isinstance(layer.mlp, MLP):
-            sharder.column_parallel(layer.mlp.linear_fc1, enter)
-            sharder.row_parallel(layer.mlp.linear_fc2, leave)
-            layer.mlp.ffn //= tp
-        elif isinstance(layer.mlp, MoELayer) and sequence_parallel:
-            layer.mlp.sequence_shard_sum = comm.ReduceFromGroup(group)
-    return head_local
+                     if (tp.sequence_parallel and not layouts[p.name].is_sharded) or p.name in tp.head_local]
+    return TensorParallelPlan(tp.sequence_parallel, layouts, tuple(partial_grads))
