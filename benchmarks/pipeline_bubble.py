@@ -2,7 +2,7 @@
 bytes sent between stages, and the step time against data parallelism on the same 2 workers.
 
 configs/qwen3_tiny.yaml widened (hidden 256, 4 layers) trains with 8 micro-batches per step under ``gpipe``,
-``1f1b`` and ``interleaved_1f1b`` (2 chunks per rank); the three trainers live in one launch and take their steps
+``1f1b`` and ``interleaved_1f1b`` (2 virtual stages per rank); the three trainers live in one launch and take their steps
 in turn, round by round, so the machine's load falls on all alike. Per schedule:
 
 - bubble: the fraction of the schedule's wall time each rank is not computing (its transfers and its waits; the

@@ -24,7 +24,7 @@ CASES = {
     "hybrid_cp4_zero2_compiled": ["parallelism.context_parallel=4", "parallelism.context_parallel_method=hybrid",
                                   "parallelism.ulysses_degree_in_cp=2", *COMPILED,
                                   "parallelism.data_parallel_shard_strategy=optim_grads"],
-    # with tensor parallel: each rank's heads, its zig-zag sequence chunk cut again over tp between the layers
+    # with tensor parallel: each rank's heads, its zig-zag sequence segments cut again over tp between the layers
     # (sequence parallel); forward and backward compiled. Rings longer than 2: hybrid's cp 4, and a ring of 3
     # checked in one process
     "ring_tp2_cp2_zigzag_zero1_compiled": ["parallelism.context_parallel=2",

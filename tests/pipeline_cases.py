@@ -19,8 +19,8 @@ from training.trainer import Trainer, configure_runtime  # noqa: E402
 # 4 samples per step: 2 micro-batches per pipeline under data parallel 2, 4 without; a validation split holding one
 # such batch without repeating a sample
 BATCH = ["training.global_batch_size=4", "train_dataset.dataloader.config.split=94,6,0"]
-# the micro Qwen3 with 4 layers, so that 2 pipeline ranks × 2 chunks, or 4 ranks, each get one; its output layer tied
-# to the embedding, whose copy on the last stage is then the output matmul's weight
+# the micro Qwen3 with 4 layers, so that 2 pipeline ranks × 2 virtual stages, or 4 ranks, each get one; its output
+# layer tied to the embedding, whose copy on the last stage is then the output matmul's weight
 FOUR_LAYERS_TIED = ["model.num_hidden_layers=4", "model.tie_word_embeddings=true"]
 REFERENCES = {"qwen3": (MICRO_CONFIG, BATCH), "qwen3_4_layers_tied": (MICRO_CONFIG, BATCH + FOUR_LAYERS_TIED),
               # the third model (tests/plain_gpt.py, unknown to training/parallel), its output layer tied
@@ -45,7 +45,7 @@ CASES = {
     "pp2_interleaved_tied_zero3": ("qwen3_4_layers_tied", PP2 + VALIDATE_ONCE + [
         "parallelism.pipeline_parallel_schedule=interleaved_1f1b", "parallelism.pipeline_parallel_interleave_num=2",
         "parallelism.pipeline_parallel_layers_per_stage=['0-0,2-2', '1-1,3-3']", "fast_step.compile=true"]),
-    # each stage's attention a ring over its cp pair, hidden states travelling as each rank's sequence chunk
+    # each stage's attention a ring over its cp pair, hidden states travelling as each rank's sequence segment
     "pp2_cp2": ("qwen3", PP2 + VALIDATE_ONCE + ["parallelism.context_parallel=2"]),
     # compiled: each stage's forward and recomputing backward a graph, tensor parallelism's collectives in them as
     # all-reduces (the micro config trains eagerly unless a case compiles)

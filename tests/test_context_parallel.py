@@ -19,7 +19,7 @@ from training.config import ConfigError
 from training.model import build_model, model_config
 from training.model.gpt import roll_each_left
 from training.model.layers import causal_mask
-from training.parallel.context_parallel import (ContextAttention, ContextParallelPlan, MoveLeftAcrossChunks,
+from training.parallel.context_parallel import (ContextAttention, ContextParallelPlan, MoveLeftAcrossSegments,
                                                 RingAttention, block_mask, check_context_parallel, token_positions)
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
 from training.reporting import Reporter, is_step_record, read_records
@@ -266,7 +266,7 @@ def test_a_sequence_length_other_than_the_masks_names_the_field():
 
 def test_mtps_move_left_on_one_rank_is_the_models():
     plan = ContextParallelPlan(DeviceMesh(ParallelDims(world=1), 0), "colossal", 1, load_balance=True, seq_length=8)
-    move = MoveLeftAcrossChunks(plan)
+    move = MoveLeftAcrossSegments(plan)
     ids = Tensor(np.arange(1, 17, dtype=np.int32).reshape(2, 8))
     mask = Tensor(np.tile(np.array([1, 1, 0, 1, 1, 1, 1, 0], np.float32), (2, 1)))
     for moved_by in (move, ms.jit(move.construct)):

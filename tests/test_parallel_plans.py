@@ -19,6 +19,9 @@ from training.config import ConfigError
 from training.model.gpt import GPTModel
 from training.parallel.tensor_parallel import apply_tensor_parallel
 
+ms.set_context(mode=ms.PYNATIVE_MODE)
+ms.set_device("CPU")
+
 PLAIN = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
              num_key_value_heads=2, head_dim=8, seq_length=8, max_position_embeddings=16, compute_dtype="float32",
              hidden_dropout=0.0)

@@ -10,8 +10,8 @@ from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, Softm
                                    apply_rotary, cast, expand)
 
 # Causal attention in query blocks: block i (of seq/QUERY_BLOCKS queries) multiplies, masks and softmaxes against
-# the keys up to its end only, (1+2+3+4)/16 = 62% of the full score square. On the throughput benchmark's Qwen3
-# (seq 512, compiled step) 4 blocks took 3% less CPU per step than 1, and 0.35 GB less peak RSS.
+# the keys up to its end only, (1+2+3+4)/16 = 62% of the full score square: less CPU per step and less peak memory
+# than one block (figures: docs/training.md, The model's ops).
 QUERY_BLOCKS = 4
 
 
@@ -70,8 +70,8 @@ class SelfAttention(nn.Cell):
 
     def _qk_normed(self, qk: Tensor) -> Tensor:
         """q_layernorm on every q head and k_layernorm on every k head, as one RMSNorm over the [batch, seq,
-        groups, per_group + 1, dim] q|k slots of qkv: on CPU, norms of separate q and k views measured ~3x slower
-        than one pass."""
+        groups, per_group + 1, dim] q|k slots of qkv: on CPU, norms of separate q and k views are several times
+        slower than one pass (figures: docs/training.md, The model's ops)."""
         per_group, norm = self.heads_per_group, self.q_layernorm
         weights = ops.cat((ops.tile(norm.full_weight().expand_dims(0), (per_group, 1)),
                            self.k_layernorm.full_weight().expand_dims(0)))
@@ -131,6 +131,6 @@ class SelfAttention(nn.Cell):
 
 def _block(x: Tensor, first_row: int, rows: int, columns: int) -> Tensor:
     """x[..., first_row:first_row + rows, :columns] as a Slice: indexing compiles to StridedSlice, which on CPU
-    took ~20x as long for the same block (k, v and mask blocks: 48 calls, ~4% of the benchmark step)."""
+    takes many times as long for the same block (figures: docs/training.md, The model's ops)."""
     leading = x.shape[:-2]
     return ops.slice(x, (0,) * len(leading) + (first_row, 0), (*leading, rows, columns))

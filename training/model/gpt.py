@@ -144,7 +144,7 @@ class GPTModel(nn.Cell):
         self.output_input_comm = None
         self.token_loss = token_cross_entropy
         # context parallelism replaces it: the loss tokens of the micro-batch's whole samples, summed over the
-        # ranks holding their other chunks, so each rank's loss is its part of the micro-batch mean
+        # ranks holding their other segments, so each rank's loss is its part of the micro-batch mean
         self.count_loss_tokens = None
         # and this: MTP's one-token moves of (ids, labels, loss_mask), whose next token may be another rank's
         self.roll_inputs_left = roll_each_left
@@ -284,8 +284,8 @@ class GPTModel(nn.Cell):
         return [(name, layer.mlp) for name, layer in self.transformer_layers() if isinstance(layer.mlp, MoELayer)]
 
     def after_step(self, collectives, applied: bool = True) -> dict[str, list[int]]:
-        """After an optimizer step: sum every MoE layer's tokens-per-expert counts over the data-parallel
-        ranks (one AllReduce for all layers), nudge the expert biases toward balance (aux-loss-free
+        """After an optimizer step: sum every MoE layer's tokens-per-expert counts over the ranks (one AllReduce
+        over the world for all layers), nudge the expert biases toward balance (aux-loss-free
         balancing; only when the update was ``applied``) and zero the counts. Returns the step's counts."""
         moe = self.moe_layers()
         if not moe:

@@ -45,9 +45,9 @@ _matmul_transpose_b = ops.MatMul(transpose_b=True)
 def expand(x: Tensor, like: Tensor) -> Tensor:
     """``x`` repeated to ``like``'s shape (broadcasting rules), for an elementwise op with ``like``. On CPU an
     elementwise kernel whose operands' shapes differ (other than by a scalar) keeps two int64 index maps of its
-    output's size for as long as its graph lives: 16 bytes per element per graph node, ~0.5 GB per layer of the
-    throughput benchmark's compiled step, and it runs ~3x slower than Tile and the same op on equal shapes
-    (BroadcastTo instead of Tile: ~10x slower for [rows, 1] -> [rows, width])."""
+    output's size for as long as its graph lives, 16 bytes per element per graph node, and it runs slower than Tile
+    and the same op on equal shapes (BroadcastTo instead of Tile: slower still for [rows, 1] -> [rows, width];
+    figures: docs/training.md, The model's ops)."""
     padding = like.ndim - x.ndim
     repeats = ()
     for axis in range(like.ndim):
@@ -118,7 +118,7 @@ class Linear(nn.Cell):
 
 def _row_sums(x: Tensor) -> Tensor:
     """Sums over the last axis, keeping it (size 1), as a matmul against a ones vector: MindSpore's CPU
-    ReduceSum is several times slower than its MatMul on the same rows (reference: 21 vs 3.9 ms)."""
+    ReduceSum is several times slower than its MatMul on the same rows (figures: docs/training.md, The model's ops)."""
     width = x.shape[-1]
     sums = _matmul(x.reshape(-1, width), ops.ones((width, 1), x.dtype))
     return sums.reshape(*x.shape[:-1], 1)
@@ -127,7 +127,7 @@ def _row_sums(x: Tensor) -> Tensor:
 class RMSNormFunction(nn.Cell):
     """x / rms(x) · weight over the last axis (``weight`` broadcasting against x's trailing axes), with a
     hand-written backward: autodiff of the rsqrt/mean form costs a ReduceSum/ReduceMean per use and its grad,
-    ~0.1 s per step of the throughput benchmark's model. Inputs and output in one dtype."""
+    a noticeable part of the throughput benchmark's step. Inputs and output in one dtype."""
 
     def __init__(self, eps: float):
         super().__init__()
@@ -204,7 +204,8 @@ class VocabEmbedding(nn.Cell):
 
     def gathered_weights(self, attr: str, gathers) -> dict[str, nn.Cell]:
         """ZeRO-3 in a compiled step: the lookup from the gathered rows, and the tied output layer's product."""
-        return {"weight_gather": gathers.rows(), **({"output_gather": gathers.matrix()} if self.is_output_layer else {})}
+        tied = {"output_gather": gathers.matrix()} if self.is_output_layer else {}
+        return {"weight_gather": gathers.rows(), **tied}
 
     def construct(self, input_ids: Tensor) -> Tensor:
         if self.output_comm is None:
@@ -311,7 +312,8 @@ class MaxLogitTracker:
 
 class Softmax(nn.Cell):
     """Softmax over the last axis with a hand-written backward y·(dy − Σ dy·y), its row sums as a matmul:
-    MindSpore's own Softmax gradient measured 130 ms vs 66 ms (compiled) on the benchmark's attention."""
+    MindSpore's own Softmax gradient took about twice as long (compiled) on the benchmark's attention (figures:
+    docs/training.md, The model's ops)."""
 
     def construct(self, x: Tensor) -> Tensor:
         return ops.softmax(x, axis=-1)
@@ -327,7 +329,7 @@ _bmm_transpose_b = ops.BatchMatMul(transpose_b=True)
 def token_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     """Per-token -log p(label) for logits [tokens, vocab] and labels [tokens].
 
-    log_softmax + gather: on CPU, MindSpore 2.10's ops.cross_entropy is ~14x slower forward and ~5x
-    slower backward than this for a 4,096-token vocabulary (measured), and mint's has no CPU kernel."""
+    log_softmax + gather: on CPU, MindSpore 2.10's ops.cross_entropy is many times slower forward and backward
+    than this (figures: docs/training.md, The model's ops), and mint's has no CPU kernel."""
     log_probs = ops.log_softmax(logits, -1)
     return -ops.gather_elements(log_probs, 1, labels.reshape(-1, 1)).reshape(-1)

@@ -49,16 +49,13 @@ def split_heads(x: Tensor, widths: list[int], heads: int) -> tuple[Tensor, ...]:
     """[batch, seq, heads·sum(widths)], each head's features being parts of ``widths`` → one [batch, heads, seq,
     width] tensor per part. The heads unstacked and stacked again rather than a transpose: on CPU a compiled
     Transpose keeps an int64 index map of its output for as long as the graph lives, which Unstack and Stack do
-    not. deepseek_v3_bench's query split ([4, 512, 8·96] → [4, 8, 512, 64] and [4, 8, 512, 32]) 9 times under
-    jit, forward + backward: 102-121 vs 131-149 CPU-ms per call, 628 vs 768 MB peak RSS, compile 1.1 vs 1.4 s
-    (one split into 2·heads pieces and two stacks: 138-148 ms, 727 MB, 2.7 s)."""
+    not: less CPU, less memory and a shorter compile (figures: docs/training.md, The model's ops)."""
     by_head = ops.unstack(x.reshape(*x.shape[:-1], heads, sum(widths)), axis=-2)
     return ops.split(ops.stack(by_head, axis=1), widths, axis=-1)
 
 
 def merge_heads(x: Tensor) -> Tensor:
-    """[batch, heads, seq, dim] → [batch, seq, heads·dim], the heads concatenated (``split_heads``' reason; 9 merges
-    of [4, 8, 512, 64] under jit: 49-51 vs 52-54 CPU-ms per call, 540 vs 665 MB peak RSS)."""
+    """[batch, heads, seq, dim] → [batch, seq, heads·dim], the heads concatenated (``split_heads``' reason)."""
     return ops.cat(ops.unstack(x, axis=1), axis=-1)
 
 
@@ -145,6 +142,6 @@ class MLASelfAttention(nn.Cell):
         self.context_attention = cp.attention(self.softmax_dtype, 1)
 
     # GQA's causal attention, query block by query block (attention.QUERY_BLOCKS): each block scores only the keys
-    # up to its end, 62% of the score square at seq 512. On deepseek_v3_bench's MLA (4 x 512 tokens, forward +
-    # backward) it measured 0.29 vs 0.35 CPU-s compiled and 0.25 vs 0.49 GB of eager peak memory
+    # up to its end, 62% of the score square at seq 512: less CPU compiled and less eager peak memory on
+    # deepseek_v3_bench's MLA (figures: docs/training.md, The model's ops)
     _causal_attention = SelfAttention._causal_attention

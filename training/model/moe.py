@@ -15,9 +15,9 @@ Two dispatches, chosen by whether the forward is being compiled (``compiling``):
   the rows, grouped by expert, go to the layer's experts (``GroupedExperts.construct``: one batched matmul
   padded to the busiest expert's count) or, under expert parallelism, to the all-to-all dispatcher of
   ``training.parallel.expert_parallel``, and the outputs are scatter-added back per token. Run op by op it is
-  the faster of the two (benchmarks/moe_dispatch.py, deepseek_v3_bench's layer: block dispatch 0.70-0.95x of
-  it eagerly): fewer ops, no per-block weight copies, padding only up to the busiest expert's count. Under a
-  graph its host round trip and routing-dependent shapes cannot be.
+  the faster of the two (``python -m benchmarks.moe_dispatch`` compares them; docs/models.md has its figures):
+  fewer ops, no per-block weight copies, padding only up to the busiest expert's count. Under a graph its host
+  round trip and routing-dependent shapes cannot be.
 Both compute the same values within fp32 rounding (tests/test_deepseek_v3.py). Layouts (MindFormers' grouped
 GEMM): ``experts.weight1`` [E, hidden, 2·ffn] with the gate in the first half of the last axis and up in the
 second, ``experts.weight2`` [E, ffn, hidden] (input-major: the transpose of an HF Linear weight).
@@ -56,9 +56,8 @@ def compiling() -> bool:
 def scale_rows(rows: Tensor, weights: Tensor) -> Tensor:
     """rows [n, width] times weights [n], row by row, the weights broadcast to the rows' shape first: on CPU a Mul
     with a [n, 1] operand keeps two int64 index maps of its output for as long as its graph lives. BroadcastTo
-    rather than ``layers.expand``'s Tile, whose gradient is slow for a [n, 1] operand: the combine's [4096, 512] ·
-    [4096, 1] of deepseek_v3_bench, forward + backward under jit on one core, 8 uses: 147-152 CPU-ms with
-    BroadcastTo, 203-208 with Tile, 152-156 broadcasting in the Mul, which held 290 MB more."""
+    rather than ``layers.expand``'s Tile, whose gradient is slow for a [n, 1] operand (figures: docs/training.md,
+    The model's ops)."""
     return rows * ops.broadcast_to(weights.reshape(-1, 1), rows.shape)
 
 
@@ -177,9 +176,9 @@ class GroupedExperts(nn.Cell):
         on the host (the eager dispatch's rows, or the expert-parallel dispatcher's).
 
         All experts run as one batched matmul over [E, capacity, hidden], capacity = the busiest expert's
-        count, padding rows zero: in PyNative every op costs ~1 ms of dispatch, and a per-expert loop
-        (split, unstack, 5 ops per expert, cat) took 3.8x longer forward+backward than the padded
-        compute at E=8."""
+        count, padding rows zero: in PyNative every op costs its dispatch, and a per-expert loop
+        (split, unstack, 5 ops per expert, cat) took several times longer forward+backward than the padded
+        compute (figures: docs/training.md, The model's ops)."""
         assignments, hidden = x_sorted.shape
         experts = len(counts)
         capacity = max(int(counts.max()), 1)
@@ -379,7 +378,7 @@ class MoELayer(nn.Cell):
 
     def update_expert_bias(self, counts: np.ndarray) -> None:
         """Aux-loss-free balancing: bias += rate · sign(mean count − count), from the step's counts summed
-        over data-parallel ranks; ``tokens_per_expert`` keeps those counts for the checkpoint. Written in place
+        over the ranks (``GPTModel.after_step``); ``tokens_per_expert`` keeps those counts for the checkpoint. Written in place
         (``ops.assign``): a compiled step reads the buffers it was compiled with, which ``set_data`` replaces."""
         ops.assign(self.tokens_per_expert, Tensor(counts.astype(np.float32)))
         if self.enable_expert_bias:

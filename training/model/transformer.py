@@ -18,16 +18,15 @@ class MLP(nn.Cell):
         super().__init__()
         self.ffn = ffn_size or config.intermediate_size
         # gate_up: the weight's rows reordered to [gate units; up units] before the matmul, so its output splits in
-        # contiguous halves: slicing the interleaved output ([..., 0] / [..., 1]) costs 0.6 s per step of the
-        # throughput benchmark (strided copies of a [tokens, 2·ffn] activation and their gradients), the
-        # reorder a copy of the weight
+        # contiguous halves: slicing the interleaved output ([..., 0] / [..., 1]) makes strided copies of a
+        # [tokens, 2·ffn] activation and of their gradients, the reorder a copy of the weight (figures:
+        # docs/training.md, The model's ops)
         self.linear_fc1 = Linear(init, config.hidden_size, 2 * self.ffn, gate_up=True)
         self.linear_fc2 = Linear(init, self.ffn, config.hidden_size)
 
     def construct(self, x: Tensor) -> Tensor:
         gate, up = ops.split(self.linear_fc1(x), self.ffn, axis=-1)
         # silu written out: its backward then reuses the forward's sigmoid, where ops.silu's recomputes it
-        # (20% less CPU for this op's forward and backward at the benchmark's [2048, 1536], jit)
         return self.linear_fc2(gate * ops.sigmoid(gate) * up)
 
     def check_tensor_parallel(self, tp) -> None:
@@ -46,9 +45,9 @@ class TransformerLayer(nn.Cell):
     MLA; dense MLP or MoE)."""
 
     # Compiled, the layers of one ``graph_key`` share one parsed and inferred graph, inlined for each at the front
-    # end (MindSpore's lazy_inline; any device): the graph differs only in the Parameters it reads. Compiling
-    # costs ~4 s a layer otherwise: qwen3_tiny's first whole step at 16 layers took 39 s instead of 69 s, peak
-    # RSS 3.7 GB instead of 4.3, the same losses (python -m benchmarks.compile_time). Eager steps are unaffected.
+    # end (MindSpore's lazy_inline; any device): the graph differs only in the Parameters it reads, and compiling
+    # costs about half as much per layer, the same losses (python -m benchmarks.compile_time; docs/training.md, The
+    # fast step). Eager steps are unaffected.
     @lazy_inline(attrs="graph_key", policy="front")
     def __init__(self, init: Init, config, self_attention: ModuleSpec, mlp: ModuleSpec):
         super().__init__()

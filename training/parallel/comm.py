@@ -519,7 +519,7 @@ def share_arrays(own: dict[str, np.ndarray], owners: dict[str, int],
 
 
 class Collectives:
-    """The world-group collectives the data-parallel trainer, checkpoints and monitors use."""
+    """The world-group collectives the trainer, checkpoints and monitors use."""
 
     def __init__(self, world: World):
         self.world = world

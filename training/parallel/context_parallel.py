@@ -2,11 +2,11 @@
 of its sequence, and attention stays exactly causal across the parts.
 
 - Inputs: each cp rank takes its tokens of input_ids, labels, loss_mask and position_ids (made 0..seq-1 when
-  the data has none: positions are mandatory, a chunk does not start at 0). MindFormers gives rank r the
-  contiguous chunk r of cp; ``kiln.parallelism.context_parallel_load_balance`` gives it chunks
-  r and 2·cp-1-r of 2·cp instead (the zig-zag split), so every rank has as many causal (query, key) pairs to
-  compute: with contiguous chunks the last rank's queries see the whole sequence and the first's only its own
-  chunk.
+  the data has none: positions are mandatory, a segment does not start at 0). MindFormers cuts each sequence in
+  cp contiguous segments, rank r taking segment r; ``kiln.parallelism.context_parallel_load_balance`` gives it
+  segments r and 2·cp-1-r of 2·cp instead (the zig-zag split), so every rank has as many causal (query, key)
+  pairs to compute: with contiguous segments the last rank's queries see the whole sequence and the first's only
+  its own segment.
 - Attention (``ContextAttention``, one per layer): ``ulysses`` exchanges sequence parts for head parts with an
   all-to-all (each rank then attends over the whole sequence with 1/cp of the KV groups) and back; ``colossal`` keeps
   the heads and passes the K/V blocks around the cp ring, one block per step, merged with an online softmax;
@@ -15,7 +15,7 @@ of its sequence, and attention stays exactly causal across the parts.
   is exact; a key block entirely in a query block's future is skipped.
 - Loss: each rank's loss is its tokens' loss sum over the token count of the whole micro-batch (summed over
   cp), so the cp ranks' losses, and their gradients, add up to the single-process micro-batch mean. MTP's
-  one-token moves of ids, labels and mask take the next chunk's first token from the rank holding it; a MoE
+  one-token moves of ids, labels and mask take the next segment's first token from the rank holding it; a MoE
   balancing loss is computed from statistics summed over cp, each rank adding 1/cp of it.
 - Gradients: cp ranks saw different tokens of the same samples, so their gradients add up; they are reduced
   over dp_shard × cp (the ``fsdp`` group, MindFormers' folding of cp into the FSDP axis) and averaged over dp
@@ -53,10 +53,10 @@ def token_positions(seq_length: int, cp: int, rank: int, load_balance: bool) -> 
     if seq_length % parts:
         field = "context_parallel × 2 (context_parallel_load_balance)" if load_balance else "context_parallel"
         raise ConfigError(f"the sequence length {seq_length} does not split into parallelism.{field} = {parts} "
-                          f"equal chunks: set train_dataset.dataloader.config.seq_length to a multiple of {parts}")
+                          f"equal segments: set train_dataset.dataloader.config.seq_length to a multiple of {parts}")
     size = seq_length // parts
-    chunks = (rank, parts - 1 - rank) if load_balance else (rank,)
-    return np.concatenate([np.arange(c * size, (c + 1) * size) for c in chunks])
+    segments = (rank, parts - 1 - rank) if load_balance else (rank,)
+    return np.concatenate([np.arange(s * size, (s + 1) * size) for s in segments])
 
 
 def block_mask(query_positions: np.ndarray, key_positions: np.ndarray, repeats: int) -> np.ndarray | None:
@@ -200,9 +200,9 @@ class LossTokenCount(nn.Cell):
         return ops.stop_gradient(self.sum(count))
 
 
-class MoveLeftAcrossChunks(nn.Cell):
+class MoveLeftAcrossSegments(nn.Cell):
     """MTP's move of [batch, tokens] data one token left (position p takes p+1's, the last 0) on this rank's
-    tokens: the next token of a chunk's last is another rank's, so the cp ranks' tokens are gathered (one
+    tokens: the next token of a segment's last is another rank's, so the cp ranks' tokens are gathered (one
     all-gather for all the tensors, as float32: exact for ids below 2**24) and each picks its tokens' next, at
     columns fixed when built."""
 
@@ -270,8 +270,8 @@ class ContextParallelPlan:
     def loss_token_count(self) -> LossTokenCount:
         return LossTokenCount(self.cp_group)
 
-    def move_left(self) -> MoveLeftAcrossChunks:
-        return MoveLeftAcrossChunks(self)
+    def move_left(self) -> MoveLeftAcrossSegments:
+        return MoveLeftAcrossSegments(self)
 
     def sum_over_cp(self) -> nn.Cell:
         """A sum over the cp ranks (forward all-reduce, backward all-reduce: every rank's part feeds the total)."""
@@ -282,7 +282,7 @@ class ContextParallelPlan:
         samples; position ids 0..seq-1 when the data has none."""
         input_ids, labels, loss_mask, position_ids, attention_mask = inputs
         if attention_mask is not None:
-            raise ConfigError("parallelism.context_parallel > 1 masks attention causally across the chunks only, "
+            raise ConfigError("parallelism.context_parallel > 1 masks attention causally across the segments only, "
                               "but the data carries an attention mask (document boundaries): set "
                               "train_dataset.dataloader.config.reset_attention_mask and "
                               "create_compressed_eod_mask to false")
@@ -320,7 +320,7 @@ def check_context_parallel(config: TrainConfig, model_config) -> None:
     if getattr(getattr(loader, "config", None), "document_attention", False):
         problems.append("train_dataset.dataloader.config: document attention masks (reset_attention_mask / "
                         "create_compressed_eod_mask) with parallelism.context_parallel > 1: only the causal mask "
-                        "is split across chunks (as in MindFormers)")
+                        "is split across segments (as in MindFormers)")
     if problems:
         raise ConfigError(*problems)
 

@@ -256,12 +256,12 @@ class _RegatherInBackward:
 # ---- ZeRO-3 in a compiled step: each layer gathers its own weights ---------------------------------------
 # A graph's weights are its Parameters, so the eager units' host wrapper (_UnitGather) cannot run in one; instead
 # each layer holding chunks is given Cells that gather them where they are read: the layer says which, and where
-# (its ``gathered_weights``, from the kinds ``WeightGathers`` makes; Kiln's Linear, RMSNorm, VocabEmbedding and MoE's
-# TopKRouter and GroupedExperts have them). A graph keeps whatever its
-# backward reads, so resharding after forward takes a hand-written backward that reads only its inputs (x and the
-# chunk) and gathers the weight again: MindSpore 2.10's Cell.recompute does not apply inside a PyNative
-# mindspore.jit graph (measured: the compiled graph held the same MatMul count with and without it). Vectors
-# (norm weights, biases) stay gathered until the backward: a few KB per layer.
+# (its ``gathered_weights``, from the kinds ``WeightGathers`` makes; Kiln's Linear, RMSNorm, VocabEmbedding and
+# MoE's TopKRouter and GroupedExperts have them). A graph keeps whatever its backward reads, so resharding after
+# forward takes a hand-written backward that reads only its inputs (x and the chunk) and gathers the weight again:
+# MindSpore 2.10's Cell.recompute does not apply inside a PyNative mindspore.jit graph (measured: the compiled graph
+# held the same MatMul count with and without it). Vectors (norm weights, biases) stay gathered until the backward:
+# a few KB per layer.
 class GatheredMatrix(nn.Cell):
     """x @ W.T for a linear's (or a tied output layer's) weight W held as this rank's rows: W gathered for the
     product (``view``, when the layer gives one, reorders the gathered rows for it: an MLP's fc1 puts its gate/up
@@ -437,7 +437,7 @@ class Parallelism:
 
     def gather_in_layers(self) -> None:
         """ZeRO-3, for a compiled step: the units' host wrappers removed, each layer holding chunks given the Cells
-        that gather them where it reads them (``_gathering_cells``), resharding after forward as the units did.
+        that gather them where it reads them (its ``gathered_weights``), resharding after forward as the units did.
         A no-op for the other strategies."""
         if not self.params_are_chunks:
             return
