@@ -55,7 +55,13 @@ def test_the_base_config_is_valid():
     # accepted but not implemented: refused at non-default values, never ignored
     ("parallelism.pipeline_parallel_overlap_b_f=true",
      r"parallelism\.pipeline_parallel_overlap_b_f = True is not supported yet \(overlapping pipeline transfers"),
-    ("recompute.mode=full", r"recompute\.mode = 'full' is not supported yet"),
+    ("recompute.mode=full", r"recompute\.mode = 'full' needs recompute\.full_recompute_layer"),
+    ("recompute.mode=select", r"recompute\.mode = 'select' needs recompute\.select_module"),
+    ("recompute.mode=all", r"recompute\.mode = 'all': expected one of None, full, select"),
+    ("recompute.full_recompute_layer=[0-3]", r"recompute\.full_recompute_layer is set but recompute\.mode is 'None'"),
+    ("recompute={mode: full, full_recompute_layer: ['3-1']}", r"recompute\.full_recompute_layer\[0\] = '3-1': the range ends"),
+    ("recompute={mode: full, full_recompute_layer: [a]}", r"recompute\.full_recompute_layer\[0\] = 'a': expected a layer"),
+    ("recompute.exclude_op={x: [0]}", r"recompute\.exclude_op = .* is not supported yet \(recomputing a module but"),
     ("swap.enable=true", r"swap\.enable = True is not supported yet"),
     ("lora_config={r: 8}", r"lora_config = .* is not supported yet \(LoRA is not implemented\)"),
 ])
@@ -106,7 +112,9 @@ def test_every_problem_is_reported_at_once_unknown_keys_first():
         "training.steps: expected int, got 'many'",
         "checkpoint.save_path must be set when checkpoint.enable_save is true",
         "optimizer.eps must be > 0",
-        "swap.enable = True is not supported yet (activation swap is not implemented)",
+        "swap.enable = True is not supported yet (activation swap is not implemented: on CPU the device memory is "
+        "host memory, so offloading frees nothing; activation recompute (recompute.mode) lowers the activation memory "
+        "instead)",
     ]
     message = str(raised.value)
     assert message.startswith(f"{PROJECT_ROOT / MICRO_CONFIG}: 6 problems:\n  - checkpoint.save_pth: unknown key")

@@ -22,6 +22,7 @@ CONSUMER_DIRS = ("training", "assets", "resources", "pipelines")
 # for a config.py helper the consumers call (blend_for, document_attention, the dataloader schema choice)
 READ = {
     "model": "training/trainer.py",
+    **{f"recompute.{name}": "training/recompute.py" for name in ("mode", "full_recompute_layer", "select_module")},
     **{f"lr_scheduler.{name}": "training/optim.py" for name in (
         "type", "learning_rate", "warmup_steps", "warmup_ratio", "warmup_lr_init", "lr_end", "decay_start_steps",
         "decay_start_ratio")},

@@ -796,15 +796,68 @@ class ProfilerConfig(Section):
 
 @dataclass
 class RecomputeConfig(Section):
+    """MindFormers' activation recompute (training/recompute.py): the backward runs a part of the forward again
+    instead of keeping its activations. ``mode`` "full": each decoder layer ``full_recompute_layer`` names keeps
+    only its input (``true``: every layer; an int n: the first n; a list of layer indices and ranges such as
+    ``['0-3', 6]``, MTP depth k counted as layer num_hidden_layers + k). "select": the sub-modules
+    ``select_module`` maps to layers ({module: layers}; ``self_attention.core_attention``, the scores, softmax
+    and weighted sum of the values, is Megatron's selective recompute). "None": every activation is kept."""
     mode: str = "None"
-    full_recompute_layer: Optional[list[str]] = None
+    full_recompute_layer: Optional[Union[bool, int, list[Any]]] = None
     select_module: Optional[dict] = None
     exclude_op: Optional[dict] = None
 
-    # the sub-fields only configure a mode other than "None", which is refused: set alone, they would do nothing
-    _NO_RECOMPUTE = "activation recompute is not implemented"
-    UNSUPPORTED = {"mode": _NO_RECOMPUTE, "full_recompute_layer": _NO_RECOMPUTE, "select_module": _NO_RECOMPUTE,
-                   "exclude_op": _NO_RECOMPUTE}
+    MODES = ("None", "full", "select")
+    UNSUPPORTED = {"exclude_op": "recomputing a module but some of its ops is not implemented: name the modules "
+                                 "to recompute in select_module"}
+
+    def check(self, path: str) -> None:
+        require(self.mode in self.MODES, f"{path}.mode = {self.mode!r}: expected one of {', '.join(self.MODES)}")
+        if self.mode == "full":
+            require(self.full_recompute_layer not in (None, False, [], 0),
+                    f"{path}.mode = 'full' needs {path}.full_recompute_layer (true, the first n layers, or a list "
+                    f"of layers and ranges such as ['0-3'])")
+            layer_indices(self.full_recompute_layer, f"{path}.full_recompute_layer")
+        if self.mode == "select":
+            require(bool(self.select_module), f"{path}.mode = 'select' needs {path}.select_module "
+                                              f"({{module: layers}}, e.g. {{self_attention.core_attention: true}})")
+            for module, layers in self.select_module.items():
+                layer_indices(layers, f"{path}.select_module.{module}")
+        for name in ("full_recompute_layer", "select_module"):
+            used = {"full_recompute_layer": "full", "select_module": "select"}[name]
+            require(getattr(self, name) in (None, {}, []) or self.mode == used,
+                    f"{path}.{name} is set but {path}.mode is {self.mode!r}: it is read only in mode {used!r}")
+
+
+def layer_indices(spec: Any, path: str, num_layers: Optional[int] = None) -> Optional[set[int]]:
+    """The layers a recompute field names: ``true`` every layer (None when ``num_layers`` is not given), an int n
+    the first n, a list of indices and inclusive ranges ("2-5", "0-3,8-11"). Raises ConfigError naming ``path``."""
+    if spec is True:
+        return None if num_layers is None else set(range(num_layers))
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        require(spec > 0, f"{path} = {spec}: the number of first layers must be > 0")
+        layers = set(range(spec))
+    elif isinstance(spec, list):
+        layers = set()
+        for i, item in enumerate(spec):
+            parts = [item] if isinstance(item, int) and not isinstance(item, bool) else (
+                str(item).split(",") if isinstance(item, str) else None)
+            require(parts is not None, f"{path}[{i}] = {shown(item)}: expected a layer index or a range such as '0-3'")
+            for part in parts:
+                match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(part))
+                require(match is not None, f"{path}[{i}] = {shown(item)}: expected a layer index or a range such "
+                                           f"as '0-3'")
+                first, last = int(match[1]), int(match[2] or match[1])
+                require(first <= last, f"{path}[{i}] = {shown(item)}: the range ends before it starts")
+                layers.update(range(first, last + 1))
+    else:
+        raise ConfigError(f"{path} = {shown(spec)}: expected true, a number of first layers or a list of layers")
+    if num_layers is not None:
+        beyond = sorted(i for i in layers if i >= num_layers)
+        if beyond:
+            raise ConfigError(f"{path}: layer {beyond[0]} does not exist (the model has {num_layers} decoder and MTP "
+                              f"layers, 0-{num_layers - 1})")
+    return layers
 
 
 @dataclass
@@ -823,7 +876,10 @@ class SwapConfig(Section):
     layer_swap: Optional[list[dict]] = None
     op_swap: Optional[list[dict]] = None
 
-    _NO_SWAP = "activation swap is not implemented"
+    # swap moves activations from device to host memory between forward and backward; on CPU MindSpore's device
+    # memory is the process's own RAM, so a swapped activation would be copied within the memory it frees
+    _NO_SWAP = ("activation swap is not implemented: on CPU the device memory is host memory, so offloading frees "
+                "nothing; activation recompute (recompute.mode) lowers the activation memory instead")
     UNSUPPORTED = {"enable": _NO_SWAP, "default_prefetch": _NO_SWAP, "layer_swap": _NO_SWAP, "op_swap": _NO_SWAP}
 
 

@@ -36,6 +36,7 @@ from training.parallel.fsdp import GradientReduction, Parallelism
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
 from training.parallel.parallelize import parallelize
 from training.profiling import build_profiler, profile_root
+from training.recompute import RECOMPUTE_IS_EAGER, apply_recompute
 from training.reporting import Reporter
 
 
@@ -76,6 +77,8 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
     if model.config.hidden_dropout > 0:
         reasons.append("model.hidden_dropout > 0: dropout masks come from Kiln's host-side mask stream (so a "
                        "resume draws the same masks), which a graph would replay as constants")
+    if config.recompute.mode != "None":
+        reasons.append(f"recompute.mode = {config.recompute.mode!r}: {RECOMPUTE_IS_EAGER}")
     if config.kiln.train_state.max_attention_logit:
         reasons.append("kiln.train_state.max_attention_logit: the per-head maxima are gathered on the host")
     return reasons
@@ -269,6 +272,7 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(self.seq_length)
         self.parallel = parallelize(self.model, self.mesh, config, self.accumulation)
         fused_kernels = ascend.select_kernels(self.model, config, self.mesh.dims)  # after TP set its own loss
+        self.recomputed = apply_recompute(self.model, config.recompute)  # after the plans: it wraps what they made
         self.params = self.parallel.model_params
         self.pipeline = self.parallel.pipeline  # None unless pipeline parallel: then self.params are its stage's
         self.lr_schedule = build_lr_schedule(_lr_section(config), config.training.steps)

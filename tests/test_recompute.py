@@ -1,0 +1,74 @@
+"""Activation recompute (training/recompute.py): the same training as without it, eager and compiled, with less kept."""
+import json
+
+import numpy as np
+import pytest
+
+from conftest import MICRO_CONFIG, PROJECT_ROOT
+from training.config import ConfigError, load_config
+from training.parallel.mesh import World
+from training.reporting import Reporter
+from training.trainer import Trainer, configure_runtime
+
+WORLD = World(rank=0, size=1)
+FULL = ("recompute.mode=full", "recompute.full_recompute_layer=true")
+SELECT = ("recompute.mode=select", "recompute.select_module={self_attention.core_attention: true}")
+
+
+def make_trainer(tmp_path, shard, name, *overrides, model=MICRO_CONFIG):
+    config = load_config(PROJECT_ROOT / model, [
+        f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
+        "train_dataset.dataloader.config.pad=3", f"checkpoint.save_path={tmp_path / name / 'checkpoints'}",
+        "training.steps=4", "checkpoint.save_interleaved_steps=2", *overrides])
+    configure_runtime(config)
+    return Trainer(config, WORLD, tmp_path / name, Reporter(tmp_path / name / "metrics.jsonl", enabled=True))
+
+
+def records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_bit_identical(tmp_path, a, b):
+    """Losses, grad norms and every weight and optimizer state bit-identical."""
+    ra, rb = records(tmp_path / a.output_dir.name), records(tmp_path / b.output_dir.name)
+    assert [(r["loss"], r["grad_norm"]) for r in ra] == [(r["loss"], r["grad_norm"]) for r in rb]
+    for pa, pb in zip(a.params, b.params):
+        assert np.array_equal(pa.asnumpy(), pb.asnumpy()), pa.name
+    sa, sb = a.optimizer.state_arrays(), b.optimizer.state_arrays()
+    assert all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("recompute", [FULL, SELECT, ("recompute.mode=full", "recompute.full_recompute_layer=['1']")],
+                         ids=["full", "select", "layer1"])
+def test_eager_recompute_trains_bit_identically_with_dropout_and_resumes(tmp_path, shard, recompute):
+    # dropout on: the recomputing backward must draw the masks its forward drew
+    dropout = "model.hidden_dropout=0.1"
+    plain = make_trainer(tmp_path, shard, "plain", dropout)
+    plain.train()
+    recomputed = make_trainer(tmp_path, shard, "recomputed", dropout, *recompute)
+    assert recomputed.recomputed, recomputed.recomputed
+    recomputed.train()
+    assert_bit_identical(tmp_path, plain, recomputed)
+    resumed = make_trainer(tmp_path, shard, "resumed", dropout, *recompute,
+                           f"checkpoint.load_path={tmp_path / 'recomputed/checkpoints/iteration_00000002'}")
+    resumed.train()
+    assert [r["loss"] for r in records(tmp_path / "resumed")] == [r["loss"] for r in records(tmp_path / "plain")][2:]
+
+
+def test_a_run_asking_to_compile_recomputes_eagerly_and_says_why(tmp_path, shard):
+    trainer = make_trainer(tmp_path, shard, "compiled", "fast_step.compile=true", *SELECT)
+    assert trainer.compiled_step is None and trainer.step_mode.startswith("forward+backward eager"), trainer.step_mode
+    assert "recompute.mode = 'select': recompute runs eagerly" in trainer.step_mode
+    assert trainer.recomputed == ["decoder.layers.0.self_attention.core_attention",
+                                  "decoder.layers.1.self_attention.core_attention"]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("recompute={mode: full, full_recompute_layer: ['0-2']}",
+     r"recompute\.full_recompute_layer: layer 2 does not exist \(the model has 2 decoder and MTP layers, 0-1\)"),
+    ("recompute={mode: select, select_module: {mlp.gate: true}}",
+     r"recompute\.select_module\.mlp\.gate: no such module in a decoder layer; expected self_attention\.core_attention"),
+])
+def test_a_layer_or_module_the_model_lacks_is_refused_naming_the_field(tmp_path, shard, override, message):
+    with pytest.raises(ConfigError, match=message):
+        make_trainer(tmp_path, shard, "refused", override)
