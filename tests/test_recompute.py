@@ -72,3 +72,18 @@ def test_a_run_asking_to_compile_recomputes_eagerly_and_says_why(tmp_path, shard
 def test_a_layer_or_module_the_model_lacks_is_refused_naming_the_field(tmp_path, shard, override, message):
     with pytest.raises(ConfigError, match=message):
         make_trainer(tmp_path, shard, "refused", override)
+
+
+def test_deepseek_v3_recomputing_its_moe_and_mtp_layers_trains_bit_identically(tmp_path, shard):
+    """MLA, MoE (token counts and expert biases: the replay's counts dropped) and an MTP depth, recomputed (layer
+    num_hidden_layers is the MTP depth); the tokens per expert logged alike."""
+    deepseek = "tests/configs/deepseek_v3_micro.yaml"
+    plain = make_trainer(tmp_path, shard, "plain", model=deepseek)
+    plain.train()
+    recomputed = make_trainer(tmp_path, shard, "recomputed", "recompute.mode=full",
+                              "recompute.full_recompute_layer=true", model=deepseek)
+    assert recomputed.recomputed[-1] == "mtp.layers.0.transformer_layer", recomputed.recomputed
+    recomputed.train()
+    assert_bit_identical(tmp_path, plain, recomputed)
+    assert ([r.get("load_balancing_loss") for r in records(tmp_path / "plain")]
+            == [r.get("load_balancing_loss") for r in records(tmp_path / "recomputed")])

@@ -111,13 +111,13 @@ class _SideEffects:
         self.moe = [moe for _, moe in model.moe_layers()]
 
     def capture(self) -> tuple:
-        return self.stream.state(), [moe._counts.copy() for moe in self.moe]
+        return self.stream.state(), [moe.token_counts.copy() for moe in self.moe]
 
     def restore(self, captured: tuple) -> None:
         stream, counts = captured
         self.stream.set_state(stream)
         for moe, saved in zip(self.moe, counts):
-            moe._counts = saved
+            moe.token_counts = saved
 
 
 class _Recompute(nn.Cell):
