@@ -25,6 +25,7 @@ from assets.sources import load_sources, source_recipe
 from assets.versions import versioned_asset
 from resources.storage import KilnStorage
 from training.data.cleaning.pipeline import ChunkStage, CleaningError, Numbering, RawInput
+from training.data.cleaning.versions import clean_data_version
 from training.data.cleaning.runners import FilterJob, FinalizeJob, LocalRunner, runner
 from training.data.cleaning.recipe import Recipe
 from training.data.hashing import combined_hash
@@ -121,8 +122,8 @@ def _cleaned_result(storage: KilnStorage, key: str, sidecar: dict, stale: list[s
         metadata["decontamination"] = dg.MetadataValue.json(sidecar["decontamination"])
     if stale:
         metadata["stale_chunks"] = dg.MetadataValue.text(", ".join(stale))
-    version = combined_hash([sidecar["recipe_sha256"], sidecar["code_version"],
-                             *(f["sha256"] for f in sidecar["raw_files"]), *(o["sha256"] for o in sidecar["outputs"])])
+    version = clean_data_version(sidecar["recipe_sha256"], sidecar["code_version"],
+                                 [f["sha256"] for f in sidecar["raw_files"]], [o["sha256"] for o in sidecar["outputs"]])
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(version))
 
 

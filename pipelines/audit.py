@@ -46,6 +46,7 @@ import yaml
 from assets.versions import CodePartError, current_code_versions
 from training.boundary import guarded
 from training.cli import LINEAGE_STORE_HELP
+from training.data.cleaning.versions import clean_data_version
 from training.data.hashing import PER_SOURCE_DATA_VERSION, combined_hash, sha256_file
 from training.lineage import audit_checkpoint, audit_exit_code, audit_json, audit_report
 
@@ -334,6 +335,13 @@ def expected_versions(checkpoint_dir: Path, lineage: dict) -> list[tuple[str, st
             by_source.setdefault(record.get("chunk", record["source"]), {}).setdefault(key, []).append(record["sha256"])
     for source, hashes in sorted(by_source.items()):
         links.append(("raw_corpus", source, combined_hash(hashes.get("raw_files", []))))
+    cleaned: dict[str, list[dict]] = {}  # a cleaned source's chunks (clean_corpus), their files in chunk order
+    for record in lineage.get("clean_files") or []:
+        cleaned.setdefault(record.get("chunk", record["source"]), []).append(record)
+    for chunk, records in sorted(cleaned.items()):
+        links.append(("clean_corpus", chunk, clean_data_version(
+            records[0]["recipe_sha256"], records[0]["code_version"], [r["raw_sha256"] for r in records],
+            [r["sha256"] for r in records])))
     if lineage.get("tokenizer"):
         links.append(("tokenizer", None, lineage["tokenizer"]["sha256"]))
     for source, hashes in sorted(by_source.items()):

@@ -48,7 +48,8 @@ def test_schedule_ships_stopped_and_its_tick_runs_the_whole_chain(tmp_path, micr
         checks = {(e.asset_key.to_user_string(), e.check_name, e.partition,
                    e.metadata["checkpoint"].value if "checkpoint" in e.metadata else None): e.passed
                   for e in result.get_asset_check_evaluations()}
-        assert checks == {("token_shards", "shards_are_well_formed", None, None): True,
+        assert checks == {("clean_corpus", "clean_removals_within_limit", None, None): True,
+                          ("token_shards", "shards_are_well_formed", None, None): True,
                           ("blend_manifest", "manifest_shards_match", None, None): True,
                           ("checkpoint", "audit", None, "nightly/iteration_00000003"): True,
                           ("checkpoint", "audit", None, "nightly/iteration_00000006"): True}
