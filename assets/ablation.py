@@ -7,13 +7,13 @@ condition once a variant's run lands.
 """
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import dagster as dg
 
 from assets.data import blend_manifest
+from assets.evaluation import run_leased
 from assets.training import TRAINING_POOL
 from assets.versions import versioned_asset
 from resources.msrun import MsrunResource
@@ -32,13 +32,7 @@ def ablation_run(context: dg.AssetExecutionContext, storage: KilnStorage, msrun:
     checkpoint scored on the spec's tasks; the per-seed scores and their mean."""
     command = [sys.executable, "-m", "training.ablation", ABLATION_SPEC, context.partition_key,
                "--data-root", str(storage.root), "--runs-root", str(Path(storage.runs_root).resolve())]
-    context.log.info(" ".join(command))
-    with msrun.devices(context) as visible_devices:
-        env = {**os.environ, **({"ASCEND_RT_VISIBLE_DEVICES": visible_devices} if visible_devices else {})}
-        done = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise dg.Failure(f"ablation of {context.partition_key} exited with code {done.returncode}:\n"
-                         + "\n".join((done.stderr or done.stdout).splitlines()[-20:]), allow_retries=False)
+    run_leased(context, msrun, command, f"ablation of {context.partition_key}")
     result = json.loads(_result_path(storage, context.partition_key).read_text())
     (row,) = rank([result])
     return dg.MaterializeResult(metadata={

@@ -100,6 +100,20 @@ def _unevaluated_table(sources: list[dict]) -> str:
             "|---|---|---|---|---|\n" + rows)
 
 
+def run_leased(context: dg.AssetExecutionContext, msrun: MsrunResource, command: list[str], what: str
+               ) -> subprocess.CompletedProcess:
+    """``command`` run from the project root holding a device lease of the training pool (when the msrun resource
+    lists devices); a non-zero exit is a Failure with ``what`` and the tail of its output."""
+    context.log.info(" ".join(command))
+    with msrun.devices(context) as visible_devices:
+        env = {**os.environ, **({"ASCEND_RT_VISIBLE_DEVICES": visible_devices} if visible_devices else {})}
+        done = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise dg.Failure(f"{what} exited with code {done.returncode}:\n"
+                         + "\n".join((done.stderr or done.stdout).splitlines()[-20:]), allow_retries=False)
+    return done
+
+
 @versioned_asset(partitions_def=checkpoint_partitions, deps=[checkpoint], group_name="training",
                  kinds={"mindspore"}, owners=["team:kiln"], tags={"stage": "evaluate"}, pool=TRAINING_POOL,
                  automation_condition=dg.AutomationCondition.eager())
@@ -112,14 +126,7 @@ def checkpoint_eval(context: dg.AssetExecutionContext, config: CheckpointEvalCon
     if not path.is_dir():
         raise dg.Failure(f"checkpoint {context.partition_key}: {path} is gone (rotated by checkpoint.save_max?)",
                          allow_retries=False)
-    command = eval_command(path, config)
-    context.log.info(" ".join(command))
-    with msrun.devices(context) as visible_devices:
-        env = {**os.environ, **({"ASCEND_RT_VISIBLE_DEVICES": visible_devices} if visible_devices else {})}
-        done = subprocess.run(command, cwd=PROJECT_ROOT, env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise dg.Failure(f"kiln eval exited with code {done.returncode}:\n"
-                         + "\n".join((done.stderr or done.stdout).splitlines()[-20:]), allow_retries=False)
+    done = run_leased(context, msrun, eval_command(path, config), "kiln eval")
     context.log.info(done.stdout)
     written = re.search(r"^wrote (.+)$", done.stdout, re.MULTILINE)
     sidecar = Path(written.group(1))

@@ -97,10 +97,11 @@ ASSET_PARTS: dict[str, tuple[str, ...]] = {
         "assets/evaluation.py:CheckpointEvalConfig", "assets/evaluation.py:eval_command",
         "assets/evaluation.py:eval_metadata", "assets/evaluation.py:_unevaluated_table",
         "assets/evaluation.py:_bpb_metadata", "assets/evaluation.py:task_metadata", "assets/evaluation.py:_score",
+        "assets/evaluation.py:run_leased",
         "assets/training.py:checkpoint_dir", "resources/storage.py", "training/"),
     "ablation_run": (
         "assets/ablation.py:ablation_run", "assets/ablation.py:<module>", "assets/ablation.py:_result_path",
-        "assets/ablation.py:_seed_table",
+        "assets/ablation.py:_seed_table", "assets/evaluation.py:run_leased",
         "resources/storage.py", "training/", ABLATION_CONFIG),
     "ablation_ranking": (
         "assets/ablation.py:ablation_ranking", "assets/ablation.py:<module>", "assets/ablation.py:_result_path",
