@@ -6,10 +6,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
 from assets.builtin_corpus import BUILTIN_KINDS
-from training.config import check_plain_name
+from training.config import ConfigError, check_plain_name, parse_yaml
 from training.data.cleaning.recipe import Recipe, RecipeError, load_recipe
 from training.data.corpus import ON_BAD_LINE
 
@@ -57,9 +56,12 @@ def source_recipe(spec: SourceSpec, sources_config: str | Path) -> Recipe | None
 def load_sources(path: str | Path) -> dict[str, SourceSpec]:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        # a source named twice would otherwise be one source, the second silently (parse_yaml refuses it)
+        data = parse_yaml(path.read_text(), str(path)) or {}
+    except OSError as exc:
         raise SourcesConfigError(f"{path}: unreadable sources config ({exc})") from None
+    except ConfigError as exc:
+        raise SourcesConfigError(str(exc)) from None
     sources = data.get("sources")
     if not isinstance(sources, dict) or not sources:
         raise SourcesConfigError(f"{path}: expected a non-empty `sources:` mapping")

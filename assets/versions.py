@@ -55,7 +55,9 @@ _SETTING_FILES = {SOURCES_CONFIG: sources_config, TRAINING_CONFIG: lambda: PROJE
 
 _DATA_COMMON = ("assets/chunks.py", "assets/sources.py", "resources/storage.py", "training/atomic.py",
                 "training/data/hashing.py", "training/data/cleaning/recipe.py", "training/data/cleaning/filters.py",
-                "training/data/cleaning/minhash.py", "training/config.py:check_plain_name", SOURCES_CONFIG)
+                "training/data/cleaning/minhash.py", "training/config.py:check_plain_name",
+                "training/config.py:parse_yaml", "training/config.py:_yaml_problems", "training/config.py:_join",
+                SOURCES_CONFIG)
 ASSET_PARTS: dict[str, tuple[str, ...]] = {
     "raw_corpus": (
         "assets/data.py:raw_corpus", "assets/data.py:<module>", "assets/data.py:_ingest_chunk",

@@ -184,6 +184,8 @@ NAMES = {
     "source with a space": ("source", "web news", r"source 'web news': use letters, digits"),
     "chunk ../x": ("chunk", "../00001", r"chunk '\.\.': '\.\.' is the directory above"),
     "a run directory ..": ("run_dir", "..", r"run_name '\.\.': '\.\.' is the directory above"),
+    "a source named twice": ("sources.yaml", "sources:\n  web: {builtin: stdlib_code}\n  web: {builtin: stdlib_code}\n",
+                             r"sources\.yaml:3: sources\.web is given twice \(first at line 2\)"),
 }
 
 
@@ -267,6 +269,9 @@ def refused_name(given, tmp_path, capsys) -> str:
             _render_as(storage_with_manifest(tmp_path, 32, "98,2,0", 1234), fields)
         elif kind == "source":
             (tmp_path / "sources.yaml").write_text(yaml.safe_dump({"sources": {name: {"builtin": "stdlib_code"}}}))
+            load_sources(tmp_path / "sources.yaml")
+        elif kind == "sources.yaml":
+            (tmp_path / "sources.yaml").write_text(name)
             load_sources(tmp_path / "sources.yaml")
         elif kind == "chunk":
             storage.raw_dir(name)
