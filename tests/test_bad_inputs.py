@@ -128,14 +128,14 @@ LAYOUTS = {
                                                  r"global_batch_size / \(local_batch_size × data parallel\)\) to be a "
                                                  r"multiple of pipeline_parallel \(2\)"),
     "1F1B with interleaving": (([*INTERLEAVED[:2], "model.num_hidden_layers=4"], 2),
-                               r"1f1b runs one chunk per rank; with pipeline_parallel_interleave_num > 1 use"),
+                               r"1f1b runs one stage per rank; with pipeline_parallel_interleave_num > 1 use"),
     "interleaving without a pipeline": ((["parallelism.pipeline_parallel_interleave_num=2"], 1),
                                         r"pipeline_parallel_interleave_num = 2 splits .* but "
                                         r"parallelism\.pipeline_parallel is 1"),
     "layer ranges past the model": (([*PP2, "parallelism.pipeline_parallel_layers_per_stage=['0-0', '1-5']"], 2),
                                     r"the stages cover layers 0-5; the model has 2"),
     "layer ranges with a gap": (([*PP2, "parallelism.pipeline_parallel_layers_per_stage=['0-0', '2-2']"], 2),
-                                r"virtual stage 1 \(rank 1, chunk 0\) starts at layer 2, expected 1"),
+                                r"virtual stage 1 \(rank 1, local stage 0\) starts at layer 2, expected 1"),
     "cp 3 on a sequence of 32": ((["parallelism.context_parallel=3"], 3),
                                  r"the sequence length 32 does not split into parallelism\.context_parallel = 3"),
     "ep on a dense model": ((["parallelism.expert_parallel=2"], 2),
