@@ -376,8 +376,8 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     write_json_atomic(lineage_file, store_lineage_inputs(storage.runs_root, lineage_inputs(
         storage.manifest_path(), storage.root, (manifest, manifest_sha256))))
     parallelism = train_config.parallelism
-    sharding = f"FSDP {parallelism.data_parallel_shard_strategy}" if dims.dp_shard > 1 else "parameters replicated"
-    mesh = f"{dims.describe()}; {sharding}" + (", sequence parallel" if dims.tp > 1 else "")
+    sharding = f"FSDP {parallelism.data_parallel_shard_strategy}" if dims.dp_shard_enabled else "parameters replicated"
+    mesh = f"{dims.describe()}; {sharding}" + (", sequence parallel" if dims.tp_enabled else "")
     context.log.info(f"mesh: {mesh}")
     for warning in train_config.warnings():
         context.log.warning(warning)

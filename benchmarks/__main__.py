@@ -220,7 +220,8 @@ def bench_training(shard_prefix: Path, steps: int) -> float:
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
     from training.reporting import Reporter
-    from training.trainer import Trainer, configure_runtime
+    from training.step import configure_runtime
+    from training.trainer import Trainer
 
     config = load_config(PROJECT_ROOT / "configs/qwen3_tiny.yaml", [
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard_prefix}']",

@@ -32,7 +32,8 @@ def worker(layers: int, variant: str, run_dir: Path) -> dict:
     from training.model.transformer import TransformerLayer
     from training.parallel.mesh import World
     from training.reporting import Reporter
-    from training.trainer import Trainer, configure_runtime
+    from training.step import configure_runtime
+    from training.trainer import Trainer
 
     if variant == "a graph per layer":  # the layer's __init__ without lazy_inline: no graph_key, no reuse
         TransformerLayer.__init__ = TransformerLayer.__init__.__wrapped__

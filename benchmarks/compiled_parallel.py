@@ -101,7 +101,8 @@ def worker(out: str, shard: str, config_path: str, rounds: str) -> None:
     sys.path.insert(0, str(PROJECT_ROOT))
     from training.parallel.mesh import init_world, world_group
     from training.reporting import Reporter
-    from training.trainer import Trainer, configure_runtime
+    from training.step import configure_runtime
+    from training.trainer import Trainer
 
     rounds = int(rounds)
     configure_runtime(_config(shard, config_path, rounds, []))

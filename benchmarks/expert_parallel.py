@@ -102,7 +102,8 @@ def worker(out: str, shard: str) -> None:
     sys.path.insert(0, str(PROJECT_ROOT))
     from training.parallel.mesh import init_world
     from training.reporting import Reporter
-    from training.trainer import Trainer, configure_runtime
+    from training.step import configure_runtime
+    from training.trainer import Trainer
 
     configure_runtime(_config(shard, []))
     world = init_world()

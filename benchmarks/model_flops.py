@@ -50,7 +50,7 @@ def measure(config, shard_prefix: Path, steps: int) -> dict:
 def run(report, shard_prefix: Path, steps: int, runtime_ready: bool = False) -> None:
     """``runtime_ready``: this process already set MindSpore's mode and device (they can be set only once)."""
     from benchmarks.__main__ import matmul_peak_flops
-    from training.trainer import configure_runtime
+    from training.step import configure_runtime
 
     configs = {Path(path).stem: load(path, shard_prefix, steps) for path in CONFIGS}
     if not runtime_ready:

@@ -39,7 +39,8 @@ def _trainer(shard: Path, work: Path, name: str, options: dict[str, str], steps:
     from training.parallel.mesh import World
     from training.config import load_config
     from training.reporting import Reporter
-    from training.trainer import Trainer, configure_runtime
+    from training.step import configure_runtime
+    from training.trainer import Trainer
 
     config = load_config(PROJECT_ROOT / "configs/qwen3_tiny.yaml", [
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",

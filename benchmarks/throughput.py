@@ -82,7 +82,8 @@ class KilnWorker:
         use_host_blocking_dispatch(config.fast_step.host_blocking_dispatch)  # as `training.run` does, before MindSpore loads
         from training.parallel.mesh import World
         from training.reporting import Reporter
-        from training.trainer import Trainer, configure_runtime
+        from training.step import configure_runtime
+        from training.trainer import Trainer
 
         configure_runtime(config)
         self.run_dir = Path(tempfile.mkdtemp(prefix="kiln-throughput-"))

@@ -39,7 +39,8 @@ def train_alone(config, run_dir: Path) -> tuple[list[dict], dict]:
     layout's run must equal."""
     from training.parallel.mesh import World
     from training.reporting import Reporter, read_records
-    from training.trainer import Trainer, configure_runtime
+    from training.step import configure_runtime
+    from training.trainer import Trainer
 
     configure_runtime(config)
     trainer = Trainer(config, World(0, 1), run_dir, Reporter(run_dir / "metrics.jsonl", enabled=True))

@@ -12,7 +12,8 @@ from plain_gpt import PLAIN_CONFIG  # noqa: E402  (registers model_type plain_gp
 from training.parallel.mesh import init_world  # noqa: E402
 from training.config import load_config  # noqa: E402
 from training.reporting import Reporter  # noqa: E402
-from training.trainer import Trainer, configure_runtime  # noqa: E402
+from training.step import configure_runtime  # noqa: E402
+from training.trainer import Trainer  # noqa: E402
 
 STEPS = 3
 TIED = "model.tie_word_embeddings=true"

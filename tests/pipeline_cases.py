@@ -14,7 +14,8 @@ from fsdp_cases import case_config  # noqa: E402
 from plain_gpt import PLAIN_CONFIG  # noqa: E402  (registers model_type plain_gpt)
 from training.parallel.mesh import init_world  # noqa: E402
 from training.reporting import Reporter  # noqa: E402
-from training.trainer import Trainer, configure_runtime  # noqa: E402
+from training.step import configure_runtime  # noqa: E402
+from training.trainer import Trainer  # noqa: E402
 
 # 4 samples per step: 2 micro-batches per pipeline under data parallel 2, 4 without; a validation split holding one
 # such batch without repeating a sample

@@ -17,7 +17,8 @@ from training.model.layers import Init, additive_mask, causal_mask, token_cross_
 from training.model.mla import MLASelfAttention
 from training.parallel.mesh import ParallelDims, World
 from training.reporting import Reporter
-from training.trainer import Trainer, configure_runtime
+from training.step import configure_runtime
+from training.trainer import Trainer
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")

@@ -435,7 +435,8 @@ def test_the_compiled_step_equals_the_eager_one_and_resumes_bit_identically(tmp_
     its losses bit for bit. One MoE layer and one MTP depth keep the graph's compile time down."""
     from training.config import load_config
     from training.reporting import Reporter
-    from training.trainer import Trainer, configure_runtime
+    from training.step import configure_runtime
+    from training.trainer import Trainer
 
     def trainer(name, *overrides):
         config = load_config(PROJECT_ROOT / "tests/configs/deepseek_v3_micro.yaml", [

@@ -20,7 +20,10 @@ from training.model import build_model
 from training.parallel.expert_parallel import AllToAllDispatcher, check_expert_parallel
 from training.parallel.mesh import World, world_group
 from training.reporting import Reporter, read_records
-from training.trainer import Trainer, configure_runtime
+from training.trainer import Trainer
+
+# fp32 sums in another order than one process's (the all-to-all returns each expert's rows to their token, the
+from training.step import configure_runtime
 
 # fp32 sums in another order than one process's (the all-to-all returns each expert's rows to their token, the
 # gradients are summed over ep, then expert_dp). Measured on these cases: losses, their parts and grad norms within

@@ -7,7 +7,8 @@ from training.cli import main as kiln
 from training.parallel.mesh import World
 from training.config import load_config
 from training.reporting import Reporter
-from training.trainer import Trainer, configure_runtime
+from training.step import configure_runtime
+from training.trainer import Trainer
 
 
 @pytest.fixture

@@ -43,6 +43,14 @@ def test_mindformers_examples():
     assert (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.ep, dims.dp) == (2, 2, 1, 2, 2, 4, 2)
 
 
+def test_each_parallelism_says_whether_it_is_on():
+    on = lambda dims: {name for name in ("pp", "dp_shard", "cp", "tp", "ep") if getattr(dims, f"{name}_enabled")}  # noqa: E731
+    assert on(ParallelDims(1)) == set()
+    assert on(ParallelDims(4, dp_replicate=4)) == set()  # plain DP shards nothing
+    assert on(ParallelDims.from_config(config(tp=2, pp=2, cp=2, ep=4, shard=1), 16)) == {"pp", "cp", "tp", "ep"}
+    assert on(ParallelDims(8, dp_shard=4, tp=2)) == {"dp_shard", "tp"}
+
+
 @pytest.mark.parametrize("parallelism, world, message", [
     (config(tp=2), 3, "parallelism: tensor_parallel 2 × pipeline_parallel 1 × context_parallel 1 = 2 does not "
                       "divide the 3 workers"),

@@ -16,7 +16,8 @@ from training.config import ConfigError, load_config
 from training.lineage import audit_checkpoint, audit_exit_code
 from training.checkpoint import KILN_STATE, MINDFORMERS_COMMON_KEYS, CheckpointError, load_checkpoint
 from training.reporting import Reporter, read_records
-from training.trainer import Trainer, configure_runtime, micro_batch_indices
+from training.step import configure_runtime
+from training.trainer import Trainer, micro_batch_indices
 
 WORLD = World(rank=0, size=1)
 
@@ -175,7 +176,7 @@ def test_gradients_read_on_the_host_keep_the_update_out_of_the_graph_with_the_ea
 def test_a_step_that_cannot_compile_says_why():
     from training.model import build_model
     from training.parallel.mesh import ParallelDims
-    from training.trainer import compile_blockers
+    from training.step import compile_blockers
 
     config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
         "train_dataset.dataloader.config.data_path=['x']", "train_dataset.dataloader.config.eod=2",
@@ -193,7 +194,7 @@ def test_a_step_that_cannot_compile_says_why():
 def test_every_parallel_layout_compiles(config, dims):
     from training.model import build_model
     from training.parallel.mesh import ParallelDims
-    from training.trainer import compile_blockers
+    from training.step import compile_blockers
 
     config = load_config(PROJECT_ROOT / config, [
         "train_dataset.dataloader.config.data_path=['x']", "train_dataset.dataloader.config.eod=2",

@@ -56,7 +56,7 @@ def evaluating(model) -> Iterator[None]:
 class HeldOutLoss(nn.Cell):
     """``GPTModel.sample_loss_sums`` as a cell, so that it can be one compiled graph (``compiled``): eager, a
     held-out forward of the demo model costs ten times the compiled one (benchmarks/validation.py). It is
-    compiled where the training step is (trainer.compile_blockers), and always called in evaluation mode."""
+    compiled where the training step is (step.compile_blockers), and always called in evaluation mode."""
 
     def __init__(self, model, compiled: bool):
         super().__init__(auto_prefix=False)  # the model's parameter names stay its own
@@ -335,7 +335,7 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     from training.lineage import moved_run, read_lineage, results_sha256
     from training.model import build_model
     from training.parallel.mesh import ParallelDims
-    from training.trainer import compile_blockers, configure_runtime
+    from training.step import compile_blockers, configure_runtime
 
     checkpoint_dir = Path(checkpoint_dir)
     lineage, _ = read_lineage(checkpoint_dir, lineage_store)

@@ -113,7 +113,8 @@ def train(args: argparse.Namespace) -> int:
     from training.monitor import TensorBoardWriter
     from training.parallel.mesh import init_world
     from training.reporting import Reporter
-    from training.trainer import Trainer, configure_runtime, load_lineage_inputs
+    from training.step import configure_runtime
+    from training.trainer import Trainer, load_lineage_inputs
 
     configure_runtime(config)
     world = init_world()

@@ -7,16 +7,14 @@ Sample order is a pure function of the step: global step ``s`` consumes samples
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Tensor
 
 from training.atomic import write_text_atomic
 from training.checkpoint import (KILN_STATE, CheckpointError, CheckpointSaver, capture_rng_state, complete_steps,
@@ -26,18 +24,16 @@ from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.downstream import token_bytes_of
 from training.evaluation import Validation, model_input_tensors, validation_line
-from training.model import GPTModel, ascend, build_model
+from training.model import ascend, build_model
 from training.monitor import EMBEDDING_PARAM, HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
-from training.optim import (AdamW, SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm,
-                            clip_grad_norm_in_graph)
-from training.parallel import comm
+from training.optim import SkipStepOnNaN, build_lr_schedule, build_optimizer, clip_grad_norm
 from training.parallel.comm import Collectives
-from training.parallel.fsdp import GradientReduction, Parallelism
 from training.parallel.mesh import DeviceMesh, ParallelDims, World
 from training.parallel.parallelize import parallelize
 from training.profiling import build_profiler, profile_root
-from training.recompute import RECOMPUTE_IS_EAGER, apply_recompute
+from training.recompute import apply_recompute
 from training.reporting import Reporter
+from training.step import build_step_functions, degrees
 
 
 @dataclass
@@ -56,182 +52,6 @@ def micro_batch_indices(consumed_samples: int, micro: int, rank: int, dp: int, l
     concatenating (micro 0: rank 0, 1, …; micro 1: …) gives the single-process order."""
     start = consumed_samples + (micro * dp + rank) * local_batch_size
     return range(start, start + local_batch_size)
-
-
-def configure_runtime(config: TrainConfig) -> None:
-    """Mode, device, memory cap and determinism; MindSpore requires them before ``communication.init()``."""
-    ms.set_context(mode=ms.PYNATIVE_MODE)
-    ms.set_device(config.context.device_target)
-    if config.context.caps_device_memory:
-        ms.runtime.set_memory(max_size=config.context.max_device_memory)
-    if config.training.deterministic:
-        ms.set_context(deterministic="ON")
-
-
-def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -> list[str]:
-    """Why this run's forward + backward cannot be one compiled graph (fast_step.compile); empty when it can.
-    A graph is traced once, so whatever the step keeps on the host between calls would be frozen in it."""
-    reasons = []
-    if not config.fast_step.compile:
-        reasons.append("fast_step.compile is false")
-    if model.config.hidden_dropout > 0:
-        reasons.append("model.hidden_dropout > 0: dropout masks come from Kiln's host-side mask stream (so a "
-                       "resume draws the same masks), which a graph would replay as constants")
-    if config.recompute.mode != "None":
-        reasons.append(f"recompute.mode = {config.recompute.mode!r}: {RECOMPUTE_IS_EAGER}")
-    if config.kiln.train_state.max_attention_logit:
-        reasons.append("kiln.train_state.max_attention_logit: the per-head maxima are gathered on the host")
-    return reasons
-
-
-class ScaledLoss(nn.Cell):
-    """The micro-batch loss scaled for its backward (``Parallelism.loss_scale``), whose gradients then sum over
-    micro-batches and ranks into the global batch's mean; then the loss and its parts (``loss_part_names``), all
-    in one flat tuple (a graph cannot return the empty tuple of a model without parts)."""
-
-    def __init__(self, model: GPTModel, scale: float):
-        super().__init__(auto_prefix=False)  # the model's parameter names stay its own
-        self.model = model
-        self.scale = scale
-        model.set_loss_scale(scale)
-
-    def construct(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
-        loss, parts = self.model.loss_and_parts(input_ids, labels, loss_mask, position_ids, attention_mask)
-        return (loss * self.scale, loss) + parts
-
-
-def degrees(dims: ParallelDims) -> str:
-    """The layout as the logs name it: every parallelism's degree, data parallel's first."""
-    return f"dp={dims.dp}, tp={dims.tp}, pp={dims.pp}, cp={dims.cp}, ep={dims.ep}"
-
-
-def whole_step_blockers(config: TrainConfig, dims: ParallelDims, monitor: TrainStateMonitor,
-                        optimizer: AdamW) -> list[str]:
-    """Why the clip and the AdamW update of a compiled step stay outside its graphs (run eagerly after them);
-    empty when the whole step compiles (``CompiledStep``; data parallelism's gradient reduction runs in its graph
-    too when ``fast_step.compile_reduction`` asks for it)."""
-    reasons = []
-    if dims.world > 1 and not config.fast_step.compile_reduction:
-        reasons.append(f"{dims.world} workers ({degrees(dims)}): fast_step.compile_reduction is false (the gradient "
-                       f"reduction across them, clip and update in the graph measured slower on CPU: "
-                       f"benchmarks/context_parallel.py)")
-    if monitor.local_norm or monitor.device_norm:
-        reasons.append("monitor.train_state.local_norm/device_norm read gradients on the host")
-    low_precision = [name for name, param in zip(optimizer.names, optimizer.params) if param.dtype != ms.float32]
-    if low_precision:
-        reasons.append(f"{len(low_precision)} parameter(s) not float32 (e.g. {low_precision[0]}): the update goes "
-                       f"through fp32 master copies made on the host")
-    return reasons
-
-
-class CompiledStep(nn.Cell):
-    """A whole training step as compiled graphs. ``accumulate`` runs forward and backward of each micro-batch but
-    the last and adds its gradients and loss to buffers; ``construct`` runs the last (or only) micro-batch, then
-    the global-norm clip of the summed gradients and the AdamW update, applied only when the summed loss and the
-    gradient norm are finite (the host then counts, skips or stops exactly as ``SkipStepOnNaN`` decides after an
-    eager step, from the same values). The sums run in the eager step's order, so they are the same bits.
-    Under data parallelism ``reduction`` reduces the summed gradients over the ranks in the graph, as
-    ``Parallelism.reduce_gradients`` does eagerly, and sums the loss over them, so every rank applies or skips
-    the update alike."""
-
-    def __init__(self, loss: ScaledLoss, params: list, optimizer: AdamW, max_norm: float, accumulation: int,
-                 reduction: GradientReduction | None = None):
-        super().__init__(auto_prefix=False)  # parameter names stay the model's and the optimizer's
-        self.loss = loss
-        self.params = ParameterTuple(params)
-        self.update = optimizer.compiled_update()
-        self.max_norm = max_norm
-        self.accumulation = accumulation
-        self.reduction = reduction
-        # buffers only when there is something to sum: reading and zeroing them costs a pass over every gradient
-        self.grad_sums = ParameterTuple(
-            [Parameter(Tensor(np.zeros(p.shape, np.float32)), name=f"grad_sum.{p.name}", requires_grad=False)
-             for p in params] if accumulation > 1 else [])
-        self.loss_sum = (Parameter(Tensor(0.0, ms.float32), name="grad_sum.loss", requires_grad=False)
-                         if accumulation > 1 else None)
-
-    def _gradients(self, input_ids, labels, loss_mask, position_ids, attention_mask):
-        outputs, grads = ms.value_and_grad(self.loss, None, self.params, has_aux=True)(
-            input_ids, labels, loss_mask, position_ids, attention_mask)
-        return outputs[1], outputs[2:], grads
-
-    def accumulate(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
-        """A micro-batch before the last; returns its loss, then the loss's parts."""
-        loss, parts, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
-        for grad_sum, grad in zip(self.grad_sums, grads):
-            ops.assign_add(grad_sum, grad)
-        ops.assign_add(self.loss_sum, loss)
-        return (loss,) + parts
-
-    def construct(self, lr, eps, decay, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
-        """The last micro-batch and the update; returns its loss, each gradient's sum of squares and the global
-        gradient norm before clipping, then the loss's parts."""
-        loss, parts, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
-        loss_sum = loss
-        if self.accumulation > 1:
-            grads = tuple(grad_sum + grad for grad_sum, grad in zip(self.grad_sums, grads))
-            loss_sum = self.loss_sum + loss
-            for grad_sum in self.grad_sums:
-                ops.assign(grad_sum, ops.zeros_like(grad_sum))
-            ops.assign(self.loss_sum, ops.zeros_like(self.loss_sum))
-        whole_squares = None
-        if self.reduction is not None:
-            grads = self.reduction(grads)
-            loss_sum = self.reduction.loss_total(loss_sum)
-            whole_squares = self.reduction.whole_squares
-        clipped, squares, grad_norm = clip_grad_norm_in_graph(grads, self.max_norm, whole_squares)
-        if ops.logical_and(ops.isfinite(loss_sum), ops.isfinite(grad_norm)):
-            self.update(clipped, lr, eps, decay)
-        return (loss, squares, grad_norm) + parts
-
-
-@dataclass
-class TrainStep:
-    """How a run computes its steps: the micro-batch loop calls ``grad_fn`` (forward + backward, compiled when
-    ``forward_compiled``) unless ``compiled`` runs the whole step; ``mode`` says which, and why not more."""
-    grad_fn: Callable
-    compiled: CompiledStep | None
-    forward_compiled: bool
-    mode: str
-
-
-def build_train_step(config: TrainConfig, dims: ParallelDims, model: GPTModel, parallel: Parallelism,
-                     optimizer: AdamW, monitor: TrainStateMonitor, accumulation: int) -> TrainStep:
-    """The fastest step this run allows: the whole step compiled, else its forward and backward, else eager
-    (``compile_blockers``, ``whole_step_blockers``)."""
-    dispatch = ("synchronous dispatch" if os.environ.get("MS_DEV_HOST_BLOCKING_RUN") == "1"
-                else "threaded dispatch (fast_step.host_blocking_dispatch takes effect through training.run)")
-    scaled_loss = ScaledLoss(model, parallel.loss_scale())
-    grad_fn = ms.value_and_grad(scaled_loss, None, parallel.model_params, has_aux=True)
-    blockers = compile_blockers(config, dims, model)
-    if blockers:
-        return TrainStep(grad_fn, None, False,
-                         f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
-    parallel.gather_in_layers()  # ZeRO-3: each layer gathers its own chunks inside the graph
-    comm.for_graph(model)  # tensor, expert, context parallelism's and ZeRO-3's collectives, as all-reduces
-    if model.config.has_moe and dims.ep > 1:  # the compiled modes' lines end with how tokens reach their experts
-        dispatch += ("; expert parallel: all-gather token dispatch in the graph (the ep group's tokens and their "
-                     "routing gathered, this rank's experts on their rows, outputs reduce-scattered back)")
-    if dims.cp > 1:
-        dispatch += ("; context parallel: attention's ring steps and Ulysses exchanges in the graph (comm's Cells, "
-                     "all-reduces of zero-padded buffers on CPU)")
-    if parallel.pipeline is not None:
-        parallel.pipeline.compile()
-        return TrainStep(grad_fn, None, True, "pipeline stages compiled (mindspore.jit: each stage's forward and "
-                         "its recomputing backward), schedule, transfers between stages, clip and update on the "
-                         f"host (2-rank broadcasts: a graph cannot run them), {dispatch}")
-    outside = whole_step_blockers(config, dims, monitor, optimizer)
-    if outside:
-        return TrainStep(ms.jit(grad_fn), None, True,
-                         f"forward+backward compiled (mindspore.jit), clip and update eager, {dispatch}; not in the "
-                         f"graph: {'; '.join(outside)}")
-    compiled = CompiledStep(scaled_loss, parallel.model_params, optimizer, config.training.max_norm, accumulation,
-                            parallel.compiled_reduction() if dims.world > 1 else None)
-    compiled.construct = ms.jit(compiled.construct)
-    compiled.accumulate = ms.jit(compiled.accumulate)
-    reduced = ", gradient reduction over the ranks" if dims.world > 1 else ""
-    return TrainStep(grad_fn, compiled, True,
-                     f"whole step compiled (mindspore.jit: forward, backward{reduced}, clip, AdamW), {dispatch}")
 
 
 def _lr_section(config: TrainConfig) -> dict:
@@ -281,11 +101,12 @@ class Trainer:
         self.saver = CheckpointSaver(save_path=Path(ckpt.save_path), prefix=ckpt.prefix, save_max=ckpt.save_max,
                                      world=world, collectives=self.collectives,
                                      remove_redundancy=ckpt.remove_redundancy, async_save=ckpt.async_save)
-        self.monitor = TrainStateMonitor(config.monitor.train_state, config.kiln.train_state, [p.name for p in self.params], self.collectives)
-        step = build_train_step(config, self.mesh.dims, self.model, self.parallel, self.optimizer, self.monitor,
-                                self.accumulation)
-        self.grad_fn, self.compiled_step = step.grad_fn, step.compiled
-        self.step_mode = ". ".join([step.mode, *fused_kernels])
+        self.monitor = TrainStateMonitor(config.monitor.train_state, config.kiln.train_state,
+                                         [p.name for p in self.params], self.collectives)
+        functions = build_step_functions(config, self.mesh.dims, self.model, self.parallel, self.optimizer,
+                                         self.monitor, self.accumulation)
+        self.grad_fn, self.compiled_step = functions.grad_fn, functions.compiled
+        self.step_mode = ". ".join([functions.mode, *fused_kernels])
 
         self.model.track_max_attention_logits(config.kiln.train_state.max_attention_logit)
         self.health = HealthMonitor(config.monitor.health_checkpoint)
@@ -298,7 +119,7 @@ class Trainer:
 
         loader = config.train_dataset.dataloader
         self.use_positions = isinstance(loader, BlendedMegatronLoaderConfig) and loader.config.reset_position_ids
-        self.validation = self._validation(step.forward_compiled) if config.kiln.training.eval_interval else None
+        self.validation = self._validation(functions.forward_compiled) if config.kiln.training.eval_interval else None
         for source in self.validation.unevaluated if self.validation else ():
             self.reporter.warning(f"validation loss leaves out {source.reason}")
         self.step = 0

@@ -148,6 +148,27 @@ class ParallelDims:
         """Ranks reading different samples: dp_replicate · dp_shard."""
         return self.dp_replicate * self.dp_shard
 
+    # whether each parallelism is on (its degree above 1), so callers ask by name instead of comparing degrees
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
     def describe(self) -> str:
         """The factorisation in one line, e.g. "4 workers = pp 1 × dp_replicate 2 × dp_shard 2 × cp 1 × tp 1"."""
         return f"{self.world} workers = " + " × ".join(f"{axis} {size}" for axis, size in zip(AXES, self.axis_sizes))
