@@ -78,7 +78,7 @@ def run(report, rounds: int = 5) -> None:
                                    world=trainer.world, collectives=trainer.collectives, async_save=async_save)
 
         def save(with_saver) -> None:
-            with_saver.save(step=trainer.step, model=trainer._model_arrays(), optim=trainer.optimizer.state_arrays(),
+            with_saver.save(step=trainer.step, model=trainer.model_parts.state_dict(), optim=trainer.optimizer.state_dict(),
                             common={"global_step": trainer.step}, lineage={})
 
         sync_seconds, stalls, slowdowns, writes, dd_rates, steps_during = [], [], [], [], [], []
@@ -90,18 +90,18 @@ def run(report, rounds: int = 5) -> None:
             latest = max((work / "checkpoints").glob("iteration_*"))
             checkpoint_bytes = sum(p.stat().st_size for p in latest.glob("*.safetensors"))
 
-            trainer.saver = saver(async_save=True)  # train_step settles it, as in training
+            trainer.checkpoints.saver = saver(async_save=True)  # train_step settles it, as in training
             started = time.perf_counter()
-            save(trainer.saver)
+            save(trainer.checkpoints.saver)
             call = time.perf_counter() - started
-            writer = trainer.saver.pending.writer
+            writer = trainer.checkpoints.saver.pending.writer
             steps, during = 0, 0.0
-            while trainer.saver.pending is not None:
+            while trainer.checkpoints.saver.pending is not None:
                 during += _steps_seconds(trainer, 1)
                 steps += 1
-            trainer.saver.wait()
+            trainer.checkpoints.saver.wait()
             without = _steps_seconds(trainer, steps)
-            stalls.append(call + trainer.saver.blocked_seconds)
+            stalls.append(call + trainer.checkpoints.saver.blocked_seconds)
             slowdowns.append(during - without)
             writes.append(writer.seconds)
             dd_rates.append(_dd_bytes_per_s(work, max(1, checkpoint_bytes // 2**20)))

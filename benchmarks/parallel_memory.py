@@ -62,7 +62,7 @@ def _measure(trainer) -> dict:
         trainer.train_step()
         times.append(time.perf_counter() - started)
     return {"weights": sum(int(p.nbytes) for p in trainer.params), "gradients": held["gradients"],
-            "optimizer": sum(a.nbytes for a in trainer.optimizer.state_arrays().values()),
+            "optimizer": sum(a.nbytes for a in trainer.optimizer.state_dict().values()),
             "step_s": statistics.median(times[1:])}
 
 

@@ -69,9 +69,9 @@ def worker(out: str, shard: str) -> None:
             started = time.perf_counter()
             trainer.train_step()
             figures[name]["step_s"].append(time.perf_counter() - started)
-            if trainer.pipeline is None:
+            if trainer.parallel.pipeline is None:
                 continue
-            result = trainer.pipeline.last_result
+            result = trainer.parallel.pipeline.last_result
             figures[name]["idle"].append(1 - result.busy_s / result.wall_s)
             figures[name]["in_flight"] = max(figures[name]["in_flight"], result.peak_in_flight)
             figures[name]["kept_bytes"] = max(figures[name]["kept_bytes"], result.peak_kept_bytes)

@@ -21,7 +21,7 @@ EVAL_INTERVAL, EVAL_ITERS = 50, 10
 def run(report, rounds: int = 6) -> None:
     from training.evaluation import Validation
     from training.step import compile_blockers
-    from training.trainer import micro_batch_indices
+    from training.train_state import micro_batch_indices
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-validation-") as tmp:
         work = Path(tmp)

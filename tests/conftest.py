@@ -58,7 +58,7 @@ def validate_as_one_process(config, checkpoint: Path) -> float:
     from training.model import build_model
     from training.parallel.comm import Collectives
     from training.parallel.mesh import World
-    from training.trainer import micro_batch_indices
+    from training.train_state import micro_batch_indices
 
     model = build_model(config.model)
     weights = load_checkpoint(checkpoint).model

@@ -1,12 +1,11 @@
 import json
 
-import mindspore as ms
 import numpy as np
 import pytest
 
 from training.checkpoint import (TRACKER, CheckpointError, CheckpointSaver, SavePlan, _write_safetensors_atomic,
-                                 balanced_assignment, capture_rng_state, is_hf_dir, iteration_dir, load_checkpoint,
-                                 resolve_load_path, restore_rng_state, save_checkpoint, tracked_step)
+                                 balanced_assignment, is_hf_dir, iteration_dir, load_checkpoint,
+                                 resolve_load_path, save_checkpoint, tracked_step)
 from training.parallel.comm import Collectives
 from training.parallel.mesh import World
 
@@ -300,22 +299,6 @@ def test_hugging_face_directory_is_recognised(tmp_path):
     assert not is_hf_dir(hf)
     _write_safetensors_atomic(hf / "model.safetensors", {"model.norm.weight": np.ones(2, np.float32)})
     assert is_hf_dir(hf) and resolve_load_path(hf) == hf
-
-
-def test_rng_state_round_trips_through_json():
-    ms.manual_seed(11)
-    np.random.seed(11)
-    np.random.normal(size=3)
-    state = json.loads(json.dumps(capture_rng_state(11)))
-    expected = np.random.normal(size=5)
-    ms_expected = ms.get_rng_state().asnumpy()
-    ms.manual_seed(99)
-    np.random.seed(99)
-    restore_rng_state(state, "somewhere")
-    np.testing.assert_array_equal(np.random.normal(size=5), expected)
-    np.testing.assert_array_equal(ms.get_rng_state().asnumpy(), ms_expected)
-    with pytest.raises(CheckpointError, match="somewhere/kiln_state.json: field rng has no generator states"):
-        restore_rng_state({"seed": 1}, "somewhere/kiln_state.json")
 
 
 def die_while_saving(root, step, at):

@@ -100,7 +100,7 @@ def test_an_expert_parallel_checkpoint_resumes_in_one_process(runs, tmp_path):
     assert resumed.step == STEPS
     for param in resumed.model.get_parameters():
         np.testing.assert_allclose(param.asnumpy(), expected[param.name], rtol=0, atol=WEIGHT_ATOL, err_msg=param.name)
-    moments = {n: a for n, a in resumed.optimizer.state_arrays().items() if ".experts." in n}
+    moments = {n: a for n, a in resumed.optimizer.state_dict().items() if ".experts." in n}
     assert moments and all(a.shape[0] == 4 for n, a in moments.items() if n.startswith("adam_m.")), moments.keys()
 
 

@@ -77,7 +77,7 @@ def test_adamw_matches_numpy_reference():
     ref = step_alongside_numpy(opt, named, decays)
     for name, param in named:
         np.testing.assert_allclose(param.asnumpy(), ref[name][0], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(opt.state_arrays()[f"adam_m.{name}"], ref[name][1], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(opt.state_dict()[f"adam_m.{name}"], ref[name][1], rtol=1e-5, atol=1e-7)
 
 
 def test_state_round_trip():
@@ -85,14 +85,14 @@ def test_state_round_trip():
     opt_a = AdamW(named_a, lr_schedule=lambda s: 1e-2)
     for step in (1, 2):
         opt_a.step(make_grads(step))
-    state = opt_a.state_arrays()
+    state = opt_a.state_dict()
     assert state["global_step"].dtype == np.int64 and state["global_step"].tolist() == [2]
     assert set(state) == {"global_step"} | {f"adam_{k}.{n}" for k in "mv" for n in SHAPES}
 
     named_b = [(n, Parameter(Tensor(p.asnumpy()), name=n)) for n, p in named_a]
     opt_b = AdamW(named_b, lr_schedule=lambda s: 1e-2)
-    opt_b.load_state_arrays(state)
-    for key, array in opt_b.state_arrays().items():
+    opt_b.load_state_dict(state)
+    for key, array in opt_b.state_dict().items():
         np.testing.assert_array_equal(array, state[key])
     opt_a.step(make_grads(3))
     opt_b.step(make_grads(3))
@@ -107,7 +107,7 @@ def test_low_precision_params_update_through_fp32_masters():
              for n, p in make_params()]
     opt = AdamW(named, lr_schedule=lambda step: 0.01 * step, weight_decay=0.1)
     ref = step_alongside_numpy(opt, named, {name: uses_weight_decay(name, param) for name, param in named})
-    state = opt.state_arrays()
+    state = opt.state_dict()
     assert {k for k in state if k.startswith("main_param.")} == {f"main_param.{n}" for n in SHAPES} - {
         "main_param.layer.weight"}
     for name, param in named[1:]:
@@ -125,7 +125,7 @@ def test_updates_below_float16_rounding_accumulate_in_the_master():
     assert param.asnumpy().tolist() == [1.0] * 4  # 1 - 1e-4 rounds back to 1 in float16
     for _ in range(9):
         opt.step(ones)
-    assert opt.state_arrays()["main_param.w"][0] == pytest.approx(1 - 1e-3, rel=1e-5)
+    assert opt.state_dict()["main_param.w"][0] == pytest.approx(1 - 1e-3, rel=1e-5)
     assert param.asnumpy()[0] == np.float16(1 - 1e-3) < 1.0
 
 
@@ -139,14 +139,14 @@ def test_masters_start_from_weights_loaded_after_the_optimizer_was_built():
 
 def test_load_state_errors_name_the_tensor():
     opt = AdamW(make_params(), lr_schedule=lambda s: 1e-2)
-    state = opt.state_arrays()
+    state = opt.state_dict()
     missing = {k: v for k, v in state.items() if k != "adam_v.norm.weight"}
     with pytest.raises(ValueError, match="adam_v.norm.weight"):
-        opt.load_state_arrays(missing)
+        opt.load_state_dict(missing)
     with pytest.raises(ValueError, match="adam_m.layer.weight"):
-        opt.load_state_arrays({**state, "adam_m.layer.weight": np.zeros((4, 3), np.float32)})
+        opt.load_state_dict({**state, "adam_m.layer.weight": np.zeros((4, 3), np.float32)})
     with pytest.raises(ValueError, match="adam_m.other"):
-        opt.load_state_arrays({**state, "adam_m.other": np.zeros(1, np.float32)})
+        opt.load_state_dict({**state, "adam_m.other": np.zeros(1, np.float32)})
 
 
 # ---- schedules ------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from training.lineage import audit_checkpoint, audit_exit_code
 from training.checkpoint import KILN_STATE, MINDFORMERS_COMMON_KEYS, CheckpointError, load_checkpoint
 from training.reporting import Reporter, read_records
 from training.step import configure_runtime
-from training.trainer import Trainer, micro_batch_indices
+from training.train_state import micro_batch_indices
+from training.trainer import Trainer
 
 WORLD = World(rank=0, size=1)
 
@@ -58,7 +59,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, shard):
 
     resumed = make_trainer(tmp_path, shard, "resumed",
                            f"checkpoint.load_path={tmp_path / 'full/checkpoints/iteration_00000003'}")
-    assert resumed.step == 3 and resumed.consumed_samples == 12
+    assert resumed.step == 3 and resumed.data.consumed_samples == 12
     assert resumed.train().start_step == 3
     after_resume = losses(tmp_path / "resumed")
     assert sorted(after_resume) == [4, 5, 6]
@@ -80,7 +81,7 @@ def assert_same_training(trainer, eager):
     (fp32), so the norm differs in its last bits and the weights by about that much through the clip factor."""
     for t, e in zip(trainer.params, eager.params):
         np.testing.assert_allclose(t.asnumpy(), e.asnumpy(), rtol=0, atol=1e-6, err_msg=t.name)
-    state, eager_state = trainer.optimizer.state_arrays(), eager.optimizer.state_arrays()
+    state, eager_state = trainer.optimizer.state_dict(), eager.optimizer.state_dict()
     assert sorted(state) == sorted(eager_state) and state["global_step"] == eager_state["global_step"]
     for name in state:
         np.testing.assert_allclose(state[name], eager_state[name], rtol=0, atol=1e-7, err_msg=name)
@@ -140,11 +141,11 @@ def test_with_accumulation_the_compiled_whole_step_equals_the_eager_one_through_
     assert trainer.accumulation == 2 and trainer.step_mode.startswith("whole step compiled"), trainer.step_mode
     steps, eager_steps = [trainer.train_step()], [eager.train_step()]
     weights = {p.name: p.asnumpy().copy() for p in trainer.params}
-    optimizer_state = trainer.optimizer.state_arrays()
+    optimizer_state = trainer.optimizer.state_dict()
     skipped = trainer.train_step()  # the NaN reaches the update through the summed loss and gradients
     assert skipped["skipped"] and np.isnan(skipped["loss"]) and skipped["lr"] == trainer.lr_schedule(1)
     assert all(np.array_equal(weights[p.name], p.asnumpy()) for p in trainer.params)
-    after = trainer.optimizer.state_arrays()
+    after = trainer.optimizer.state_dict()
     assert all(np.array_equal(optimizer_state[key], after[key]) for key in optimizer_state)  # global_step too
 
     applied = trainer.train_step()  # the NaN step left nothing in the gradient buffers
@@ -254,7 +255,7 @@ def test_common_json_holds_exactly_mindformers_fields_and_kiln_state_is_audited(
     (mindformers / KILN_STATE).unlink()
     capsys.readouterr()
     resumed = make_trainer(tmp_path, shard, "from_mf", f"checkpoint.load_path={mindformers}")
-    assert resumed.step == 3 and resumed.consumed_samples == common["consumed_samples"]
+    assert resumed.step == 3 and resumed.data.consumed_samples == common["consumed_samples"]
     assert f"has no {KILN_STATE} (saved by MindFormers?): the random generators start from training.seed" in (
         capsys.readouterr().out)
 
@@ -331,7 +332,7 @@ def test_a_train_size_reads_its_samples_again_from_the_start_once_they_are_used(
     trainer = make_trainer(tmp_path, shard, "sized", "train_dataset.dataloader.sizes=[8, 0, 0]")
     assert len(trainer.dataset) >= 8 and trainer.config.split_samples("train") == 8
     first = [t.asnumpy() for t in trainer._micro_batch(0)[:3]]
-    trainer.consumed_samples = len(trainer.dataset)
+    trainer.data.consumed_samples = len(trainer.dataset)
     again = [t.asnumpy() for t in trainer._micro_batch(0)[:3]]
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     with pytest.raises(ConfigError, match=r"train_dataset.dataloader.sizes\[0\] is the train split's sample count"):
@@ -419,13 +420,13 @@ def test_a_nan_step_is_skipped_without_touching_weights_or_optimizer(tmp_path, s
     poison_steps(trainer, {2})
     trainer.train_step()
     weights = {p.name: p.asnumpy().copy() for p in trainer.params}
-    optimizer_state = trainer.optimizer.state_arrays()
+    optimizer_state = trainer.optimizer.state_dict()
 
     skipped = trainer.train_step()
     assert skipped["skipped"] and np.isnan(skipped["loss"])
     assert (skipped["step"], skipped["consumed_samples"]) == (2, 8)  # the batch is consumed all the same
     assert all(np.array_equal(weights[p.name], p.asnumpy()) for p in trainer.params)
-    after = trainer.optimizer.state_arrays()
+    after = trainer.optimizer.state_dict()
     assert all(np.array_equal(optimizer_state[key], after[key]) for key in optimizer_state)  # global_step too
     assert skipped["lr"] == trainer.lr_schedule(1)
 

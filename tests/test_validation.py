@@ -14,7 +14,7 @@ from training.data.loader import build_dataset, stack_model_inputs
 from training.evaluation import HeldOutSplit, Validation, perplexity, validation_line
 from training.monitor import TensorBoardWriter
 from training.reporting import Reporter, is_step_record, read_records
-from training.trainer import micro_batch_indices
+from training.train_state import micro_batch_indices
 
 # a split with room for two global batches of validation samples in the conftest shard (200 documents); dropout
 # on, so a validation that drew masks from the training's stream would change the losses after it

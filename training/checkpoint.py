@@ -538,46 +538,6 @@ def _rotate(save_path: Path, save_max: int) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
-# ---- random state ------------------------------------------------------------------------------------
-
-def capture_rng_state(seed: int, dropout_masks=None) -> dict:
-    """The state of every generator a run draws from, as JSON: the dropout mask stream (the model's
-    ``MaskStream``, this rank's), MindSpore's default generator (its raw state bytes) and numpy's global
-    MT19937. (Model init draws from its own seeded RandomState, and sample order is a pure function of the
-    dataset seed, so neither needs saving.)"""
-    import mindspore as ms
-
-    name, key, pos, has_gauss, cached = np.random.get_state()
-    state = {"seed": seed,
-             "mindspore_default_generator": [int(b) for b in ms.get_rng_state().asnumpy().reshape(-1)],
-             "numpy_global": {"bit_generator": name, "key": [int(k) for k in key], "pos": int(pos),
-                              "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
-    if dropout_masks is not None:
-        state["dropout_masks"] = dropout_masks.state()
-    return state
-
-
-def restore_rng_state(state: dict, path: Path, dropout_masks=None) -> bool:
-    """Set the generators back to ``capture_rng_state``'s record (``path``: the file it came from). Returns
-    whether the record had the dropout stream's state (a checkpoint from before Kiln saved it has none: the
-    stream then stays where the seed started it)."""
-    import mindspore as ms
-
-    if not isinstance(state, dict) or "mindspore_default_generator" not in state:
-        raise CheckpointError(f"{path}: field rng has no generator states")
-    try:
-        ms_state = np.array(state["mindspore_default_generator"], dtype=np.uint8)
-        numpy_state = state["numpy_global"]
-        np.random.set_state((numpy_state["bit_generator"], np.array(numpy_state["key"], dtype=np.uint32),
-                             numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
-        if dropout_masks is not None and "dropout_masks" in state:
-            dropout_masks.set_state(state["dropout_masks"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: field rng is malformed ({exc!r})") from None
-    ms.set_rng_state(ms.Tensor(ms_state))
-    return "dropout_masks" in state
-
-
 # ---- resolving load_path -----------------------------------------------------------------------------
 
 def is_hf_dir(path: Path) -> bool:

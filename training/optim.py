@@ -281,15 +281,16 @@ class AdamW:
         return AdamWUpdate(self)
 
     # ---- checkpoint state ----
-    def state_arrays(self) -> dict[str, np.ndarray]:
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """The moments, any fp32 masters and the update count, by their checkpoint names."""
         state = {m.name: m.asnumpy() for m in self.exp_avg}
         state.update({v.name: v.asnumpy() for v in self.exp_avg_sq})
         state.update({master.name: master.asnumpy() for master in self._masters() if master is not None})
         state["global_step"] = np.array([self.global_step], np.int64)
         return state
 
-    def load_state_arrays(self, arrays: dict[str, np.ndarray]) -> None:
-        """Restore exactly what ``state_arrays`` produced; a missing, extra or mis-shaped tensor is an error."""
+    def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
+        """Restore exactly what ``state_dict`` produced; a missing, extra or mis-shaped tensor is an error."""
         tensors = self.exp_avg + self.exp_avg_sq + [master for master in self._masters() if master is not None]
         expected = {t.name for t in tensors} | {"global_step"}
         missing = sorted(expected - set(arrays))

@@ -15,6 +15,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from training.config import TrainConfig
 from training.model import GPTModel
+from training.model_parts import WholeModel
 from training.monitor import TrainStateMonitor
 from training.optim import AdamW, clip_grad_norm_in_graph
 from training.parallel import comm
@@ -161,9 +162,10 @@ class StepFunctions:
 
 
 def build_step_functions(config: TrainConfig, dims: ParallelDims, model: GPTModel, parallel: Parallelism,
-                     optimizer: AdamW, monitor: TrainStateMonitor, accumulation: int) -> StepFunctions:
+                         model_parts: WholeModel, optimizer: AdamW, monitor: TrainStateMonitor, accumulation: int
+                         ) -> StepFunctions:
     """The fastest step this run allows: the whole step compiled, else its forward and backward, else eager
-    (``compile_blockers``, ``whole_step_blockers``)."""
+    (``compile_blockers``, ``whole_step_blockers``); pipeline stages compile apart (``model_parts.compile``)."""
     dispatch = ("synchronous dispatch" if os.environ.get("MS_DEV_HOST_BLOCKING_RUN") == "1"
                 else "threaded dispatch (fast_step.host_blocking_dispatch takes effect through training.run)")
     scaled_loss = ScaledLoss(model, parallel.loss_scale())
@@ -171,7 +173,7 @@ def build_step_functions(config: TrainConfig, dims: ParallelDims, model: GPTMode
     blockers = compile_blockers(config, dims, model)
     if blockers:
         return StepFunctions(grad_fn, None, False,
-                         f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
+                             f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")
     parallel.gather_in_layers()  # ZeRO-3: each layer gathers its own chunks inside the graph
     comm.for_graph(model)  # tensor, expert, context parallelism's and ZeRO-3's collectives, as all-reduces
     if model.config.has_moe and dims.ep_enabled:  # the compiled modes' lines end with how tokens reach their experts
@@ -180,20 +182,18 @@ def build_step_functions(config: TrainConfig, dims: ParallelDims, model: GPTMode
     if dims.cp_enabled:
         dispatch += ("; context parallel: attention's ring steps and Ulysses exchanges in the graph (comm's Cells, "
                      "all-reduces of zero-padded buffers on CPU)")
-    if parallel.pipeline is not None:
-        parallel.pipeline.compile()
-        return StepFunctions(grad_fn, None, True, "pipeline stages compiled (mindspore.jit: each stage's forward and "
-                         "its recomputing backward), schedule, transfers between stages, clip and update on the "
-                         f"host (2-rank broadcasts: a graph cannot run them), {dispatch}")
+    compiled_apart = model_parts.compile()  # pipeline stages: their own graphs, the schedule on the host
+    if compiled_apart:
+        return StepFunctions(grad_fn, None, True, f"{compiled_apart}, {dispatch}")
     outside = whole_step_blockers(config, dims, monitor, optimizer)
     if outside:
         return StepFunctions(ms.jit(grad_fn), None, True,
-                         f"forward+backward compiled (mindspore.jit), clip and update eager, {dispatch}; not in the "
-                         f"graph: {'; '.join(outside)}")
+                             f"forward+backward compiled (mindspore.jit), clip and update eager, {dispatch}; not in "
+                             f"the graph: {'; '.join(outside)}")
     compiled = CompiledStep(scaled_loss, parallel.model_params, optimizer, config.training.max_norm, accumulation,
                             parallel.compiled_reduction() if dims.world > 1 else None)
     compiled.construct = ms.jit(compiled.construct)
     compiled.accumulate = ms.jit(compiled.accumulate)
     reduced = ", gradient reduction over the ranks" if dims.world > 1 else ""
     return StepFunctions(grad_fn, compiled, True,
-                     f"whole step compiled (mindspore.jit: forward, backward{reduced}, clip, AdamW), {dispatch}")
+                         f"whole step compiled (mindspore.jit: forward, backward{reduced}, clip, AdamW), {dispatch}")
