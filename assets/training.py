@@ -9,6 +9,7 @@ is still running.
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import dagster as dg
@@ -21,11 +22,13 @@ from resources.msrun import MsrunResource, OrphanedStep
 from resources.storage import PROJECT_ROOT, KilnStorage
 from training.atomic import write_json_atomic, write_text_atomic
 from training.checkpoint import LINEAGE, complete_steps, iteration_dir, latest_complete_checkpoint
-from training.config import ConfigError, apply_overrides, check_plain_name, load_config, read_config, set_field
+from training.config import (ConfigError, TrainConfig, apply_overrides, check_plain_name, load_config, read_config,
+                             set_field)
 from training.data.hashing import sha256_file
 from training.data.manifest import ManifestError, read_manifest, training_data_path
 from training.failures import log_sizes, not_retriable_cause
 from training.lineage import PROBLEMS, AuditCache, audit_checkpoint, lineage_inputs, store_lineage_inputs
+from training.parallel.mesh import ParallelDims
 from training.profiling import profile_root
 from training.reporting import CHECKPOINT_MESSAGE, METRICS_MESSAGE, drop_partial_line, is_step_record, read_records
 
@@ -339,13 +342,42 @@ TRAINING_POOL = "npu"
                  automation_condition=EAGER_AFTER_CHECKS if AUTO_TRAIN else None)
 def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage,
                  msrun: MsrunResource) -> dg.MaterializeResult:
-    """Train on the blend manifest with msrun (data parallel over its workers), saving step checkpoints.
+    """Train on the blend manifest with msrun (any parallel layout over its workers), saving step checkpoints.
 
     Re-materializing with more steps (`overrides: [training.steps=N]`) resumes from the newest complete
     checkpoint of the same `run_name`; `start: weights_only` takes only its weights, `start: fresh` trains
     from scratch into a new `run_name`. Only one training step runs per device set at a time (pool `npu`).
     A launch that lost a process is retried (`max_retries`, `retry_delay_s`), resuming where it saved last.
     """
+    run = prepare_run(context, config, storage, msrun)
+    launched = launch_run(context, config, storage, msrun, run)
+    return run_result(run, launched, msrun)
+
+
+@dataclass
+class PreparedRun:
+    """A launch's inputs, written and checked before msrun takes the devices."""
+    run_dir: Path
+    config_file: Path  # the rendered training YAML the workers read
+    lineage_file: Path  # the upstream chain every checkpoint's lineage.json points at
+    train_config: TrainConfig
+    mesh: str  # the layout in one line, for the log and the metadata
+
+
+@dataclass
+class LaunchedRun:
+    """What a successful launch did: its msrun command, this attempt and every attempt of its run group, and the
+    checkpoints it reported."""
+    command: list[str]
+    attempt: dict
+    attempts: list[dict]
+    saved: list[dict]
+
+
+def prepare_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage,
+                msrun: MsrunResource) -> PreparedRun:
+    """The training YAML rendered from the user's and the blend manifest, checked as the workers will check it,
+    and the lineage inputs stored. A problem here is the run config's or the data's: never retried."""
     try:
         # read once: the rendered config, the tokenizer checked and the lineage all come from this version of it
         manifest, manifest_sha256 = read_manifest(storage.manifest_path(), storage.root)
@@ -359,18 +391,7 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
     run_dir.mkdir(parents=True, exist_ok=True)
     config_file = run_dir / "config.yaml"
     write_text_atomic(config_file, yaml.safe_dump(rendered, sort_keys=False))
-    try:
-        # model: as the workers will build it, before msrun takes the devices, its problems in the same report;
-        # imported here, as the model package imports MindSpore, which loading the definitions does not need
-        from training.launch import check_layout
-        from training.model import model_config, validate_model_section
-
-        train_config = load_config(config_file, model_check=model_config)
-        model = validate_model_section(train_config, storage.root / manifest["tokenizer"]["path"])
-        # every parallel layout mistake, as training.run checks it again before any communicator is built
-        dims = check_layout(train_config, model, msrun.worker_num)
-    except ConfigError as exc:
-        raise dg.Failure(f"training config {config.config_path}: {exc}", allow_retries=False) from None
+    train_config, dims = checked_training_config(config_file, config, storage, msrun, manifest)
     lineage_file = run_dir / "lineage_inputs.json"
     # the upstream chain goes to the lineage store once; every checkpoint's lineage.json points at it
     write_json_atomic(lineage_file, store_lineage_inputs(storage.runs_root, lineage_inputs(
@@ -385,7 +406,32 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         what = ("starting from the weights of" if train_config.checkpoint.no_load_optim
                 else "resuming from the newest complete checkpoint in")
         context.log.info(f"{what} {train_config.checkpoint.load_path}")
+    return PreparedRun(run_dir, config_file, lineage_file, train_config, mesh)
 
+
+def checked_training_config(config_file: Path, config: TrainingRunConfig, storage: KilnStorage,
+                            msrun: MsrunResource, manifest: dict) -> tuple[TrainConfig, ParallelDims]:
+    """The rendered config, its model and its layout over msrun's workers checked as the workers will check them;
+    a problem is a Failure naming the user's config, never retried."""
+    try:
+        # model: as the workers will build it, before msrun takes the devices, its problems in the same report;
+        # imported here, as the model package imports MindSpore, which loading the definitions does not need
+        from training.launch import check_layout
+        from training.model import model_config, validate_model_section
+
+        train_config = load_config(config_file, model_check=model_config)
+        model = validate_model_section(train_config, storage.root / manifest["tokenizer"]["path"])
+        # every parallel layout mistake, as training.run checks it again before any communicator is built
+        dims = check_layout(train_config, model, msrun.worker_num)
+    except ConfigError as exc:
+        raise dg.Failure(f"training config {config.config_path}: {exc}", allow_retries=False) from None
+    return train_config, dims
+
+
+def launch_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage,
+               msrun: MsrunResource, run: PreparedRun) -> LaunchedRun:
+    """msrun's workers train ``run``: each checkpoint they report is recorded as it lands, each step's scalars
+    observed; the attempt is recorded, and a failed launch retried or failed (``retry_or_fail``)."""
     saved: list[dict] = []
     recorder = CheckpointRecorder(context, storage, config.run_name,
                                   context.assets_def.code_versions_by_key[context.asset_key])
@@ -399,29 +445,31 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         recorder.record(message)
         saved.append(message)
 
-    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path = run.run_dir / "metrics.jsonl"
     drop_partial_line(metrics_path)  # the workers' reporter does the same: this run's records start here
-    attempt = start_attempt(context, run_dir, train_config, metrics_path)
+    attempt = start_attempt(context, run.run_dir, run.train_config, metrics_path)
     for key in record_unreported_checkpoints(recorder, metrics_path):
         context.log.warning(f"checkpoint {key} was saved by an attempt killed before it reported it: recorded now")
-    log_dir = run_dir / "msrun_logs"
+    log_dir = run.run_dir / "msrun_logs"
     logged_before = log_sizes(log_dir)
     try:
-        command = msrun.run(context, ["-m", "training.run", "--config", str(config_file), "--output-dir",
-                                      str(run_dir), "--lineage", str(lineage_file)],
+        command = msrun.run(context, ["-m", "training.run", "--config", str(run.config_file), "--output-dir",
+                                      str(run.run_dir), "--lineage", str(run.lineage_file)],
                             log_dir=log_dir, on_custom_message=on_message)
     except OrphanedStep:  # its run is failed already: a run retry resumes, this process must only end
         raise
     except dg.Failure as failure:
-        raise retry_or_fail(context, config, run_dir, attempt, failure,
+        raise retry_or_fail(context, config, run.run_dir, attempt, failure,
                             not_retriable_cause(log_dir, logged_before)) from None
     finally:
         recorder.finish()
-    attempts = finish_attempt(run_dir, attempt, "succeeded", "")
-    # every attempt's records; a step trained again after a retry counts once, as its last attempt logged it
-    records = read_records(metrics_path, attempts[0]["metrics_offset"])
-    steps = sorted({r["step"]: r for r in records if is_step_record(r)}.values(), key=lambda r: r["step"])
-    validations = [r for r in records if not is_step_record(r)]
+    return LaunchedRun(command, attempt, finish_attempt(run.run_dir, attempt, "succeeded", ""), saved)
+
+
+def run_result(run: PreparedRun, launched: LaunchedRun, msrun: MsrunResource) -> dg.MaterializeResult:
+    """The materialization of a trained run: where it is, how it ran, its losses and held-out loss, its attempts;
+    its data version is its final checkpoint's files."""
+    train_config = run.train_config
     final = latest_complete_checkpoint(Path(train_config.checkpoint.save_path))
     try:
         final_files = saved_files(final) if final else []
@@ -429,32 +477,44 @@ def training_run(context: dg.AssetExecutionContext, config: TrainingRunConfig, s
         raise dg.Failure(f"training finished, but its final checkpoint cannot name its files: {exc}",
                          allow_retries=False) from None
     metadata = {
-        "run_dir": dg.MetadataValue.path(str(run_dir)), "config_sha256": dg.MetadataValue.text(sha256_file(config_file)),
-        "msrun_command": dg.MetadataValue.text(" ".join(command)), "workers": msrun.worker_num,
-        "mesh": dg.MetadataValue.text(mesh),
-        "checkpoints_saved": len(saved), "final_checkpoint": dg.MetadataValue.path(str(final) if final else ""),
+        "run_dir": dg.MetadataValue.path(str(run.run_dir)),
+        "config_sha256": dg.MetadataValue.text(sha256_file(run.config_file)),
+        "msrun_command": dg.MetadataValue.text(" ".join(launched.command)), "workers": msrun.worker_num,
+        "mesh": dg.MetadataValue.text(run.mesh),
+        "checkpoints_saved": len(launched.saved), "final_checkpoint": dg.MetadataValue.path(str(final) if final else ""),
         # the blend manifest's, as training used them (train_dataset.dataloader.config)
         **{name: getattr(train_config.train_dataset.dataloader.config, name)
            for name in ("seq_length", "split", "seed")},
     }
     if train_config.profiler.enable_profiling:
-        metadata["profile"] = dg.MetadataValue.path(str(profile_root(train_config, run_dir)))
-    if steps:
-        timed = [s["tokens_per_s"] for s in steps[1:]] or [steps[0]["tokens_per_s"]]
-        metadata.update({
-            "first_step": steps[0]["step"], "final_step": steps[-1]["step"], "first_loss": steps[0]["loss"],
-            "final_loss": steps[-1]["loss"], "tokens_seen": steps[-1]["tokens_seen"],
-            "tokens_per_s": round(sum(timed) / len(timed), 1),
-            "loss_curve": dg.MetadataValue.md(_loss_table(steps)),
-        })
-    metadata.update({"attempts": len(attempts), "resumed_from_step": attempt["resumed_from_step"],
-                     "attempt_history": dg.MetadataValue.md(attempts_table(attempts))})
-    if validations:  # kiln.training.eval_interval: the held-out loss of the last evaluation
-        metadata.update({"validation_step": validations[-1]["step"],
-                         "final_val_loss": dg.MetadataValue.float(validations[-1]["val_loss"]),
-                         "final_val_ppl": dg.MetadataValue.float(validations[-1]["val_ppl"])})
+        metadata["profile"] = dg.MetadataValue.path(str(profile_root(train_config, run.run_dir)))
+    attempts = launched.attempts
+    # every attempt's records; a step trained again after a retry counts once, as its last attempt logged it
+    losses, validation = records_metadata(read_records(run.run_dir / "metrics.jsonl", attempts[0]["metrics_offset"]))
+    metadata.update({**losses, "attempts": len(attempts), "resumed_from_step": launched.attempt["resumed_from_step"],
+                     "attempt_history": dg.MetadataValue.md(attempts_table(attempts)), **validation})
     return dg.MaterializeResult(metadata=metadata,
                                 data_version=dg.DataVersion(combined_hash([f["sha256"] for f in final_files])))
+
+
+def records_metadata(records: list[dict]) -> tuple[dict, dict]:
+    """From the run's records: the losses and throughput of its steps (each step once, as its last attempt logged
+    it), and its last held-out loss (kiln.training.eval_interval); each empty when there is none."""
+    steps = sorted({r["step"]: r for r in records if is_step_record(r)}.values(), key=lambda r: r["step"])
+    validations = [r for r in records if not is_step_record(r)]
+    losses, validation = {}, {}
+    if steps:
+        timed = [s["tokens_per_s"] for s in steps[1:]] or [steps[0]["tokens_per_s"]]
+        losses = {"first_step": steps[0]["step"], "final_step": steps[-1]["step"], "first_loss": steps[0]["loss"],
+                  "final_loss": steps[-1]["loss"], "tokens_seen": steps[-1]["tokens_seen"],
+                  "tokens_per_s": round(sum(timed) / len(timed), 1),
+                  "loss_curve": dg.MetadataValue.md(_loss_table(steps))}
+    if validations:
+        validation = {"validation_step": validations[-1]["step"],
+                      "final_val_loss": dg.MetadataValue.float(validations[-1]["val_loss"]),
+                      "final_val_ppl": dg.MetadataValue.float(validations[-1]["val_ppl"])}
+    return losses, validation
+
 
 def attempt_config(context: dg.AssetExecutionContext, config: TrainingRunConfig, storage: KilnStorage
                    ) -> TrainingRunConfig:

@@ -92,6 +92,10 @@ ASSET_PARTS: dict[str, tuple[str, ...]] = {
         *_DATA_COMMON),
     "training_run": (
         "assets/training.py:training_run", "assets/training.py:<module>", "assets/training.py:TrainingRunConfig",
+        # its three parts: prepare (render, check, lineage, mesh), launch, record the result
+        "assets/training.py:prepare_run", "assets/training.py:PreparedRun",
+        "assets/training.py:checked_training_config", "assets/training.py:launch_run",
+        "assets/training.py:LaunchedRun", "assets/training.py:run_result", "assets/training.py:records_metadata",
         "assets/training.py:attempt_config", "assets/training.py:render_training_config",
         "assets/training.py:_init_checkpoint", "resources/storage.py", "training/", TRAINING_CONFIG),
     "checkpoint_eval": (
