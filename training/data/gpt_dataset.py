@@ -418,7 +418,11 @@ class GPTDataset:
             )
         self.num_epochs = self._num_epochs()
         self.separate_final_epoch = self._separate_final_epoch()
+        self._load_or_build_indices(cache_dir, lengths)
 
+    def _load_or_build_indices(self, cache_dir: str | os.PathLike | None, lengths: np.ndarray) -> None:
+        """The document, sample and shuffle indices: from ``cache_dir`` when it holds them for exactly this
+        dataset (``description``), else built (and cached)."""
         self.description = {
             "class": "GPTDataset",
             "index_format": _INDEX_FORMAT,
@@ -431,7 +435,7 @@ class GPTDataset:
             "drop_last_partial_sequence": self.drop_last_partial_sequence,
         }
         indices, self.loaded_from_cache = _cached_indices(
-            cache_dir, f"GPTDataset-{_SPLIT_NAMES[split_index]}", self.description,
+            cache_dir, f"GPTDataset-{_SPLIT_NAMES[self.split_index]}", self.description,
             ("document_index", "sample_index", "shuffle_index"), self._build_indices)
         self.document_index, self.sample_index, self.shuffle_index = indices
 
@@ -807,6 +811,22 @@ class MockIndexedDataset:
         return tokens
 
 
+def _blend_sources(data_path: Sequence | None, eod_id: int, mmap_bin: bool, where: str, vocab_size: int | None
+                   ) -> tuple[list, list | None]:
+    """The blend's sources and weights (None: unweighted), each source's token ids checked below ``vocab_size``
+    when given; ``data_path`` None is one mock source."""
+    if data_path is None:
+        return [MockIndexedDataset(eod_id)], None
+    prefixes, weights = parse_data_path(data_path, where)
+    sources = [IndexedDataset(prefix, mmap_bin=mmap_bin) for prefix in prefixes]
+    for source in sources if vocab_size is not None else ():
+        try:
+            source.check_token_ids(vocab_size, "model.vocab_size")
+        except IndexedDatasetError as exc:
+            raise IndexedDatasetError(f"{where}: {exc}") from None
+    return sources, weights
+
+
 def build_blended_dataset(
     data_path: Sequence | None,
     *,
@@ -839,16 +859,7 @@ def build_blended_dataset(
     keyword options; errors about the list name it as `where`.
     """
     num_samples = _positive_int("num_samples", num_samples)
-    if data_path is None:
-        sources, weights = [MockIndexedDataset(eod_id)], None
-    else:
-        prefixes, weights = parse_data_path(data_path, where)
-        sources = [IndexedDataset(prefix, mmap_bin=mmap_bin) for prefix in prefixes]
-        for source in sources if vocab_size is not None else ():
-            try:
-                source.check_token_ids(vocab_size, "model.vocab_size")
-            except IndexedDatasetError as exc:
-                raise IndexedDatasetError(f"{where}: {exc}") from None
+    sources, weights = _blend_sources(data_path, eod_id, mmap_bin, where, vocab_size)
     if weights is not None:
         weights = _normalize(weights)
         sizes = [math.ceil(num_samples * weight * _BLEND_SURPLUS) for weight in weights]
