@@ -119,7 +119,7 @@ class RequestScorer:
         self.forwards = 0
 
     def loglikelihoods(self, requests: EncodedRequests) -> np.ndarray:
-        from training.evaluation import forward_loss_sums
+        from training.forward import forward_loss_sums
 
         lengths = np.array([len(w) - 1 for w in requests.windows])
         order = np.argsort(-lengths, kind="stable")

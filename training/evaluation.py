@@ -16,15 +16,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterator
 
-import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn
+from mindspore import Tensor
 
 from training.atomic import write_json_atomic
 from training.config import SPLITS, BlendedMegatronLoaderConfig, ConfigError, TrainConfig
 from training.data.loader import build_dataset, stack_model_inputs
+from training.forward import HeldOutLoss, forward_loss_sums
 
-MODEL_INPUTS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask")
 # Megatron prints exp(min(20, loss)): an untrained model's perplexity stays a number
 _MAX_PPL_EXPONENT = 20.0
 
@@ -51,37 +50,6 @@ def evaluating(model) -> Iterator[None]:
             moe.take_counts()  # tokens routed by held-out batches must not move the expert biases
         model.pop_max_attention_logits()
         model.set_train(was_training)
-
-
-class HeldOutLoss(nn.Cell):
-    """``GPTModel.sample_loss_sums`` as a cell, so that it can be one compiled graph (``compiled``): eager, a
-    held-out forward of the demo model costs ten times the compiled one (benchmarks/validation.py). It is
-    compiled where the training step is (step.compile_blockers), and always called in evaluation mode."""
-
-    def __init__(self, model, compiled: bool):
-        super().__init__(auto_prefix=False)  # the model's parameter names stay its own
-        self.model = model
-        if compiled:
-            self.construct = ms.jit(self.construct)
-
-    def construct(self, *inputs):
-        return self.model.sample_loss_sums(*inputs)
-
-
-def model_input_tensors(batch: dict[str, np.ndarray]) -> tuple[Tensor | None, ...]:
-    """A batch of ``stack_model_inputs`` as the model's positional inputs (None where the batch has none)."""
-    return tuple(None if batch.get(key) is None else Tensor(batch[key]) for key in MODEL_INPUTS)
-
-
-def forward_loss_sums(loss: HeldOutLoss, batch: dict[str, np.ndarray], shard_inputs=None
-                      ) -> tuple[np.ndarray, np.ndarray]:
-    """Per sample of ``batch`` (stack_model_inputs): its summed loss over loss-masked tokens and their count
-    (under context parallelism, ``shard_inputs`` given: over this rank's tokens of the samples)."""
-    inputs = model_input_tensors(batch)
-    if shard_inputs is not None:
-        inputs = shard_inputs(inputs)
-    sums, tokens = loss(*inputs)
-    return sums.asnumpy().astype(np.float64), tokens.asnumpy().astype(np.float64)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from training.checkpoint import resolve_load_path
 from training.config import BlendedMegatronLoaderConfig, TrainConfig, config_sha256, dump_config
 from training.data.loader import build_dataset, seq_length_of, stack_model_inputs
 from training.downstream import token_bytes_of
-from training.evaluation import Validation, model_input_tensors, validation_line
+from training.evaluation import Validation, validation_line
+from training.forward import model_input_tensors
 from training.model import ascend, build_model
 from training.model_parts import add_loss_parts, model_parts
 from training.monitor import HealthMonitor, MoeMonitor, TrainStateMonitor, summary_line
