@@ -38,9 +38,10 @@ READ = {
     **{f"train_dataset.dataloader.{name}": "training/data/loader.py" for name in ("dataset_files", "shuffle")},
     **{f"kiln.mindrecord.{name}": "training/data/mindrecord.py" for name in (
         "dataset_ratios", "samples_count", "nums_per_dataset", "shuffle_buffer_size", "seed", "pad")},
-    **{f"checkpoint.{name}": "training/trainer.py" for name in (
-        "enable_save", "save_path", "save_max", "save_interleaved_steps", "no_save_optim", "async_save", "prefix",
-        "remove_redundancy", "load_path", "load_balanced", "no_load_optim", "load_worker_number")},
+    **{f"checkpoint.{name}": "training/trainer.py" for name in ("enable_save", "save_interleaved_steps", "load_path")},
+    **{f"checkpoint.{name}": "training/train_state.py" for name in (
+        "save_path", "save_max", "no_save_optim", "async_save", "prefix", "remove_redundancy", "load_balanced",
+        "no_load_optim", "load_worker_number")},
     **{f"training.{name}": "training/trainer.py" for name in (
         "steps", "local_batch_size", "global_batch_size", "max_norm", "use_skip_step_on_nan",
         "max_consecutive_skipped_steps", "seed")},

@@ -247,21 +247,9 @@ def tokenize_to_indexed(
     files = _input_paths(input_files)
     keys = normalize_keys(json_keys)
     check_on_bad_line(on_bad_line)
-    workers = (os.cpu_count() or 1) if workers is None else workers
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive integer, got {workers!r}")
-    if max_shard_tokens is not None and (isinstance(max_shard_tokens, bool) or not isinstance(max_shard_tokens, int)
-                                         or max_shard_tokens < 1):
-        raise ValueError(f"max_shard_tokens must be a positive integer or None, got {max_shard_tokens!r}")
+    workers = _checked_workers(workers, max_shard_tokens)
     model_file = str(tokenizer_model)
-    processor = load_sentencepiece(model_file)
-    for wanted, piece, piece_id in ((append_eod, "eos", processor.eos_id()), (prepend_bos, "bos", processor.bos_id())):
-        if wanted and piece_id < 0:
-            raise ValueError(f"{model_file}: the model has no {piece} piece ({piece}_id = -1), so none can be added")
-    dtype = dtype_for_vocab(processor.vocab_size())
-    spec = EncoderSpec(keys, str(dtype), processor.eos_id() if append_eod else None,
-                       processor.bos_id() if prepend_bos else None)
-
+    processor, dtype, spec = _encoder(model_file, keys, append_eod, prepend_bos)
     started = time.perf_counter()
     bad = BadRecords(on_bad_line, f"{output_prefix}_quarantine.jsonl")
     streams: list[_ShardedStream] = []
@@ -287,8 +275,39 @@ def tokenize_to_indexed(
     for stream in streams:
         stream.commit()
     bad.commit()
-    seconds = time.perf_counter() - started
+    encoding = {"dtype": str(dtype), "eod_id": spec.eod_id, "bos_id": spec.bos_id,
+                "vocab_size": processor.vocab_size(), "workers": workers}
+    return _summary(streams, keys, empty, bad, histogram, encoding, time.perf_counter() - started)
 
+
+def _checked_workers(workers: int | None, max_shard_tokens: int | None) -> int:
+    """The tokenizing processes (default: the CPU count); each count a positive integer, else a ValueError."""
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    if max_shard_tokens is not None and (isinstance(max_shard_tokens, bool) or not isinstance(max_shard_tokens, int)
+                                         or max_shard_tokens < 1):
+        raise ValueError(f"max_shard_tokens must be a positive integer or None, got {max_shard_tokens!r}")
+    return workers
+
+
+def _encoder(model_file: str, keys: list[str], append_eod: bool, prepend_bos: bool):
+    """The sentencepiece processor, the token dtype its vocabulary needs and the workers' encoding spec; a model
+    without the eos (bos) piece that ``append_eod`` (``prepend_bos``) asks for is a ValueError naming it."""
+    processor = load_sentencepiece(model_file)
+    for wanted, piece, piece_id in ((append_eod, "eos", processor.eos_id()), (prepend_bos, "bos", processor.bos_id())):
+        if wanted and piece_id < 0:
+            raise ValueError(f"{model_file}: the model has no {piece} piece ({piece}_id = -1), so none can be added")
+    dtype = dtype_for_vocab(processor.vocab_size())
+    spec = EncoderSpec(keys, str(dtype), processor.eos_id() if append_eod else None,
+                       processor.bos_id() if prepend_bos else None)
+    return processor, dtype, spec
+
+
+def _summary(streams, keys, empty: list[int], bad: BadRecords, histogram: list[int], encoding: dict,
+             seconds: float) -> dict:
+    """What the committed outputs hold (documents, tokens, records, empty and skipped documents, lengths), how
+    they were encoded (``encoding``) and how fast."""
     outputs = [_output_stats(stream.key, writer) for stream in streams for writer in stream.writers]
     tokens = sum(o["tokens"] for o in outputs)
     return {
@@ -300,11 +319,7 @@ def tokenize_to_indexed(
         "skipped_by_reason": dict(bad.counts),
         "quarantine": str(bad.quarantine_path) if bad.skipped else None,
         "length_histogram": _histogram_rows(histogram),
-        "dtype": str(dtype),
-        "eod_id": spec.eod_id,
-        "bos_id": spec.bos_id,
-        "vocab_size": processor.vocab_size(),
-        "workers": workers,
+        **encoding,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else float("inf"),
         "outputs": outputs,
