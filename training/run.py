@@ -1,6 +1,6 @@
 """Entry point: ``python -m training.run --config X.yaml [--mode 1] [--set a.b=v ...]``.
 
-Runs one process alone, or one worker per device under msrun (data parallel across workers).
+Runs one process alone, or one worker per device under msrun (any parallel layout across the workers).
 """
 from __future__ import annotations
 
@@ -80,10 +80,22 @@ def train(args: argparse.Namespace) -> int:
         print(f"--mode {args.mode}: graph mode is not supported; Kiln trains in PyNative mode (--mode 1)",
               file=sys.stderr)
         return 2
-    from training.boundary import debugging, is_user_error
+    config = checked_config(args)
+    if config is None:
+        return 2
+    if "ASCEND_RT_VISIBLE_DEVICES" in os.environ and config.context.device_target != "Ascend":
+        print(f"note: ASCEND_RT_VISIBLE_DEVICES is set but context.device_target is "
+              f"{config.context.device_target}", file=sys.stderr)
+    return run_trainer(config, args)
+
+
+def checked_config(args: argparse.Namespace):
+    """The run's config with its overrides, checked whole (the model section, the device and the layout over the
+    workers included) before any communicator is built; None once a config error is printed."""
+    from training.boundary import debugging
     from training.config import ConfigError, parse_config, read_config
+    from training.failures import CONFIG_ERROR
     from training.relocation import moved_rendered_config
-    from training.failures import CONFIG_ERROR, USER_ERROR, not_retriable, not_retriable_line
 
     try:
         data, rendered_for = moved_rendered_config(read_config(args.config, args.overrides), Path(args.config))
@@ -104,26 +116,38 @@ def train(args: argparse.Namespace) -> int:
         print(f"{CONFIG_ERROR} {exc}", file=sys.stderr)
         if debugging(args.debug):
             raise
-        return 2
-    if "ASCEND_RT_VISIBLE_DEVICES" in os.environ and config.context.device_target != "Ascend":
-        print(f"note: ASCEND_RT_VISIBLE_DEVICES is set but context.device_target is "
-              f"{config.context.device_target}", file=sys.stderr)
+        return None
+    return config
 
+
+def run_reporter(config, world, output_dir: Path):
+    """Rank 0's reporter: metrics.jsonl, the log, Dagster Pipes when training_run launched the run, TensorBoard."""
     from training.config import dump_config
     from training.monitor import TensorBoardWriter
-    from training.parallel.mesh import init_world
     from training.reporting import Reporter
+
+    tensorboard = config.monitor.tensorboard
+    sinks = ([TensorBoardWriter(tensorboard, config.training.global_batch_size, dump_config(config))]
+             if tensorboard.output_dir and world.is_main else [])
+    return Reporter(output_dir / "metrics.jsonl", enabled=world.is_main, log_interval=tensorboard.log_interval,
+                    sinks=sinks)
+
+
+def run_trainer(config, args: argparse.Namespace) -> int:
+    """This worker's training, to its exit code: a config error, or an error in the data or a checkpoint, is one
+    line on stderr (training_run reads it and does not launch again when a retry would meet it too); a bug, its
+    traceback."""
+    from training.boundary import debugging, is_user_error
+    from training.config import ConfigError
+    from training.failures import CONFIG_ERROR, USER_ERROR, not_retriable, not_retriable_line
+    from training.parallel.mesh import init_world
     from training.step import configure_runtime
     from training.trainer import Trainer, load_lineage_inputs
 
     configure_runtime(config)
     world = init_world()
     output_dir = Path(args.output_dir or Path(args.config).parent)
-    tensorboard = config.monitor.tensorboard
-    sinks = ([TensorBoardWriter(tensorboard, config.training.global_batch_size, dump_config(config))]
-             if tensorboard.output_dir and world.is_main else [])
-    reporter = Reporter(output_dir / "metrics.jsonl", enabled=world.is_main, log_interval=tensorboard.log_interval,
-                        sinks=sinks)
+    reporter = run_reporter(config, world, output_dir)
     for warning in config.warnings():
         reporter.info(f"[kiln] warning: {warning}")
     try:
