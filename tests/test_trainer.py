@@ -548,7 +548,7 @@ def test_the_logs_name_every_parallel_degree_and_blame_the_layout_it_has(tmp_pat
     from types import SimpleNamespace
 
     from training.parallel.mesh import ParallelDims
-    from training.trainer import whole_step_blockers
+    from training.step import whole_step_blockers
 
     make_trainer(tmp_path, shard, "degrees", "training.steps=1").train()
     assert "on 1 worker(s), dp=1, tp=1, pp=1, cp=1, ep=1, accumulation=2" in capsys.readouterr().out
