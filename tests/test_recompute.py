@@ -8,7 +8,8 @@ from conftest import MICRO_CONFIG, PROJECT_ROOT
 from training.config import ConfigError, load_config
 from training.parallel.mesh import World
 from training.reporting import Reporter
-from training.trainer import Trainer, configure_runtime
+from training.step import configure_runtime
+from training.trainer import Trainer
 
 WORLD = World(rank=0, size=1)
 FULL = ("recompute.mode=full", "recompute.full_recompute_layer=true")
@@ -34,7 +35,7 @@ def assert_bit_identical(tmp_path, a, b):
     assert [(r["loss"], r["grad_norm"]) for r in ra] == [(r["loss"], r["grad_norm"]) for r in rb]
     for pa, pb in zip(a.params, b.params):
         assert np.array_equal(pa.asnumpy(), pb.asnumpy()), pa.name
-    sa, sb = a.optimizer.state_arrays(), b.optimizer.state_arrays()
+    sa, sb = a.optimizer.state_dict(), b.optimizer.state_dict()
     assert all(np.array_equal(sa[k], sb[k]) for k in sa)
 
 

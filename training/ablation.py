@@ -94,7 +94,8 @@ def train_and_score(spec: AblationSpec, manifest_path: Path, data_root: Path, ru
     from training.parallel.mesh import World
     from training.reporting import Reporter
     from training.tasks import resolve_names
-    from training.trainer import Trainer, configure_runtime
+    from training.step import configure_runtime
+    from training.trainer import Trainer
 
     manifest, digest = read_manifest(manifest_path, data_root)
     special = manifest["tokenizer"]["special_ids"]
