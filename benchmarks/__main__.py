@@ -19,6 +19,8 @@ Each line is `name: figure (ratio × reference)`, the reference measured in the 
 - monitoring: the training step with every `monitor.train_state` option on vs. off.
 - validation (benchmarks/validation.py): one evaluation at eval_iters 10 vs. 50 training steps (eval_interval 50),
   paired per round (target <= 5% of training time).
+- downstream tasks (benchmarks/downstream.py): the fast task set's evaluation (requests/s) vs. the training step,
+  and its share of a run that evaluates every 50 steps (target <= 5%); the load printed first.
 - Pipes: the trainer-side cost of one step report streamed to Dagster vs. the same report without Pipes.
 - checkpoints: the training-thread stall of an async save vs. a sync save (target <= 0.10), and its write
   throughput vs. dd to the same directory (target >= 0.5).
@@ -69,7 +71,7 @@ import numpy as np
 from benchmarks import (blend_settings, checkpoint_io, context_parallel, data_index, expert_parallel, lineage_scale,
                         model_flops, monitoring, parallel_memory, pipes_streaming, throughput)
 from benchmarks import compile_time, compiled_parallel, pipeline_bubble
-from benchmarks import validation
+from benchmarks import downstream, validation
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -277,6 +279,7 @@ def main(argv=None) -> int:
             data_index.run(report, consume_samples_per_s=tokens_per_s / data_index.SEQ_LENGTH)
             monitoring.run(report)
             validation.run(report)
+            downstream.run(report)
             pipes_streaming.run(report)
             checkpoint_io.run(report)
             parallel_memory.run(report, shard)
