@@ -16,6 +16,9 @@ from fsdp_cases import DEEPSEEK, train_cases  # noqa: E402
 VALIDATE_ONCE = ["kiln.training.eval_interval=1000", "kiln.training.eval_iters=1"]
 COMPILED = ["fast_step.compile=true"]  # the micro config runs eagerly (tests/configs/qwen3_micro.yaml)
 CASES = {
+    # the ring's attention core recomputed (its collectives run again in the backward, in every rank's order)
+    "ring_cp2_dp2_recompute_select": ["parallelism.context_parallel=2", "recompute.mode=select",
+                                      "recompute.select_module={self_attention.core_attention: true}"],
     "ring_cp2_dp2": ["parallelism.context_parallel=2", *VALIDATE_ONCE],
     "ulysses_cp2_dp2_zero1": ["parallelism.context_parallel=2", "parallelism.context_parallel_method=ulysses",
                               "parallelism.data_parallel_shard_strategy=optim"],

@@ -15,6 +15,9 @@ STEPS = 2
 EP2 = "parallelism.expert_parallel=2"
 # name -> overrides ({out}: the cases' directory)
 CASES = {
+    # every layer recomputed, MoE layers' all-gather dispatch included (the replay's token counts dropped)
+    "ep2_zero1_recompute_full": [EP2, "parallelism.data_parallel_shard_strategy=optim", "recompute.mode=full",
+                                 "recompute.full_recompute_layer=true"],
     # ep 2 inside dp_shard 4: each ep rank's experts ZeRO-3-sharded over efsdp 2 (and gathered as their own unit);
     # dense weights sharded over 2 ranks (dense_fsdp_shard_size) and replicated over the other 2. Also saves at
     # step 1, which the ep4 case resumes from

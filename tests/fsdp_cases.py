@@ -40,6 +40,13 @@ CASES = {
     "tp2_sp_zero1_compiled_from_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
                                          "parallelism.data_parallel_shard_strategy=optim", "fast_step.compile=true",
                                          "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002"],
+    # activation recompute (training/recompute.py): every layer under ZeRO-3 resharding after forward, so the
+    # recomputing backward gathers the weights again; the attention cores under tensor + sequence parallelism
+    "zero3_recompute_full": ["parallelism.data_parallel_shard_strategy=optim_grads_params", "recompute.mode=full",
+                             "recompute.full_recompute_layer=true"],
+    "tp2_sp_zero2_recompute_select": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
+                                      "parallelism.data_parallel_shard_strategy=optim_grads", "recompute.mode=select",
+                                      "recompute.select_module={self_attention.core_attention: true}"],
     # the whole step compiled, the gradient reduction in its graph, over HSDP's sub-groups: a reduce-scatter over
     # the shards, then a sum over the replicas, divided after (one case: compiling costs seconds per rank)
     "hsdp_zero2_compiled_divide_after": ["parallelism.data_parallel_shard=2", "fast_step.compile=true",

@@ -54,6 +54,9 @@ CASES = {
                                                 "fast_step.compile=true"]),
     # one layer per rank, 4 micro-batches through 4 stages; rank 0 reports the training-state statistics of every
     # stage's parameters (whole tensors: no data parallel here)
+    # layer 1 (the second stage's) recomputed inside the stage's own recomputing backward
+    "pp2_1f1b_recompute_layer1": ("qwen3", PP2 + ["parallelism.pipeline_parallel_schedule=1f1b", "recompute.mode=full",
+                                                  "recompute.full_recompute_layer=['1']"]),
     "pp4_1f1b": ("qwen3_4_layers_tied", ["parallelism.pipeline_parallel=4"] + VALIDATE_ONCE + MONITORED),
     # the third model split in two stages, ZeRO-3 over each stage's two data-parallel ranks, the embedding on both
     "plain_pp2_tied_zero3": ("plain_tied", PP2 + VALIDATE_ONCE),

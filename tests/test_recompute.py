@@ -39,8 +39,9 @@ def assert_bit_identical(tmp_path, a, b):
     assert all(np.array_equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("recompute", [FULL, SELECT, ("recompute.mode=full", "recompute.full_recompute_layer=['1']")],
-                         ids=["full", "select", "layer1"])
+@pytest.mark.parametrize("recompute", [FULL, SELECT, ("recompute.mode=full", "recompute.full_recompute_layer=['1']"),
+                                       ("recompute.mode=select", "recompute.select_module={mlp: ['0']}")],
+                         ids=["full", "select", "layer1", "mlp0"])
 def test_eager_recompute_trains_bit_identically_with_dropout_and_resumes(tmp_path, shard, recompute):
     # dropout on: the recomputing backward must draw the masks its forward drew
     dropout = "model.hidden_dropout=0.1"
