@@ -319,30 +319,15 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     verified = _load_weights(model, checkpoint_dir)
     loss = HeldOutLoss(model, compiled=not compile_blockers(config, ParallelDims(world=1), model))
     held_out = HeldOutSplit(config, split, batches, "--batches").build(model.config.vocab_size)
-    dataset, names = held_out.dataset, _source_names(config, split, lineage)
-    use_positions = config.train_dataset.dataloader.config.reset_position_ids
+    names = _source_names(config, split, lineage)
     samples = batches * config.training.global_batch_size
-    per_source = np.zeros((len(names), 4))  # loss sum, tokens, samples, bytes of the tokens, per blend entry
-    lbs = config.training.local_batch_size
     with evaluating(model):
-        for first in range(0, samples, lbs):
-            items = [dataset[i] for i in range(first, min(first + lbs, samples))]
-            batch = stack_model_inputs(items, use_positions)
-            sums, counts = forward_loss_sums(loss, batch)
-            text_bytes = token_bytes.count(batch["labels"], batch["loss_mask"]) if token_bytes else np.zeros(len(items))
-            for item, loss_sum, tokens, size in zip(items, sums, counts, text_bytes):
-                per_source[held_out.entries[item["dataset_id"]]] += (loss_sum, tokens, 1, size)
+        per_source = _per_source_sums(loss, config, held_out, samples, len(names), token_bytes)
         scored = tasks.run(loss, processor, config.model["seq_length"], checkpoint_dir) if tasks else {}
     by_name: dict[str, np.ndarray] = {}
     for entry in held_out.entries:
         by_name[names[entry]] = by_name.get(names[entry], np.zeros(4)) + per_source[entry]
-    total = per_source.sum(0)
-
-    def summary(row: np.ndarray) -> dict:
-        loss = float(row[0] / max(row[1], 1.0))
-        return {"loss": loss, "ppl": perplexity(loss), "tokens": int(row[1]), "samples": int(row[2]),
-                **({"bpb": bits_per_byte(row[0], row[3]), "bytes": int(row[3])} if token_bytes else {})}
-
+    with_bytes = token_bytes is not None
     record = {
         "kiln_eval_version": EVAL_VERSION,
         "checkpoint": {"path": str(checkpoint_dir.resolve()), "step": lineage["checkpoint"]["step"],
@@ -352,7 +337,8 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
         "data_root": lineage.get("data_root"),
         "shards": [{"source": s["source"], "path": s["path"], "sha256": s["sha256"]}
                    for s in lineage.get("shards") or []],
-        **summary(total), "sources": {name: summary(row) for name, row in by_name.items()},
+        **_loss_summary(per_source.sum(0), with_bytes),
+        "sources": {name: _loss_summary(row, with_bytes) for name, row in by_name.items()},
         # the sources the split gives no sample, and why: a small source may get no held-out document
         "unevaluated_sources": [{"source": names[s.entry], "shard": s.prefix, "documents": s.documents,
                                  "held_out_documents": s.held_out_documents, "held_out_tokens": s.held_out_tokens,
@@ -361,6 +347,30 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
         "evaluated_at": datetime.now(timezone.utc).isoformat(),
     }
     return {**record, "results_sha256": results_sha256(record)}
+
+
+def _per_source_sums(loss: HeldOutLoss, config: TrainConfig, held_out: HeldOutSamples, samples: int, sources: int,
+                     token_bytes) -> np.ndarray:
+    """Per blend entry: the loss sum, tokens, samples and the tokens' bytes (``token_bytes``, when the run's
+    tokenizer is known) of the first ``samples`` samples of ``held_out``, forward in local batches."""
+    use_positions = config.train_dataset.dataloader.config.reset_position_ids
+    per_source = np.zeros((sources, 4))
+    lbs = config.training.local_batch_size
+    for first in range(0, samples, lbs):
+        items = [held_out.dataset[i] for i in range(first, min(first + lbs, samples))]
+        batch = stack_model_inputs(items, use_positions)
+        sums, counts = forward_loss_sums(loss, batch)
+        text_bytes = token_bytes.count(batch["labels"], batch["loss_mask"]) if token_bytes else np.zeros(len(items))
+        for item, loss_sum, tokens, size in zip(items, sums, counts, text_bytes):
+            per_source[held_out.entries[item["dataset_id"]]] += (loss_sum, tokens, 1, size)
+    return per_source
+
+
+def _loss_summary(row: np.ndarray, with_bytes: bool) -> dict:
+    """A row of ``_per_source_sums`` (or their total) as the record gives it."""
+    loss = float(row[0] / max(row[1], 1.0))
+    return {"loss": loss, "ppl": perplexity(loss), "tokens": int(row[1]), "samples": int(row[2]),
+            **({"bpb": bits_per_byte(row[0], row[3]), "bytes": int(row[3])} if with_bytes else {})}
 
 
 def write_evaluation(record: dict) -> Path:
