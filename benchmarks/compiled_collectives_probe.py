@@ -38,20 +38,13 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _cases(group):
-    """name -> a function returning (got, expected) numpy arrays, on this rank. Graph mode ("ast", jit's
-    default) parses each construct's source: the cases are Cells, since it cannot parse a lambda passed inline."""
-    import mindspore as ms
+def _reference_cells(group):
+    """The collectives written directly with MindSpore's primitives and ``mint.distributed``, as Cells: graph mode
+    ("ast", jit's default) parses each construct's source, and cannot parse a lambda passed inline."""
     import mindspore.mint.distributed as dist
-    import numpy as np
-    from mindspore import Tensor, nn, ops
-
-    from training.parallel import comm
+    from mindspore import nn, ops
 
     rank = group.rank
-    xs = [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * r for r in group.ranks]
-    x_np = xs[rank]
-    x = Tensor(x_np)
     all_reduce = ops.AllReduce(ops.ReduceOp.SUM, group.backend_name)
 
     class Primitive(nn.Cell):
@@ -80,20 +73,25 @@ def _cases(group):
         def bprop(self, t, out, dout):
             return (ops.narrow(all_reduce(dout), 0, rank * t.shape[0], t.shape[0]),)
 
-    def graph_ready(cell):  # comm's collective Cells as a compiled step uses them
-        comm.for_graph(cell)
-        return cell
-
     class ListGather(nn.Cell):  # the list form, the only sub-group all-gather in PyNative on CPU
         def construct(self, t):
             parts = [ops.zeros_like(t), ops.zeros_like(t)]
             dist.all_gather(parts, t, group=group.backend_name)
             return ops.cat(parts)
 
-    class WeightedSum(nn.Cell):
-        """sum(fn(w * x)) * (global rank + 1): summed over ranks, its gradient in w is x * sum(rank + 1) for
-        both all-reduce and all-gather"""
+    return Primitive, ReduceWithBprop, GatherWithBprop, ListGather, all_reduce
 
+
+def _runners(group, x):
+    """``forward(cell)``: the cell compiled on this rank's ``x``; ``gradient(fn)``: the loss sum(fn(w * x)) *
+    (global rank + 1), summed over ranks, and its gradient in w (x * sum(rank + 1) for all-reduce and all-gather),
+    compiled. The loss is returned too, or a graph prunes a forward collective the gradient does not read (seen:
+    a sub-group AllGather that fails forward "passed" as a gradient alone)."""
+    import mindspore as ms
+    import numpy as np
+    from mindspore import Tensor, nn
+
+    class WeightedSum(nn.Cell):
         def __init__(self, fn):
             super().__init__()
             self.fn = fn
@@ -104,8 +102,6 @@ def _cases(group):
             return (self.fn(self.weight * t) * self.scale).sum()
 
     def gradient(fn, capture_mode="ast"):
-        """The loss and its gradient: the loss too, or a graph prunes a forward collective the gradient does
-        not read (seen: a sub-group AllGather that fails forward "passed" as a gradient alone)"""
         loss = WeightedSum(fn)
         value, grads = ms.jit(ms.value_and_grad(loss, None, loss.trainable_params()), capture_mode=capture_mode)(x)
         return np.append(grads[0].asnumpy(), value.asnumpy())
@@ -113,6 +109,15 @@ def _cases(group):
     def forward(cell, capture_mode="ast"):
         return ms.jit(cell, capture_mode=capture_mode)(x).asnumpy()
 
+    return forward, gradient
+
+
+def _expected(group, xs) -> tuple:
+    """Numpy's sum and concatenation of every member's ``xs``, and each gradient case's expected gradient and
+    loss."""
+    import numpy as np
+
+    rank, x_np = group.rank, xs[group.rank]
     total, gathered = sum(xs), np.concatenate(xs)
     scale = group.global_rank + 1
     every_scale = sum(r + 1 for r in group.ranks)
@@ -124,6 +129,25 @@ def _cases(group):
             "reduce": np.append(x_np * scale, scale * total.sum()),
             "all_gather": np.append(x_np * every_scale, scale * gathered.sum()),
             "reduce_scatter": np.append(x_np * row_scales, scale * own_rows.sum())}
+    return total, gathered, grad
+
+
+def _cases(group):
+    """name -> a function returning (got, expected) numpy arrays, on this rank."""
+    import numpy as np
+    from mindspore import Tensor, ops
+
+    from training.parallel import comm
+
+    xs = [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * r for r in group.ranks]
+    forward, gradient = _runners(group, Tensor(xs[group.rank]))
+    Primitive, ReduceWithBprop, GatherWithBprop, ListGather, all_reduce = _reference_cells(group)
+    total, gathered, grad = _expected(group, xs)
+
+    def graph_ready(cell):  # comm's collective Cells as a compiled step uses them
+        comm.for_graph(cell)
+        return cell
+
     return {
         "AllReduce primitive, forward": lambda: (forward(Primitive(all_reduce)), total),
         "AllReduce primitive, its own backward": lambda: (gradient(Primitive(all_reduce)), grad["all_reduce"]),
