@@ -503,7 +503,7 @@ class Pipeline:
 
     def held_out_loss_sums(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None
                            ) -> tuple[Tensor, Tensor]:
-        """Validation's forward (``evaluation.forward_loss_sums``) through the stages: the batch goes through every
+        """Validation's forward (``forward.forward_loss_sums``) through the stages: the batch goes through every
         virtual stage in order, each handing its hidden states to the next, with no backward to keep anything for.
         The last stage's ranks return each sample's loss sum and token count (``GPTModel.hidden_loss_sums``), the
         other ranks zeros, which add nothing when validation sums them over the world."""
