@@ -124,7 +124,7 @@ def select_kernels(model, config, dims) -> list[str]:
     if model_config.use_flash_attention:
         blocker = flash_attention_blocker(model_config)
         blockers = [blocker] if blocker else []
-        if dims.cp > 1:
+        if dims.cp_enabled:
             blockers.append("context parallel runs its own ring/Ulysses attention")
         if config.kiln.train_state.max_attention_logit:
             blockers.append("kiln.train_state.max_attention_logit reads the attention scores, which "
@@ -135,7 +135,7 @@ def select_kernels(model, config, dims) -> list[str]:
     if on_ascend():
         if not config.fast_step.fused_cross_entropy:
             notes.append("cross-entropy: log_softmax + gather (fast_step.fused_cross_entropy is false)")
-        elif dims.tp > 1:
+        elif dims.tp_enabled:
             notes.append("cross-entropy: tensor parallelism's vocab-parallel loss, not the fused kernel")
         else:
             model.token_loss = fused_token_cross_entropy

@@ -30,19 +30,19 @@ from training.parallel.tensor_parallel import apply_tensor_parallel
 def parallelize(model: nn.Cell, mesh: DeviceMesh, config: TrainConfig, accumulation: int) -> Parallelism:
     """Apply every parallelism of ``mesh`` to ``model`` in place, in the recipe's order; what was applied."""
     p = config.parallelism
-    tensor_parallel = apply_tensor_parallel(model, mesh, p.sequence_parallel) if mesh.dims.tp > 1 else None
-    expert_parallel = apply_expert_parallel(model, mesh, p) if mesh.dims.ep > 1 else None
+    tensor_parallel = apply_tensor_parallel(model, mesh, p.sequence_parallel) if mesh.dims.tp_enabled else None
+    expert_parallel = apply_expert_parallel(model, mesh, p) if mesh.dims.ep_enabled else None
     # the model's sharding units (outermost first); each layer's routed experts gather as a unit of their own under
     # expert parallelism, as MindFormers wraps them
-    units = model.sharding_units(mesh.dims.pp > 1) + list(expert_parallel.expert_cells if expert_parallel else ())
-    context_parallel = apply_context_parallel(model, mesh, config) if mesh.dims.cp > 1 else None
-    pipeline = build_pipeline(model, mesh, config, accumulation, tensor_parallel) if mesh.dims.pp > 1 else None
+    units = model.sharding_units(mesh.dims.pp_enabled) + list(expert_parallel.expert_cells if expert_parallel else ())
+    context_parallel = apply_context_parallel(model, mesh, config) if mesh.dims.cp_enabled else None
+    pipeline = build_pipeline(model, mesh, config, accumulation, tensor_parallel) if mesh.dims.pp_enabled else None
     parallelism = Parallelism(model, mesh, p.data_parallel_shard_strategy,
                               divide_before_reduction=p.disable_gradient_division, accumulation=accumulation,
                               unit_cells=units, tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
                               # MindFormers' "default" reshards unless pipeline parallel
                               reshard_after_forward=p.reshard_after_forward_policy == "always" or (
-                                  p.reshard_after_forward_policy == "default" and mesh.dims.pp == 1),
+                                  p.reshard_after_forward_policy == "default" and not mesh.dims.pp_enabled),
                               context_parallel=context_parallel, pipeline=pipeline)
     if pipeline:
         pipeline.finish(parallelism.loss_scale())
