@@ -165,7 +165,7 @@ def test_materialize_the_chain_in_the_browser(tmp_path):
         _dismiss_welcome(page)
         page.screenshot(path=shots / "01_chain.png")
         page.get_by_role("button", name=re.compile(r"Materialize all")).click()
-        page.get_by_text("Launch runs to materialize 5 assets").wait_for()
+        page.get_by_text("Launch runs to materialize 6 assets").wait_for()
         page.get_by_role("button", name="All", exact=True).click()
         page.get_by_text("2 partitions", exact=True).wait_for()  # one per source
         page.screenshot(path=shots / "02_all_partitions.png")
@@ -207,11 +207,12 @@ def test_materialize_the_chain_in_the_browser(tmp_path):
         assert painted > 200, f"the loss plot's canvas has {painted} painted pixels"
 
         # checkpoint_eval (automation is off here: launched as its sensor would, one run per checkpoint): its
-        # Plots tab draws the held-out loss over the checkpoints, overall and per source
+        # Plots tab draws the held-out loss over the checkpoints, overall and per source, and a task's score
         checkpoints = [f"{RUN_NAME}/iteration_{step:08d}" for step in range(SAVE_EVERY, STEPS + 1, SAVE_EVERY)]
+        eval_config = {"batches": 1, "tasks": ["arc_easy"], "task_limit": 5}
         runs = [client.submit_job_execution("__ASSET_JOB", asset_selection=["checkpoint_eval"],
                                             tags={"dagster/partition": key},
-                                            run_config={"ops": {"checkpoint_eval": {"config": {"batches": 1}}}})
+                                            run_config={"ops": {"checkpoint_eval": {"config": eval_config}}})
                 for key in checkpoints]
         failed = [run for run in runs if wait_for_run(client, run) != DagsterRunStatus.SUCCESS]
         assert not failed, _step_failures(tmp_path, failed)
@@ -219,7 +220,8 @@ def test_materialize_the_chain_in_the_browser(tmp_path):
             f"iteration_{STEPS:08d}/eval.json")).read_text())["sources"])
         page.goto(f"{url}/assets/checkpoint_eval?view=overview")
         page.get_by_role("button", name=re.compile(r"Plots$")).click()
-        curves = {title: _plot_painted_pixels(page, title) for title in ["loss", *(f"loss_{s}" for s in sources)]}
+        curves = {title: _plot_painted_pixels(page, title)
+                  for title in ["loss", *(f"loss_{s}" for s in sources), "task_arc_easy", "bpb"]}
         page.screenshot(path=shots / "06_checkpoint_eval_plots.png", full_page=True)
         assert len(sources) == 2 and all(painted > 200 for painted in curves.values()), curves
         browser.close()
