@@ -481,7 +481,8 @@ def run_result(run: PreparedRun, launched: LaunchedRun, msrun: MsrunResource) ->
         "config_sha256": dg.MetadataValue.text(sha256_file(run.config_file)),
         "msrun_command": dg.MetadataValue.text(" ".join(launched.command)), "workers": msrun.worker_num,
         "mesh": dg.MetadataValue.text(run.mesh),
-        "checkpoints_saved": len(launched.saved), "final_checkpoint": dg.MetadataValue.path(str(final) if final else ""),
+        "checkpoints_saved": len(launched.saved),
+        "final_checkpoint": dg.MetadataValue.path(str(final) if final else ""),
         # the blend manifest's, as training used them (train_dataset.dataloader.config)
         **{name: getattr(train_config.train_dataset.dataloader.config, name)
            for name in ("seq_length", "split", "seed")},

@@ -161,7 +161,7 @@ def test_weight_only_init_starts_at_step_zero_with_a_fresh_optimizer(tmp_path, s
     weights = {p.name: p.asnumpy() for p in first.model.get_parameters()}
     init = make_trainer(tmp_path, shard, "init", "checkpoint.no_load_optim=true",
                         f"checkpoint.load_path={tmp_path / 'first/checkpoints'}")
-    assert init.step == 0 and init.data.consumed_samples == 0 and init.optimizer.global_step == 0
+    assert init.step == 0 and init.data_position.consumed_samples == 0 and init.optimizer.global_step == 0
     assert all(np.array_equal(p.asnumpy(), weights[p.name]) for p in init.model.get_parameters())
     assert all(not a.any() for n, a in init.optimizer.state_dict().items() if n.startswith("adam_"))
 
@@ -171,7 +171,7 @@ def test_changed_global_batch_size_keeps_consumed_samples(tmp_path, shard, capsy
     capsys.readouterr()
     bigger = make_trainer(tmp_path, shard, "gbs8", "training.global_batch_size=8",
                           f"checkpoint.load_path={tmp_path / 'gbs4/checkpoints'}")
-    assert bigger.data.consumed_samples == 12 and bigger.step == 1
+    assert bigger.data_position.consumed_samples == 12 and bigger.step == 1
     assert "global batch size changed 4 -> 8" in capsys.readouterr().out
     assert bigger.train_step()["consumed_samples"] == 20  # it read samples 12..19, none again, none skipped
 

@@ -63,7 +63,7 @@ def test_every_part_resumes_with_the_state_the_save_wrote(tmp_path, shard):
     saving.train()
     resumed = make_trainer(tmp_path, shard, "resumed", dropout, "training.steps=2",
                            f"checkpoint.load_path={tmp_path / 'saving/checkpoints/iteration_00000002'}")
-    assert sorted(saving.checkpoints.parts) == ["data", "lr_schedule", "model", "optimizer", "rng"]
+    assert sorted(saving.checkpoints.parts) == ["data_position", "lr_schedule", "model", "optimizer", "rng"]
     for name, part in saving.checkpoints.parts.items():
         assert_same_state(resumed.checkpoints.parts[name].state_dict(), part.state_dict(), name)
 

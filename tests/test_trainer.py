@@ -59,7 +59,7 @@ def test_resume_reproduces_the_uninterrupted_losses(tmp_path, shard):
 
     resumed = make_trainer(tmp_path, shard, "resumed",
                            f"checkpoint.load_path={tmp_path / 'full/checkpoints/iteration_00000003'}")
-    assert resumed.step == 3 and resumed.data.consumed_samples == 12
+    assert resumed.step == 3 and resumed.data_position.consumed_samples == 12
     assert resumed.train().start_step == 3
     after_resume = losses(tmp_path / "resumed")
     assert sorted(after_resume) == [4, 5, 6]
@@ -255,7 +255,7 @@ def test_common_json_holds_exactly_mindformers_fields_and_kiln_state_is_audited(
     (mindformers / KILN_STATE).unlink()
     capsys.readouterr()
     resumed = make_trainer(tmp_path, shard, "from_mf", f"checkpoint.load_path={mindformers}")
-    assert resumed.step == 3 and resumed.data.consumed_samples == common["consumed_samples"]
+    assert resumed.step == 3 and resumed.data_position.consumed_samples == common["consumed_samples"]
     assert f"has no {KILN_STATE} (saved by MindFormers?): the random generators start from training.seed" in (
         capsys.readouterr().out)
 
@@ -332,7 +332,7 @@ def test_a_train_size_reads_its_samples_again_from_the_start_once_they_are_used(
     trainer = make_trainer(tmp_path, shard, "sized", "train_dataset.dataloader.sizes=[8, 0, 0]")
     assert len(trainer.dataset) >= 8 and trainer.config.split_samples("train") == 8
     first = [t.asnumpy() for t in trainer._micro_batch(0)[:3]]
-    trainer.data.consumed_samples = len(trainer.dataset)
+    trainer.data_position.consumed_samples = len(trainer.dataset)
     again = [t.asnumpy() for t in trainer._micro_batch(0)[:3]]
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     with pytest.raises(ConfigError, match=r"train_dataset.dataloader.sizes\[0\] is the train split's sample count"):

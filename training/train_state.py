@@ -3,16 +3,16 @@ that set, so what a checkpoint holds and what a resume reads cannot drift apart.
 
 Every part is ``Stateful``: ``state_dict()`` gives its state, ``load_state_dict(state)`` takes it back. The parts:
 
-============  ===========================================  ===============================================
-part          its state                                    where a checkpoint keeps it
-============  ===========================================  ===============================================
-model         this rank's array of each tensor it holds    ``<prefix>-model-*.safetensors``
-optimizer     AdamW's moments and its update count          ``<prefix>-opt-*.safetensors`` (MindFormers')
-lr_schedule   the learning rate it is at                   kiln_state.json ``lr``
-data          steps done, samples consumed                 common.json (MindFormers' fields), kiln_state.json
+=============  ==========================================  ===============================================
+part           its state                                   where a checkpoint keeps it
+=============  ==========================================  ===============================================
+model          this rank's array of each tensor it holds   ``<prefix>-model-*.safetensors``
+optimizer      AdamW's moments and its update count        ``<prefix>-opt-*.safetensors`` (MindFormers')
+lr_schedule    the learning rate it is at                  kiln_state.json ``lr``
+data_position  steps done, samples consumed                common.json (MindFormers' fields), kiln_state.json
                                                            ``data_position``
-rng           every random generator the run draws from    kiln_state.json ``rng``
-============  ===========================================  ===============================================
+rng            every random generator the run draws from   kiln_state.json ``rng``
+=============  ==========================================  ===============================================
 
 The LR schedule is a function of the optimizer's update count (saved with the optimizer, as MindFormers does), so
 restoring the optimizer puts it back where it was; its own state is the rate it was at, which a resume compares
@@ -158,7 +158,8 @@ class CheckpointManager:
         self.config, self.world, self.collectives, self.reporter = config, world, collectives, reporter
         self.parts = parts
         self.model, self.optimizer = parts["model"], parts["optimizer"]
-        self.lr_schedule, self.data, self.rng = parts["lr_schedule"], parts["data"], parts["rng"]
+        self.lr_schedule, self.rng = parts["lr_schedule"], parts["rng"]
+        self.data_position = parts["data_position"]
         self.saver = CheckpointSaver(save_path=Path(ckpt.save_path), prefix=ckpt.prefix, save_max=ckpt.save_max,
                                      world=world, collectives=collectives, remove_redundancy=ckpt.remove_redundancy,
                                      async_save=ckpt.async_save)
@@ -166,7 +167,7 @@ class CheckpointManager:
     # ---- saving --------------------------------------------------------------------------------------
     def save(self, record: CheckpointRecord, lineage: dict) -> None:
         """Every part's state and ``record`` as the checkpoint of the current step."""
-        data = self.data.state_dict()
+        data = self.data_position.state_dict()
         common = {"epoch_num": 1, "step_num": record.total_steps, "global_step": data["global_step"],
                   "loss_scale": 1.0, "global_batch_size": data["global_batch_size"],
                   "consumed_samples": data["consumed_samples"], "ckpt_status": record.ckpt_status}
@@ -183,7 +184,7 @@ class CheckpointManager:
     def refuse_second_history(self) -> None:
         """A save path holds one run's history: saving from this step beside checkpoints of later steps would
         replace some of them and leave rotation and the tracker mixing two histories."""
-        save_path, step = Path(self.config.checkpoint.save_path), self.data.step
+        save_path, step = Path(self.config.checkpoint.save_path), self.data_position.step
         later = [s for s in complete_steps(save_path) if s > step]
         if later:
             raise CheckpointError(
@@ -284,9 +285,9 @@ class CheckpointManager:
                                    f"{self.lr_schedule.saved_lr:.6e} (lr_scheduler or training.steps changed)")
 
     def _restore_data(self, path: Path, common: dict) -> None:
-        self.data.load_state_dict({**common, "seed": self.data.seed})
-        saved_gbs, gbs = common["global_batch_size"], self.data.global_batch_size
-        consumed, step = self.data.consumed_samples, self.data.step
+        self.data_position.load_state_dict({**common, "seed": self.data_position.seed})
+        saved_gbs, gbs = common["global_batch_size"], self.data_position.global_batch_size
+        consumed, step = self.data_position.consumed_samples, self.data_position.step
         if saved_gbs != gbs:
             self.reporter.info(f"[kiln] global batch size changed {saved_gbs} -> {gbs}: keeping the "
                                f"{consumed} consumed samples, so the data continues at sample "

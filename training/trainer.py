@@ -131,10 +131,11 @@ class Trainer:
     def _build_state(self, load_unverified: bool) -> None:
         """The run's state parts and their checkpoint manager; the state restored from checkpoint.load_path."""
         config = self.config
-        self.data = DataPosition(config.training.global_batch_size, config.data_seed)
+        self.data_position = DataPosition(config.training.global_batch_size, config.data_seed)
         self.checkpoints = CheckpointManager(config, self.world, self.collectives, self.reporter, {
             "model": self.model_parts, "optimizer": self.optimizer, "lr_schedule": LrSchedulePosition(self.optimizer),
-            "data": self.data, "rng": GeneratorStates(config.training.seed, self.model.dropout_masks)})
+            "data_position": self.data_position,
+            "rng": GeneratorStates(config.training.seed, self.model.dropout_masks)})
         self.resumed_from: str | None = None
         self.parent: dict | None = None  # the loaded checkpoint as verified (CheckpointFiles.origin)
         if config.checkpoint.load_path:
@@ -146,7 +147,7 @@ class Trainer:
     @property
     def step(self) -> int:
         """Steps done (the global step)."""
-        return self.data.step
+        return self.data_position.step
 
     def _validation(self, compiled: bool) -> Validation:
         """The held-out evaluation: this rank's samples and tokens of each micro-batch, as training reads them,
@@ -170,7 +171,7 @@ class Trainer:
     def _micro_batch(self, micro: int) -> tuple[Tensor | None, ...]:
         """The model's positional inputs: input_ids, labels, loss_mask, position_ids, attention_mask
         (the last two None when the model's own positions and causal mask are right)."""
-        indices = micro_batch_indices(self.data.consumed_samples, micro, self.mesh.data_shard_index, self.dp,
+        indices = micro_batch_indices(self.data_position.consumed_samples, micro, self.mesh.data_shard_index, self.dp,
                                       self.config.training.local_batch_size)
         batch = stack_model_inputs([self.dataset[i % len(self.dataset)] for i in indices], self.use_positions)
         inputs = model_input_tensors(batch)
@@ -220,10 +221,11 @@ class Trainer:
         monitored = (self.monitor.record(unclipped, self.params, loss, self.model.pop_max_attention_logits())
                      if self.monitor.enabled else {})
         monitored = self.model_parts.gather_monitored(monitored, self.config)
-        self.data.advance()
+        self.data_position.advance()
         self.last_metrics = {
             **self._step_metrics(loss, grad_norm, skipped, time.perf_counter() - started),
-            "embedding_grad_norm": embedding_norm, **components, **self.moe_monitor.record(self.step, tokens_per_expert),
+            "embedding_grad_norm": embedding_norm, **components,
+            **self.moe_monitor.record(self.step, tokens_per_expert),
             **({"abnormal": abnormal} if abnormal else {}), **monitored}
         return self.last_metrics
 
@@ -245,7 +247,7 @@ class Trainer:
 
     def _step_metrics(self, loss: float, grad_norm: float, skipped: bool, elapsed: float) -> dict:
         """The step's record once the data position has advanced past it."""
-        gbs, consumed = self.config.training.global_batch_size, self.data.consumed_samples
+        gbs, consumed = self.config.training.global_batch_size, self.data_position.consumed_samples
         tokens = gbs * self.seq_length
         # the optimizer's LR, not the schedule at self.step: skipped steps do not advance it
         return {"step": self.step, "loss": loss, "lr": self.optimizer.current_lr, "skipped": skipped,
@@ -275,13 +277,13 @@ class Trainer:
             self.reporter.warning(f"checkpoint of step {self.step} is marked abnormal (ckpt_status 1): "
                                   "an unhealthy step since the previous save (see monitor.health_checkpoint)")
         metrics = self.last_metrics or {}
-        tokens_seen = self.data.consumed_samples * self.seq_length
+        tokens_seen = self.data_position.consumed_samples * self.seq_length
         if self.world.is_main:  # what rank 0 reports once the checkpoint is complete
             self.saved_metrics[self.step] = {
                 "step": self.step, "loss": metrics.get("loss"), "lr": self.optimizer.current_lr,
                 "tokens_seen": tokens_seen, "grad_norm": metrics.get("grad_norm"),
                 "tokens_per_s": metrics.get("tokens_per_s"), "samples_per_s": metrics.get("samples_per_s"),
-                "ckpt_status": status, "consumed_samples": self.data.consumed_samples}
+                "ckpt_status": status, "consumed_samples": self.data_position.consumed_samples}
         record = CheckpointRecord(loss=metrics.get("loss"), tokens_seen=tokens_seen,
                                   config_sha256=config_sha256(self.resolved_yaml), world_size=self.world.size,
                                   total_steps=self.config.training.steps, ckpt_status=status)
