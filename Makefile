@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PATH := $(abspath $(BIN)):$(PATH)
 export DAGSTER_HOME := $(abspath .dagster_home)
 
-.PHONY: install demo test ui bench clean chromium postgres
+.PHONY: install demo test test-fast ui bench bench-smoke clean chromium postgres
 
 # dagster-postgres (Postgres instance storage: deploy/dagster-postgres.yaml, tests/test_postgres.py) goes in
 # without its dependencies: its newest release, 0.29.27, pins dagster 1.13.27, which wants protobuf<7 while
@@ -42,16 +42,26 @@ postgres:
 	bash tests/setup/postgres.sh
 
 test: $(STAMP) chromium postgres
-	# -rs: every skipped test prints its reason; -n 2 --dist loadfile: two workers, each file whole on one (the
-	# msrun files share one launch per file through module fixtures), the msrun files first (tests/conftest.py)
-	$(BIN)/python -m pytest -q -rs -n 2 --dist loadfile tests
+	# -rs: every skipped test prints its reason; -n 2 --dist loadgroup: two workers, each file whole on one (the
+	# msrun files share one launch per file through module fixtures; tests/conftest.py makes each file a group,
+	# the benchmark smoke tests spread), the slow ones first
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup tests
+
+# the unit tier: no msrun launch, Dagster webserver, browser or test marked slow (tests/conftest.py says which)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup -m "not msrun and not ui and not browser and not slow" tests
 
 ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m pipelines.pools
 	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
+# every benchmark, then one table of every figure against its target (benchmarks/__init__.py: how one joins)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# every benchmark at its smallest size: what tests/test_benchmarks_smoke.py runs
+bench-smoke: $(STAMP)
+	$(BIN)/python -m benchmarks --smoke
 
 clean:
 	rm -rf $(VENV) .dagster_home data runs

@@ -1,7 +1,31 @@
-"""`make bench`: throughput figures printed as ratios against a reference measured on the same machine.
+"""`make bench` (``python -m benchmarks``): every benchmark of SUITE, each in a process of its own, then one summary
+table of every figure against its target. ``python -m benchmarks --smoke`` runs each at its smallest size, as
+tests/test_benchmarks_smoke.py does in the test suite. Never timed in tests: figures depend on the machine and
+its load.
 
-Never part of the test suite: figures depend on the machine and its load.
+How a benchmark joins (the one convention; `make bench`, its summary and the smoke test then cover it):
+1. a module ``benchmarks/<name>.py`` with ``run(bench: benchmarks.suite.Bench) -> None``, which measures and hands
+   every figure to ``bench.report(name, value, unit, ratio, reference, target=..., watch=...)``: ``target`` the
+   bound an issue or a doc states (``at_least(0.9)`` on the ratio, ``at_most(2.0, of="value")``), none where
+   nothing is stated; when ``bench.smoke`` is true it runs at the smallest size that still runs every code path
+   it measures (a few seconds to a minute), and its figures must still be finite numbers;
+2. its name added to SUITE below, in the order `make bench` runs them;
+3. a benchmark that compares timings (paired variants, or times against a bound) measures inside
+   ``with LoadWatch(cores) as watch:`` (benchmarks/contention.py; ``cores``: how many the run keeps busy),
+   records each variant's CPU seconds per step there (``watch.time(variant, fn)`` or ``watch.cpu(variant,
+   seconds, steps)`` for what a worker measured), and passes ``watch=watch`` with every timing figure it
+   reports: under competition from other processes those are printed and summarized as not valid;
+4. one that launches msrun (or other multi-process work the unit tier should not wait for) is named in
+   LAUNCHES_PROCESSES, so its smoke test carries the ``msrun`` marker.
+Data: ``bench.shard()`` gives a tokenized built-in corpus (built once per run), ``bench.work`` a directory shared
+by the run's benchmarks, ``bench.recorded(benchmark, figure)`` an earlier benchmark's figure.
 """
+
+SUITE = ("tokenizing", "model_flops", "throughput", "compile_time", "data_index", "monitoring", "validation",
+         "downstream", "pipes_streaming", "checkpoint_io", "parallel_memory", "pipeline_bubble", "expert_parallel",
+         "context_parallel", "compiled_parallel", "lineage_scale", "preprocess_memory", "chunked_preprocess")
+LAUNCHES_PROCESSES = {"parallel_memory", "pipeline_bubble", "expert_parallel", "context_parallel",
+                      "compiled_parallel"}
 
 
 def blend_settings() -> list[str]:
@@ -13,3 +37,17 @@ def blend_settings() -> list[str]:
     data = "train_dataset.dataloader.config"
     return [f"{data}.seq_length={blend.seq_length}", f"model.seq_length={blend.seq_length}",
             f"{data}.split='{blend.split}'", f"{data}.seed={blend.seed}"]
+
+
+def builtin_shard(work, corpus_bytes: int, sample_lines: int = 50_000):
+    """The built-in source code corpus (``corpus_bytes`` of it) tokenized with Kiln's default tokenizer trained on
+    ``sample_lines`` lines, as the demo chain does; its dataset prefix."""
+    from assets.builtin_corpus import write_builtin_source
+    from resources.tokenizer import TokenizerSettings
+    from training.data.corpus import iter_texts
+    from training.data.preprocess import tokenize_to_indexed
+
+    files = write_builtin_source("python_stdlib_code", work / "raw", corpus_bytes)
+    TokenizerSettings(sample_lines=sample_lines).train((t for p in files for t in iter_texts(p)), work / "tokenizer")
+    tokenize_to_indexed(files, work / "tokenizer.model", work / "shard", append_eod=True)
+    return work / "shard_text_document"

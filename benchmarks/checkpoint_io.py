@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 
 from benchmarks import blend_settings
+from benchmarks.contention import LoadWatch
 from benchmarks.monitoring import _random_shard
+from benchmarks.suite import Bench, at_least, at_most, standalone
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 WIDER = ["model.hidden_size=512", "model.intermediate_size=1536", "model.num_hidden_layers=4",
@@ -32,7 +34,7 @@ WIDER = ["model.hidden_size=512", "model.intermediate_size=1536", "model.num_hid
          "train_dataset.dataloader.config.seq_length=64", "model.seq_length=64"]
 
 
-def _trainer(shard: Path, work: Path):
+def _trainer(shard: Path, work: Path, wider: list[str]):
     from training.parallel.mesh import World
     from training.config import load_config
     from training.reporting import Reporter
@@ -43,16 +45,9 @@ def _trainer(shard: Path, work: Path):
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
         "train_dataset.dataloader.config.pad=3", f"train_dataset.dataloader.config.path_to_cache={work / 'cache'}",
         "training.steps=1000", f"checkpoint.save_path={work / 'checkpoints'}", "checkpoint.save_max=1",
-        *blend_settings(), *WIDER])
+        *blend_settings(), *wider])
     configure_runtime(config)
     return Trainer(config, World(rank=0, size=1), work / "run", Reporter(None, enabled=False))
-
-
-def _steps_seconds(trainer, steps: int) -> float:
-    started = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
-    return time.perf_counter() - started
 
 
 def _dd_bytes_per_s(directory: Path, megabytes: int) -> float:
@@ -65,64 +60,74 @@ def _dd_bytes_per_s(directory: Path, megabytes: int) -> float:
     return megabytes * 2**20 / seconds
 
 
-def run(report, rounds: int = 5) -> None:
+def measure(bench: Bench, rounds: int, wider: list[str]) -> None:
+    """Each round: a sync save, one step (Kiln never saves a step twice), an async save and the steps it
+    overlaps, as many steps after it, and dd."""
     from training.checkpoint import CheckpointSaver
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-ckpt-") as tmp:
         work = Path(tmp)
-        trainer = _trainer(_random_shard(work / "shard", 4096), work)
-        _steps_seconds(trainer, 3)  # kernels compiled
+        trainer = _trainer(_random_shard(work / "shard", 4096), work, wider)
+        for _ in range(3):
+            trainer.train_step()  # kernels compiled
 
         def saver(async_save: bool) -> CheckpointSaver:
             return CheckpointSaver(save_path=work / "checkpoints", prefix="checkpoint", save_max=1,
                                    world=trainer.world, collectives=trainer.collectives, async_save=async_save)
 
-        def save(with_saver) -> None:
-            with_saver.save(step=trainer.step, model=trainer.model_parts.state_dict(), optim=trainer.optimizer.state_dict(),
-                            common={"global_step": trainer.step}, lineage={})
+        def save() -> None:  # the model and optimizer state, as the trainer's save hands them over
+            trainer.checkpoints.saver.save(step=trainer.step, model=trainer.model_parts.state_dict(),
+                                           optim=trainer.optimizer.state_dict(), common={"global_step": trainer.step},
+                                           lineage={})
 
         sync_seconds, stalls, slowdowns, writes, dd_rates, steps_during = [], [], [], [], [], []
         checkpoint_bytes = 0
-        for _ in range(rounds):
-            started = time.perf_counter()
-            save(saver(async_save=False))
-            sync_seconds.append(time.perf_counter() - started)
-            latest = max((work / "checkpoints").glob("iteration_*"))
-            checkpoint_bytes = sum(p.stat().st_size for p in latest.glob("*.safetensors"))
+        with LoadWatch(cores=1) as watch:  # the writer is one thread beside the step
+            for _ in range(rounds):
+                trainer.checkpoints.saver = saver(async_save=False)
+                sync_seconds.append(watch.time("sync save", save))
+                latest = max((work / "checkpoints").glob("iteration_*"))
+                checkpoint_bytes = sum(p.stat().st_size for p in latest.glob("*.safetensors"))
+                trainer.train_step()
 
-            trainer.checkpoints.saver = saver(async_save=True)  # train_step settles it, as in training
-            started = time.perf_counter()
-            save(trainer.checkpoints.saver)
-            call = time.perf_counter() - started
-            writer = trainer.checkpoints.saver.pending.writer
-            steps, during = 0, 0.0
-            while trainer.checkpoints.saver.pending is not None:
-                during += _steps_seconds(trainer, 1)
-                steps += 1
-            trainer.checkpoints.saver.wait()
-            without = _steps_seconds(trainer, steps)
-            stalls.append(call + trainer.checkpoints.saver.blocked_seconds)
-            slowdowns.append(during - without)
-            writes.append(writer.seconds)
-            dd_rates.append(_dd_bytes_per_s(work, max(1, checkpoint_bytes // 2**20)))
-            steps_during.append(steps)
+                trainer.checkpoints.saver = saver(async_save=True)  # train_step settles it, as in training
+                call = watch.time("async save call", save)
+                writer = trainer.checkpoints.saver.pending.writer
+                steps, during = 0, 0.0
+                while steps == 0 or trainer.checkpoints.saver.pending is not None:  # the next round: a newer step
+                    during += watch.time("steps during the write", trainer.train_step)
+                    steps += 1
+                trainer.checkpoints.saver.wait()
+                without = watch.time("steps after it", lambda: [trainer.train_step() for _ in range(steps)], steps)
+                stalls.append(call + trainer.checkpoints.saver.blocked_seconds)
+                slowdowns.append(during - without)
+                writes.append(writer.seconds)
+                dd = []
+                watch.time("dd", lambda: dd.append(_dd_bytes_per_s(work, max(1, checkpoint_bytes // 2**20))))
+                dd_rates.append(dd[0])
+                steps_during.append(steps)
 
         sync = statistics.median(sync_seconds)
         stall = statistics.median(stalls)
         write_rates = [checkpoint_bytes / seconds for seconds in writes]
         write_ratio = statistics.median(w / dd for w, dd in zip(write_rates, dd_rates))
     mb = checkpoint_bytes / 1e6
-    report(f"sync save ({mb:.0f} MB checkpoint)", sync, "s")
-    report("async save stall (training thread)", stall, "s", stall / sync, "sync save; target <= 0.10")
+    bench.report(f"sync save ({mb:.0f} MB checkpoint)", sync, "s", watch=watch)
+    bench.report("async save stall (training thread)", stall, "s", stall / sync, "sync save", target=at_most(0.10),
+                 watch=watch)
     slowdown = statistics.median(slowdowns)
-    report(f"  {statistics.median(steps_during):.0f} overlapped steps' extra time", slowdown, "s", slowdown / sync,
-           "sync save; noisy, for the record")
-    report("async save write throughput", statistics.median(write_rates) / 1e6, "MB/s", write_ratio,
-           "dd, paired per round; target >= 0.50")
-    report("dd to the same directory", statistics.median(dd_rates) / 1e6, "MB/s")
+    bench.report(f"  {statistics.median(steps_during):.0f} overlapped steps' extra time", slowdown, "s",
+                 slowdown / sync, "sync save; noisy, for the record", watch=watch)
+    bench.report("async save write throughput", statistics.median(write_rates) / 1e6, "MB/s", write_ratio,
+                 "dd, paired per round", target=at_least(0.50), watch=watch)
+    bench.report("dd to the same directory", statistics.median(dd_rates) / 1e6, "MB/s", watch=watch)
+
+
+def run(bench: Bench) -> None:
+    # a smoke run: qwen3_tiny as configured (a checkpoint of a few MB), one round
+    measure(bench, 1, []) if bench.smoke else measure(bench, 5, WIDER)
 
 
 if __name__ == "__main__":
-    from benchmarks.__main__ import report as print_report
-
-    run(print_report)
+    with standalone("checkpoint_io") as bench:
+        measure(bench, 5, WIDER)

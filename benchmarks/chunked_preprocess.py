@@ -35,6 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench, at_least, standalone
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 16
 BACKFILL_CONCURRENCY = 2
@@ -45,7 +48,7 @@ def write_corpus(directory: Path, total_bytes: int) -> list[Path]:
     from assets.builtin_corpus import write_builtin_source
 
     seed = directory / "seed"
-    write_builtin_source("python_stdlib_code", seed, 40_000_000)
+    write_builtin_source("python_stdlib_code", seed, min(40_000_000, total_bytes))
     lines = b"".join(p.read_bytes() for p in sorted(seed.glob("part-*"))).splitlines(keepends=True)
     files, cursor = [], 0
     for i in range(CHUNKS):
@@ -167,7 +170,7 @@ def _timed(command: list[str]) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def run(corpus_bytes: int, rounds: int, step_mibs: list[float]) -> None:
+def measure(bench: Bench, corpus_bytes: int, rounds: int, step_mibs: list[float]) -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-chunks-bench-") as tmp:
         root = Path(tmp)
         (root / "corpus").mkdir()
@@ -188,32 +191,42 @@ def run(corpus_bytes: int, rounds: int, step_mibs: list[float]) -> None:
         wall = {arm: [] for arm in commands}
         cpu = {arm: [] for arm in commands}
         overheads = {step_mib: [] for step_mib in step_mibs}
-        for i in range(rounds):
-            for arm in (list(commands) if i % 2 == 0 else list(commands)[::-1]):
-                seconds, cpu_seconds = _timed(commands[arm])
-                wall[arm].append(seconds)
-                cpu[arm].append(cpu_seconds)
-                if arm != "reference":
-                    overheads[arm] += step_overheads(root, (root / "last_run_id").read_text(), keys, arm)
-            print(f"  round {i + 1} (load {os.getloadavg()[0]:.0f}): kiln preprocess {wall['reference'][-1]:.1f} s "
-                  f"({cpu['reference'][-1]:.1f} CPU-s); " + "; ".join(
-                      f"steps of {m:g} MiB {wall[m][-1]:.1f} s ({cpu[m][-1]:.1f} CPU-s): "
-                      f"{wall['reference'][-1] / wall[m][-1]:.2f} x, CPU {cpu['reference'][-1] / cpu[m][-1]:.2f} x"
-                      for m in step_mibs), flush=True)
-        for m in step_mibs:
-            ratios = [r / b for r, b in zip(wall["reference"], wall[m])]
-            cpu_ratios = [r / b for r, b in zip(cpu["reference"], cpu[m])]
-            steps = overheads[m]
-            print(f"backfill, steps of >= {m:g} MiB ({len(steps) // rounds} steps, {BACKFILL_CONCURRENCY} at once):")
-            print(f"  {'speed':<30} {size / 2**20 / statistics.median(wall[m]):>10,.1f} MiB/s  "
-                  f"({statistics.median(ratios):.2f} x one kiln preprocess's, median of {rounds} paired rounds; "
-                  f"target >= 0.9)")
-            print(f"  {'CPU time':<30} {statistics.median(cpu[m]):>10,.1f} CPU-s  "
-                  f"(kiln preprocess's CPU time / the backfill's: {statistics.median(cpu_ratios):.2f}, median; "
-                  f"steadier than the wall ratio when other work shares the cores)")
-            print(f"  {'per-step overhead':<30} {statistics.median(o for o, _ in steps):>10,.2f} s  "
-                  f"(median over {len(steps)} steps, max {max(o for o, _ in steps):.2f} s; "
-                  f"{sum(o for o, _ in steps) / sum(n for _, n in steps):.2f} s per chunk)", flush=True)
+        with LoadWatch() as watch:
+            for i in range(rounds):
+                for arm in (list(commands) if i % 2 == 0 else list(commands)[::-1]):
+                    seconds, cpu_seconds = _timed(commands[arm])
+                    wall[arm].append(seconds)
+                    cpu[arm].append(cpu_seconds)
+                    watch.cpu("kiln preprocess" if arm == "reference" else f"backfill, steps of {arm:g} MiB",
+                              cpu_seconds)
+                    if arm != "reference":
+                        overheads[arm] += step_overheads(root, (root / "last_run_id").read_text(), keys, arm)
+                print(f"  round {i + 1}: kiln preprocess {wall['reference'][-1]:.1f} s "
+                      f"({cpu['reference'][-1]:.1f} CPU-s); " + "; ".join(
+                          f"steps of {m:g} MiB {wall[m][-1]:.1f} s ({cpu[m][-1]:.1f} CPU-s)" for m in step_mibs),
+                      flush=True)
+    for m in step_mibs:
+        steps = overheads[m]
+        arm = f"backfill, steps of >= {m:g} MiB ({len(steps) // rounds} steps, {BACKFILL_CONCURRENCY} at once)"
+        bench.report(f"{arm}: speed", size / 2**20 / statistics.median(wall[m]), "MiB/s",
+                     statistics.median(r / b for r, b in zip(wall["reference"], wall[m])),
+                     f"one kiln preprocess's, median of {rounds} paired rounds", target=at_least(0.9), watch=watch)
+        # steadier than the wall ratio when other work shares the cores
+        bench.report(f"{arm}: CPU time", statistics.median(cpu[m]), "CPU-s",
+                     statistics.median(r / b for r, b in zip(cpu["reference"], cpu[m])),
+                     "kiln preprocess's CPU time over the backfill's, median", watch=watch)
+        bench.report(f"{arm}: per-step overhead (median)", statistics.median(o for o, _ in steps), "s", watch=watch)
+        bench.report(f"{arm}: per-step overhead per chunk", sum(o for o, _ in steps) / sum(n for _, n in steps), "s",
+                     watch=watch)
+
+
+def run(bench: Bench) -> None:
+    from assets.data import ChunkStepConfig
+
+    if bench.smoke:  # 16 chunks of 128 KiB, one round
+        measure(bench, 2 << 20, 1, [0.0, ChunkStepConfig().step_mib])
+    else:
+        measure(bench, 256 << 20, 2, [0.0, ChunkStepConfig().step_mib])
 
 
 def main(argv=None) -> int:
@@ -233,7 +246,8 @@ def main(argv=None) -> int:
         run_id = backfill(args.backfill_in, args.keys.split(","), args.step_mib[0])
         (args.backfill_in / "last_run_id").write_text(run_id)
         return 0
-    run(int(args.gib * 2**30) if args.gib else args.corpus_mib * 2**20, args.rounds, args.step_mib)
+    with standalone("chunked_preprocess") as bench:
+        measure(bench, int(args.gib * 2**30) if args.gib else args.corpus_mib * 2**20, args.rounds, args.step_mib)
     return 0
 
 

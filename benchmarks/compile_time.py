@@ -20,10 +20,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench, standalone
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONFIG = "configs/qwen3_tiny.yaml"
 STEPS = 3
 DEPTHS = (2, 8, 16)
+SMOKE_DEPTHS = (1,)
 VARIANTS = ("shared layer graphs", "a graph per layer")
 
 
@@ -41,11 +45,11 @@ def worker(layers: int, variant: str, run_dir: Path) -> dict:
     configure_runtime(config)
     trainer = Trainer(config, World(rank=0, size=1), run_dir, Reporter(None, enabled=False))
     assert trainer.step_mode.startswith("whole step compiled"), trainer.step_mode
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     losses = [trainer.train_step()["loss"]]
-    first_step_s = time.perf_counter() - started
+    first_step_s, first_step_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     losses += [trainer.train_step()["loss"] for _ in range(STEPS - 1)]
-    return {"first_step_s": first_step_s, "losses": losses,
+    return {"first_step_s": first_step_s, "first_step_cpu_s": first_step_cpu_s, "losses": losses,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -58,20 +62,30 @@ def measure(layers: int, variant: str, run_dir: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run(report, layers=DEPTHS) -> None:
-    """Each depth's two variants back to back (which goes first alternating by depth), through ``report``; raises
-    if their losses differ."""
+def measure_depths(bench: Bench, layers) -> None:
+    """Each depth's two variants back to back (which goes first alternating by depth); raises if their losses
+    differ."""
     with tempfile.TemporaryDirectory(prefix="kiln-bench-compile-time-") as tmp:
         for i, depth in enumerate(layers):
             order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]
-            results = {variant: measure(depth, variant, Path(tmp) / f"{depth}-{n}") for n, variant in enumerate(order)}
+            with LoadWatch(cores=1) as watch:  # the first step compiles on one thread
+                results = {variant: measure(depth, variant, Path(tmp) / f"{depth}-{n}")
+                           for n, variant in enumerate(order)}
+                for variant, result in results.items():
+                    watch.cpu(variant, result["first_step_cpu_s"])
             shared, apart = results[VARIANTS[0]], results[VARIANTS[1]]
             if shared["losses"] != apart["losses"]:
                 raise AssertionError(f"the variants' losses differ at {depth} layers: {results}")
             for figure, label, unit in (("first_step_s", "first step", "s"), ("peak_rss_gb", "peak RSS", "GB")):
-                report(f"{depth} layers, {VARIANTS[1]}: {label}", apart[figure], unit)
-                report(f"{depth} layers, {VARIANTS[0]}: {label}", shared[figure], unit, shared[figure] / apart[figure],
-                       VARIANTS[1])
+                timed = watch if figure == "first_step_s" else None
+                bench.report(f"{depth} layers, {VARIANTS[1]}: {label}", apart[figure], unit, watch=timed)
+                bench.report(f"{depth} layers, {VARIANTS[0]}: {label}", shared[figure], unit,
+                             shared[figure] / apart[figure], VARIANTS[1], watch=timed)
+        print("the losses of both variants were equal at every depth", flush=True)
+
+
+def run(bench: Bench) -> None:
+    measure_depths(bench, SMOKE_DEPTHS if bench.smoke else DEPTHS)
 
 
 def main() -> None:
@@ -83,11 +97,9 @@ def main() -> None:
         layers, variant, run_dir = args.worker
         print(json.dumps(worker(int(layers), variant, Path(run_dir))), flush=True)
         return
-    from benchmarks.__main__ import report
-
     print(f"{CONFIG}, whole step compiled")
-    run(report, args.layers)
-    print("the losses of both variants were equal at every depth")
+    with standalone("compile_time") as bench:
+        measure_depths(bench, args.layers)
 
 
 if __name__ == "__main__":

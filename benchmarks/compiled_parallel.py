@@ -17,7 +17,7 @@ of a zero-padded buffer (group-size times the bytes, summed), and only the world
 workers the group is the world, so both graph forms are timed.
 
 ``python -m benchmarks.compiled_parallel [--config PATH] [--rounds N]``; run by msrun as
-``python benchmarks/compiled_parallel.py OUT SHARD CONFIG ROUNDS``.
+``python -m benchmarks.compiled_parallel OUT SHARD CONFIG ROUNDS SEQ``.
 """
 from __future__ import annotations
 
@@ -30,8 +30,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench, standalone
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-SEQ = 512
+SEQ, ROUNDS = 512, 5
+SMOKE_SEQ, SMOKE_ROUNDS = 64, 1
 DEFAULT_CONFIG = "configs/qwen3_tiny.yaml"
 TP2 = ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true", "training.local_batch_size=2"]
 PP2 = ["parallelism.pipeline_parallel=2", "training.local_batch_size=1"]
@@ -45,15 +49,14 @@ VARIANTS = {"TP 2 eager": [*TP2, "fast_step.compile=false"],
             "DP 2 compiled": ["training.local_batch_size=1", "fast_step.compile=true"]}
 
 
-def _config(shard: str, config_path: str, rounds: int, overrides: list[str]):
-    sys.path.insert(0, str(PROJECT_ROOT))
+def _config(shard: str, config_path: str, rounds: int, seq: int, overrides: list[str]):
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
 
     data = "train_dataset.dataloader.config"
     return load_config(PROJECT_ROOT / config_path, [
         f"{data}.data_path=[1.0, '{shard}']", f"{data}.eod={SPECIAL_IDS['eos']}", f"{data}.pad={SPECIAL_IDS['pad']}",
-        f"{data}.seq_length={SEQ}", f"model.seq_length={SEQ}", f"{data}.split='100,0,0'",
+        f"{data}.seq_length={seq}", f"model.seq_length={seq}", f"{data}.split='100,0,0'",
         "training.global_batch_size=2", f"training.steps={rounds + 1}",
         "parallelism.data_parallel_shard_strategy=optim", "checkpoint.enable_save=false", *overrides])
 
@@ -96,39 +99,45 @@ def _gather_times(layer, group, repeats: int) -> dict[str, float]:
             "bytes": size * 4}
 
 
-def worker(out: str, shard: str, config_path: str, rounds: str) -> None:
+def worker(out: str, shard: str, config_path: str, rounds: str, seq: str) -> None:
     """One msrun worker: every variant's trainer, their steps alternating round by round, then the gathers."""
-    sys.path.insert(0, str(PROJECT_ROOT))
     from training.parallel.mesh import init_world, world_group
     from training.reporting import Reporter
     from training.step import configure_runtime
     from training.trainer import Trainer
 
-    rounds = int(rounds)
-    configure_runtime(_config(shard, config_path, rounds, []))
+    rounds, seq = int(rounds), int(seq)
+    configure_runtime(_config(shard, config_path, rounds, seq, []))
     world = init_world()
-    trainers = {name: Trainer(_config(shard, config_path, rounds, overrides), world, Path(out) / name,
+    trainers = {name: Trainer(_config(shard, config_path, rounds, seq, overrides), world, Path(out) / name,
                               Reporter(None, enabled=False))
                 for name, overrides in VARIANTS.items()}
     times = {name: [] for name in VARIANTS}
+    cpu = {name: [] for name in VARIANTS}
     for round_ in range(rounds + 1):
         for name, trainer in trainers.items():
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             trainer.train_step()
             if round_:  # the first round compiles
                 times[name].append(time.perf_counter() - started)
+                cpu[name].append(time.process_time() - cpu_started)
     gathers = _gather_times(trainers["DP 2 compiled"].model.decoder.layers[0], world_group(world), 2 * rounds)
     if world.is_main:
         (Path(out) / "figures.json").write_text(json.dumps({
-            "times": times, "modes": {name: t.step_mode for name, t in trainers.items()}, "gathers": gathers}))
+            "times": times, "cpu": cpu, "modes": {name: t.step_mode for name, t in trainers.items()},
+            "gathers": gathers}))
 
 
-def run(report, shard: Path, config_path: str = DEFAULT_CONFIG, rounds: int = 5) -> None:
+def measure(bench: Bench, shard: Path, config_path: str, rounds: int, seq: int) -> None:
     from training.launch import run_on_local_workers
 
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-compiled-parallel-") as tmp:
-        run_on_local_workers([__file__, tmp, shard, config_path, rounds], Path(tmp) / "log", 2)
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-compiled-parallel-") as tmp, LoadWatch(cores=2) as watch:
+        run_on_local_workers(["-m", "benchmarks.compiled_parallel", tmp, shard, config_path, rounds, seq],
+                             Path(tmp) / "log", 2)
         figures = json.loads((Path(tmp) / "figures.json").read_text())
+        for name, cpu_seconds in figures["cpu"].items():
+            for seconds in cpu_seconds:
+                watch.cpu(name, seconds)  # rank 0's
     times = figures["times"]
     for name, mode in figures["modes"].items():
         print(f"  {name}: {mode[:110]}")
@@ -136,42 +145,48 @@ def run(report, shard: Path, config_path: str = DEFAULT_CONFIG, rounds: int = 5)
     def speed(name: str, reference: str) -> float:
         return statistics.median(r / s for r, s in zip(times[reference], times[name]))
     for name, seconds in times.items():
-        report(f"{name} step, {SEQ} tokens x 2", statistics.median(seconds) * 1000, "ms",
-               speed(name, "DP 2 compiled"), "DP 2 compiled's speed, paired per round")
+        bench.report(f"{name} step, {seq} tokens x 2", statistics.median(seconds) * 1000, "ms",
+                     speed(name, "DP 2 compiled"), "DP 2 compiled's speed, paired per round", watch=watch)
     for layout in ("TP 2", "PP 2", "ZeRO-3"):
-        report(f"{layout} compiled vs eager", statistics.median(times[f"{layout} compiled"]) * 1000, "ms",
-               speed(f"{layout} compiled", f"{layout} eager"), f"{layout} eager's speed, paired per round")
+        bench.report(f"{layout} compiled vs eager", statistics.median(times[f"{layout} compiled"]) * 1000, "ms",
+                     speed(f"{layout} compiled", f"{layout} eager"), f"{layout} eager's speed, paired per round",
+                     watch=watch)
     gathers = figures["gathers"]
     size = gathers.pop("bytes")
     eager_gather = gathers["eager list-form all_gather"]
     for name, seconds in gathers.items():
-        report(f"gather of {size / 2**20:.2f} MiB: {name}", seconds * 1000, "ms", seconds / eager_gather,
-               "the eager gather's time")
+        bench.report(f"gather of {size / 2**20:.2f} MiB: {name}", seconds * 1000, "ms", seconds / eager_gather,
+                     "the eager gather's time", watch=watch)
+
+
+def run(bench: Bench) -> None:
+    if bench.smoke:
+        measure(bench, bench.shard(), DEFAULT_CONFIG, SMOKE_ROUNDS, SMOKE_SEQ)
+    else:
+        measure(bench, bench.shard(), DEFAULT_CONFIG, ROUNDS, SEQ)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=DEFAULT_CONFIG)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(PROJECT_ROOT))
     import numpy as np
 
-    from benchmarks.__main__ import report
     from training.data.indexed import IndexedDatasetWriter
 
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-shard-") as tmp:
-        shard = Path(tmp) / "random"  # what is trained does not change a step's time: random documents will do
+    with standalone("compiled_parallel") as bench:
+        shard = bench.work / "random"  # what is trained does not change a step's time: random documents will do
         rng = np.random.default_rng(0)
         with IndexedDatasetWriter(shard, np.uint16) as writer:
             for _ in range(64):
                 writer.add_document(np.append(rng.integers(4, 4096, size=rng.integers(100, 1000)), 2).astype(np.uint16))
-        run(report, shard, args.config, args.rounds)
+        measure(bench, shard, args.config, args.rounds, SEQ)
     return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and not sys.argv[1].startswith("-"):
+    if len(sys.argv) == 6 and not sys.argv[1].startswith("-"):
         os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")  # before MindSpore loads: single-threaded dispatch
         worker(*sys.argv[1:])
     else:

@@ -19,7 +19,7 @@ micro-batches, with one K/V block = batch × kv groups × s × (k dim + v dim) �
 - Ulysses of u: q, K/V and the output each switch sequence parts for head parts, forward and backward; a
   native all-to-all receives (u−1)/u of each, the CPU one (all-gather, then a pick) u−1 whole tensors, u
   times as much.
-Run as a script by msrun: ``python benchmarks/context_parallel.py OUT SHARD``.
+Run by msrun: ``python -m benchmarks.context_parallel OUT SHARD ROUNDS SEQ``.
 """
 from __future__ import annotations
 
@@ -31,9 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-SEQ = 512
-ROUNDS = 5
+SEQ, ROUNDS = 512, 5
+SMOKE_SEQ, SMOKE_ROUNDS = 64, 1
 # the same global batch of 2 samples, one micro-batch per step: DP 2 reads one sample per rank, CP 2 both (halves)
 CP2 = ["parallelism.context_parallel=2", "training.local_batch_size=2"]
 EAGER = ["fast_step.compile=false"]
@@ -46,23 +49,23 @@ VARIANTS = {"DP 2": ["training.local_batch_size=1"],
             "CP 2 Ulysses, eager": [*CP2, "parallelism.context_parallel_method=ulysses", *EAGER]}
 
 
-def _config(shard: str, overrides: list[str]):
-    sys.path.insert(0, str(PROJECT_ROOT))
+def _config(shard: str, overrides: list[str], rounds: int, seq: int):
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
 
     data = "train_dataset.dataloader.config"
     return load_config(PROJECT_ROOT / "configs/qwen3_tiny.yaml", [
         f"{data}.data_path=[1.0, '{shard}']", f"{data}.eod={SPECIAL_IDS['eos']}", f"{data}.pad={SPECIAL_IDS['pad']}",
-        f"{data}.seq_length={SEQ}", f"model.seq_length={SEQ}", f"{data}.split='100,0,0'",
-        "training.global_batch_size=2", f"training.steps={ROUNDS + 1}",
+        f"{data}.seq_length={seq}", f"model.seq_length={seq}", f"{data}.split='100,0,0'",
+        "training.global_batch_size=2", f"training.steps={rounds + 1}",
         "parallelism.data_parallel_shard_strategy=optim", "checkpoint.enable_save=false", *overrides])
 
 
 def kv_block_bytes(config) -> int:
     """One layer's K/V on one rank: batch × kv groups × this rank's tokens × (k dim + v dim), float32."""
     m = config.model
-    return config.training.local_batch_size * m["num_key_value_heads"] * (SEQ // 2) * 2 * m["head_dim"] * 4
+    seq = config.train_dataset.dataloader.config.seq_length
+    return config.training.local_batch_size * m["num_key_value_heads"] * (seq // 2) * 2 * m["head_dim"] * 4
 
 
 def analytic_bytes(variant: str, config, accumulation: int) -> float:
@@ -77,9 +80,9 @@ def analytic_bytes(variant: str, config, accumulation: int) -> float:
     return per_layer * m["num_hidden_layers"] * accumulation
 
 
-def worker(out: str, shard: str) -> None:
+def worker(out: str, shard: str, rounds: str, seq: str) -> None:
     """One msrun worker: every variant's trainer, their steps alternating round by round."""
-    sys.path.insert(0, str(PROJECT_ROOT))
+    rounds, seq = int(rounds), int(seq)
     import numpy as np
     from mindspore import Tensor
 
@@ -89,7 +92,7 @@ def worker(out: str, shard: str) -> None:
     from training.step import configure_runtime
     from training.trainer import Trainer
 
-    configure_runtime(_config(shard, []))
+    configure_runtime(_config(shard, [], rounds, seq))
     world = init_world()
     received = [0, 0]  # bytes, calls
     gather_list = comm._CpuBackend.gather_list
@@ -99,27 +102,31 @@ def worker(out: str, shard: str) -> None:
         received[1] += 1
         return gather_list(self, x, group)
     comm._CpuBackend.gather_list = counting
-    trainers = {name: Trainer(_config(shard, overrides), world, Path(out) / name, Reporter(None, enabled=False))
+    trainers = {name: Trainer(_config(shard, overrides, rounds, seq), world, Path(out) / name,
+                              Reporter(None, enabled=False))
                 for name, overrides in VARIANTS.items()}
     times = {name: [] for name in VARIANTS}
+    cpu = {name: [] for name in VARIANTS}
     counted = {}
-    for round_ in range(ROUNDS + 1):
+    for round_ in range(rounds + 1):
         for name, trainer in trainers.items():
             received[:] = [0, 0]
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             trainer.train_step()
             if round_:  # the first round compiles kernels
                 times[name].append(time.perf_counter() - started)
+                cpu[name].append(time.process_time() - cpu_started)
             counted[name] = list(received)
     ring = trainers["CP 2 ring"].parallel.context_parallel.ring_group
     block = Tensor(np.zeros(kv_block_bytes(trainers["CP 2 ring"].config) // 4, np.float32))
     gather_s = []
-    for _ in range(ROUNDS * 2):
+    for _ in range(rounds * 2):
         started = time.perf_counter()
         comm.ring_shift(block, ring).asnumpy()
         gather_s.append(time.perf_counter() - started)
     if world.is_main:
-        figures = {name: {"times": times[name], "received": counted[name][0], "collectives": counted[name][1],
+        figures = {name: {"times": times[name], "cpu": cpu[name], "received": counted[name][0],
+                          "collectives": counted[name][1],
                           "analytic": analytic_bytes(name, trainers[name].config, trainers[name].accumulation)
                           if name.startswith("CP") else 0.0}
                    for name in VARIANTS}
@@ -127,13 +134,16 @@ def worker(out: str, shard: str) -> None:
         (Path(out) / "figures.json").write_text(json.dumps(figures))
 
 
-def run(report, shard: Path) -> None:
+def measure(bench: Bench, shard: Path, rounds: int, seq: int) -> None:
     from training.launch import run_on_local_workers
 
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-cp-") as tmp:
-        run_on_local_workers([__file__, tmp, shard], Path(tmp) / "log", 2)
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-cp-") as tmp, LoadWatch(cores=2) as watch:
+        run_on_local_workers(["-m", "benchmarks.context_parallel", tmp, shard, rounds, seq], Path(tmp) / "log", 2)
         figures = json.loads((Path(tmp) / "figures.json").read_text())
-    gather_s = figures.pop("gather_s")
+        gather_s = figures.pop("gather_s")
+        for name, f in figures.items():
+            for seconds in f["cpu"]:
+                watch.cpu(name, seconds)  # rank 0's
     dp = figures["DP 2"]
 
     def paired(name: str, reference: str) -> float:
@@ -141,18 +151,27 @@ def run(report, shard: Path) -> None:
         return statistics.median(a / b for a, b in zip(figures[name]["times"], figures[reference]["times"]))
     for name, f in figures.items():
         step_s = statistics.median(f["times"])
-        report(f"{name} step, {SEQ} tokens", step_s * 1000, "ms", paired(name, "DP 2"), "DP 2's step, paired per round")
+        bench.report(f"{name} step, {seq} tokens", step_s * 1000, "ms", paired(name, "DP 2"),
+                     "DP 2's step, paired per round", watch=watch)
         if name.startswith("CP") and name.endswith("eager"):
-            report(f"{name.removesuffix(', eager')} compiled vs eager", statistics.median(
-                figures[name.removesuffix(", eager")]["times"]) * 1000, "ms", paired(name.removesuffix(", eager"),
-                                                                                    name), "the eager step, paired")
+            compiled = name.removesuffix(", eager")
+            bench.report(f"{compiled} compiled vs eager", statistics.median(figures[compiled]["times"]) * 1000, "ms",
+                         paired(compiled, name), "the eager step, paired", watch=watch)
             attention = f["received"] - dp["received"]
-            report(f"{name} attention bytes per step", attention / 2**20, "MiB per rank",
-                   attention / f["analytic"], "the analytic count")
+            bench.report(f"{name} attention bytes per step", attention / 2**20, "MiB per rank",
+                         attention / f["analytic"], "the analytic count")
             # what the step's extra time is: the attention's collectives at the measured latency of one
             extra = f["collectives"] - dp["collectives"]
-            report(f"{name} attention collectives per step", extra, f"x {gather_s * 1000:.0f} ms",
-                   extra * gather_s / (step_s - statistics.median(dp["times"])), "the step's time over DP's")
+            bench.report(f"{name} attention collectives per step", extra, f"x {gather_s * 1000:.0f} ms",
+                         extra * gather_s / (step_s - statistics.median(dp["times"])), "the step's time over DP's",
+                         watch=watch)
+
+
+def run(bench: Bench) -> None:
+    if bench.smoke:
+        measure(bench, bench.shard(), SMOKE_ROUNDS, SMOKE_SEQ)
+    else:
+        measure(bench, bench.shard(), ROUNDS, SEQ)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench
 from training.data import gpt_dataset
 from training.data.gpt_dataset import BlendedDataset, GPTDataset
 from training.data.indexed import IndexedDataset, IndexedDatasetWriter
@@ -22,7 +23,7 @@ EOD = 1
 VOCAB_SIZE = 32000
 SEQ_LENGTH = 2048
 # The demo run's order of magnitude: ~550 tokens/s at seq_length 128 on 2 CPU cores (about 4.3
-# samples/s). Callers pass the rate they measured.
+# samples/s), for a run in which model_flops did not measure it.
 DEFAULT_CONSUME_SAMPLES_PER_S = 5.0
 
 
@@ -39,49 +40,57 @@ def write_synthetic_corpus(prefix: Path, num_documents: int, mean_tokens: int, s
     return int(ends[-1])
 
 
-def _fetch_rate(dataset: GPTDataset, count: int) -> float:
+def _fetch_rate(watch: LoadWatch, variant: str, dataset: GPTDataset, count: int) -> float:
     ids = np.random.default_rng(1).integers(0, len(dataset), size=count).tolist()
-    started = time.perf_counter()
-    for idx in ids:
-        dataset[idx]
-    return count / (time.perf_counter() - started)
+    return count / watch.time(variant, lambda: [dataset[idx] for idx in ids], count)
 
 
-def run(report, consume_samples_per_s: float = DEFAULT_CONSUME_SAMPLES_PER_S, num_documents: int = 1_000_000,
-        mean_tokens: int = 200, blend_size: int = 10_000_000, fetch_samples: int = 3000) -> None:
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-index-") as tmp:
+def measure(bench: Bench, consume_samples_per_s: float, num_documents: int, mean_tokens: int, blend_size: int,
+            fetch_samples: int) -> None:
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-index-") as tmp, LoadWatch(cores=1) as watch:
         work = Path(tmp)
-        started = time.perf_counter()
-        tokens = write_synthetic_corpus(work / "corpus", num_documents, mean_tokens)
-        seconds = time.perf_counter() - started
-        report(f"write {num_documents / 1e6:g}M docs, add_document", num_documents / seconds, "docs/s")
+        tokens = []
+        seconds = watch.time("write", lambda: tokens.append(
+            write_synthetic_corpus(work / "corpus", num_documents, mean_tokens)), num_documents)
+        writing = num_documents / seconds
 
         # Two and a half epochs: a separate final epoch, as a long run over a small corpus gets.
-        options = dict(seq_length=SEQ_LENGTH, num_samples=int(2.5 * tokens / SEQ_LENGTH), seed=1234, eod_id=EOD,
+        options = dict(seq_length=SEQ_LENGTH, num_samples=int(2.5 * tokens[0] / SEQ_LENGTH), seed=1234, eod_id=EOD,
                        cache_dir=work / "cache")
-        started = time.perf_counter()
-        GPTDataset(IndexedDataset(work / "corpus"), **options)
-        report(f"open + index build, {num_documents / 1e6:g}M docs", 1e3 * (time.perf_counter() - started), "ms")
-        started = time.perf_counter()
-        cached = GPTDataset(IndexedDataset(work / "corpus"), **options)
-        assert cached.loaded_from_cache
-        report("open + index load from cache", 1e3 * (time.perf_counter() - started), "ms")
+        build = watch.time("index build", lambda: GPTDataset(IndexedDataset(work / "corpus"), **options))
+        cached = []
+        load = watch.time("index load", lambda: cached.append(GPTDataset(IndexedDataset(work / "corpus"), **options)))
+        assert cached[0].loaded_from_cache
 
         weights = [0.5, 0.3, 0.2]
-        started = time.perf_counter()
         # The blend only needs its sources' lengths.
-        BlendedDataset([range(blend_size)] * len(weights), weights, blend_size)
-        blend_rate = blend_size / (time.perf_counter() - started)
-        loop_steps = blend_size // 10
-        started = time.perf_counter()
-        gpt_dataset._greedy_steps(gpt_dataset._normalize(weights), 0, [0] * len(weights), loop_steps)
-        loop_rate = loop_steps / (time.perf_counter() - started)
-        report(f"blend index, {blend_size / 1e6:g}M, 3 sources", blend_rate, "samples/s",
-               blend_rate / loop_rate, "scalar greedy loop")
+        blend_rate = blend_size / watch.time(
+            "blend", lambda: BlendedDataset([range(blend_size)] * len(weights), weights, blend_size), blend_size)
+        loop_steps = max(1, blend_size // 10)
+        loop_rate = loop_steps / watch.time("scalar loop", lambda: gpt_dataset._greedy_steps(
+            gpt_dataset._normalize(weights), 0, [0] * len(weights), loop_steps), loop_steps)
 
+        fetch_rates = {}
         for label, extra in (("", {}), (" + EOD options",
                                         dict(reset_position_ids=True, eod_mask_loss=True,
                                              create_compressed_eod_mask=True))):
-            rate = _fetch_rate(GPTDataset(IndexedDataset(work / "corpus"), **options, **extra), fetch_samples)
-            report(f"fetch, seq {SEQ_LENGTH}{label}", rate, "samples/s", rate / consume_samples_per_s,
-                   "training consumption")
+            dataset = GPTDataset(IndexedDataset(work / "corpus"), **options, **extra)
+            fetch_rates[label] = _fetch_rate(watch, f"fetch{label}", dataset, fetch_samples)
+    bench.report(f"write {num_documents / 1e6:g}M docs, add_document", writing, "docs/s", watch=watch)
+    bench.report(f"open + index build, {num_documents / 1e6:g}M docs", 1e3 * build, "ms", watch=watch)
+    bench.report("open + index load from cache", 1e3 * load, "ms", watch=watch)
+    bench.report(f"blend index, {blend_size / 1e6:g}M, 3 sources", blend_rate, "samples/s", blend_rate / loop_rate,
+                 "scalar greedy loop", watch=watch)
+    for label, rate in fetch_rates.items():
+        bench.report(f"fetch, seq {SEQ_LENGTH}{label}", rate, "samples/s", rate / consume_samples_per_s,
+                     "training consumption", watch=watch)
+
+
+def run(bench: Bench) -> None:
+    # what the model_flops benchmark measured qwen3_tiny training at, if it ran before in this run
+    tokens_per_s = bench.recorded("model_flops", "qwen3_tiny tokens/s, 1 process")
+    consume = tokens_per_s / SEQ_LENGTH if tokens_per_s else DEFAULT_CONSUME_SAMPLES_PER_S
+    if bench.smoke:
+        measure(bench, consume, num_documents=2_000, mean_tokens=200, blend_size=20_000, fetch_samples=50)
+    else:
+        measure(bench, consume, num_documents=1_000_000, mean_tokens=200, blend_size=10_000_000, fetch_samples=3000)

@@ -20,7 +20,7 @@ rows_sent_away``); the combine returns as many rows, and the backward sends the 
 same way, so the step moves 4 × rows × hidden × 4 bytes. The analytic count assumes uniform routing: each
 MoE layer of each micro-batch sends (tokens · top_k + experts, the safe tokens) · (ep − 1)/ep rows away. (On
 CPU the all-to-all is built from an all-gather, which moves ep × the longest rank's rows instead: that is the
-backend's cost, not the dispatch's.) Run as a script by msrun: ``python benchmarks/expert_parallel.py OUT SHARD``.
+backend's cost, not the dispatch's.) Run by msrun: ``python -m benchmarks.expert_parallel OUT SHARD ROUNDS``.
 """
 from __future__ import annotations
 
@@ -31,18 +31,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EP2 = "parallelism.expert_parallel=2"
 ZERO1 = "parallelism.data_parallel_shard_strategy=optim"
 EAGER = "fast_step.compile=false"  # the all-to-all dispatch, whose rows the byte count reads
 LAYOUTS = {"DP": [EAGER], "EP2": [EP2, EAGER], "EP2 ZeRO-1 eager": [EP2, ZERO1, EAGER],
            "EP2 ZeRO-1 compiled": [EP2, ZERO1, "fast_step.compile=true"]}
-ROUNDS = 4
+ROUNDS, SMOKE_ROUNDS = 4, 1
 BYTES_PER_VALUE = 4  # float32 activations
 
 
-def _config(shard: str, overrides: list[str]):
-    sys.path.insert(0, str(PROJECT_ROOT))
+def _config(shard: str, overrides: list[str], rounds: int):
     from benchmarks import blend_settings
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
@@ -51,7 +53,7 @@ def _config(shard: str, overrides: list[str]):
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
         f"train_dataset.dataloader.config.eod={SPECIAL_IDS['eos']}",
         f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(),
-        f"training.steps={ROUNDS + 1}", "checkpoint.enable_save=false", *overrides])
+        f"training.steps={rounds + 1}", "checkpoint.enable_save=false", *overrides])
 
 
 def _dispatchers(trainer) -> list:
@@ -97,28 +99,31 @@ def _transport_times(group, tokens: int, hidden: int, top_k: int, repeats: int) 
             "padded all-to-all": timed(PaddedAllToAllTransport(), ones(group.size * tokens * top_k, hidden))}
 
 
-def worker(out: str, shard: str) -> None:
-    """One msrun worker: both layouts, a step of each in turn."""
-    sys.path.insert(0, str(PROJECT_ROOT))
+def worker(out: str, shard: str, rounds: str) -> None:
+    """One msrun worker: the layouts, a step of each in turn; the first step of each dropped."""
+    rounds = int(rounds)
     from training.parallel.mesh import init_world
     from training.reporting import Reporter
     from training.step import configure_runtime
     from training.trainer import Trainer
 
-    configure_runtime(_config(shard, []))
+    configure_runtime(_config(shard, [], rounds))
     world = init_world()
-    trainers = {name: Trainer(_config(shard, overrides), world, Path(out) / name, Reporter(None, enabled=False))
+    trainers = {name: Trainer(_config(shard, overrides, rounds), world, Path(out) / name,
+                              Reporter(None, enabled=False))
                 for name, overrides in LAYOUTS.items()}
     times = {name: [] for name in LAYOUTS}
+    cpu = {name: [] for name in LAYOUTS}
     rows_away = []
-    for _ in range(ROUNDS + 1):
+    for _ in range(rounds + 1):
         for name, trainer in trainers.items():
             dispatchers = _dispatchers(trainer)
             for d in dispatchers:
                 d.rows_sent_away = 0
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             trainer.train_step()
             times[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() - cpu_started)
             if name == "EP2":
                 rows_away.append(sum(d.rows_sent_away for d in dispatchers))
     ep = trainers["EP2"]
@@ -129,8 +134,9 @@ def worker(out: str, shard: str) -> None:
     uniform_rows = ep.accumulation * moe_layers * (tokens * layer.top_k + layer.num_experts) * (dims.ep - 1) / dims.ep
     step_bytes = 4 * ep.model.config.hidden_size * BYTES_PER_VALUE  # dispatch + combine, forward + backward
     compiled, eager = times["EP2 ZeRO-1 compiled"][1:], times["EP2 ZeRO-1 eager"][1:]
-    transport = _transport_times(ep.mesh.group("ep"), tokens, ep.model.config.hidden_size, layer.top_k, 2 * ROUNDS)
+    transport = _transport_times(ep.mesh.group("ep"), tokens, ep.model.config.hidden_size, layer.top_k, 2 * rounds)
     figures = {"step_s": {name: statistics.median(t[1:]) for name, t in times.items()},
+               "cpu_s": {name: statistics.median(c[1:]) for name, c in cpu.items()},
                "compiled_speed": statistics.median(e / c for e, c in zip(eager, compiled)),
                "modes": {name: trainer.step_mode for name, trainer in trainers.items()}, "transport_s": transport,
                "bytes": statistics.mean(rows_away) * step_bytes, "analytic_bytes": uniform_rows * step_bytes}
@@ -138,24 +144,30 @@ def worker(out: str, shard: str) -> None:
         (Path(out) / "expert_parallel.json").write_text(json.dumps(figures))
 
 
-def run(report, shard: Path) -> None:
+def measure(bench: Bench, shard: Path, rounds: int) -> None:
     from training.launch import run_on_local_workers
 
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-ep-") as tmp:
-        run_on_local_workers([__file__, tmp, shard], Path(tmp) / "log", 2)
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-ep-") as tmp, LoadWatch(cores=2) as watch:
+        run_on_local_workers(["-m", "benchmarks.expert_parallel", tmp, shard, rounds], Path(tmp) / "log", 2)
         figures = json.loads((Path(tmp) / "expert_parallel.json").read_text())
+        for name, seconds in figures["cpu_s"].items():
+            watch.cpu(name, seconds)  # rank 0's
     step = figures["step_s"]
-    report("EP2 step, 2 ranks", step["EP2"] * 1000, "ms", step["EP2"] / step["DP"], "DP's step")
-    report("EP2 all-to-all per step", figures["bytes"] / 2**20, "MiB per rank",
-           figures["bytes"] / figures["analytic_bytes"], "uniform-routing count")
+    bench.report("EP2 step, 2 ranks", step["EP2"] * 1000, "ms", step["EP2"] / step["DP"], "DP's step", watch=watch)
+    bench.report("EP2 all-to-all per step", figures["bytes"] / 2**20, "MiB per rank",
+                 figures["bytes"] / figures["analytic_bytes"], "uniform-routing count")
     for name in ("EP2 ZeRO-1 eager", "EP2 ZeRO-1 compiled"):
         print(f"  {name}: {figures['modes'][name][:150]}")
-    report("EP2 ZeRO-1 compiled step", step["EP2 ZeRO-1 compiled"] * 1000, "ms", figures["compiled_speed"],
-           "EP2 ZeRO-1 eager's speed, paired per round")
+    bench.report("EP2 ZeRO-1 compiled step", step["EP2 ZeRO-1 compiled"] * 1000, "ms", figures["compiled_speed"],
+                 "EP2 ZeRO-1 eager's speed, paired per round", watch=watch)
     transport = figures["transport_s"]
     for name, seconds in transport.items():
-        report(f"one MoE layer's transport in a graph, {name}", seconds * 1000, "ms", seconds / transport["all-gather"],
-               "the all-gather dispatch's")
+        bench.report(f"one MoE layer's transport in a graph, {name}", seconds * 1000, "ms",
+                     seconds / transport["all-gather"], "the all-gather dispatch's", watch=watch)
+
+
+def run(bench: Bench) -> None:
+    measure(bench, bench.shard(), SMOKE_ROUNDS if bench.smoke else ROUNDS)
 
 
 if __name__ == "__main__":

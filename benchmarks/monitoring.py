@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import blend_settings
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench, standalone
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = {"local_norm": "true", "device_norm": "true", "param_norm": "true", "local_loss": "true",
@@ -51,7 +53,7 @@ def _trainer(shard: Path, work: Path, name: str, options: dict[str, str], steps:
     return Trainer(config, World(rank=0, size=1), work / name, Reporter(None, enabled=False))
 
 
-def _hook_seconds(trainer, repeats: int = 20) -> float:
+def _hook_seconds(trainer, repeats: int) -> float:
     """Seconds per step spent in the monitoring code of ``trainer`` (all options on): a step's
     per-micro-batch hooks and its record, plus the max-logit reductions on attention scores."""
     from mindspore import Tensor
@@ -74,7 +76,7 @@ def _hook_seconds(trainer, repeats: int = 20) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def run(report, rounds: int = 30) -> None:
+def measure(bench: Bench, rounds: int) -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-monitor-") as tmp:
         work = Path(tmp)
         shard = _random_shard(work / "random", vocab_size=4096)
@@ -85,22 +87,26 @@ def run(report, rounds: int = 30) -> None:
         for trainer in trainers.values():
             trainer.train_step()  # the first step compiles kernels
         order = list(trainers)
-        for _ in range(rounds):
-            for name in order:
-                started = time.perf_counter()
-                trainers[name].train_step()
-                times[name].append(time.perf_counter() - started)
-            order.reverse()
-        report("step, monitoring off (median)", 1e3 * statistics.median(times["off"]), "ms")
-        ratio = statistics.median(on / off for on, off in zip(times["on"], times["off"]))
-        report("step, all train_state options on", 1e3 * statistics.median(times["on"]), "ms", ratio,
-               "off, paired per round")
-        hooks = _hook_seconds(trainers["on"])
-        report("  monitoring code alone, per step", 1e3 * hooks, "ms", hooks / statistics.median(times["off"]),
-               "off step")
+        with LoadWatch() as watch:
+            for _ in range(rounds):
+                for name in order:
+                    times[name].append(watch.time(f"monitoring {name}", trainers[name].train_step))
+                order.reverse()
+            hook_seconds = []
+            watch.time("monitoring code alone", lambda: hook_seconds.append(_hook_seconds(trainers["on"], rounds)))
+    hooks = hook_seconds[0]
+    bench.report("step, monitoring off (median)", 1e3 * statistics.median(times["off"]), "ms", watch=watch)
+    ratio = statistics.median(on / off for on, off in zip(times["on"], times["off"]))
+    bench.report("step, all train_state options on", 1e3 * statistics.median(times["on"]), "ms", ratio,
+                 "off, paired per round", watch=watch)
+    bench.report("  monitoring code alone, per step", 1e3 * hooks, "ms", hooks / statistics.median(times["off"]),
+                 "off step", watch=watch)
+
+
+def run(bench: Bench) -> None:
+    measure(bench, rounds=2 if bench.smoke else 30)
 
 
 if __name__ == "__main__":
-    from benchmarks.__main__ import report
-
-    run(report)
+    with standalone("monitoring") as bench:
+        measure(bench, rounds=30)

@@ -7,7 +7,7 @@ DP's at the same world size (ZeRO-3 at N ranks should hold about 1/N of each), a
 against DP's. ZeRO-2's reduce-scatter runs after the backward here, so its gradients are whole until then, as
 ZeRO-1's; only ZeRO-3's backward yields chunks. "ZeRO-3 never" keeps each unit's gathered weights until its
 backward instead of gathering them again there: its step time shows what re-gathering costs. Run as a script by msrun:
-``python benchmarks/parallel_memory.py OUT SHARD``.
+``python -m benchmarks.parallel_memory OUT SHARD STEPS``.
 """
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = {"DP": ["parallelism.data_parallel_shard=1"],
@@ -31,10 +34,11 @@ WIDER = ["model.hidden_size=256", "model.intermediate_size=768", "model.num_hidd
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "training.local_batch_size=1",
          "training.global_batch_size=4"]
 STEPS = 4
+WORLDS = (1, 2, 4)
+SMOKE_STEPS, SMOKE_WORLDS = 2, (1, 2)
 
 
-def _config(shard: str, overrides: list[str]):
-    sys.path.insert(0, str(PROJECT_ROOT))
+def _config(shard: str, overrides: list[str], steps: int = STEPS):
     from benchmarks import blend_settings
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
@@ -43,11 +47,11 @@ def _config(shard: str, overrides: list[str]):
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
         f"train_dataset.dataloader.config.eod={SPECIAL_IDS['eos']}",
         f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(), *WIDER,
-        f"training.steps={STEPS}", "checkpoint.enable_save=false", *overrides])
+        f"training.steps={steps}", "checkpoint.enable_save=false", *overrides])
 
 
-def _measure(trainer) -> dict:
-    """Train a few steps; the bytes this rank holds and the step times."""
+def _measure(trainer, steps: int) -> dict:
+    """Train ``steps`` steps; the bytes this rank holds, the median step time and CPU seconds after the first."""
     reduce = trainer.parallel.reduce_gradients
     held = {}
 
@@ -56,19 +60,19 @@ def _measure(trainer) -> dict:
         held["gradients"] = max(sum(int(g.nbytes) for g in gs) for gs in (grads, reduced))
         return reduced
     trainer.parallel.reduce_gradients = keep
-    times = []
-    for _ in range(STEPS):
-        started = time.perf_counter()
+    times, cpu = [], []
+    for _ in range(steps):
+        started, cpu_started = time.perf_counter(), time.process_time()
         trainer.train_step()
         times.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - cpu_started)
     return {"weights": sum(int(p.nbytes) for p in trainer.params), "gradients": held["gradients"],
             "optimizer": sum(a.nbytes for a in trainer.optimizer.state_dict().values()),
-            "step_s": statistics.median(times[1:])}
+            "step_s": statistics.median(times[1:]), "cpu_s": statistics.median(cpu[1:])}
 
 
-def worker(out: str, shard: str) -> None:
+def worker(out: str, shard: str, steps: str) -> None:
     """One msrun worker (or a single process): every strategy in turn."""
-    sys.path.insert(0, str(PROJECT_ROOT))
     from training.parallel.mesh import init_world
     from training.reporting import Reporter
     from training.step import configure_runtime
@@ -78,29 +82,41 @@ def worker(out: str, shard: str) -> None:
     world = init_world()
     figures = {}
     for name, overrides in STRATEGIES.items():
-        trainer = Trainer(_config(shard, overrides), world, Path(out) / name, Reporter(None, enabled=False))
-        figures[name] = _measure(trainer)
+        trainer = Trainer(_config(shard, overrides, int(steps)), world, Path(out) / name,
+                          Reporter(None, enabled=False))
+        figures[name] = _measure(trainer, int(steps))
     if world.is_main:
         (Path(out) / f"world{world.size}.json").write_text(json.dumps(figures))
 
 
-def run(report, shard: Path) -> None:
+def measure(bench: Bench, shard: Path, worlds, steps: int) -> None:
     from training.launch import run_on_local_workers
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-parallel-") as tmp:
-        for world in (1, 2, 4):
-            if world == 1:
-                subprocess.run([sys.executable, __file__, tmp, str(shard)], check=True, cwd=PROJECT_ROOT)
-            else:
-                run_on_local_workers([__file__, tmp, shard], Path(tmp) / f"log{world}", world)
-            figures = json.loads((Path(tmp) / f"world{world}.json").read_text())
+        for world in worlds:
+            command = ["-m", "benchmarks.parallel_memory", tmp, str(shard), str(steps)]
+            with LoadWatch(cores=world) as watch:
+                if world == 1:
+                    subprocess.run([sys.executable, *command], check=True, cwd=PROJECT_ROOT)
+                else:
+                    run_on_local_workers(command, Path(tmp) / f"log{world}", world)
+                figures = json.loads((Path(tmp) / f"world{world}.json").read_text())
+                for name, f in figures.items():
+                    watch.cpu(name, f["cpu_s"])  # rank 0's
             dp = figures["DP"]
             for name, f in figures.items():
-                for kind in ("weights", "gradients", "optimizer"):
-                    report(f"{name} {kind}, {world} rank(s)", f[kind] / 2**20, "MiB per rank", f[kind] / dp[kind],
-                           "DP's")
-                report(f"{name} step, {world} rank(s)", f["step_s"] * 1000, "ms", f["step_s"] / dp["step_s"],
-                       "DP's step")
+                for kind in ("weights", "gradients", "optimizer"):  # bytes: the load does not move them
+                    bench.report(f"{name} {kind}, {world} rank(s)", f[kind] / 2**20, "MiB per rank",
+                                 f[kind] / dp[kind], "DP's")
+                bench.report(f"{name} step, {world} rank(s)", f["step_s"] * 1000, "ms", f["step_s"] / dp["step_s"],
+                             "DP's step", watch=watch)
+
+
+def run(bench: Bench) -> None:
+    if bench.smoke:
+        measure(bench, bench.shard(), SMOKE_WORLDS, SMOKE_STEPS)
+    else:
+        measure(bench, bench.shard(), WORLDS, STEPS)
 
 
 if __name__ == "__main__":

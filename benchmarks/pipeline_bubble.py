@@ -20,7 +20,7 @@ in turn, round by round, so the machine's load falls on all alike. Per schedule:
 - step time against DP2 (ZeRO-1, the same global batch as 4 accumulated micro-batches per rank), whose trainer
   takes its steps in the same rounds; median over the rounds after the first.
 
-Run as a script by msrun: ``python benchmarks/pipeline_bubble.py OUT SHARD``.
+Run by msrun: ``python -m benchmarks.pipeline_bubble OUT SHARD ROUNDS MICRO_BATCHES``.
 """
 from __future__ import annotations
 
@@ -31,44 +31,49 @@ import tempfile
 import time
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench
+
 PP, MICRO_BATCHES = 2, 8
+ROUNDS = 4
+SMOKE_ROUNDS, SMOKE_MICRO_BATCHES = 2, 4
 SCHEDULES = {"gpipe": (["parallelism.pipeline_parallel_schedule=gpipe"], 1),
              "1f1b": (["parallelism.pipeline_parallel_schedule=1f1b"], 1),
              "interleaved_1f1b": (["parallelism.pipeline_parallel_schedule=interleaved_1f1b",
                                    "parallelism.pipeline_parallel_interleave_num=2"], 2)}
-# parallel_memory's widened qwen3_tiny, 8 micro-batches of one sample per step, 2 stages
-PIPELINE = [f"training.global_batch_size={MICRO_BATCHES}", "training.local_batch_size=1",
-            f"parallelism.pipeline_parallel={PP}"]
 DATA_PARALLEL = ["parallelism.pipeline_parallel=1", "parallelism.data_parallel_shard_strategy=optim"]
-ROUNDS = 4
 
 
-def _config(shard: str, overrides: list[str]):
+def _config(shard: str, overrides: list[str], rounds: int, micro_batches: int):
+    """parallel_memory's widened qwen3_tiny, ``micro_batches`` micro-batches of one sample per step, 2 stages."""
     from benchmarks.parallel_memory import _config as widened_tiny
 
-    return widened_tiny(shard, [*PIPELINE, f"training.steps={ROUNDS}", *overrides])
+    return widened_tiny(shard, [f"training.global_batch_size={micro_batches}", "training.local_batch_size=1",
+                                f"parallelism.pipeline_parallel={PP}", *overrides], rounds)
 
 
-def worker(out: str, shard: str) -> None:
+def worker(out: str, shard: str, rounds: str, micro_batches: str) -> None:
     """One msrun worker: the schedules' trainers, a step of each in turn per round; this rank's figures."""
-    sys.path.insert(0, str(PROJECT_ROOT))
+    rounds, micro_batches = int(rounds), int(micro_batches)
     from training.parallel.mesh import init_world
     from training.reporting import Reporter
     from training.step import configure_runtime
     from training.trainer import Trainer
 
-    configure_runtime(_config(shard, []))
+    configure_runtime(_config(shard, [], rounds, micro_batches))
     world = init_world()
     arms = {name: overrides for name, (overrides, _) in SCHEDULES.items()} | {"dp": DATA_PARALLEL}
-    trainers = {name: Trainer(_config(shard, overrides), world, Path(out) / name, Reporter(None, enabled=False))
+    trainers = {name: Trainer(_config(shard, overrides, rounds, micro_batches), world, Path(out) / name,
+                              Reporter(None, enabled=False))
                 for name, overrides in arms.items()}
-    figures = {name: {"idle": [], "in_flight": 0, "kept_bytes": 0, "sent_bytes": 0, "step_s": []} for name in arms}
-    for _ in range(ROUNDS):
+    figures = {name: {"idle": [], "in_flight": 0, "kept_bytes": 0, "sent_bytes": 0, "step_s": [], "cpu_s": []}
+               for name in arms}
+    for _ in range(rounds):
         for name, trainer in trainers.items():
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             trainer.train_step()
             figures[name]["step_s"].append(time.perf_counter() - started)
+            figures[name]["cpu_s"].append(time.process_time() - cpu_started)
             if trainer.parallel.pipeline is None:
                 continue
             result = trainer.parallel.pipeline.last_result
@@ -81,33 +86,45 @@ def worker(out: str, shard: str) -> None:
     (Path(out) / f"rank{world.rank}.json").write_text(json.dumps(figures))
 
 
-def run(report, shard: Path) -> None:
+def measure(bench: Bench, shard: Path, rounds: int, micro_batches: int) -> None:
     from training.launch import run_on_local_workers
     from training.parallel.pipeline import analytic_bubble
 
-    with tempfile.TemporaryDirectory(prefix="kiln-bench-pipeline-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-pipeline-") as tmp, LoadWatch(cores=PP) as watch:
         # synchronous dispatch (the launch's default, as training.run's): with MindSpore's threaded dispatch a transfer
         # returns before it completes and the wait for the other stage is charged to the next computation (0.6% idle)
-        run_on_local_workers([__file__, tmp, shard], Path(tmp) / "log", PP)
+        run_on_local_workers(["-m", "benchmarks.pipeline_bubble", tmp, shard, rounds, micro_batches], Path(tmp) / "log",
+                             PP)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(PP)]
-        shape = ranks[0]["shape"]
-        dp_step = statistics.median(max(r["dp"]["step_s"][i] for r in ranks) for i in range(1, ROUNDS))
-        for name, (_, interleave) in SCHEDULES.items():
-            step = statistics.median(max(r[name]["step_s"][i] for r in ranks) for i in range(1, ROUNDS))
-            report(f"pipeline {name} step (pp {PP})", step, "s", step / dp_step, "DP2 (ZeRO-1) on the same workers")
-            sent = sum(r[name]["sent_bytes"] for r in ranks)
-            analytic = 2 * MICRO_BATCHES * (interleave * PP - 1) * shape["batch"] * shape["seq"] * shape["hidden"] * 4
-            report(f"pipeline {name} sent between stages per step", sent / 2**20, "MiB", sent / analytic,
-                   "the analytic count")
-            measured = statistics.mean(statistics.median(r[name]["idle"][1:]) for r in ranks)
-            analytic = analytic_bubble(PP, MICRO_BATCHES, interleave)
-            report(f"pipeline {name} bubble (pp {PP}, {MICRO_BATCHES} micro-batches)", measured * 100, "% idle",
-                   measured / analytic, f"the analytic {analytic:.1%}")
-            for rank, figures in enumerate(ranks):
-                in_flight = figures[name]["in_flight"]
-                report(f"pipeline {name} stage {rank} keeps", figures[name]["kept_bytes"] / 2**20,
-                       f"MiB of hidden states ({in_flight} micro-batches in flight)", in_flight / MICRO_BATCHES,
-                       "all micro-batches")
+        for name in [*SCHEDULES, "dp"]:  # the ranks' CPU seconds per step, summed, after the first round
+            for i in range(1, rounds):
+                watch.cpu(name, sum(r[name]["cpu_s"][i] for r in ranks))
+    shape = ranks[0]["shape"]
+    dp_step = statistics.median(max(r["dp"]["step_s"][i] for r in ranks) for i in range(1, rounds))
+    for name, (_, interleave) in SCHEDULES.items():
+        step = statistics.median(max(r[name]["step_s"][i] for r in ranks) for i in range(1, rounds))
+        bench.report(f"pipeline {name} step (pp {PP})", step, "s", step / dp_step, "DP2 (ZeRO-1) on the same workers",
+                     watch=watch)
+        sent = sum(r[name]["sent_bytes"] for r in ranks)
+        analytic = 2 * micro_batches * (interleave * PP - 1) * shape["batch"] * shape["seq"] * shape["hidden"] * 4
+        bench.report(f"pipeline {name} sent between stages per step", sent / 2**20, "MiB", sent / analytic,
+                     "the analytic count")
+        measured = statistics.mean(statistics.median(r[name]["idle"][1:]) for r in ranks)
+        analytic = analytic_bubble(PP, micro_batches, interleave)
+        bench.report(f"pipeline {name} bubble (pp {PP}, {micro_batches} micro-batches)", measured * 100, "% idle",
+                     measured / analytic, f"the analytic {analytic:.1%}", watch=watch)
+        for rank, figures in enumerate(ranks):
+            in_flight = figures[name]["in_flight"]
+            bench.report(f"pipeline {name} stage {rank} keeps", figures[name]["kept_bytes"] / 2**20,
+                         f"MiB of hidden states ({in_flight} micro-batches in flight)", in_flight / micro_batches,
+                         "all micro-batches")
+
+
+def run(bench: Bench) -> None:
+    if bench.smoke:
+        measure(bench, bench.shard(), SMOKE_ROUNDS, SMOKE_MICRO_BATCHES)
+    else:
+        measure(bench, bench.shard(), ROUNDS, MICRO_BATCHES)
 
 
 if __name__ == "__main__":

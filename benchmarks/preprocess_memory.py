@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.suite import Bench, standalone
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -88,26 +90,20 @@ def run_preprocess(corpus: Path, model: Path, out: Path) -> tuple[float, int, in
     return seconds, peak_anon, peak_file, output.splitlines()[0]
 
 
-def main(argv=None) -> int:
+def measure(bench: Bench, corpus_gib: float, reference_mib: float, work: Path, source_bytes: int,
+            sample_lines: int) -> None:
     from assets.builtin_corpus import write_builtin_source
     from resources.tokenizer import TokenizerSettings
     from training.data.corpus import iter_texts
 
-    ram = ram_bytes()
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.preprocess_memory", description=__doc__)
-    parser.add_argument("--corpus-gib", type=float, default=ram / 4 * 1.05 / 2**30)
-    # past workers x TASKS_PER_WORKER x MAX_CHUNK_BYTES (512 MiB with 2 workers) tasks stop growing with the corpus
-    parser.add_argument("--reference-mib", type=float, default=600)
-    parser.add_argument("--work", help="directory for the corpus and shards (default: a temporary one)")
-    args = parser.parse_args(argv)
-    work = Path(args.work or tempfile.mkdtemp(prefix="kiln-preprocess-memory-"))
-    source = write_builtin_source("python_stdlib_code", work / "source", 64 << 20)
-    settings = TokenizerSettings(vocab_size=4096, sample_lines=50_000)
+    source = write_builtin_source("python_stdlib_code", work / "source", source_bytes)
+    settings = TokenizerSettings(vocab_size=4096, sample_lines=sample_lines)
     settings.train((text for path in source for text in iter_texts(path)), work / "tokenizer")
-    print(f"RAM {ram / 2**30:.1f} GiB; corpus {args.corpus_gib:.2f} GiB vs reference {args.reference_mib:.0f} MiB; "
+    ram = ram_bytes()
+    print(f"RAM {ram / 2**30:.1f} GiB; corpus {corpus_gib:.2f} GiB vs reference {reference_mib:.0f} MiB; "
           f"2 workers; {work}", flush=True)
     figures = {}
-    for name, size in (("reference", int(args.reference_mib * 2**20)), ("large", int(args.corpus_gib * 2**30))):
+    for name, size in (("reference", int(reference_mib * 2**20)), ("large", int(corpus_gib * 2**30))):
         corpus = work / f"{name}.jsonl"
         written = write_corpus(corpus, source, size)
         seconds, peak, peak_file, summary = run_preprocess(corpus, work / "tokenizer.model", work / name)
@@ -115,12 +111,33 @@ def main(argv=None) -> int:
         print(f"{name:<9} {written / 2**30:6.2f} GiB in {seconds:5.0f} s: peak anonymous RSS {peak / 2**20:5.0f} MiB "
               f"({peak / written:.4f} × corpus, {peak / ram:.4f} × RAM), file-backed {peak_file / 2**20:.0f} MiB; "
               f"{summary}", flush=True)
+        bench.report(f"kiln preprocess peak anonymous RSS, {written / 2**30:.2f} GiB", peak / 2**20, "MiB")
         corpus.unlink()
         for shard in work.glob(f"{name}_*"):
             shard.unlink()
-    ratio = figures["large"] / figures["reference"]
-    print(f"peak anonymous RSS, large corpus vs reference: {ratio:.2f} ×", flush=True)
-    shutil.rmtree(work, ignore_errors=True)
+    bench.report("peak anonymous RSS, large corpus", figures["large"] / 2**20, "MiB",
+                 figures["large"] / figures["reference"], "the reference corpus's (bounded: near 1)")
+
+
+def run(bench: Bench) -> None:
+    if bench.smoke:
+        measure(bench, 8 / 1024, 2, bench.work / "preprocess_memory", 2 << 20, 5_000)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kiln-preprocess-memory-") as tmp:
+            measure(bench, ram_bytes() / 4 * 1.05 / 2**30, 600, Path(tmp), 64 << 20, 50_000)
+
+
+def main(argv=None) -> int:
+    ram = ram_bytes()
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.preprocess_memory", description=__doc__)
+    parser.add_argument("--corpus-gib", type=float, default=ram / 4 * 1.05 / 2**30)
+    # past workers x TASKS_PER_WORKER x MAX_CHUNK_BYTES (512 MiB with 2 workers) tasks stop growing with the corpus
+    parser.add_argument("--reference-mib", type=float, default=600)
+    parser.add_argument("--work", help="directory for the corpus and shards (default: a temporary one)")
+    args = parser.parse_args(argv)
+    with standalone("preprocess_memory") as bench:
+        measure(bench, args.corpus_gib, args.reference_mib, Path(args.work) if args.work else bench.work,
+                64 << 20, 50_000)
     return 0
 
 

@@ -10,27 +10,28 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
+from benchmarks.contention import LoadWatch
 from benchmarks.monitoring import _random_shard, _trainer
+from benchmarks.suite import Bench, at_most, standalone
 
 EVAL_INTERVAL, EVAL_ITERS = 50, 10
 
 
-def run(report, rounds: int = 6) -> None:
+def measure(bench: Bench, rounds: int, eval_iters: int) -> None:
     from training.evaluation import Validation
     from training.step import compile_blockers
     from training.train_state import micro_batch_indices
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-validation-") as tmp:
         work = Path(tmp)
-        # enough documents that the default split's 2% holds EVAL_ITERS global batches of validation samples
-        shard = _random_shard(work / "random", vocab_size=4096, documents=6000)
+        # enough documents that the default split's 2% holds eval_iters global batches of validation samples
+        shard = _random_shard(work / "random", vocab_size=4096, documents=600 * eval_iters)
         trainer = _trainer(shard, work, "run", {}, rounds + 1)
         config = trainer.config
         config = dataclasses.replace(config, kiln=dataclasses.replace(config.kiln, training=dataclasses.replace(
-            config.kiln.training, eval_interval=EVAL_INTERVAL, eval_iters=EVAL_ITERS)))
+            config.kiln.training, eval_interval=EVAL_INTERVAL, eval_iters=eval_iters)))
         validation = Validation(config, trainer.model, trainer.collectives, accumulation=trainer.accumulation,
                                 use_positions=trainer.use_positions, vocab_size=trainer.model.config.vocab_size,
                                 sample_indices=lambda first, micro: micro_batch_indices(
@@ -39,21 +40,26 @@ def run(report, rounds: int = 6) -> None:
         trainer.train_step()  # the first step compiles kernels
         validation.evaluate(1)  # and the first evaluation its forward's
         steps, evaluations = [], []
-        for round_index in range(rounds):
-            for kind in (("step", "eval") if round_index % 2 == 0 else ("eval", "step")):
-                started = time.perf_counter()
-                trainer.train_step() if kind == "step" else validation.evaluate(trainer.step)
-                (steps if kind == "step" else evaluations).append(time.perf_counter() - started)
-        step, evaluation = statistics.median(steps), statistics.median(evaluations)
-        report("training step (median)", 1e3 * step, "ms")
-        report(f"validation, {EVAL_ITERS} global batches (median)", 1e3 * evaluation, "ms",
-               evaluation / step, "training step, paired per round")
-        overhead = statistics.median(e / (EVAL_INTERVAL * s) for e, s in zip(evaluations, steps))
-        report(f"validation overhead at eval_interval {EVAL_INTERVAL}, eval_iters {EVAL_ITERS}", 100 * overhead,
-               "% of training time", overhead / 0.05, "the 5% target")
+        with LoadWatch() as watch:
+            for round_index in range(rounds):
+                for kind in (("step", "eval") if round_index % 2 == 0 else ("eval", "step")):
+                    if kind == "step":
+                        steps.append(watch.time("training step", trainer.train_step))
+                    else:
+                        evaluations.append(watch.time("evaluation", lambda: validation.evaluate(trainer.step)))
+    step, evaluation = statistics.median(steps), statistics.median(evaluations)
+    bench.report("training step (median)", 1e3 * step, "ms", watch=watch)
+    bench.report(f"validation, {eval_iters} global batches (median)", 1e3 * evaluation, "ms",
+                 evaluation / step, "training step, paired per round", watch=watch)
+    overhead = statistics.median(e / (EVAL_INTERVAL * s) for e, s in zip(evaluations, steps))
+    bench.report(f"validation overhead at eval_interval {EVAL_INTERVAL}, eval_iters {eval_iters}", 100 * overhead,
+                 "% of training time", target=at_most(5.0, of="value"), watch=watch)
+
+
+def run(bench: Bench) -> None:
+    measure(bench, rounds=1 if bench.smoke else 6, eval_iters=2 if bench.smoke else EVAL_ITERS)
 
 
 if __name__ == "__main__":
-    from benchmarks.__main__ import report
-
-    run(report)
+    with standalone("validation") as bench:
+        measure(bench, rounds=6, eval_iters=EVAL_ITERS)

@@ -88,11 +88,19 @@ def assert_resumes_as_one_process(config, run_dir: Path, step: int, single: list
 
 
 def pytest_collection_modifyitems(items):
-    """The slow files (those that launch msrun, a Dagster webserver or a browser) run first. `make test` runs the
-    files on two pytest-xdist workers, each file whole on one of them; a long file started last would leave a core
-    idle at the end."""
-    slow = {item.path for item in items if any(item.get_closest_marker(m) for m in ("msrun", "ui", "browser"))}
-    items.sort(key=lambda item: item.path not in slow)  # stable: each file's tests keep their order
+    """Each file is an xdist group (`make test` runs ``--dist loadgroup``), so it runs whole on one worker: the msrun
+    files share one launch per file through module fixtures. A test that names its own group spreads (the benchmark
+    smoke tests). The slow groups (a launch of msrun, a Dagster webserver, a browser, or a test marked slow) run
+    first: on two workers a long group started last would leave a core idle at the end."""
+    for item in items:
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+    slow = {_group(item) for item in items if any(item.get_closest_marker(m) for m in ("msrun", "ui", "browser", "slow"))}
+    items.sort(key=lambda item: _group(item) not in slow)  # stable: each file's tests keep their order
+
+
+def _group(item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]
 
 
 @pytest.fixture

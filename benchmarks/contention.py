@@ -1,0 +1,132 @@
+"""Whether other processes competed with a benchmark's measurement, so that its ratios are trusted or refused.
+
+A paired benchmark times variants against each other in turn; another job on the same cores slows the variants
+unequally (PyTorch eager slowed 4x under contention where MindSpore did not: issue 38), so a ratio measured then
+is not a measurement. ``LoadWatch`` brackets the measurement and records:
+- the machine's 1-minute load average before and after;
+- the CPU the other processes of the machine used meanwhile: all CPU time /proc/stat counts, minus this process
+  tree's (this process, its reaped children, its live descendants), as average busy cores;
+- each variant's CPU seconds per step (``cpu`` for what a worker measured itself, ``time`` to run and measure
+  a variant here: this process tree's CPU, so pools and subprocesses count).
+Competed means: the load before or after above the cores the run uses (plus ``SLACK``), or other processes
+keeping more than ``SLACK`` cores busy beyond the cores the run leaves free. Figures measured under a watch that
+saw competition are printed as not valid (benchmarks/suite.py), whatever their value.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import statistics
+import time
+from pathlib import Path
+
+# half a core: a load average wobbles by that much around a run's own threads, and short system work
+# (page cache writeback, a cron job) stays under it
+SLACK = 0.5
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds every core of the machine spent busy since boot (/proc/stat's first line, idle and iowait
+    left out)."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def tree_cpu_seconds() -> float:
+    """CPU seconds of this process, its reaped descendants and its live descendants (a live one's reaped
+    children included: they are in its cutime until it is reaped itself)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    children: dict[int, list[tuple[int, float]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        # after the name: state, ppid (index 1), ..., utime, stime, cutime, cstime (indices 11-14)
+        children.setdefault(int(fields[1]), []).append((int(stat.parent.name),
+                                                        sum(int(v) for v in fields[11:15]) / _TICK))
+    todo = [os.getpid()]
+    while todo:
+        for pid, seconds in children.get(todo.pop(), []):
+            total += seconds
+            todo.append(pid)
+    return total
+
+
+@dataclasses.dataclass
+class Load:
+    """What a LoadWatch saw; plain data, so a figure carries it into the run's figures file."""
+    cores: int            # the cores the measured run uses
+    machine_cores: int
+    load_before: float    # 1-minute load averages
+    load_after: float
+    others_cores: float   # average cores other processes kept busy during the watch
+    seconds: float
+    cpu_per_step: dict[str, float]  # variant -> median CPU seconds per step
+
+    @property
+    def competed(self) -> bool:
+        free = self.machine_cores - self.cores
+        return (max(self.load_before, self.load_after) > self.cores + SLACK
+                or self.others_cores > free + SLACK)
+
+    def describe(self) -> str:
+        cpu = ", ".join(f"{variant} {seconds:.3g}" for variant, seconds in self.cpu_per_step.items())
+        verdict = ("OTHER PROCESSES COMPETED: the ratios are not valid" if self.competed
+                   else "no other process competed")
+        return (f"load {self.load_before:.1f} before, {self.load_after:.1f} after (1 min) on {self.machine_cores} "
+                f"cores, the run uses {self.cores}; other processes {self.others_cores:.2f} cores busy over "
+                f"{self.seconds:.0f} s" + (f"; CPU s per step: {cpu}" if cpu else "") + f" — {verdict}")
+
+    def short(self) -> str:
+        return f"load {max(self.load_before, self.load_after):.1f}, others {self.others_cores:.1f} of " \
+               f"{self.machine_cores} cores"
+
+
+class LoadWatch:
+    """``with LoadWatch(cores) as watch:`` around a measurement; ``watch.load`` after it."""
+
+    def __init__(self, cores: int | None = None):
+        self.cores = min(cores or machine_cores(), machine_cores())
+        self._cpu: dict[str, list[float]] = {}
+        self.load: Load | None = None
+
+    def __enter__(self) -> LoadWatch:
+        self._load_before = os.getloadavg()[0]
+        self._started = time.perf_counter()
+        self._busy, self._ours = _machine_busy_seconds(), tree_cpu_seconds()
+        return self
+
+    def cpu(self, variant: str, cpu_seconds: float, steps: int = 1) -> None:
+        """A variant's CPU seconds over ``steps`` steps, as a worker measured them."""
+        self._cpu.setdefault(variant, []).append(cpu_seconds / steps)
+
+    def time(self, variant: str, run, steps: int = 1) -> float:
+        """Run ``run()`` (``steps`` steps of ``variant``); its wall seconds. This process tree's CPU seconds
+        meanwhile go to the variant."""
+        cpu = tree_cpu_seconds()
+        started = time.perf_counter()
+        run()
+        seconds = time.perf_counter() - started
+        self.cpu(variant, tree_cpu_seconds() - cpu, steps)
+        return seconds
+
+    def __exit__(self, *exc) -> None:
+        seconds = time.perf_counter() - self._started
+        others = (_machine_busy_seconds() - self._busy) - (tree_cpu_seconds() - self._ours)
+        self.load = Load(cores=self.cores, machine_cores=machine_cores(), load_before=self._load_before,
+                         load_after=os.getloadavg()[0], others_cores=max(0.0, others / max(seconds, 1e-9)),
+                         seconds=seconds,
+                         cpu_per_step={v: statistics.median(s) for v, s in self._cpu.items()})
+        if exc[0] is None:
+            print(f"   {self.load.describe()}", flush=True)

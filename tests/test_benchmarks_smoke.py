@@ -1,0 +1,101 @@
+"""Every benchmark `make bench` runs, at its smallest size (``python -m benchmarks --smoke --only NAME``): it runs
+through and reports finite figures. A benchmark joins by being in ``benchmarks.SUITE`` (benchmarks/__init__.py);
+its figures are not judged here (a test is no place for timings). Below: the summary's verdicts and the load
+accounting that refuses ratios under contention."""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks import LAUNCHES_PROCESSES, SUITE
+from benchmarks.contention import Load, LoadWatch
+from benchmarks.suite import Bench, Figure, at_least, at_most, finite, read_figures, summary
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _smoke_params():
+    """One test per benchmark, each its own xdist group (tests/conftest.py): they spread over the workers."""
+    for name in SUITE:
+        marks = [pytest.mark.xdist_group(f"benchmark-{name}")]
+        if name in LAUNCHES_PROCESSES:
+            marks.append(pytest.mark.msrun)
+        yield pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", _smoke_params())
+def test_benchmark_smoke(name, tmp_path):
+    figures = tmp_path / "figures.jsonl"
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--only", name, "--figures", str(figures)],
+                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    reported = read_figures(figures)
+    assert reported, f"{name} reported no figure:\n{done.stdout[-3000:]}"
+    assert {f.benchmark for f in reported} == {name}
+    assert [f.name for f in reported if not finite(f)] == []
+    for figure in reported:  # every timing carries the load it was measured under, and CPU seconds per variant
+        if figure.load is not None:
+            assert figure.load.seconds > 0 and figure.load.machine_cores >= figure.load.cores >= 1
+    assert f"{len(reported)} figures" in done.stdout and "0 benchmark(s) failed" in done.stdout  # the summary
+
+
+def _load(**changes) -> Load:
+    quiet = dict(cores=2, machine_cores=2, load_before=1.2, load_after=1.9, others_cores=0.1, seconds=30.0,
+                 cpu_per_step={"kiln": 1.2, "torch eager": 2.3})
+    return Load(**{**quiet, **changes})
+
+
+@pytest.mark.parametrize("changes, competed", [
+    ({}, False),
+    ({"load_after": 9.5}, True),   # six other sessions on two cores
+    ({"load_before": 2.6}, True),  # a job that just ended still counts: the measurement overlapped it
+    ({"others_cores": 0.8}, True),  # load averages lag; the CPU others used meanwhile does not
+    ({"cores": 1, "others_cores": 0.8, "load_after": 1.4}, False),  # a one-core run leaves a core to the others
+])
+def test_load_competed(changes, competed):
+    assert _load(**changes).competed is competed
+
+
+def test_figures_under_competition_are_not_valid(tmp_path, capsys):
+    bench = Bench("example", tmp_path, tmp_path / "figures.jsonl")
+    quiet, loaded = LoadWatch(), LoadWatch()
+    quiet.load, loaded.load = _load(), _load(load_after=9.5)
+    bench.report("kiln vs torch eager", 1.07, "×", target=at_least(1.0, of="value"), watch=quiet)
+    bench.report("kiln vs torch compile", 0.93, "×", target=at_least(1.0, of="value"), watch=quiet)
+    bench.report("async stall", 0.5, "s", 0.04, "sync save", target=at_most(0.10), watch=loaded)
+    bench.report("ZeRO-3 weights", 1.0, "MiB", 0.5, "DP's")  # bytes: no load can move them
+    printed = capsys.readouterr().out
+    assert "ratio NOT VALID" in printed and "0.04 × sync save measured" in printed
+    verdicts = [f.verdict() for f in read_figures(tmp_path / "figures.jsonl")]
+    assert verdicts == ["met", "MISSED", "NOT VALID (load 9.5, others 0.1 of 2 cores)", "no target"]
+    table = summary(read_figures(tmp_path / "figures.jsonl"), {"broken": "CheckpointError: step 3 is already there"})
+    assert "3 with a target: 1 met, 1 missed, 1 not valid under load; 1 benchmark(s) failed" in table
+    assert "FAILED: CheckpointError" in table
+
+
+def test_report_inside_its_watch_is_refused(tmp_path):
+    bench = Bench("example", tmp_path, tmp_path / "figures.jsonl")
+    with LoadWatch() as watch, pytest.raises(RuntimeError, match="inside its LoadWatch"):
+        bench.report("step", 1.0, "s", watch=watch)
+
+
+def test_load_watch_counts_its_own_processes_and_the_others(tmp_path):
+    """A child's CPU is the variant's, not another process's; a process outside this tree (started in the
+    background by a shell that exits at once, so no longer a descendant) is another's, whatever else the machine
+    runs."""
+    done = tmp_path / "done"
+    burner = tmp_path / "burn.py"
+    burner.write_text("import sys, time\nwhile time.process_time() < float(sys.argv[1]): pass\n"
+                      "if len(sys.argv) > 2: open(sys.argv[2], 'w').close()\n")
+    with LoadWatch() as watch:
+        watch.time("child", lambda: subprocess.run([sys.executable, burner, "0.4"], check=True))
+        subprocess.run(["sh", "-c", f"'{sys.executable}' '{burner}' 0.6 '{done}' &"], check=True)
+        deadline = time.monotonic() + 120
+        while not done.exists():
+            assert time.monotonic() < deadline, "the orphaned burner did not finish"
+            time.sleep(0.05)
+    assert watch.load.cpu_per_step["child"] >= 0.4
+    assert watch.load.others_cores * watch.load.seconds >= 0.5  # the burner's 0.6 CPU-s, counted as another's
+    assert Figure("x", "y", 1.0, "s", load=watch.load).to_json()
