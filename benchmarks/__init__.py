@@ -39,15 +39,16 @@ def blend_settings() -> list[str]:
             f"{data}.split='{blend.split}'", f"{data}.seed={blend.seed}"]
 
 
-def builtin_shard(work, corpus_bytes: int, sample_lines: int = 50_000):
-    """The built-in source code corpus (``corpus_bytes`` of it) tokenized with Kiln's default tokenizer trained on
-    ``sample_lines`` lines, as the demo chain does; its dataset prefix."""
+def builtin_shard(work, corpus_bytes: int, settings=None):
+    """The built-in source code corpus (``corpus_bytes`` of it) tokenized as the demo chain does, with Kiln's
+    default tokenizer (or ``settings``) trained on it; its dataset prefix."""
     from assets.builtin_corpus import write_builtin_source
     from resources.tokenizer import TokenizerSettings
     from training.data.corpus import iter_texts
     from training.data.preprocess import tokenize_to_indexed
 
     files = write_builtin_source("python_stdlib_code", work / "raw", corpus_bytes)
-    TokenizerSettings(sample_lines=sample_lines).train((t for p in files for t in iter_texts(p)), work / "tokenizer")
+    settings = settings or TokenizerSettings(sample_lines=50_000)
+    settings.train((t for p in files for t in iter_texts(p)), work / "tokenizer")
     tokenize_to_indexed(files, work / "tokenizer.model", work / "shard", append_eod=True)
     return work / "shard_text_document"

@@ -80,7 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="every benchmark at its smallest size")
     parser.add_argument("--only", nargs="+", choices=SUITE, help="these benchmarks only")
     parser.add_argument("--figures", type=Path, help="the figures file (JSON lines; default: a temporary one)")
-    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help="a directory for the benchmarks' data, kept and reused (the "
+                                                  "tokenized shard; default: a temporary one)")
     parser.add_argument("--run", choices=SUITE, help=argparse.SUPPRESS)  # one benchmark, in this process
     args = parser.parse_args(argv)
     if args.run:
@@ -88,7 +89,9 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="kiln-bench-") as tmp:
         figures = args.figures or Path(tmp) / "figures.jsonl"
-        failed = run_suite(args.only or list(SUITE), Path(tmp), figures, args.smoke)
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        failed = run_suite(args.only or list(SUITE), work, figures, args.smoke)
         print("\n" + summary(read_figures(figures), failed), flush=True)
     return 1 if failed else 0
 

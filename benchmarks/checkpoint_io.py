@@ -102,9 +102,7 @@ def measure(bench: Bench, rounds: int, wider: list[str]) -> None:
                 stalls.append(call + trainer.checkpoints.saver.blocked_seconds)
                 slowdowns.append(during - without)
                 writes.append(writer.seconds)
-                dd = []
-                watch.time("dd", lambda: dd.append(_dd_bytes_per_s(work, max(1, checkpoint_bytes // 2**20))))
-                dd_rates.append(dd[0])
+                dd_rates.append(watch.call("dd", lambda: _dd_bytes_per_s(work, max(1, checkpoint_bytes // 2**20)))[1])
                 steps_during.append(steps)
 
         sync = statistics.median(sync_seconds)

@@ -111,15 +111,19 @@ class LoadWatch:
         """A variant's CPU seconds over ``steps`` steps, as a worker measured them."""
         self._cpu.setdefault(variant, []).append(cpu_seconds / steps)
 
-    def time(self, variant: str, run, steps: int = 1) -> float:
-        """Run ``run()`` (``steps`` steps of ``variant``); its wall seconds. This process tree's CPU seconds
-        meanwhile go to the variant."""
+    def call(self, variant: str, run, steps: int = 1):
+        """Run ``run()`` (``steps`` steps of ``variant``); its wall seconds and what it returned. This process
+        tree's CPU seconds meanwhile go to the variant."""
         cpu = tree_cpu_seconds()
         started = time.perf_counter()
-        run()
+        result = run()
         seconds = time.perf_counter() - started
         self.cpu(variant, tree_cpu_seconds() - cpu, steps)
-        return seconds
+        return seconds, result
+
+    def time(self, variant: str, run, steps: int = 1) -> float:
+        """``call``'s wall seconds."""
+        return self.call(variant, run, steps)[0]
 
     def __exit__(self, *exc) -> None:
         seconds = time.perf_counter() - self._started

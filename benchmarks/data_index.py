@@ -49,18 +49,16 @@ def measure(bench: Bench, consume_samples_per_s: float, num_documents: int, mean
             fetch_samples: int) -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-index-") as tmp, LoadWatch(cores=1) as watch:
         work = Path(tmp)
-        tokens = []
-        seconds = watch.time("write", lambda: tokens.append(
-            write_synthetic_corpus(work / "corpus", num_documents, mean_tokens)), num_documents)
+        seconds, tokens = watch.call("write", lambda: write_synthetic_corpus(work / "corpus", num_documents,
+                                                                             mean_tokens), num_documents)
         writing = num_documents / seconds
 
         # Two and a half epochs: a separate final epoch, as a long run over a small corpus gets.
-        options = dict(seq_length=SEQ_LENGTH, num_samples=int(2.5 * tokens[0] / SEQ_LENGTH), seed=1234, eod_id=EOD,
+        options = dict(seq_length=SEQ_LENGTH, num_samples=int(2.5 * tokens / SEQ_LENGTH), seed=1234, eod_id=EOD,
                        cache_dir=work / "cache")
         build = watch.time("index build", lambda: GPTDataset(IndexedDataset(work / "corpus"), **options))
-        cached = []
-        load = watch.time("index load", lambda: cached.append(GPTDataset(IndexedDataset(work / "corpus"), **options)))
-        assert cached[0].loaded_from_cache
+        load, cached = watch.call("index load", lambda: GPTDataset(IndexedDataset(work / "corpus"), **options))
+        assert cached.loaded_from_cache
 
         weights = [0.5, 0.3, 0.2]
         # The blend only needs its sources' lengths.

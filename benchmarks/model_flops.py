@@ -56,12 +56,12 @@ def measure(config, shard_prefix: Path, steps: int, watch: LoadWatch, name: str)
     from training.trainer import Trainer
 
     trainer = Trainer(config, World(rank=0, size=1), shard_prefix.parent / name, Reporter(None, enabled=False))
-    records = [trainer.train_step()]
-    seconds = watch.time(name, lambda: records.extend(trainer.train_step() for _ in range(steps - 1)), steps - 1)
+    first = trainer.train_step()
+    seconds, records = watch.call(name, lambda: [trainer.train_step() for _ in range(steps - 1)], steps - 1)
     tokens = (steps - 1) * config.training.global_batch_size * trainer.seq_length
     return {"params": trainer.model.num_parameters(), "tokens_per_s": tokens / seconds,
             "flops": trainer.model.flops_per_token(trainer.seq_length) * tokens / seconds,
-            "first_loss": records[0].get("lm_loss", records[0]["loss"]),
+            "first_loss": first.get("lm_loss", first["loss"]),
             "last_loss": records[-1].get("lm_loss", records[-1]["loss"])}
 
 
@@ -72,7 +72,7 @@ def measure_all(bench: Bench, shard_prefix: Path, steps: int) -> None:
     configure_runtime(next(iter(configs.values())))  # once per process, before any kernel runs
     for name, config in configs.items():
         with LoadWatch() as watch:
-            peak = watch.time("matmul peak", matmul_peak_flops)
+            _, peak = watch.call("matmul peak", matmul_peak_flops)
             result = measure(config, shard_prefix, steps, watch, name)
         bench.report(f"fp32 matmul 1024³ (MindSpore), before {name}", peak / 1e9, "GFLOP/s", watch=watch)
         bench.report(f"{name} tokens/s, 1 process", result["tokens_per_s"], "tokens/s", watch=watch)

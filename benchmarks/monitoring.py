@@ -92,9 +92,7 @@ def measure(bench: Bench, rounds: int) -> None:
                 for name in order:
                     times[name].append(watch.time(f"monitoring {name}", trainers[name].train_step))
                 order.reverse()
-            hook_seconds = []
-            watch.time("monitoring code alone", lambda: hook_seconds.append(_hook_seconds(trainers["on"], rounds)))
-    hooks = hook_seconds[0]
+            _, hooks = watch.call("monitoring code alone", lambda: _hook_seconds(trainers["on"], rounds))
     bench.report("step, monitoring off (median)", 1e3 * statistics.median(times["off"]), "ms", watch=watch)
     ratio = statistics.median(on / off for on, off in zip(times["on"], times["off"]))
     bench.report("step, all train_state options on", 1e3 * statistics.median(times["on"]), "ms", ratio,

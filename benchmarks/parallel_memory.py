@@ -33,6 +33,9 @@ STRATEGIES = {"DP": ["parallelism.data_parallel_shard=1"],
 WIDER = ["model.hidden_size=256", "model.intermediate_size=768", "model.num_hidden_layers=4", "model.head_dim=64",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "training.local_batch_size=1",
          "training.global_batch_size=4"]
+# eager steps: a compiled step keeps its gradients inside the graph, where no hook sees their bytes (with one rank
+# the whole step compiles, and reduce_gradients is never called from the host)
+EAGER = "fast_step.compile=false"
 STEPS = 4
 WORLDS = (1, 2, 4)
 SMOKE_STEPS, SMOKE_WORLDS = 2, (1, 2)
@@ -82,7 +85,7 @@ def worker(out: str, shard: str, steps: str) -> None:
     world = init_world()
     figures = {}
     for name, overrides in STRATEGIES.items():
-        trainer = Trainer(_config(shard, overrides, int(steps)), world, Path(out) / name,
+        trainer = Trainer(_config(shard, [*overrides, EAGER], int(steps)), world, Path(out) / name,
                           Reporter(None, enabled=False))
         figures[name] = _measure(trainer, int(steps))
     if world.is_main:

@@ -116,10 +116,13 @@ class Bench:
         """The built-in source code corpus tokenized with Kiln's default tokenizer (as the demo chain does), built
         once per run in ``work``: the data the training benchmarks train on."""
         from benchmarks import builtin_shard
+        from resources.tokenizer import TokenizerSettings
 
         prefix = self.work / "shard" / "shard_text_document"
         if not prefix.with_suffix(".idx").exists():
-            builtin_shard(prefix.parent, 1_000_000 if self.smoke else 3_000_000, 10_000 if self.smoke else 50_000)
+            # a smoke run's corpus holds too few distinct pieces for 4096; ids under 1024 suit every model config
+            smoke = TokenizerSettings(vocab_size=1024, sample_lines=10_000)
+            builtin_shard(prefix.parent, 1_000_000 if self.smoke else 3_000_000, smoke if self.smoke else None)
         return prefix
 
 

@@ -257,7 +257,8 @@ class Worker:
         self.kind = kind
         self.process = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.throughput", "--worker", kind, "--configs", config_path,
-             f"--warmup={warmup}", *(f"--set={o}" for o in overrides)], cwd=PROJECT_ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+             f"--warmup={warmup}", *(f"--set={o}" for o in overrides)], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
             text=True, env={**os.environ, "GLOG_v": "3", **(env or {})})
         self.info = self._answer()["ready"]
 

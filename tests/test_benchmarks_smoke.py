@@ -19,17 +19,23 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 def _smoke_params():
     """One test per benchmark, each its own xdist group (tests/conftest.py): they spread over the workers."""
     for name in SUITE:
-        marks = [pytest.mark.xdist_group(f"benchmark-{name}")]
+        marks = [pytest.mark.xdist_group(f"benchmark-{name}"), pytest.mark.slow]
         if name in LAUNCHES_PROCESSES:
             marks.append(pytest.mark.msrun)
         yield pytest.param(name, marks=marks, id=name)
 
 
+@pytest.fixture(scope="session")
+def bench_work(tmp_path_factory) -> Path:
+    """The benchmarks' data (the tokenized shard the training ones read), built once per pytest worker."""
+    return tmp_path_factory.mktemp("bench_work")
+
+
 @pytest.mark.parametrize("name", _smoke_params())
-def test_benchmark_smoke(name, tmp_path):
+def test_benchmark_smoke(name, tmp_path, bench_work):
     figures = tmp_path / "figures.jsonl"
-    done = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--only", name, "--figures", str(figures)],
-                          cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--only", name, "--figures", str(figures),
+                           "--work", str(bench_work)], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     reported = read_figures(figures)
     assert reported, f"{name} reported no figure:\n{done.stdout[-3000:]}"
