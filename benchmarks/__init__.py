@@ -23,7 +23,8 @@ by the run's benchmarks, ``bench.recorded(benchmark, figure)`` an earlier benchm
 
 SUITE = ("tokenizing", "model_flops", "throughput", "compile_time", "data_index", "monitoring", "validation",
          "downstream", "pipes_streaming", "checkpoint_io", "parallel_memory", "pipeline_bubble", "expert_parallel",
-         "context_parallel", "compiled_parallel", "lineage_scale", "preprocess_memory", "chunked_preprocess")
+         "context_parallel", "compiled_parallel", "lineage_scale", "preprocess_memory", "chunked_preprocess",
+         "cleaning")
 LAUNCHES_PROCESSES = {"parallel_memory", "pipeline_bubble", "expert_parallel", "context_parallel",
                       "compiled_parallel"}
 

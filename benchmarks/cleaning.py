@@ -17,14 +17,13 @@
   process of its own (streamed: the ratio should stay near 1).
 
 DataTrove needs numpy 2, which MindSpore cannot load: it runs from its own venv, `.kiln/datatrove-venv` (made on
-the first run: ~1-2 min, pip from the registry), through benchmarks/cleaning_reference.py. Every figure is printed
-with the machine's load; a ratio measured while the load exceeds the core count is marked as no result.
+the first run: ~1-2 min, pip from the registry), through benchmarks/cleaning_reference.py. Timings are taken under
+benchmarks/contention.py's LoadWatch: under competition from other processes they are reported as not valid.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
 import string
@@ -36,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench, at_least, at_most, standalone
 from training.data.cleaning.minhash import MinHashSettings
 from training.data.cleaning.pipeline import ChunkFilter, ChunkStage, Numbering, RawInput, cluster_stages
 from training.data.cleaning.recipe import load_recipe
@@ -48,12 +49,6 @@ REFERENCE_VENV = PROJECT_ROOT / ".kiln" / "datatrove-venv"
 REFERENCE_PACKAGES = ["datatrove[processing]==0.10.1", "orjson", "spacy", "xxhash<4.1"]
 FILTER_RECIPE = {"steps": ["gopher_repetition", "gopher_quality", {"c4": {"filter_no_terminal_punct": False}},
                            "fineweb_quality"], "dedup": False}
-
-
-def load_note() -> str:
-    load = os.getloadavg()[0]
-    cores = os.cpu_count() or 1
-    return f"load {load:.1f} on {cores} cores" + (" - contended: not a result" if load > cores else "")
 
 
 def reference_python() -> Path:
@@ -126,21 +121,23 @@ def dagster_filters(source: Path, work: Path) -> float:
         return time.perf_counter() - started
 
 
-def filter_speed(name: str, texts: list[str], work: Path, rounds: int) -> None:
+def filter_speed(bench: Bench, name: str, texts: list[str], work: Path, rounds: int) -> None:
     source = write_jsonl(work / f"{name}_in", texts)
     ours, dagster, theirs = [], [], []
-    for _ in range(rounds):  # alternating, so drifting load hits each alike
-        ours.append(kiln_filters(source, work / "kiln"))
-        dagster.append(dagster_filters(source, work / "dagster"))
-        theirs.append(reference("filters", source.parent, work / "datatrove")["seconds"])
+    with LoadWatch(cores=1) as watch:  # one process, one core each
+        for _ in range(rounds):  # alternating, so drifting load hits each alike
+            ours.append(watch.call("kiln", lambda: kiln_filters(source, work / "kiln"))[1])
+            dagster.append(watch.call("clean_corpus step", lambda: dagster_filters(source, work / "dagster"))[1])
+            theirs.append(watch.call("DataTrove", lambda: reference("filters", source.parent,
+                                                                     work / "datatrove"))[1]["seconds"])
     best_ours, best_dagster, best_theirs = min(ours), min(dagster), min(theirs)
-    print(f"filters on {name} ({len(texts)} docs, 1 core): Kiln {len(texts) / best_ours:,.0f} docs/s "
-          f"({len(texts) / best_dagster:,.0f} as a clean_corpus step, Dagster included), DataTrove "
-          f"{len(texts) / best_theirs:,.0f} docs/s: {best_theirs / best_dagster:.2f}x with Dagster  ({load_note()})",
-          flush=True)
+    bench.report(f"filters on {name}, Kiln (1 core)", len(texts) / best_ours, "docs/s", watch=watch)
+    bench.report(f"filters on {name}, DataTrove (1 core)", len(texts) / best_theirs, "docs/s", watch=watch)
+    bench.report(f"filters on {name}, a clean_corpus step", len(texts) / best_dagster, "docs/s",
+                 best_theirs / best_dagster, "DataTrove's speed, Dagster included", target=at_least(1.0), watch=watch)
 
 
-def planted_pairs(rng: random.Random, per_band: int = 40) -> tuple[list[str], list[tuple[int, int, float, str]]]:
+def planted_pairs(rng: random.Random, per_band: int) -> tuple[list[str], list[tuple[int, int, float, str]]]:
     """Documents and (first, second, Jaccard, kind) pairs: near pairs across Jaccard 0.3-0.95 and exact pairs."""
     vocab = ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 9))) for _ in range(50000)]
     texts, pairs = [], []
@@ -174,8 +171,8 @@ def kiln_clusters(source: Path, work: Path) -> np.ndarray:
     return cluster_stages(numbering.stages, recipe).kept
 
 
-def dedup_quality(work: Path, rng: random.Random) -> None:
-    texts, pairs = planted_pairs(rng)
+def dedup_quality(bench: Bench, work: Path, rng: random.Random, per_band: int) -> None:
+    texts, pairs = planted_pairs(rng, per_band)
     source = write_jsonl(work / "pairs_in", texts)
     kept = kiln_clusters(source, work / "kiln_pairs")
     ours = {(a, b): bool(kept[a] == kept[b]) for a, b, _, _ in pairs}
@@ -183,21 +180,23 @@ def dedup_quality(work: Path, rng: random.Random) -> None:
     high = [flag for j, flag in near if j >= 0.8]
     low = [flag for j, flag in near if j <= 0.5]
     exact = [ours[(a, b)] for a, b, _, kind in pairs if kind == "exact"]
-    print(f"near-dup recall at J >= 0.8: {np.mean(high):.3f} of {len(high)} pairs (target >= 0.90; 14 x 8 bands "
-          f"predict ~0.92-1.0)")
-    print(f"near-dup flagged at J <= 0.5: {np.mean(low):.3f} of {len(low)} pairs (target <= 0.06)")
+    # 14 x 8 bands predict ~0.92-1.0 at J >= 0.8
+    bench.report(f"near-dup recall at J >= 0.8 ({len(high)} pairs)", np.mean(high), "of pairs",
+                 target=at_least(0.90, of="value"))
+    bench.report(f"near-dup flagged at J <= 0.5 ({len(low)} pairs)", np.mean(low), "of pairs",
+                 target=at_most(0.06, of="value"))
     for lower, upper in ((0.25, 0.45), (0.45, 0.55), (0.55, 0.65), (0.65, 0.75), (0.75, 0.85), (0.85, 1.0)):
         band = [flag for j, flag in near if lower <= j < upper]
         if band:
             predicted = np.mean([1 - (1 - j ** 8) ** 14 for j, _ in near if lower <= j < upper])
-            print(f"  J in [{lower:.2f}, {upper:.2f}): flagged {np.mean(band):.3f} of {len(band)} "
-                  f"(1-(1-J^8)^14 predicts {predicted:.3f})")
-    print(f"exact-dup recall: {np.mean(exact):.3f} of {len(exact)} pairs (target 1.0)", flush=True)
+            bench.report(f"  J in [{lower:.2f}, {upper:.2f}) flagged ({len(band)} pairs)", np.mean(band), "of pairs",
+                         np.mean(band) / predicted, f"1-(1-J^8)^14's {predicted:.3f}")
+    bench.report(f"exact-dup recall ({len(exact)} pairs)", np.mean(exact), "of pairs", target=at_least(1.0, of="value"))
     theirs = reference("minhash", source.parent, work / "datatrove_pairs")["clusters"]
     cluster = {int(doc): c for doc, c in theirs.items()}
     agree = [ours[(a, b)] == (a in cluster and cluster.get(a) == cluster.get(b)) for a, b, _, _ in pairs]
-    print(f"pair agreement with DataTrove's MinHash stages (same settings): {np.mean(agree):.4f} of {len(agree)} "
-          f"pairs (target >= 0.99)  ({load_note()})", flush=True)
+    bench.report(f"pair agreement with DataTrove's MinHash ({len(agree)} pairs)", np.mean(agree), "of pairs",
+                 target=at_least(0.99, of="value"))
 
 
 PEAK_RSS = """
@@ -210,7 +209,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
-def memory(work: Path, rng: random.Random, docs: int) -> None:
+def memory(bench: Bench, work: Path, rng: random.Random, docs: int) -> None:
     """Peak RSS of `kiln clean`'s work (filters, signatures, dedup, outputs) on a corpus and on 8 times it, each in
     a process of its own: the documents are streamed, so it should barely move."""
     texts = generated_prose(docs, rng)
@@ -226,10 +225,11 @@ def memory(work: Path, rng: random.Random, docs: int) -> None:
         peaks[scale] = int(done.stdout.split()[-1]) / 1024
         print(f"peak RSS cleaning {scale}x ({scale * docs} docs, {source.stat().st_size / 2**20:.1f} MiB): "
               f"{peaks[scale]:.0f} MiB", flush=True)
-    print(f"peak RSS 8x / 1x: {peaks[8] / peaks[1]:.2f}  ({load_note()})", flush=True)
+    bench.report(f"peak RSS cleaning {8 * docs} docs", peaks[8], "MiB", peaks[8] / peaks[1],
+                 f"{docs} docs' (streamed: near 1)")
 
 
-def ray_cost(work: Path, rng: random.Random, docs: int, chunks: int = 4) -> None:
+def ray_cost(bench: Bench, work: Path, rng: random.Random, docs: int, chunks: int = 4) -> None:
     """The FineWeb recipe over ``chunks`` chunks on a 2-node Ray cluster on this machine vs. in this process:
     seconds per document each, and whether the outputs are the same bytes."""
     from benchmarks.ray_cluster import local_ray_cluster
@@ -240,19 +240,18 @@ def ray_cost(work: Path, rng: random.Random, docs: int, chunks: int = 4) -> None
     for i in range(chunks):
         source = write_jsonl(work / "ray_in" / f"c{i}", generated_prose(docs // chunks, rng))
         inputs.append((f"c{i}", (RawInput(source, f"c{i}/docs.jsonl"),)))
-    started = time.perf_counter()
-    clean_chunks(LocalRunner(), recipe, inputs, work / "ray_local")
-    local = time.perf_counter() - started
-    with local_ray_cluster(nodes=2) as address:
-        runner = RayRunner(address)
-        started = time.perf_counter()
-        clean_chunks(runner, recipe, inputs, work / "ray_cluster")
-        remote = time.perf_counter() - started
+    # Ray's nodes are daemons outside this process tree: the watch counts their CPU as other processes', so the
+    # ratio is judged valid only when it stays under LoadWatch's slack
+    with LoadWatch() as watch:
+        local = watch.time("one process", lambda: clean_chunks(LocalRunner(), recipe, inputs, work / "ray_local"))
+        with local_ray_cluster(nodes=2) as address:
+            remote = watch.time("Ray", lambda: clean_chunks(RayRunner(address), recipe, inputs, work / "ray_cluster"))
     same = all((work / "ray_cluster" / p.relative_to(work / "ray_local")).read_bytes() == p.read_bytes()
                for p in (work / "ray_local" / "clean").rglob("*.*"))
-    print(f"Ray, 2 nodes of 1 CPU on this machine, {docs} docs in {chunks} chunks: {remote / docs * 1e3:.2f} ms per "
-          f"document vs {local / docs * 1e3:.2f} in one process; outputs {'identical' if same else 'DIFFERENT'}  "
-          f"({load_note()})", flush=True)
+    if not same:
+        raise AssertionError("the Ray cluster's cleaned outputs differ from one process's")
+    bench.report(f"Ray, 2 nodes of 1 CPU, {docs} docs in {chunks} chunks", remote / docs * 1e3, "ms/doc",
+                 remote / local, "one process's time (outputs identical)", watch=watch)
 
 
 LOCALE_ROOT = Path("/usr/share/locale")
@@ -291,14 +290,14 @@ def translation_samples(per_language: int = 20, min_catalogs: int = 20) -> list[
     return samples
 
 
-def language_accuracy() -> None:
+def language_accuracy(bench: Bench, per_language: int) -> None:
     """CLD2's accuracy (training/data/cleaning/filters.py Language) on the machine's translation catalogs."""
     from training.data.cleaning.filters import detect_language
 
     import pycld2
 
     known = {code for _, code in pycld2.LANGUAGES}
-    everything = translation_samples()
+    everything = translation_samples(per_language)
     samples = [(language, text) for language, text in everything if language in known]
     if not samples:
         print(f"language ID: no gettext catalogs under {LOCALE_ROOT} to measure on", flush=True)
@@ -308,9 +307,11 @@ def language_accuracy() -> None:
              for code, language in ((detect_language(text)[0].split("-")[0], language) for language, text in samples)]
     english = [ok for (language, _), ok in zip(samples, right) if language == "en"]
     languages = sorted({language for language, _ in samples})
-    print(f"language ID (CLD2, pycld2) on {len(samples)} paragraphs of gettext translations in {len(languages)} "
-          f"languages: accuracy {np.mean(right):.3f}" + (f", English {np.mean(english):.3f}" if english else "")
-          + f" ({len(everything) - len(samples)} paragraphs in languages CLD2 does not know left out)", flush=True)
+    print(f"({len(everything) - len(samples)} paragraphs in languages CLD2 does not know left out)", flush=True)
+    bench.report(f"language ID accuracy (CLD2), {len(samples)} paragraphs, {len(languages)} languages",
+                 np.mean(right), "of paragraphs")
+    if english:
+        bench.report("language ID accuracy, English", np.mean(english), "of paragraphs")
     wrong = {}
     for (language, _), ok in zip(samples, right):
         wrong[language] = wrong.get(language, 0) + (not ok)
@@ -318,24 +319,36 @@ def language_accuracy() -> None:
     print("  most missed: " + ", ".join(f"{language} {count}" for language, count in worst if count), flush=True)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=1000, help="documents per filter corpus (default 1000)")
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args(argv)
+def measure(bench: Bench, docs: int, rounds: int, per_band: int, per_language: int) -> None:
     rng = random.Random(1234)
     from assets.builtin_corpus import write_builtin_source
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         (part,) = write_builtin_source("python_stdlib_docstrings", work / "builtin", 2_000_000)
-        docstrings = [json.loads(line)["text"] for line in part.read_text().splitlines()][:args.docs]
-        filter_speed("stdlib docstrings", docstrings, work, args.rounds)
-        filter_speed("generated prose", generated_prose(args.docs, rng), work, args.rounds)
-        dedup_quality(work, rng)
-        memory(work, rng, args.docs * 4)
-        ray_cost(work, rng, args.docs)
-    language_accuracy()
+        docstrings = [json.loads(line)["text"] for line in part.read_text().splitlines()][:docs]
+        filter_speed(bench, "stdlib docstrings", docstrings, work, rounds)
+        filter_speed(bench, "generated prose", generated_prose(docs, rng), work, rounds)
+        dedup_quality(bench, work, rng, per_band)
+        memory(bench, work, rng, docs * 4)
+        ray_cost(bench, work, rng, docs)
+    language_accuracy(bench, per_language)
+
+
+def run(bench: Bench) -> None:
+    if bench.smoke:
+        measure(bench, docs=40, rounds=1, per_band=4, per_language=2)
+    else:
+        measure(bench, docs=1000, rounds=2, per_band=40, per_language=20)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=1000, help="documents per filter corpus (default 1000)")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    with standalone("cleaning") as bench:
+        measure(bench, args.docs, args.rounds, per_band=40, per_language=20)
     return 0
 
 

@@ -135,6 +135,7 @@ def pytest_configure(config):
                                        "make test-fast")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups into the test ids
 def pytest_collection_modifyitems(items):
     """Each file is an xdist group (`make test` runs ``--dist loadgroup``), so it runs whole on one worker: the msrun
     files share one launch per file through module fixtures. A test that names its own group spreads (the benchmark
