@@ -125,6 +125,15 @@ class LoadWatch:
         """``call``'s wall seconds."""
         return self.call(variant, run, steps)[0]
 
+    def alternate(self, variants: dict, rounds: int) -> dict[str, list[float]]:
+        """Each round runs every variant (name -> its step) once, in reverse order every other round, so that a
+        drift of the machine's speed falls on all alike; each variant's wall seconds, round by round."""
+        seconds = {name: [] for name in variants}
+        for round_index in range(rounds):
+            for name in (list(variants) if round_index % 2 == 0 else list(variants)[::-1]):
+                seconds[name].append(self.time(name, variants[name]))
+        return seconds
+
     def __exit__(self, *exc) -> None:
         seconds = time.perf_counter() - self._started
         others = (_machine_busy_seconds() - self._busy) - (tree_cpu_seconds() - self._ours)

@@ -49,14 +49,9 @@ def measure(bench: Bench, rounds: int, task_limit: int) -> None:
 
         trainer.train_step()  # compiles the step
         requests = evaluate()  # and the forward's graphs, one per padded length
-        steps, evaluations = [], []
         with LoadWatch() as watch:
-            for round_index in range(rounds):
-                for kind in (("step", "eval") if round_index % 2 == 0 else ("eval", "step")):
-                    if kind == "step":
-                        steps.append(watch.time("training step", trainer.train_step))
-                    else:
-                        evaluations.append(watch.time("fast set evaluation", evaluate))
+            seconds = watch.alternate({"training step": trainer.train_step, "fast set evaluation": evaluate}, rounds)
+    steps, evaluations = seconds["training step"], seconds["fast set evaluation"]
     step, evaluation = statistics.median(steps), statistics.median(evaluations)
     bench.report("training step (median)", 1e3 * step, "ms", watch=watch)
     bench.report(f"fast set, {len(tasks)} tasks x {task_limit} docs", evaluation, "s", evaluation / step,

@@ -39,14 +39,10 @@ def measure(bench: Bench, rounds: int, eval_iters: int) -> None:
                                 compiled=not compile_blockers(config, trainer.mesh.dims, trainer.model))
         trainer.train_step()  # the first step compiles kernels
         validation.evaluate(1)  # and the first evaluation its forward's
-        steps, evaluations = [], []
         with LoadWatch() as watch:
-            for round_index in range(rounds):
-                for kind in (("step", "eval") if round_index % 2 == 0 else ("eval", "step")):
-                    if kind == "step":
-                        steps.append(watch.time("training step", trainer.train_step))
-                    else:
-                        evaluations.append(watch.time("evaluation", lambda: validation.evaluate(trainer.step)))
+            seconds = watch.alternate({"training step": trainer.train_step,
+                                       "evaluation": lambda: validation.evaluate(trainer.step)}, rounds)
+    steps, evaluations = seconds["training step"], seconds["evaluation"]
     step, evaluation = statistics.median(steps), statistics.median(evaluations)
     bench.report("training step (median)", 1e3 * step, "ms", watch=watch)
     bench.report(f"validation, {eval_iters} global batches (median)", 1e3 * evaluation, "ms",

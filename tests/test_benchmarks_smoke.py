@@ -105,3 +105,11 @@ def test_load_watch_counts_its_own_processes_and_the_others(tmp_path):
     assert watch.load.cpu_per_step["child"] >= 0.4
     assert watch.load.others_cores * watch.load.seconds >= 0.5  # the burner's 0.6 CPU-s, counted as another's
     assert Figure("x", "y", 1.0, "s", load=watch.load).to_json()
+
+
+def test_alternate_reverses_the_order_every_other_round_and_records_each_variants_cpu():
+    calls = []
+    with LoadWatch() as watch:
+        seconds = watch.alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert [len(s) for s in seconds.values()] == [3, 3] and set(watch.load.cpu_per_step) == {"a", "b"}
