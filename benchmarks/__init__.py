@@ -21,10 +21,10 @@ Data: ``bench.shard()`` gives a tokenized built-in corpus (built once per run), 
 by the run's benchmarks, ``bench.recorded(benchmark, figure)`` an earlier benchmark's figure.
 """
 
-SUITE = ("tokenizing", "model_flops", "throughput", "compile_time", "data_index", "monitoring", "validation",
-         "downstream", "pipes_streaming", "checkpoint_io", "parallel_memory", "pipeline_bubble", "expert_parallel",
-         "context_parallel", "compiled_parallel", "lineage_scale", "preprocess_memory", "chunked_preprocess",
-         "cleaning")
+SUITE = ("tokenizing", "model_flops", "throughput", "compile_time", "recompute_memory", "data_index", "monitoring",
+         "validation", "downstream", "pipes_streaming", "checkpoint_io", "parallel_memory", "pipeline_bubble",
+         "expert_parallel", "context_parallel", "compiled_parallel", "lineage_scale", "preprocess_memory",
+         "chunked_preprocess", "cleaning")
 LAUNCHES_PROCESSES = {"parallel_memory", "pipeline_bubble", "expert_parallel", "context_parallel",
                       "compiled_parallel"}
 

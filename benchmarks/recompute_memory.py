@@ -6,8 +6,8 @@ peak RSS over the steps minus its RSS once the model, its weights and the optimi
 adds: activations, gradients and what MindSpore's pool keeps); the step time is the median of the steps after the
 first. Recompute runs eagerly (``training.recompute.RECOMPUTE_IS_EAGER``), so every variant runs the eager step
 and the ratios compare like with like. Targets (issue 38): full ≤ 0.4× the activation memory without recompute, its
-step time ≤ 1.35×. The load average before and after is printed; when it exceeds the machine's cores, other
-processes compete and the ratios are printed as not valid.
+step time ≤ 1.35×. The step times are taken under benchmarks/contention.py's LoadWatch: under competition from other
+processes they are reported as not valid (the memory is not).
 
 ``python -m benchmarks.recompute_memory [--seq 2048] [--batch 4] [--steps 3]``
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -24,11 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.contention import LoadWatch
+from benchmarks.suite import Bench, at_most, standalone
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {"none": [],
             "full": ["recompute.mode=full", "recompute.full_recompute_layer=true"],
             "selective": ["recompute.mode=select", "recompute.select_module={self_attention.core_attention: true}"]}
-TARGETS = {"full": (0.4, 1.35)}  # activation memory, step time: at most these multiples of no recompute
+TARGETS = {"full": (at_most(0.4), at_most(1.35))}  # activation memory, step time: multiples of no recompute's
+SMOKE = {"seq": 64, "batch": 1, "steps": 2}
 
 
 def _rss_bytes() -> int:
@@ -38,7 +41,6 @@ def _rss_bytes() -> int:
 
 def worker(variant: str, seq: int, batch: int, steps: int, out: str) -> None:
     """Train ``steps`` steps of the variant; write its RSS before the first step, its peak and its step times."""
-    sys.path.insert(0, str(PROJECT_ROOT))
     from training.config import load_config
     from training.parallel.mesh import World
     from training.reporting import Reporter
@@ -53,13 +55,14 @@ def worker(variant: str, seq: int, batch: int, steps: int, out: str) -> None:
     with tempfile.TemporaryDirectory() as run_dir:
         trainer = Trainer(config, World(0, 1), Path(run_dir), Reporter(Path(run_dir) / "metrics.jsonl", enabled=False))
         built = _rss_bytes()
-        times, losses = [], []
+        times, cpu, losses = [], [], []
         for _ in range(steps):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             losses.append(trainer.train_step()["loss"])
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu_start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    Path(out).write_text(json.dumps({"built": built, "peak": peak, "times": times, "losses": losses}))
+    Path(out).write_text(json.dumps({"built": built, "peak": peak, "times": times, "cpu": cpu, "losses": losses}))
 
 
 def measure(variant: str, seq: int, batch: int, steps: int) -> dict:
@@ -67,6 +70,35 @@ def measure(variant: str, seq: int, batch: int, steps: int) -> dict:
         subprocess.run([sys.executable, "-m", "benchmarks.recompute_memory", "--worker", variant, "--seq", str(seq),
                         "--batch", str(batch), "--steps", str(steps), "--out", out.name], cwd=PROJECT_ROOT, check=True)
         return json.loads(Path(out.name).read_text())
+
+
+def compare(bench: Bench, seq: int, batch: int, steps: int) -> None:
+    with LoadWatch() as watch:  # the variants one after another, each a process of its own
+        results = {variant: measure(variant, seq, batch, steps) for variant in VARIANTS}
+        for variant, result in results.items():
+            for seconds in result["cpu"][1:] or result["cpu"]:
+                watch.cpu(variant, seconds)
+    print(f"qwen3_bench, seq {seq} x batch {batch}, eager, {steps} steps per variant", flush=True)
+    base = results["none"]
+    base_activations = base["peak"] - base["built"]
+    base_time = statistics.median(base["times"][1:] or base["times"])
+    for variant, result in results.items():
+        if result["losses"] != base["losses"]:
+            raise AssertionError(f"{variant}: the losses differ from no recompute's: {result['losses']} vs "
+                                 f"{base['losses']}")
+        activations = result["peak"] - result["built"]
+        step = statistics.median(result["times"][1:] or result["times"])
+        memory_target, time_target = TARGETS.get(variant, ((), ()))
+        bench.report(f"{variant} recompute activation memory", activations / 2**20, "MiB",
+                     None if variant == "none" else activations / base_activations, "no recompute's",
+                     target=memory_target)
+        bench.report(f"{variant} recompute step", step, "s", None if variant == "none" else step / base_time,
+                     "no recompute's", target=time_target, watch=watch)
+    print("the losses of every variant were equal", flush=True)
+
+
+def run(bench: Bench) -> None:
+    compare(bench, **SMOKE) if bench.smoke else compare(bench, seq=2048, batch=4, steps=3)
 
 
 def main(argv=None) -> int:
@@ -80,32 +112,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.worker, args.seq, args.batch, args.steps, args.out)
         return 0
-    cores = os.cpu_count() or 1
-    load_before = os.getloadavg()[0]
-    results = {variant: measure(variant, args.seq, args.batch, args.steps) for variant in VARIANTS}
-    load_after = os.getloadavg()[0]
-    contended = max(load_before, load_after) > cores
-    print(f"qwen3_bench, seq {args.seq} x batch {args.batch}, eager, {args.steps} steps per variant; load average "
-          f"{load_before:.1f} before, {load_after:.1f} after, {cores} cores")
-    base = results["none"]
-    base_activations = base["peak"] - base["built"]
-    base_time = statistics.median(base["times"][1:] or base["times"])
-    for variant, result in results.items():
-        activations = result["peak"] - result["built"]
-        step = statistics.median(result["times"][1:] or result["times"])
-        same = "losses equal" if result["losses"] == base["losses"] else f"LOSSES DIFFER: {result['losses']}"
-        line = (f"{variant:<10} activations {activations / 2**20:8,.0f} MiB (peak {result['peak'] / 2**20:,.0f}, "
-                f"built {result['built'] / 2**20:,.0f}), step {step:7.2f} s, {same}")
-        if variant != "none":
-            memory_ratio, time_ratio = activations / base_activations, step / base_time
-            target = TARGETS.get(variant)
-            line += f"; {memory_ratio:.2f}x the activation memory"
-            line += f" (target <= {target[0]}x)" if target else ""
-            if contended:
-                line += f"; step time {time_ratio:.2f}x NOT VALID (load above {cores} cores: other processes compete)"
-            else:
-                line += f"; step time {time_ratio:.2f}x" + (f" (target <= {target[1]}x)" if target else "")
-        print(line, flush=True)
+    with standalone("recompute_memory") as bench:
+        compare(bench, args.seq, args.batch, args.steps)
     return 0
 
 
