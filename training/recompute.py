@@ -29,6 +29,7 @@ import mindspore as ms
 from mindspore import nn, ops
 
 from training.config import ConfigError, RecomputeConfig, layer_indices
+from training.model.gpt import ReplayState
 
 CORE_ATTENTION = "self_attention.core_attention"
 RECOMPUTE_IS_EAGER = ("recompute runs eagerly: MindSpore 2.10's graph recompute leaves the model's hand-written backward "
@@ -102,55 +103,37 @@ def _module(layer: nn.Cell, module: str, path: str) -> nn.Cell:
     return cell
 
 
-class _SideEffects:
-    """What a forward changes besides its output, saved before it and put back around its second run: the model's
-    dropout stream position, and every MoE layer's token counts (the second run's are dropped)."""
-
-    def __init__(self, model):
-        self.stream = model.dropout_masks
-        self.moe = [moe for _, moe in model.moe_layers()]
-
-    def capture(self) -> tuple:
-        return self.stream.state(), [moe.token_counts.copy() for moe in self.moe]
-
-    def restore(self, captured: tuple) -> None:
-        stream, counts = captured
-        self.stream.set_state(stream)
-        for moe, saved in zip(self.moe, counts):
-            moe.token_counts = saved
-
-
 class _Recompute(nn.Cell):
     """The eager recompute of one part (see the module's docstring). MindSpore calls it in place of the part's
     ``construct`` when autograd records (``Cell._recompute_cell``, the hook ``Cell.recompute`` sets); a forward
     without autograd (validation, a pipeline stage's first run) is the part's own. Backwards meet the forwards
     newest first, so the kept inputs are a stack."""
 
-    def __init__(self, part: nn.Cell, side_effects: _SideEffects):
+    def __init__(self, part: nn.Cell, replay: ReplayState):
         super().__init__(auto_prefix=False)
         self.run = _Rerun(part)
         # the parameters the bprop's dict gives gradients for: MindSpore's PyNative executor reads them from this
         # attribute of a custom-bprop Cell (as its own recompute Cell sets it); without it they get none (measured:
         # zero gradients). A plain attribute: Cell.__setattr__ would check a list of Parameters as its own
         object.__setattr__(self, "internal_params", list(self.run.weights))
-        self.side_effects = side_effects
+        self.replay = replay
         self.kept: list[tuple] = []
         self.grad = ops.GradOperation(get_all=True, get_by_list=True, sens_param=True)
 
     def construct(self, *args):
-        self.kept.append((args, self.side_effects.capture()))
+        self.kept.append((args, self.replay.capture()))
         with ms._no_grad():
             return self.run.forward(*args)
 
     def bprop(self, *args):
         inputs, before = self.kept.pop()
-        after = self.side_effects.capture()
-        self.side_effects.restore(before)
+        after = self.replay.capture()
+        self.replay.rewind(before)
         try:
             input_grads, weight_grads = self.grad(self.run, self.run.weights)(
                 *[ops.stop_gradient(x) for x in inputs], args[-1])
         finally:
-            self.side_effects.restore(after)
+            self.replay.restore(after)
         return tuple(input_grads), OrderedDict(zip(self.run.weights, weight_grads))
 
 
@@ -171,8 +154,8 @@ class _Rerun(nn.Cell):
 def apply_recompute(model, config: RecomputeConfig) -> list[str]:
     """Make the parts ``config`` names recompute in backward; returns their names."""
     parts = recomputed_parts(model, config)
-    side_effects = _SideEffects(model)
+    replay = ReplayState(model, [moe for _, moe in model.moe_layers()])
     for part in parts:
         # set past Cell.__setattr__, which would adopt the Cell as a child of the part (its cells and names)
-        object.__setattr__(part.cell, "_recompute_cell", _Recompute(part.cell, side_effects))
+        object.__setattr__(part.cell, "_recompute_cell", _Recompute(part.cell, replay))
     return [part.name for part in parts]

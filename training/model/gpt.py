@@ -408,6 +408,28 @@ class GPTModel(nn.Cell):
         return float(6 * matmul_params + attention)
 
 
+class ReplayState:
+    """What a forward changes besides its output: the model's dropout stream and the token counts of ``moe`` (its MoE
+    layers concerned). A forward replayed in a backward (a pipeline stage's, a recomputed part's) rewinds the stream
+    to draw the forward's masks again, and drops the replay's counts."""
+
+    def __init__(self, model: GPTModel, moe: list[MoELayer]):
+        self.stream, self.moe = model.dropout_masks, moe
+
+    def capture(self) -> tuple:
+        return self.stream.state(), [moe.token_counts for moe in self.moe]
+
+    def rewind(self, state: tuple) -> None:
+        """The dropout stream back to ``state``'s (a replay draws the forward's masks again)."""
+        self.stream.set_state(state[0])
+
+    def restore(self, state: tuple) -> None:
+        """The dropout stream and the token counts back to ``state``'s (after a replay)."""
+        self.rewind(state)
+        for moe, counts in zip(self.moe, state[1]):
+            moe.token_counts = counts
+
+
 class PipelineStage:
     """One pipeline stage of a GPTModel, what training.parallel.pipeline runs, replays and differentiates: decoder
     ``layers``; the embedding on the ``first`` stage; on the ``last`` one the final norm, the output layer, the loss
@@ -429,6 +451,7 @@ class PipelineStage:
                 self.cells.append(model.embedding)
         mtp_layers = [layer.transformer_layer for layer in model.mtp.layers] if last and model.mtp is not None else []
         self.moe = [layer.mlp for layer in self.layers + mtp_layers if isinstance(layer.mlp, MoELayer)]
+        self.replay = ReplayState(model, self.moe)
         balancing = any(moe.has_aux_loss for moe in self.moe)
         # this stage's part of the loss and, of the model's named parts, those it gives
         self.holds_loss = last or balancing
@@ -468,17 +491,3 @@ class PipelineStage:
         """The last stage's validation sums (``GPTModel.hidden_loss_sums``) of its decoded ``x``."""
         return self.model.hidden_loss_sums(self.model.decoder.final_layernorm(x), labels, loss_mask)
 
-    # A forward changes state besides its output: the dropout stream and the MoE layers' token counts. The pipeline
-    # replays a forward in its backward, so it rewinds the stream to draw the same masks and drops the replay's counts.
-    def host_state(self) -> tuple:
-        return self.model.dropout_masks.state(), [moe.token_counts for moe in self.moe]
-
-    def rewind(self, state: tuple) -> None:
-        """The dropout stream back to ``state``'s (a replay draws the forward's masks again)."""
-        self.model.dropout_masks.set_state(state[0])
-
-    def restore(self, state: tuple) -> None:
-        """The dropout stream and the token counts back to ``state``'s (after a replay)."""
-        self.rewind(state)
-        for moe, counts in zip(self.moe, state[1]):
-            moe.token_counts = counts

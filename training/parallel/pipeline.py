@@ -447,7 +447,7 @@ class Pipeline:
             if step.kind == FORWARD:
                 inputs.setdefault(key, None)
                 if not stage.last:  # the last stage's forward runs with its backward (nothing to send before)
-                    rewind[key] = stage.model_stage.host_state()
+                    rewind[key] = stage.model_stage.replay.capture()
                     outbox[(FORWARD, stage.stage + 1, step.micro)] = self.forwards[step.local_stage](
                         inputs[key], *batches[step.micro])
                 kept += self._nbytes(inputs[key])
@@ -526,11 +526,11 @@ class Pipeline:
         host (MoE token counts) is put back as it was after the forward."""
         if before is None:
             return grad_fn(*args)
-        model_stage = stage.model_stage
-        after = model_stage.host_state()
-        model_stage.rewind(before)
+        replay = stage.model_stage.replay
+        after = replay.capture()
+        replay.rewind(before)
         out = grad_fn(*args)
-        model_stage.restore(after)
+        replay.restore(after)
         return out
 
     @staticmethod
