@@ -89,8 +89,9 @@ def assert_resumes_as_one_process(config, run_dir: Path, step: int, single: list
 
 # The unit tier (`make test-fast`: not msrun, ui, browser or slow) must run in under 2 minutes on an idle 2-core
 # machine. The rule: a test is slow when it needs more than 2 CPU-seconds (its process's and its subprocesses'
-# user + system time), as these did when measured (2026-12-06, on the code at 740a682; 926 unit-tier tests,
-# ~260 CPU-s over the 899 that finished, 203 of them in these). A new test over the bound joins the list.
+# user + system time), as these did when measured (2026-12-06, on the code at 740a682 and, for test_trainer and
+# test_validation, at 2e5ef9d: 926 unit-tier tests, ~306 CPU-s, ~236 of them in these). A new test over the bound
+# joins the list.
 SLOW_TESTS = frozenset({
     "interop/test_deepseek_v3_hf.py::test_export_matches_transformers[q_lora]",
     "test_audit.py::test_the_cross_check_finds_a_link_however_many_materializations_came_after",
@@ -118,13 +119,21 @@ SLOW_TESTS = frozenset({
     "test_monitor.py::test_profiler_runs_over_its_window_on_rank_0",
     "test_optim.py::test_tiny_model_memorizes_a_batch",
     "test_resume.py::test_changed_global_batch_size_keeps_consumed_samples",
+    "test_trainer.py::test_a_mindformers_single_card_bfloat16_checkpoint_resumes_exactly_and_loads_weights_only",
     "test_trainer.py::test_a_resumed_run_saves_on_the_same_global_steps_as_an_uninterrupted_one",
     "test_trainer.py::test_a_start_behind_the_save_paths_checkpoints_is_refused_before_anything_is_written[older_checkpoint]",
     "test_trainer.py::test_a_start_behind_the_save_paths_checkpoints_is_refused_before_anything_is_written[weights_only]",
+    "test_trainer.py::test_document_boundaries_change_what_the_model_sees",
+    "test_trainer.py::test_float16_params_resume_exactly_with_their_fp32_masters",
     "test_trainer.py::test_gradients_read_on_the_host_keep_the_update_out_of_the_graph_with_the_eager_losses",
     "test_trainer.py::test_resume_reproduces_the_uninterrupted_losses",
+    "test_trainer.py::test_same_seed_gives_bitwise_identical_losses",
     "test_trainer.py::test_the_compiled_whole_step_equals_the_eager_step_and_resumes_bit_identically",
+    "test_trainer.py::test_threaded_dispatch_trains_to_the_same_losses_as_synchronous_dispatch",
+    "test_trainer.py::test_too_many_nan_steps_in_a_row_stop_training",
     "test_trainer.py::test_with_accumulation_the_compiled_whole_step_equals_the_eager_one_through_nan_skips_and_the_stop",
+    "test_validation.py::test_validation_leaves_training_unchanged_and_a_resumed_run_validates_bit_identically",
+    "test_validation.py::test_validation_loss_equals_a_separate_forward_and_is_reported_megatron_style",
 })
 # what runs first, by how long a group holds a worker: launches of msrun, a webserver or a browser, then slow tests
 ORDER_MARKERS = (("msrun", "ui", "browser"), ("slow",))
