@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT
-from training.config import ConfigError, load_config
+from training.config import ConfigError, layer_indices, load_config
 from training.parallel.mesh import World
 from training.reporting import Reporter
 from training.step import configure_runtime
@@ -89,3 +89,10 @@ def test_deepseek_v3_recomputing_its_moe_and_mtp_layers_trains_bit_identically(t
     assert_bit_identical(tmp_path, plain, recomputed)
     assert ([r.get("load_balancing_loss") for r in records(tmp_path / "plain")]
             == [r.get("load_balancing_loss") for r in records(tmp_path / "recomputed")])
+
+
+@pytest.mark.parametrize("spec, layers", [(True, {0, 1, 2, 3}), (2, {0, 1}), (["0-1", 3], {0, 1, 3}),
+                                          (["0-1,3"], {0, 1, 3}), ([2], {2})])
+def test_the_layers_a_recompute_field_names(spec, layers):
+    """MindFormers' values: true every layer, an int the first n, a list of indices and ranges."""
+    assert layer_indices(spec, "recompute.full_recompute_layer", 4) == layers
