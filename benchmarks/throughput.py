@@ -284,10 +284,11 @@ class Worker:
 TARGETS = {("qwen3_bench", "vs torch eager"): at_least(1.0), ("qwen3_bench", "vs torch compile"): at_least(1.0),
            ("deepseek_v3_bench", "vs torch compile"): at_least(1.0), ("qwen3_tiny", "vs torch eager"): at_least(0.5),
            ("qwen3_bench", "of the matmul peak"): at_least(0.75)}
-# a smoke run: the configs' smallest shapes (one layer, 64 tokens), one round of one step
-SMOKE_CONFIGS = ("configs/qwen3_tiny.yaml", "configs/deepseek_v3_tiny.yaml")
-SMOKE_OVERRIDES = ["model.num_hidden_layers=1", "train_dataset.dataloader.config.seq_length=64",
-                   "model.seq_length=64"]
+# a smoke run: each tiny config at 64 tokens, one layer of each kind (DeepSeek-V3's first is dense, the second MoE),
+# one round of one step
+SMOKE_SEQ = ["train_dataset.dataloader.config.seq_length=64", "model.seq_length=64"]
+SMOKE_CONFIGS = {"configs/qwen3_tiny.yaml": ["model.num_hidden_layers=1", *SMOKE_SEQ],
+                 "configs/deepseek_v3_tiny.yaml": ["model.num_hidden_layers=2", *SMOKE_SEQ]}
 
 
 def compare(bench: Bench, config_path: str, rounds: int, steps_per_round: int, overrides: list[str] = (),
@@ -363,9 +364,8 @@ def compare(bench: Bench, config_path: str, rounds: int, steps_per_round: int, o
 
 def run(bench: Bench) -> None:
     if bench.smoke:
-        for config_path in SMOKE_CONFIGS:
-            compare(bench, config_path, rounds=1, steps_per_round=1, overrides=SMOKE_OVERRIDES, profile=True,
-                    warmup=0)
+        for config_path, overrides in SMOKE_CONFIGS.items():
+            compare(bench, config_path, rounds=1, steps_per_round=1, overrides=overrides, profile=True, warmup=0)
     else:
         for config_path in CONFIGS:
             compare(bench, config_path, rounds=5, steps_per_round=2, profile=True)
