@@ -363,9 +363,6 @@ def main(argv=None) -> int:
 
 
 def measure(bench: Bench, work: Path, levels: list[int], raw_files: int, ui: bool, ui_rounds: int) -> None:
-    from pipelines.audit import cross_check_instance
-    from training.lineage import audit_checkpoint
-
     workspace = work / "workspace.yaml"
     work.mkdir(parents=True, exist_ok=True)
     workspace.write_text("load_from:\n  - python_module:\n      module_name: pipelines.definitions\n"
@@ -383,54 +380,73 @@ def measure(bench: Bench, work: Path, levels: list[int], raw_files: int, ui: boo
         home = level_dir / "dagster_home"
         pages[level] = _sqlite_pages(home)
         bench.report(f"[{level:,} ckpt] instance size", _dir_bytes(home) / 1e6, "MB")
-        newest = level_dir / "runs" / RUN_NAME / "checkpoints" / f"iteration_{level:08d}"
-        cross_check_command = [sys.executable, "-m", "pipelines.audit", str(newest), "--dagster-home", str(home)]
-        measured = {}
-        with LoadWatch(cores=1) as watch:  # one command at a time, each a process
-            for name, command in [
-                    # references: the interpreter's start, and the import floor of reading through Dagster
-                    ("python -c pass", [sys.executable, "-c", "pass"]),
-                    ("python -c 'import dagster'", [sys.executable, "-c", "import dagster"]),
-                    ("kiln lineage --consumers", [str(BIN / "kiln"), "lineage", "--consumers", "stdlib_code",
-                                                  "--runs-root", str(level_dir / "runs")]),
-                    # the first reads the raw files from disk, the second from the page cache, as most audits do
-                    ("kiln audit, first", [str(BIN / "kiln"), "audit", str(newest)]),
-                    ("kiln audit", [str(BIN / "kiln"), "audit", str(newest)]),
-                    ("pipelines.audit (cross-check)", cross_check_command)]:
-                seconds, cpu_seconds, megabytes, out = _timed(command, env)
-                watch.cpu(name, cpu_seconds)
-                measured[name] = seconds, megabytes
-                # the blend manifest was recorded before every checkpoint
-                if name.startswith("pipelines.audit") and "OK: all" not in out:
-                    print(out[-2000:])
-                    raise RuntimeError("the cross-check did not find every link")
-            started = time.perf_counter()
-            lineage, _ = audit_checkpoint(newest)
-            links, _ = cross_check_instance(str(home), newest, lineage)
-            assert all(link.status in ("recorded", "superseded") for link in links), links
-            in_process = time.perf_counter() - started
-        for name, (seconds, megabytes) in measured.items():
-            judged = not name.startswith("python") and name != "kiln audit, first"  # the targets' commands
-            bench.report(f"[{level:,} ckpt] {name}", seconds, "s", target=COMMAND_TARGET if judged else (),
-                         watch=watch)
-            bench.report(f"[{level:,} ckpt] {name}, peak RSS", megabytes, "MB",
-                         target=MEGABYTES_TARGET if judged else ())
-        bench.report(f"[{level:,} ckpt] audit + cross-check, imports done", in_process, "s", watch=watch)
-        if not ui or level == levels[0]:
-            continue
-        # the reference: the first level's instance, served next to this one and loaded alternately
-        servers = [Webserver(level_env(dirs[levels[0]]), workspace, work / "webserver_ref.log"),
-                   Webserver(env, workspace, work / f"webserver_{level}.log")]
-        try:
-            with LoadWatch() as watch:  # the browser and both webservers
-                reference, loads = _ui_loads([server.url for server in servers], ui_rounds)
-        finally:
-            for server in servers:
-                server.stop()
-        for tab, seconds in loads.items():
-            bench.report(f"[{levels[0]:,} ckpt] UI {tab}", reference[tab], "s", watch=watch)
-            bench.report(f"[{level:,} ckpt] UI {tab}", seconds, "s", seconds / reference[tab],
-                         f"at {levels[0]:,} checkpoints, alternating", target=UI_TARGETS, watch=watch)
+        _measure_commands(bench, level, level_dir, env, home)
+        if ui and level != levels[0]:
+            _measure_ui(bench, levels[0], level, level_env(dirs[levels[0]]), env, workspace, work, ui_rounds)
+    _report_growth(bench, levels, pages)
+
+
+def _measure_commands(bench: Bench, level: int, level_dir: Path, env: dict, home: Path) -> None:
+    """The commands' time and peak RSS at ``level`` checkpoints, one at a time, each a process; then the audit and
+    the cross-check in this process, imports done."""
+    from pipelines.audit import cross_check_instance
+    from training.lineage import audit_checkpoint
+
+    newest = level_dir / "runs" / RUN_NAME / "checkpoints" / f"iteration_{level:08d}"
+    cross_check_command = [sys.executable, "-m", "pipelines.audit", str(newest), "--dagster-home", str(home)]
+    measured = {}
+    with LoadWatch(cores=1) as watch:  # one command at a time, each a process
+        for name, command in [
+                # references: the interpreter's start, and the import floor of reading through Dagster
+                ("python -c pass", [sys.executable, "-c", "pass"]),
+                ("python -c 'import dagster'", [sys.executable, "-c", "import dagster"]),
+                ("kiln lineage --consumers", [str(BIN / "kiln"), "lineage", "--consumers", "stdlib_code",
+                                              "--runs-root", str(level_dir / "runs")]),
+                # the first reads the raw files from disk, the second from the page cache, as most audits do
+                ("kiln audit, first", [str(BIN / "kiln"), "audit", str(newest)]),
+                ("kiln audit", [str(BIN / "kiln"), "audit", str(newest)]),
+                ("pipelines.audit (cross-check)", cross_check_command)]:
+            seconds, cpu_seconds, megabytes, out = _timed(command, env)
+            watch.cpu(name, cpu_seconds)
+            measured[name] = seconds, megabytes
+            # the blend manifest was recorded before every checkpoint
+            if name.startswith("pipelines.audit") and "OK: all" not in out:
+                print(out[-2000:])
+                raise RuntimeError("the cross-check did not find every link")
+        started = time.perf_counter()
+        lineage, _ = audit_checkpoint(newest)
+        links, _ = cross_check_instance(str(home), newest, lineage)
+        assert all(link.status in ("recorded", "superseded") for link in links), links
+        in_process = time.perf_counter() - started
+    for name, (seconds, megabytes) in measured.items():
+        judged = not name.startswith("python") and name != "kiln audit, first"  # the targets' commands
+        bench.report(f"[{level:,} ckpt] {name}", seconds, "s", target=COMMAND_TARGET if judged else (),
+                     watch=watch)
+        bench.report(f"[{level:,} ckpt] {name}, peak RSS", megabytes, "MB",
+                     target=MEGABYTES_TARGET if judged else ())
+    bench.report(f"[{level:,} ckpt] audit + cross-check, imports done", in_process, "s", watch=watch)
+
+
+def _measure_ui(bench: Bench, reference_level: int, level: int, reference_env: dict, env: dict, workspace: Path,
+                work: Path, ui_rounds: int) -> None:
+    """Each UI tab's load time at ``level`` checkpoints against the first level's instance, served next to it and
+    loaded alternately."""
+    servers = [Webserver(reference_env, workspace, work / "webserver_ref.log"),
+               Webserver(env, workspace, work / f"webserver_{level}.log")]
+    try:
+        with LoadWatch() as watch:  # the browser and both webservers
+            reference, loads = _ui_loads([server.url for server in servers], ui_rounds)
+    finally:
+        for server in servers:
+            server.stop()
+    for tab, seconds in loads.items():
+        bench.report(f"[{reference_level:,} ckpt] UI {tab}", reference[tab], "s", watch=watch)
+        bench.report(f"[{level:,} ckpt] UI {tab}", seconds, "s", seconds / reference[tab],
+                     f"at {reference_level:,} checkpoints, alternating", target=UI_TARGETS, watch=watch)
+
+
+def _report_growth(bench: Bench, levels: list[int], pages: dict) -> None:
+    """The instance's growth per checkpoint between consecutive levels, in SQLite pages."""
     for low, high in zip(levels, levels[1:]):
         grown = {name: (pages[high][name] - pages[low].get(name, 0)) / (high - low) for name in pages[high]}
         bench.report(f"instance growth {low:,}..{high:,} checkpoints", sum(grown.values()) / 1e3,

@@ -298,46 +298,25 @@ def compare(bench: Bench, config_path: str, rounds: int, steps_per_round: int, o
     name = Path(config_path).stem
     kinds = MODEL_VARIANTS[model_type]
     print(f"-- throughput {name}: {', '.join(kinds)}; {rounds} rounds of {steps_per_round} steps", flush=True)
-    workers = {}
-    try:
-        with LoadWatch() as first_steps:  # started one at a time: compilation runs alone
-            for kind in kinds:
-                worker_kind, extra, env = VARIANTS[kind]
-                like_torch = [] if kind == "kiln, with MTP" else MODEL_OVERRIDES.get(model_type, [])
-                workers[kind] = Worker(worker_kind, config_path, [*like_torch, *overrides, *extra], env, warmup)
-                first_steps.cpu(kind, workers[kind].info["first_step_cpu_s"])
-        kiln = workers["kiln"].info
-        print(f"   kiln fast step: {kiln['fast_step']}", flush=True)
-        seconds = {kind: [] for kind in kinds}
-        with LoadWatch() as watch:
-            for round_ in range(rounds):
-                order = list(kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)])
-                for kind in order:
-                    answer = workers[kind].ask(f"steps {steps_per_round}")
-                    seconds[kind].append(answer["seconds"])
-                    watch.cpu(kind, answer["cpu_seconds"], steps_per_round)
-        rss = {kind: worker.ask("rss")["rss_gb"] for kind, worker in workers.items()}
-        table = workers["kiln"].ask("profile")["profile"] if profile else None
-    finally:
-        for worker in workers.values():
-            worker.close()
-
+    infos, seconds, rss, table, first_steps, watch = _run_variants(
+        kinds, config_path, [*overrides], model_type, warmup, rounds, steps_per_round, profile)
+    kiln = infos["kiln"]
     for kind in ("torch compile", "torch eager"):
         if kind in kinds:
-            first = workers[kind].info["first_step_s"]
+            first = infos[kind]["first_step_s"]
             bench.report(f"{name} kiln first step", kiln["first_step_s"], "s", kiln["first_step_s"] / first,
                          f"{kind}'s first step", target=at_most(1.0) if kind == "torch compile" else (),
                          watch=first_steps)
     tokens = kiln["tokens_per_step"] * steps_per_round
     flops = kiln["flops_per_token"] * tokens
-    peak_flops = workers["matmul peak"].info["flops_per_pass"] * steps_per_round
+    peak_flops = infos["matmul peak"]["flops_per_pass"] * steps_per_round
     peak = statistics.median(peak_flops / s for s in seconds["matmul peak"])
     bench.report(f"{name} matmul peak (jit, step GEMMs)", peak / 1e9, "GFLOP/s", watch=watch)
     for kind in kinds:
         if kind == "matmul peak":
             continue
         rates = [tokens / s for s in seconds[kind]]
-        params = workers[kind].info.get("params", kiln["params"])  # torch's model is the "kiln" worker's
+        params = infos[kind].get("params", kiln["params"])  # torch's model is the "kiln" worker's
         bench.report(f"{name} {kind} ({params / 1e6:.1f}M)", statistics.median(rates), "tokens/s", watch=watch)
         bench.report(f"{name} {kind} model FLOP/s", statistics.median(flops / s for s in seconds[kind]) / 1e9,
                      "GFLOP/s", statistics.median(flops / s / peak_round for s, peak_round in
@@ -360,6 +339,37 @@ def compare(bench: Bench, config_path: str, rounds: int, steps_per_round: int, o
         print(f"   kiln one step, MindSpore profiler op types (ms, calls; total {total:.0f} ms):", flush=True)
         for op, ms, calls in table[:15]:
             print(f"     {op:<40} {ms:>9.1f} {calls:>6}", flush=True)
+
+
+def _run_variants(kinds, config_path: str, overrides: list[str], model_type: str, warmup: int, rounds: int,
+                  steps_per_round: int, profile: bool) -> tuple:
+    """Each variant's worker started one at a time (compilation runs alone), then ``rounds`` rounds of
+    ``steps_per_round`` steps, the variants' order rotating each round: each worker's info, the seconds of each
+    round per variant, peak RSS, kiln's profiler table (with ``profile``), and the LoadWatch of the first steps
+    and of the rounds."""
+    workers = {}
+    try:
+        with LoadWatch() as first_steps:
+            for kind in kinds:
+                worker_kind, extra, env = VARIANTS[kind]
+                like_torch = [] if kind == "kiln, with MTP" else MODEL_OVERRIDES.get(model_type, [])
+                workers[kind] = Worker(worker_kind, config_path, [*like_torch, *overrides, *extra], env, warmup)
+                first_steps.cpu(kind, workers[kind].info["first_step_cpu_s"])
+        print(f"   kiln fast step: {workers['kiln'].info['fast_step']}", flush=True)
+        seconds = {kind: [] for kind in kinds}
+        with LoadWatch() as watch:
+            for round_ in range(rounds):
+                order = list(kinds[round_ % len(kinds):] + kinds[:round_ % len(kinds)])
+                for kind in order:
+                    answer = workers[kind].ask(f"steps {steps_per_round}")
+                    seconds[kind].append(answer["seconds"])
+                    watch.cpu(kind, answer["cpu_seconds"], steps_per_round)
+        rss = {kind: worker.ask("rss")["rss_gb"] for kind, worker in workers.items()}
+        table = workers["kiln"].ask("profile")["profile"] if profile else None
+    finally:
+        for worker in workers.values():
+            worker.close()
+    return {kind: worker.info for kind, worker in workers.items()}, seconds, rss, table, first_steps, watch
 
 
 def run(bench: Bench) -> None:
