@@ -1,9 +1,70 @@
-"""The code's shape, checked statically with ``ast``: no import cycle between Kiln's training modules (the
-engine's rooms import one way; a package may import its own modules and they it)."""
+"""The code's shape, checked statically with ``ast``: no function over ``MAX_FUNCTION_LINES`` lines outside the tests
+(a long function does several jobs), and no import cycle between Kiln's training modules (the engine's rooms import
+one way; a package may import its own modules and they it)."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CODE_DIRS = ("training", "assets", "pipelines", "resources", "benchmarks")
+MAX_FUNCTION_LINES = 60
+# argparse's builder calls: a statement that is one of them (its value, or the outermost call of a chain) declares
+# a command-line option, and a function's lines of such statements do not count towards its length
+ARGPARSE_BUILDERS = {"ArgumentParser", "add_argument", "add_parser", "add_subparsers", "add_argument_group",
+                     "add_mutually_exclusive_group", "set_defaults"}
+
+
+def _builds_argparse(statement: ast.stmt) -> bool:
+    value = statement.value if isinstance(statement, (ast.Expr, ast.Assign, ast.AnnAssign)) else None
+    if not isinstance(value, ast.Call):
+        return False
+    called = value.func
+    return (called.attr if isinstance(called, ast.Attribute) else getattr(called, "id", None)) in ARGPARSE_BUILDERS
+
+
+def function_lengths(source: str, filename: str = "<source>") -> dict[str, int]:
+    """Each function's (and method's, by ``Class.method``) length in lines, from its ``def`` to its last line,
+    less the lines of the argparse-building statements of its body (``ARGPARSE_BUILDERS``)."""
+    lengths = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                argparse_lines = sum(s.end_lineno - s.lineno + 1 for s in child.body if _builds_argparse(s))
+                lengths[prefix + child.name] = child.end_lineno - child.lineno + 1 - argparse_lines
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source, filename), "")
+    return lengths
+
+
+def test_function_lengths_count_from_def_to_the_last_line_less_argparse_declarations():
+    source = ("import argparse\n"
+              "def cli(argv):\n"
+              "    parser = argparse.ArgumentParser(prog='x')\n"
+              "    parser.add_argument('--a',\n"
+              "                        help='two lines')\n"
+              "    commands = parser.add_subparsers(dest='c')\n"
+              "    commands.add_parser('run').set_defaults(handler=print)\n"
+              "    return parser.parse_args(argv)\n"
+              "class Step:\n"
+              "    def run(self):\n"
+              "        def inner():\n"
+              "            return 1\n"
+              "        return inner()\n")
+    assert function_lengths(source) == {"cli": 2, "Step.run": 4, "Step.run.inner": 2}
+
+
+def test_no_function_outside_the_tests_is_longer_than_the_limit():
+    """Long functions do several jobs: split them (argparse declarations aside, which only list options)."""
+    too_long = [f"{path.relative_to(ROOT)}:{name}:{length}"
+                for directory in CODE_DIRS for path in sorted((ROOT / directory).rglob("*.py"))
+                for name, length in function_lengths(path.read_text(), str(path)).items()
+                if length > MAX_FUNCTION_LINES]
+    assert too_long == [], f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
 
 
 def _module_name(path: Path) -> str:
