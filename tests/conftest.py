@@ -90,10 +90,12 @@ def assert_resumes_as_one_process(config, run_dir: Path, step: int, single: list
 # The unit tier (`make test-fast`: not msrun, ui, browser or slow) must run in under 2 minutes on an idle 2-core
 # machine. The rule: a test is slow when it needs more than 2 CPU-seconds (its process's and its subprocesses'
 # user + system time), as these did when measured (2026-12-06, on the code at 740a682 and, for test_trainer and
-# test_validation, at 2e5ef9d: 926 unit-tier tests, ~306 CPU-s, ~236 of them in these). A new test over the bound
-# joins the list.
+# test_validation, at 2e5ef9d: 926 unit-tier tests, ~306 CPU-s, ~236 of them in these; the files added since,
+# test_recompute, test_train_state, test_cleaning_ray, test_downstream, test_ablation, test_verified_load, at 0d73b28).
+# A new test over the bound joins the list.
 SLOW_TESTS = frozenset({
     "interop/test_deepseek_v3_hf.py::test_export_matches_transformers[q_lora]",
+    "test_ablation.py::test_a_variant_is_trained_per_seed_and_the_ranking_orders_by_task_bits_per_byte",
     "test_audit.py::test_the_cross_check_finds_a_link_however_many_materializations_came_after",
     "test_audit.py::test_training_imports_neither_dagster_nor_kilns_dagster_code",
     "test_automation.py::test_assets_code_versions_follow_the_sources_config",
@@ -103,11 +105,14 @@ SLOW_TESTS = frozenset({
     "test_checks.py::test_changed_or_missing_shard_fails_the_manifest_check",
     "test_checks.py::test_truncated_bin_fails_the_blocking_check_and_stops_the_blend",
     "test_chunks.py::test_a_backfill_shards_every_chunk_two_steps_at_once_and_the_blend_gathers_them",
+    "test_cleaning_ray.py::test_clean_corpus_pointed_at_the_cluster_writes_what_it_writes_locally",
     "test_code_versions.py::test_each_data_assets_parts_cover_the_project_code_it_runs",
     "test_context_parallel.py::test_attention_with_the_context_parallel_core_on_one_rank_is_the_attention[tests/configs/qwen3_micro.yaml]",
     "test_data_assets.py::test_token_shards_records_every_shard_and_the_skipped_records",
     "test_deepseek_v3.py::test_eager_dispatch_sorts_on_the_host_and_equals_the_compiled_static_one",
     "test_deepseek_v3.py::test_the_compiled_step_equals_the_eager_one_and_resumes_bit_identically",
+    "test_downstream.py::test_batched_compiled_loglikelihoods_equal_each_request_scored_alone",
+    "test_downstream.py::test_checkpoint_eval_plots_each_task_and_tabulates_the_scores",
     "test_fast_ops.py::test_causal_attention_in_query_blocks_is_the_full_masked_softmax",
     "test_faults.py::test_a_full_disk_and_a_shard_corrupted_after_its_check_keep_the_last_checkpoint_and_resume_to_the_same_losses",
     "test_mindformers_yaml.py::test_a_run_with_dropout_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses",
@@ -118,7 +123,13 @@ SLOW_TESTS = frozenset({
     "test_monitor.py::test_every_train_state_option_lands_in_the_step_record",
     "test_monitor.py::test_profiler_runs_over_its_window_on_rank_0",
     "test_optim.py::test_tiny_model_memorizes_a_batch",
+    "test_recompute.py::test_deepseek_v3_recomputing_its_moe_and_mtp_layers_trains_bit_identically",
+    "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[full]",
+    "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[layer1]",
+    "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[mlp0]",
+    "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[select]",
     "test_resume.py::test_changed_global_batch_size_keeps_consumed_samples",
+    "test_train_state.py::test_a_save_before_training_is_a_step_zero_checkpoint_that_trains_as_the_seed_does",
     "test_trainer.py::test_a_mindformers_single_card_bfloat16_checkpoint_resumes_exactly_and_loads_weights_only",
     "test_trainer.py::test_a_resumed_run_saves_on_the_same_global_steps_as_an_uninterrupted_one",
     "test_trainer.py::test_a_start_behind_the_save_paths_checkpoints_is_refused_before_anything_is_written[older_checkpoint]",
