@@ -16,6 +16,10 @@ from test_tensorboard import assert_tensorboard_matches
 from training.cli import main as kiln
 from training.run import main as train_main
 
+# the UI's asset groups: what trains and scores a run, the data ablations, and the data chain (every other asset)
+GROUPS = {"training_run": "training", "checkpoint": "training", "checkpoint_eval": "training",
+          "run_comparison": "training", "ablation_run": "ablation", "ablation_ranking": "ablation"}
+
 pytestmark = pytest.mark.msrun
 
 
@@ -81,9 +85,7 @@ def test_chain_trains_checkpoints_resumes_and_audits(tmp_path, micro_sources, ca
         specs = {spec.key.to_user_string(): spec for spec in build_definitions(res).resolve_all_asset_specs()}
         assert {key: (spec.group_name, bool(spec.owners), bool(spec.kinds), "stage" in spec.tags,
                       bool(spec.description)) for key, spec in specs.items()} == {
-            key: ("training" if key in ("training_run", "checkpoint", "checkpoint_eval") else "data", True, True, True,
-                  True)
-            for key in specs}
+            key: (GROUPS.get(key, "data"), True, True, True, True) for key in specs}
 
         # data parallel is exact: one process with gradient accumulation sees the same global batches
         run_dir = tmp_path / "runs/micro"
