@@ -18,7 +18,7 @@ COMPILED = ["fast_step.compile=true"]  # the micro config runs eagerly (tests/co
 CASES = {
     # the ring's attention core recomputed (its collectives run again in the backward, in every rank's order)
     "ring_cp2_dp2_recompute_select": ["parallelism.context_parallel=2", "recompute.mode=select",
-                                      "recompute.select_module={self_attention.core_attention: true}"],
+                                      "recompute.select_module={{self_attention.core_attention: true}}"],
     "ring_cp2_dp2": ["parallelism.context_parallel=2", *VALIDATE_ONCE],
     "ulysses_cp2_dp2_zero1": ["parallelism.context_parallel=2", "parallelism.context_parallel_method=ulysses",
                               "parallelism.data_parallel_shard_strategy=optim"],

@@ -46,7 +46,7 @@ CASES = {
                              "recompute.full_recompute_layer=true"],
     "tp2_sp_zero2_recompute_select": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
                                       "parallelism.data_parallel_shard_strategy=optim_grads", "recompute.mode=select",
-                                      "recompute.select_module={self_attention.core_attention: true}"],
+                                      "recompute.select_module={{self_attention.core_attention: true}}"],
     # the whole step compiled, the gradient reduction in its graph, over HSDP's sub-groups: a reduce-scatter over
     # the shards, then a sum over the replicas, divided after (one case: compiling costs seconds per rank)
     "hsdp_zero2_compiled_divide_after": ["parallelism.data_parallel_shard=2", "fast_step.compile=true",
