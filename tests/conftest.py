@@ -91,7 +91,9 @@ def assert_resumes_as_one_process(config, run_dir: Path, step: int, single: list
 # machine. The rule: a test is slow when it needs more than 2 CPU-seconds (its process's and its subprocesses'
 # user + system time), as these did when measured (2026-12-06, on the code at 740a682 and, for test_trainer and
 # test_validation, at 2e5ef9d: 926 unit-tier tests, ~306 CPU-s, ~236 of them in these; the files added since,
-# test_recompute, test_train_state, test_cleaning_ray, test_downstream, test_ablation, test_verified_load, at 0d73b28).
+# test_recompute, test_train_state, test_cleaning_ray, test_downstream, test_ablation, test_verified_load,
+# test_parallel_plans, test_compare, test_cleaning, test_bad_inputs, test_error_boundary, test_tasks and the rest of
+# the new files, at 0d73b28).
 # A new test over the bound joins the list.
 SLOW_TESTS = frozenset({
     "interop/test_deepseek_v3_hf.py::test_export_matches_transformers[q_lora]",
@@ -100,6 +102,7 @@ SLOW_TESTS = frozenset({
     "test_audit.py::test_training_imports_neither_dagster_nor_kilns_dagster_code",
     "test_automation.py::test_assets_code_versions_follow_the_sources_config",
     "test_automation.py::test_changed_file_reingests_its_source_then_shards_and_manifest_follow",
+    "test_bad_inputs.py::test_a_bad_input_is_refused_before_anything_is_built_naming_what_is_wrong[lists nested past any reader]",
     "test_checkpoint_eval.py::test_checkpoint_eval_is_requested_for_a_new_checkpoint_and_records_the_evaluation",
     "test_checkpoint_eval.py::test_kiln_eval_reports_each_source_on_the_test_split_and_audit_verifies_its_sidecar",
     "test_checks.py::test_changed_or_missing_shard_fails_the_manifest_check",
@@ -113,6 +116,7 @@ SLOW_TESTS = frozenset({
     "test_deepseek_v3.py::test_the_compiled_step_equals_the_eager_one_and_resumes_bit_identically",
     "test_downstream.py::test_batched_compiled_loglikelihoods_equal_each_request_scored_alone",
     "test_downstream.py::test_checkpoint_eval_plots_each_task_and_tabulates_the_scores",
+    "test_error_boundary.py::test_output_piped_into_head_ends_without_a_traceback",
     "test_fast_ops.py::test_causal_attention_in_query_blocks_is_the_full_masked_softmax",
     "test_faults.py::test_a_full_disk_and_a_shard_corrupted_after_its_check_keep_the_last_checkpoint_and_resume_to_the_same_losses",
     "test_mindformers_yaml.py::test_a_run_with_dropout_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses",
@@ -129,6 +133,7 @@ SLOW_TESTS = frozenset({
     "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[mlp0]",
     "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[select]",
     "test_resume.py::test_changed_global_batch_size_keeps_consumed_samples",
+    "test_tasks.py::test_the_fast_set_is_known_and_each_document_ranks_its_choices_as_the_file_lists_them",
     "test_train_state.py::test_a_save_before_training_is_a_step_zero_checkpoint_that_trains_as_the_seed_does",
     "test_trainer.py::test_a_mindformers_single_card_bfloat16_checkpoint_resumes_exactly_and_loads_weights_only",
     "test_trainer.py::test_a_resumed_run_saves_on_the_same_global_steps_as_an_uninterrupted_one",
