@@ -157,8 +157,10 @@ def summary(figures: list[Figure], failed: dict[str, str]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     judged = [f for f in figures if f.targets]
     counts = {v: sum(f.verdict().startswith(v) for f in judged) for v in ("met", "MISSED", "NOT VALID")}
-    lines.append(f"{len(figures)} figures, {len(judged)} with a target: {counts['met']} met, {counts['MISSED']} "
-                 f"missed, {counts['NOT VALID']} not valid under load; {len(failed)} benchmark(s) failed")
+    invalid = sum(not f.valid for f in figures)
+    lines.append(f"{len(figures)} figures ({invalid} not valid under load), {len(judged)} with a target: "
+                 f"{counts['met']} met, {counts['MISSED']} missed, {counts['NOT VALID']} not valid under load; "
+                 f"{len(failed)} benchmark(s) failed")
     return "\n".join(lines)
 
 

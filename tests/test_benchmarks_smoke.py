@@ -44,7 +44,7 @@ def test_benchmark_smoke(name, tmp_path, bench_work):
     for figure in reported:  # every timing carries the load it was measured under, and CPU seconds per variant
         if figure.load is not None:
             assert figure.load.seconds > 0 and figure.load.machine_cores >= figure.load.cores >= 1
-    assert f"{len(reported)} figures" in done.stdout and "0 benchmark(s) failed" in done.stdout  # the summary
+    assert f"{len(reported)} figures (" in done.stdout and "0 benchmark(s) failed" in done.stdout  # the summary
 
 
 def _load(**changes) -> Load:
@@ -77,7 +77,8 @@ def test_figures_under_competition_are_not_valid(tmp_path, capsys):
     verdicts = [f.verdict() for f in read_figures(tmp_path / "figures.jsonl")]
     assert verdicts == ["met", "MISSED", "NOT VALID (load 9.5, others 0.1 of 2 cores)", "no target"]
     table = summary(read_figures(tmp_path / "figures.jsonl"), {"broken": "CheckpointError: step 3 is already there"})
-    assert "3 with a target: 1 met, 1 missed, 1 not valid under load; 1 benchmark(s) failed" in table
+    assert "4 figures (1 not valid under load), 3 with a target: 1 met, 1 missed, 1 not valid under load; " \
+           "1 benchmark(s) failed" in table
     assert "FAILED: CheckpointError" in table
 
 
