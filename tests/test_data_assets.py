@@ -103,14 +103,14 @@ def test_token_shards_records_every_shard_and_the_skipped_records(tmp_path, monk
     assert sha256_file(raw_file) != raw_files[0]["sha256"]
 
 
-def test_a_source_whose_only_file_is_empty_fails_raw_corpus_naming_it(tmp_path):
-    """Not a raw_corpus of 0 documents that tokenizes into an empty shard training refuses later."""
-    empty = tmp_path / "user" / "empty.jsonl"
-    empty.parent.mkdir()
-    empty.write_text("")
+def _raw_corpus_of_one_user_file(tmp_path, text: str):
+    """raw_corpus of stdlib_code materialized from one user file holding ``text``: (the file, the result)."""
+    user_file = tmp_path / "user" / "corpus.jsonl"
+    user_file.parent.mkdir()
+    user_file.write_text(text)
     sources = tmp_path / "sources.yaml"
     sources.write_text("sources:\n"
-                       f"  stdlib_code: {{files: ['{empty}'], weight: 0.5}}\n"
+                       f"  stdlib_code: {{files: ['{user_file}'], weight: 0.5}}\n"
                        "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 60000, weight: 0.5}\n")
     storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
                           sources_config=str(sources))
@@ -119,6 +119,12 @@ def test_a_source_whose_only_file_is_empty_fails_raw_corpus_naming_it(tmp_path):
         result = dg.materialize(DATA_ASSETS, selection=["raw_corpus"], partition_key="stdlib_code", instance=instance,
                                 resources={"storage": storage, "tokenizer_settings": TokenizerSettings()},
                                 raise_on_error=False)
+    return user_file, result
+
+
+def test_a_source_whose_only_file_is_empty_fails_raw_corpus_naming_it(tmp_path):
+    """Not a raw_corpus of 0 documents that tokenizes into an empty shard training refuses later."""
+    empty, result = _raw_corpus_of_one_user_file(tmp_path, "")
     assert not result.success
     failure = result.get_step_failure_events()[0].step_failure_data.error
     assert f"source stdlib_code: {empty} hold no document (0 empty, 0 skipped)" in failure.message
@@ -128,20 +134,7 @@ def test_a_source_whose_only_file_is_empty_fails_raw_corpus_naming_it(tmp_path):
 def test_a_bad_record_fails_raw_corpus_with_its_one_line_naming_file_and_line(tmp_path):
     """The asset's error boundary: a user error (here a CorpusError naming file:line) is the step's failure
     message, prefixed with the asset and partition, not an exception's traceback."""
-    corpus = tmp_path / "user" / "bad.jsonl"
-    corpus.parent.mkdir()
-    corpus.write_text('{"text": "fine"}\n{"text": \n')
-    sources = tmp_path / "sources.yaml"
-    sources.write_text("sources:\n"
-                       f"  stdlib_code: {{files: ['{corpus}'], weight: 0.5}}\n"
-                       "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 60000, weight: 0.5}\n")
-    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
-                          sources_config=str(sources))
-    with dg.instance_for_test() as instance:
-        register_source_chunks(instance, storage)
-        result = dg.materialize(DATA_ASSETS, selection=["raw_corpus"], partition_key="stdlib_code", instance=instance,
-                                resources={"storage": storage, "tokenizer_settings": TokenizerSettings()},
-                                raise_on_error=False)
+    corpus, result = _raw_corpus_of_one_user_file(tmp_path, '{"text": "fine"}\n{"text": \n')
     error = result.get_step_failure_events()[0].step_failure_data.error
     assert error.cls_name == "Failure"
     assert f"raw_corpus[stdlib_code]: {corpus}:2:" in error.message.splitlines()[0], error.message
