@@ -8,7 +8,8 @@
   copy whose tail is replaced, so the shared shingles are the prefix's): the share flagged per Jaccard band
   (targets: >= 0.90 at J >= 0.8, <= 0.06 at J <= 0.5), exact-duplicate recall (copies differing in case and
   spacing: target 1.0), and the share of planted pairs both Kiln and DataTrove's MinHash stages at the same
-  settings judge alike (target >= 0.99);
+  settings judge alike (target >= 0.99): DataTrove 0.10.1's, and 0.3.0's buckets and clusters stages on the same
+  signatures (with their time against Kiln's sorted bands);
 - language ID: CLD2's accuracy on paragraphs of the gettext translation catalogs installed on the machine
   (/usr/share/locale/<language>/LC_MESSAGES/*.mo, human translations labelled by their directory);
 - Ray: the FineWeb recipe over 4 chunks on a 2-node Ray cluster started on this machine (benchmarks/ray_cluster.py)
@@ -16,8 +17,11 @@
 - memory: peak RSS of the whole cleaning (FineWeb recipe) on a generated corpus and on 8 times it, each in a
   process of its own (streamed: the ratio should stay near 1).
 
-DataTrove needs numpy 2, which MindSpore cannot load: it runs from its own venv, `.kiln/datatrove-venv` (made on
-the first run: ~1-2 min, pip from the registry), through benchmarks/cleaning_reference.py. Timings are taken under
+Kiln installs DataTrove 0.3.0 (its last release on numpy<2) and computes MinHash signatures with its code; its
+buckets and clusters stages run here in this process against Kiln's. The current DataTrove (0.10.1) needs numpy
+2, which MindSpore cannot load: it is the reference for the filters and for the pairs MinHash flags (its English
+words by spaCy), from its own venv, `.kiln/datatrove-venv` (made on the first run: ~1-2 min, pip from the
+registry), through benchmarks/cleaning_reference.py. Timings are taken under
 benchmarks/contention.py's LoadWatch: under competition from other processes they are reported as not valid.
 """
 from __future__ import annotations
@@ -27,6 +31,7 @@ import json
 import random
 import shutil
 import string
+import struct
 import subprocess
 import sys
 import tempfile
@@ -45,8 +50,8 @@ from training.data.cleaning.text import simplify_text
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_VENV = PROJECT_ROOT / ".kiln" / "datatrove-venv"
 # the processing extra has the filters' imports; orjson its JSONL reader, spaCy its English word splitter (not in
-# the extra); xxhash 4.1 refuses the str DataTrove's MinHash hashes
-REFERENCE_PACKAGES = ["datatrove[processing]==0.10.1", "orjson", "spacy", "xxhash<4.1"]
+# the extra); xxhash 4 refuses the str DataTrove's MinHash hashes
+REFERENCE_PACKAGES = ["datatrove[processing]==0.10.1", "orjson", "spacy", "xxhash<4"]
 FILTER_RECIPE = {"steps": ["gopher_repetition", "gopher_quality", {"c4": {"filter_no_terminal_punct": False}},
                            "fineweb_quality"], "dedup": False}
 
@@ -164,17 +169,54 @@ def planted_pairs(rng: random.Random, per_band: int) -> tuple[list[str], list[tu
     return texts, pairs
 
 
-def kiln_clusters(source: Path, work: Path) -> np.ndarray:
+def kiln_clusters(source: Path, work: Path, watch: LoadWatch) -> tuple[np.ndarray, float]:
+    """Each document's kept copy by Kiln's dedup: signatures (phase 1, no filter), then buckets and clusters (and
+    the seconds of those)."""
     recipe = load_recipe({"steps": []})
-    ChunkFilter(recipe).run([RawInput(source, source.name)], work / "stage")
+    watch.time("Kiln signatures", lambda: ChunkFilter(recipe).run([RawInput(source, source.name)], work / "stage"))
     numbering = Numbering([ChunkStage.load("bench", work / "stage")])
-    return cluster_stages(numbering.stages, recipe).kept
+    seconds, clusters = watch.call("Kiln buckets+clusters", lambda: cluster_stages(numbering.stages, recipe))
+    return clusters.kept, seconds
+
+
+def datatrove_clusters(source: Path, work: Path, watch: LoadWatch) -> tuple[dict[int, int], float]:
+    """DataTrove 0.3.0's own MinHash stages (the release Kiln installs) in this process, its signature stage with
+    Kiln's offline word splitter (its English one downloads NLTK's punkt): cluster id by document index (each
+    cluster's root left out, as 0.3.0 writes them), and the seconds of the buckets and clusters stages. Its
+    signatures are Kiln's, so those stages alone differ."""
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup.minhash import (MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,
+                                                  MinhashDedupSignature)
+    from datatrove.pipeline.readers import JsonlReader
+
+    from training.data.cleaning.minhash import SIMPLIFIED, signature_stage
+
+    signature_stage(MinHashSettings())  # registers the word splitter
+    config = MinhashConfig()
+
+    def run(name, step, tasks=1):
+        LocalPipelineExecutor(pipeline=step, tasks=tasks, workers=1, logging_dir=str(work / name),
+                              skip_completed=False).run()
+
+    watch.time("DataTrove signatures", lambda: run("l1", [JsonlReader(str(source.parent)), MinhashDedupSignature(
+        str(work / "sigs"), config=config, language=SIMPLIFIED)]))
+
+    def buckets_and_clusters():
+        run("l2", [MinhashDedupBuckets(str(work / "sigs"), str(work / "buckets"), config=config)],
+            tasks=config.num_buckets)
+        run("l3", [MinhashDedupCluster(str(work / "buckets"), str(work / "clusters"), config=config,
+                                       save_cluster_id=True)])
+    seconds = watch.time("DataTrove buckets+clusters", buckets_and_clusters)
+    return {doc: cluster for path in (work / "clusters").glob("*.clusters")
+            for doc, cluster in struct.iter_unpack("<II", path.read_bytes())}, seconds
 
 
 def dedup_quality(bench: Bench, work: Path, rng: random.Random, per_band: int) -> None:
     texts, pairs = planted_pairs(rng, per_band)
     source = write_jsonl(work / "pairs_in", texts)
-    kept = kiln_clusters(source, work / "kiln_pairs")
+    with LoadWatch(cores=1) as watch:
+        kept, our_seconds = kiln_clusters(source, work / "kiln_pairs", watch)
+        installed, their_seconds = datatrove_clusters(source, work / "datatrove_0.3", watch)
     ours = {(a, b): bool(kept[a] == kept[b]) for a, b, _, _ in pairs}
     near = [(j, ours[(a, b)]) for a, b, j, kind in pairs if kind == "near"]
     high = [flag for j, flag in near if j >= 0.8]
@@ -192,10 +234,18 @@ def dedup_quality(bench: Bench, work: Path, rng: random.Random, per_band: int) -
             bench.report(f"  J in [{lower:.2f}, {upper:.2f}) flagged ({len(band)} pairs)", np.mean(band), "of pairs",
                          np.mean(band) / predicted, f"1-(1-J^8)^14's {predicted:.3f}")
     bench.report(f"exact-dup recall ({len(exact)} pairs)", np.mean(exact), "of pairs", target=at_least(1.0, of="value"))
+    # its stages have no exact-key links; its .clusters leave out each cluster's root (the copy kept), so a pair is
+    # flagged when either copy is listed: planted pairs share no 5-gram with other pairs
+    near_pairs = [(a, b) for a, b, _, kind in pairs if kind == "near"]
+    bench.report(f"pair agreement with DataTrove 0.3.0's buckets+clusters ({len(near_pairs)} near pairs)",
+                 np.mean([ours[(a, b)] == (a in installed or b in installed) for a, b in near_pairs]), "of pairs",
+                 target=at_least(0.99, of="value"))
+    bench.report(f"buckets+clusters of {len(texts)} docs, Kiln's sorted bands", our_seconds * 1e3, "ms",
+                 our_seconds / their_seconds, "DataTrove 0.3.0's stages 2-3", watch=watch)
     theirs = reference("minhash", source.parent, work / "datatrove_pairs")["clusters"]
-    cluster = {int(doc): c for doc, c in theirs.items()}
-    agree = [ours[(a, b)] == (a in cluster and cluster.get(a) == cluster.get(b)) for a, b, _, _ in pairs]
-    bench.report(f"pair agreement with DataTrove's MinHash ({len(agree)} pairs)", np.mean(agree), "of pairs",
+    current = {int(doc): c for doc, c in theirs.items()}
+    agree = [ours[(a, b)] == (a in current and current.get(a) == current.get(b)) for a, b, _, _ in pairs]
+    bench.report(f"pair agreement with DataTrove 0.10.1's MinHash ({len(agree)} pairs)", np.mean(agree), "of pairs",
                  target=at_least(0.99, of="value"))
 
 

@@ -1,5 +1,5 @@
-"""DataTrove's side of benchmarks/cleaning.py, run by the Python of DataTrove's own venv (DataTrove needs numpy 2,
-which Kiln's environment cannot have): ``python cleaning_reference.py filters|minhash INPUT_DIR WORK_DIR``.
+"""DataTrove 0.10.1's side of benchmarks/cleaning.py, run by the Python of its own venv (its releases after 0.3.0
+need numpy 2, which Kiln's environment cannot have): ``python cleaning_reference.py filters|minhash INPUT_DIR WORK_DIR``.
 
 filters: the FineWeb filter chain (Gopher repetition, Gopher quality, C4 without the terminal-punctuation rule,
 FineWeb quality) in LocalPipelineExecutor, one task on one worker; minhash: DataTrove's signature, buckets and

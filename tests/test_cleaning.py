@@ -142,6 +142,24 @@ def planted_corpus(tmp_path: Path) -> tuple[Path, list[str]]:
     return write_jsonl(tmp_path / "corpus.jsonl", texts, ["{broken\n"]), texts
 
 
+def test_minhash_signatures_are_datatrove_s_offline_and_bounded_on_long_documents():
+    """DataTrove 0.3.0's signature stage, with the word splitter that needs no NLTK download; a document longer
+    than a block of shingles gets the minimum over every shingle, as one DataTrove call over all of them gives."""
+    import numpy as np
+
+    from training.data.cleaning.minhash import NO_SHINGLES, MinHashSettings, signature, signature_stage
+    from training.data.cleaning.text import simplify_text
+
+    settings = MinHashSettings()
+    text = simplify_text(" ".join(words(random.Random(5), 9000, vocabulary(random.Random(5)))) + " Ünïcode, 1.5!")
+    stage = signature_stage(settings)
+    shingles = stage.get_shingles(text)
+    assert len(shingles) == len(text.split()) - settings.n_grams + 1 > 2 * 4096
+    whole = np.asarray(stage.get_signature(shingles), dtype=np.uint64).ravel()
+    assert np.array_equal(signature(text, settings), whole)
+    assert (signature("too few words", settings) == NO_SHINGLES).all()
+
+
 def test_exact_and_near_duplicates_keep_the_first_copy_with_its_cluster_size(tmp_path):
     raw, texts = planted_corpus(tmp_path)
     recipe = load_recipe({"steps": [{"length": {"min_chars": 10}}]})

@@ -6,6 +6,11 @@ filter, PII redaction) or a ``Removal`` naming the rule and the measured value t
 follow DataTrove's filters (datatrove/pipeline/filters/*.py) rule for rule; words come from
 ``text.split_words`` instead of spaCy, sentences from a punctuation rule instead of NLTK's punkt (which
 DataTrove downloads at run time).
+
+They are not the installed DataTrove 0.3.0's filter classes: each of its Gopher, C4 and FineWeb filters splits
+English words and sentences with NLTK, which needs the punkt model downloaded (offline: LookupError
+'punkt_tab'), and a filter returns only the rule's name, where the removals sidecar records the measured value
+and its limit.
 """
 from __future__ import annotations
 
