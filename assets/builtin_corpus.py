@@ -22,10 +22,11 @@ import json
 import os
 import re
 import sysconfig
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+
+from training.atomic import temporary_file
 
 BUILTIN_KINDS = ("python_stdlib_code", "python_stdlib_docstrings")
 PART_BYTES = 64 * 1024 * 1024
@@ -152,7 +153,7 @@ def write_builtin_source(
             if part is None or part_size + len(line) > part_bytes:
                 if part is not None:
                     part.close()
-                fd, tmp = tempfile.mkstemp(dir=out, prefix=f"part-{len(temporaries):05d}.jsonl.", suffix=".tmp")
+                fd, tmp = temporary_file(out, f"part-{len(temporaries):05d}.jsonl.")
                 temporaries.append(Path(tmp))
                 part, part_size = os.fdopen(fd, "wb"), 0
             part.write(line)

@@ -33,13 +33,20 @@ def default_mode(directory: bool = False) -> int:
     return (0o777 if directory else 0o666) & ~_umask()
 
 
+def temporary_file(directory: str | os.PathLike, prefix: str) -> tuple[int, str]:
+    """A new file ``<directory>/<prefix>…tmp`` (its descriptor and path) with the mode open() would give it, so
+    that renamed into place it is as readable as the umask says (see default_mode)."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=".tmp")
+    os.fchmod(fd, default_mode())
+    return fd, tmp
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
     """``write(stream)`` into a temporary file next to ``path``, then rename it to ``path`` (mode as the umask
     gives a new file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.fchmod(fd, default_mode())
+    fd, tmp = temporary_file(path.parent, f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as stream:
             write(stream)

@@ -23,7 +23,6 @@ import codecs
 import json
 import os
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import orjson
 
-from training.atomic import default_mode
+from training.atomic import temporary_file
 from training.data.hashing import sha256_file
 
 ON_BAD_LINE = ("error", "skip")
@@ -432,9 +431,7 @@ class BadRecords:
         if self.quarantine_path is not None:
             if self._stream is None:
                 self.quarantine_path.parent.mkdir(parents=True, exist_ok=True)
-                fd, name = tempfile.mkstemp(dir=self.quarantine_path.parent, prefix=self.quarantine_path.name + ".",
-                                            suffix=".tmp")
-                os.fchmod(fd, default_mode())
+                fd, name = temporary_file(self.quarantine_path.parent, self.quarantine_path.name + ".")
                 self._temp, self._stream = Path(name), os.fdopen(fd, "w", encoding="utf-8")
             entry = {"file": rejection.path, **rejection.place, "reason": rejection.reason,
                      "detail": rejection.detail, "raw": rejection.raw}

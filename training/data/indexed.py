@@ -22,12 +22,11 @@ import array
 import hashlib
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from training.atomic import default_mode
+from training.atomic import temporary_file
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -80,8 +79,7 @@ def _code_for(dtype: np.dtype) -> int:
 
 
 def _temp_path_next_to(path: Path) -> Path:
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.fchmod(fd, default_mode())
+    fd, name = temporary_file(path.parent, path.name + ".")
     os.close(fd)
     return Path(name)
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 from mindspore.mindrecord import FileReader, FileWriter
 
+from training.atomic import default_mode
 from training.data import gpt_dataset
 from training.data.gpt_dataset import GPTDataset, split_document_range
 from training.data.hashing import sha256_file
@@ -268,8 +269,10 @@ def _sidecar(dataset: GPTDataset, count: int, files: list[str], actual_seq_len: 
 
 
 def _move_into_place(staging: Path, output: Path, written: list[str], replaced: list[Path]) -> None:
-    """Rename the staged files next to `output`; the sidecar lands last and marks the output complete."""
+    """Rename the staged files next to `output`, with the mode the umask gives a new file (MindSpore's FileWriter
+    makes its files 0600); the sidecar lands last and marks the output complete."""
     for name in written:
+        (staging / name).chmod(default_mode())
         os.replace(staging / name, output.parent / name)
     # Files of a replaced output that the new one does not overwrite (e.g. it had more shards).
     sidecar = _sidecar_path(output)
