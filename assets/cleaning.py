@@ -20,11 +20,11 @@ import dagster as dg
 
 from assets.chunks import key_stem, source_chunk_keys, source_chunks, source_of
 from assets.data import (EAGER_AFTER_CHECKS, SIDECAR, _source_spec, clean_dir, clean_sidecar, combined_result,
-                         raw_corpus, raw_file_hashes, raw_files)
+                         failing_as, raw_corpus, raw_file_hashes, raw_files)
 from assets.sources import load_sources, source_recipe
 from assets.versions import versioned_asset
 from resources.storage import KilnStorage
-from training.data.cleaning.pipeline import ChunkStage, CleaningError, Numbering, RawInput
+from training.data.cleaning.pipeline import ChunkStage, Numbering, RawInput
 from training.data.cleaning.versions import clean_data_version
 from training.data.cleaning.runners import FilterJob, FinalizeJob, LocalRunner, runner
 from training.data.cleaning.recipe import Recipe
@@ -172,14 +172,12 @@ def clean_corpus(context: dg.AssetExecutionContext, config: CleanConfig, storage
     <raw file>:<line>`). On a Ray cluster with `ray_address` (byte-identical output). Re-materialized
     automatically (eager) when its raw chunk changes."""
     keys = list(context.partition_keys)
-    sources = load_sources(storage.sources_config)
-    recipes = {key: source_recipe(sources[source_of(key)], storage.sources_config) for key in keys}
-    try:
+    with failing_as("clean_corpus"):  # an error names the file and line, the step, or the Ray address
+        sources = load_sources(storage.sources_config)
+        recipes = {key: source_recipe(sources[source_of(key)], storage.sources_config) for key in keys}
         run = runner(config.ray_address)
         run.filter([_filter_job(storage, key, recipes[key]) for key in keys if recipes[key] is not None])
         finished = _finalize(storage, keys, recipes, run)
-    except (CleaningError, ValueError) as exc:  # names the file and line, the step, or the Ray address
-        raise dg.Failure(f"clean_corpus: {exc}") from None
     results = {}
     for key in keys:
         results[key] = (_uncleaned_result(storage, key) if recipes[key] is None

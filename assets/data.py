@@ -5,6 +5,7 @@ Each asset records what it read and wrote (paths, bytes, counts, sha256) and ret
 Outputs are written under a temporary name and renamed, so a failed step never leaves half a file.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -16,12 +17,14 @@ import dagster as dg
 
 from assets.builtin_corpus import write_builtin_source
 from assets.chunks import chunk_files, group_chunks, key_stem, source_chunk_keys, source_chunks, source_of
-from assets.sources import load_sources, source_recipe
+from assets.sources import SourcesConfigError, load_sources, source_recipe
 from assets.versions import code_version, sources_config, versioned_asset
 from resources.storage import KilnStorage
 from resources.tokenizer import SPECIAL_IDS, TokenizerSettings
 from training.atomic import replace_dir, write_json_atomic
 from training.boundary import is_user_error
+from training.data.cleaning.pipeline import CleaningError
+from training.data.cleaning.recipe import RecipeError
 from training.data.corpus import SUFFIXES, iter_texts, scan_corpus
 from training.data.hashing import PER_SOURCE_DATA_VERSION, combined_hash, sha256_file
 from training.data.manifest import build_manifest
@@ -139,17 +142,29 @@ def figures(result: dg.MaterializeResult) -> dict[str, int | float]:
     """The numbers among a result's metadata (what a range's table shows per chunk)."""
     return {k: v for k, v in result.metadata.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
+@contextlib.contextmanager
+def failing_as(where: str):
+    """Each data asset's error boundary (training.boundary's, for a step): a user error raised inside (a file,
+    field or setting named in its message; here also the sources config's, a cleaning recipe's) is the step's
+    Failure, one line ``<where>: <message>``, not retried (a retry would read the same input); a bug keeps its
+    traceback."""
+    try:
+        yield
+    except dg.Failure:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- re-raised unless it is the user's
+        if not (is_user_error(exc) or isinstance(exc, (SourcesConfigError, RecipeError, CleaningError))):
+            raise
+        raise dg.Failure(f"{where}: {exc}", allow_retries=False) from None
+
+
 def per_source(context: dg.AssetExecutionContext, build) -> dg.MaterializeResult:
     """Build every partition (chunk) of the step, logging each one's figures; a run over several reports them all
     (`combined_result`)."""
     results = {}
     for key in context.partition_keys:
-        try:
+        with failing_as(f"{context.asset_key.to_user_string()}[{key}]"):
             results[key] = build(key)
-        except Exception as exc:  # noqa: BLE001 -- a user error is one line (training.boundary); a bug is raised
-            if not is_user_error(exc):
-                raise
-            raise dg.Failure(f"{context.asset_key.to_user_string()}[{key}]: {exc}", allow_retries=False) from None
         context.log.info(f"{context.asset_key.to_user_string()}[{key}]: "
                          + ", ".join(f"{k}={v}" for k, v in figures(results[key]).items()))
     return combined_result(results)
@@ -194,6 +209,11 @@ def tokenizer(context: dg.AssetExecutionContext, storage: KilnStorage,
               tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
     """A sentencepiece model trained on a seeded, bounded sample of every source's documents: cleaned ones
     (clean_corpus) for a source with a cleaning recipe, raw ones for a source with `cleaning: none`."""
+    with failing_as("tokenizer"):
+        return _train_tokenizer(storage, tokenizer_settings)
+
+
+def _train_tokenizer(storage: KilnStorage, tokenizer_settings: TokenizerSettings) -> dg.MaterializeResult:
     sources = load_sources(storage.sources_config)
     inputs = [(name, path) for name in sorted(sources) for key in source_chunk_keys(storage, sources[name])
               for path in chunk_inputs(storage, key)[0]]
@@ -365,7 +385,8 @@ def tokenize_chunks(context: dg.OpExecutionContext, storage: KilnStorage,
     the asset's own."""
     results = []
     for key in step.chunks:
-        result = _tokenize_chunk(storage, key, context.log, workers=step.workers)
+        with failing_as(f"token_shards[{key}]"):
+            result = _tokenize_chunk(storage, key, context.log, workers=step.workers)
         results.append((key, dict(result.metadata), result.data_version.value))
     return results
 
@@ -415,7 +436,11 @@ def read_shard_sidecar(storage: KilnStorage, key: str) -> dict:
     path = shard_dir(storage, key) / f"{key_stem(key)}{SIDECAR}"
     if not path.exists():
         raise dg.Failure(f"no shards for {key!r} ({path} missing); materialize token_shards[{key}]")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise dg.Failure(f"{path}: unreadable shard sidecar ({exc}); materialize token_shards[{key}] again",
+                         allow_retries=False) from None
 
 def source_shards(storage: KilnStorage, spec) -> dict:
     """A source's shards and raw files, gathered from its chunks' sidecars in chunk order."""
@@ -438,6 +463,11 @@ def blend_manifest(context: dg.AssetExecutionContext, config: BlendConfig,
 
     Re-materialized automatically (eager) once every chunk's shards are up to date again.
     """
+    with failing_as("blend_manifest"):
+        return _blend(config, storage)
+
+
+def _blend(config: BlendConfig, storage: KilnStorage) -> dg.MaterializeResult:
     sources = load_sources(storage.sources_config)
     sidecars = {name: source_shards(storage, sources[name]) for name in sorted(sources)}
     tokenizer_shas = {sha for s in sidecars.values() for sha in s["tokenizers"].values()}

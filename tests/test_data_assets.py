@@ -6,8 +6,9 @@ import pytest
 
 import assets.data
 from assets.chunks import register_source_chunks
-from assets.cleaning import clean_corpus
-from assets.data import blend_manifest, raw_corpus, raw_file_hashes, token_shards, tokenizer
+from assets.cleaning import CleanConfig, clean_corpus
+from assets.data import (BlendConfig, ChunkStep, blend_manifest, raw_corpus, raw_file_hashes, token_shards,
+                         tokenize_chunks, tokenizer)
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 from training.data.hashing import sha256_file
@@ -138,3 +139,33 @@ def test_a_bad_record_fails_raw_corpus_with_its_one_line_naming_file_and_line(tm
     error = result.get_step_failure_events()[0].step_failure_data.error
     assert error.cls_name == "Failure"
     assert f"raw_corpus[stdlib_code]: {corpus}:2:" in error.message.splitlines()[0], error.message
+
+
+def _tokenize_chunks_op(storage, step):
+    with dg.build_op_context() as context:
+        return tokenize_chunks(context, storage=storage, step=step)
+
+
+@pytest.mark.parametrize("where", ["tokenizer", "clean_corpus", "token_shards[stdlib_code]", "blend_manifest"])
+def test_a_broken_sources_config_fails_each_data_asset_with_one_line_naming_it(tmp_path, where):
+    """Each data asset's error boundary (raw_corpus's is above; the assets invoked directly, which costs no run):
+    the sources config broken after its chunks were registered is the step's Failure, one line naming the asset
+    and the config's field, not a traceback."""
+    _, sources = _write_sources(tmp_path)
+    storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
+                          sources_config=str(sources))
+    steps = {
+        "tokenizer": lambda context: tokenizer(context, storage=storage, tokenizer_settings=TokenizerSettings()),
+        "clean_corpus": lambda context: clean_corpus(context, config=CleanConfig(), storage=storage),
+        "token_shards[stdlib_code]": lambda _: _tokenize_chunks_op(storage, ChunkStep(("stdlib_code",), 1)),
+        "blend_manifest": lambda context: blend_manifest(context, config=BlendConfig(), storage=storage)}
+    # in memory, closed with the context: the chunks registered, as a run finds them
+    with dg.DagsterInstance.ephemeral() as instance, dg.build_asset_context(
+            partition_key="stdlib_code" if where == "clean_corpus" else None, instance=instance) as context:
+        register_source_chunks(instance, storage)
+        sources.write_text(sources.read_text().replace("weight: 0.5}", "weight: 0.5, colour: red}", 1))
+        with pytest.raises(dg.Failure) as failure:
+            steps[where](context)
+    assert failure.value.description.startswith(
+        f"{where}: {sources}: sources.stdlib_code: unknown key(s) ['colour']"), failure.value.description
+    assert not failure.value.allow_retries  # a retry would read the same config

@@ -24,9 +24,10 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from training.hf import HFConversionError
     from training.launch import SettingError
     from training.safetensors_io import SafetensorsFileError
+    from training.tasks import TaskError
 
     types = (ConfigError, CheckpointError, CorpusError, DatasetError, IndexedDatasetError, ManifestError,
-             HFConversionError, SettingError, SafetensorsFileError)
+             HFConversionError, SettingError, SafetensorsFileError, TaskError)
     # training.optim loads MindSpore: an error of its type exists only in a process that imported it already
     optim = sys.modules.get("training.optim")
     return types + ((optim.NonFiniteStepError,) if optim else ())
