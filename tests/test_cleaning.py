@@ -180,6 +180,38 @@ def test_exact_and_near_duplicates_keep_the_first_copy_with_its_cluster_size(tmp
     assert dedup["removed"] == {"exact_duplicate": 1, "near_duplicate": 1} and dedup["docs_out"] == 31
 
 
+def test_band_shards_link_as_one_band_does(tmp_path):
+    """Memory-bounded dedup: each band (and the exact keys) split in shards by hash value, a job each, gives the
+    links and clusters of the unsharded bands, over chunks with copies within and across them."""
+    import numpy as np
+
+    from training.data.cleaning.dedup import cluster, link_jobs, links
+
+    raw, texts = planted_corpus(tmp_path)
+    copies = write_jsonl(tmp_path / "copies.jsonl", [texts[7], texts[3].upper(), texts[31], texts[9]])
+    recipe = load_recipe({"steps": []})
+    stages = [tmp_path / "a", tmp_path / "b"]
+    for path, stage in zip((raw, copies), stages):
+        ChunkFilter(recipe, on_bad_line="skip").run([RawInput(path, path.name)], stage)
+    unsharded = link_jobs(stages, 14)
+    sharded = link_jobs(stages, 14, shard_docs=8)
+    assert {job.shards for job in unsharded} == {1} and len(unsharded) == 15
+    assert {job.shards for job in sharded} == {5} and len(sharded) == 15 * 5  # 38 documents, 8 a shard
+
+    def pairs(jobs):
+        found = [np.stack(links(stages, job, 8, 14)) for job in jobs]
+        return sorted(map(tuple, np.concatenate(found, axis=1).T.tolist()))
+
+    for kind in (None, *range(14)):
+        assert pairs([j for j in sharded if j.band == kind]) == pairs([j for j in unsharded if j.band == kind])
+    whole, split = cluster(stages, 14, 8), cluster(stages, 14, 8, shard_docs=8)
+    assert all(np.array_equal(getattr(whole, f), getattr(split, f)) for f in ("kept", "size", "exact"))
+    # 34 documents in a (its broken line skipped) and 4 in b: line 4's cluster has its near copy (line 32) and
+    # b's exact and near copies; lines 3, 8 and 10 one copy each
+    assert len(whole.kept) == 38 and sorted(whole.size[whole.kept == np.arange(38)])[-4:] == [2, 2, 2, 4]
+    assert whole.kept[[31, 34, 35, 36, 37]].tolist() == [3, 7, 3, 3, 9] and whole.kept[30] == 2
+
+
 def test_output_is_deterministic(tmp_path):
     raw, _ = planted_corpus(tmp_path)
     recipe = load_recipe("code")

@@ -4,7 +4,7 @@ Phase 1, ``filter_chunk`` (per chunk, streaming): every raw document goes throug
 the first step that removes it is recorded with its reason and measured value (``removed.jsonl``), survivors
 are written with their rewritten text (``survivors.jsonl``) and their dedup keys and MinHash signatures appended
 to flat binary files (``exact.bin``, ``signatures.bin``, ``keys.bin``): nothing of a chunk is held in memory.
-Phase 2, ``dedup.cluster``: one pass over every chunk's keys, a band at a time. Phase 3, ``finalize_chunk``:
+Phase 2, ``dedup.cluster``: every chunk's keys, a band (and shard of it) at a time. Phase 3, ``finalize_chunk``:
 the cleaned JSONL (one per raw file, same stem) and the removals sidecar, one line per raw document in raw
 order: kept (with its cluster's size) or the step that removed it, why, and for a duplicate the copy it matched.
 A stage directory is built aside and renamed into place, so a failure never leaves half a stage.

@@ -2,10 +2,11 @@
 
 Both run the same jobs on the same files, so their outputs are byte for byte the same: a job is a plain object
 (its recipe, its inputs, its stage directory), and on Ray each is a task whose worker reads and writes the data
-root, which every node must mount at the same path. Phase 1 is a task per chunk; phase 2 a task per band (each
-holds one band of every chunk's signatures, as DataTrove shards its buckets stage; the links they return are
-joined on the driver); phase 3 a task per chunk. Tasks stream their files, so a worker's memory does not grow with
-the corpus but with one band's column (16 bytes a document per hash) in phase 2.
+root, which every node must mount at the same path. Phase 1 is a task per chunk; phase 2 a task per band and
+shard of it (``dedup.link_jobs``: the rows of every chunk's signatures whose band hash falls in the shard, as
+DataTrove splits its buckets stage by bucket and hash range; the links they return are joined on the driver);
+phase 3 a task per chunk. Tasks stream their files, and the shards per band grow with the corpus, so a worker's
+memory does not grow with it.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from training.data.cleaning.dedup import Clusters, band_links, components, exact_links
+from training.data.cleaning.dedup import Clusters, LinkJob, components, link_jobs, links
 from training.data.cleaning.pipeline import ChunkFilter, ChunkStage, CleaningError, Numbering, RawInput, \
     cluster_stages, finalize_chunk
 from training.data.cleaning.recipe import Recipe
@@ -47,14 +48,9 @@ class FinalizeJob:
         return finalize_chunk(numbering, self.position, clusters, self.out_dir, self.stem, self.json_keys)
 
 
-def _links(stage_dirs: list[Path], recipe: Recipe, band: int | None):
+def _links(stage_dirs: list[Path], recipe: Recipe, job: LinkJob):
     minhash = recipe.minhash
-    return exact_links(stage_dirs) if band is None else band_links(stage_dirs, band, minhash.rows, minhash.bands)
-
-
-def _link_jobs(recipe: Recipe) -> list[int | None]:
-    """None: the exact keys; k: MinHash band k."""
-    return ([None] if recipe.exact_dedup else []) + (list(range(recipe.minhash.bands)) if recipe.minhash else [])
+    return links(stage_dirs, job, minhash.rows if minhash else 0, minhash.bands if minhash else 0)
 
 
 class LocalRunner:
@@ -104,8 +100,9 @@ class RayRunner(LocalRunner):
         if not recipe.dedups:
             return None
         stage_dirs = [s.stage for s in stages]
-        links = self._gather([self._links.remote(stage_dirs, recipe, band) for band in _link_jobs(recipe)])
-        return components(stage_dirs, links)
+        jobs = link_jobs(stage_dirs, recipe.minhash.bands if recipe.minhash else 0, recipe.exact_dedup,
+                         recipe.minhash is not None)
+        return components(stage_dirs, self._gather([self._links.remote(stage_dirs, recipe, job) for job in jobs]))
 
     def finalize(self, jobs: Sequence[FinalizeJob], clusters: Clusters | None) -> list[dict]:
         shared = self.ray.put(clusters)
