@@ -217,12 +217,30 @@ RUNS = {
         "^" + re.escape(SHIPPED_MOCK) + "$"),
 }
 
+ABLATION = "proxy_config: configs/qwen3_tiny.yaml\ntokens: 512\nvariants:\n  all: {web: 1.0}\n"
+# the other YAML Kiln reads, through the training config's reader: an ablation spec, the model config import-hf and
+# export-hf take (--config)
+OTHER_YAML = {
+    "ablation spec: a key given twice": (("ablation", ABLATION + "tokens: 1024\n"),
+                                         r"ablation\.yaml:5: tokens is given twice \(first at line 2\)"),
+    "ablation spec: an alias bomb": (("ablation", ALIAS_BOMB), r"its aliases expand it to [\d,]+ values"),
+    "ablation spec: a long value": (("ablation", ABLATION.replace("512", "9" * 1_000_000 + "x")),
+                                    r"tokens must be an integer > 0, got '9{10,}\.\.\.9+x'$"),
+    "ablation spec: one seed": (("ablation", ABLATION + "seeds: [1]\n"),
+                                r"seeds must list two integers or more \(the spread over seeds\), got \[1\]$"),
+    "import-hf --config: a key given twice": (("import-hf", "model:\n  hidden_size: 64\n  hidden_size: 32\n"),
+                                              r"^kiln import-hf: .*\.yaml:3: model\.hidden_size is given twice "
+                                              r"\(first at line 2\)"),
+    "import-hf --config: an alias bomb": (("import-hf", ALIAS_BOMB), r"^kiln import-hf: .*its aliases expand it"),
+}
+
 BAD_INPUTS = {
     **{name: ("config", given, fragment) for name, (given, fragment) in CASES.items()},
     **{name: ("config", overrides(*sets), fragment) for name, (sets, fragment) in SILENT.items()},
     **{name: ("layout", given, fragment) for name, (given, fragment) in LAYOUTS.items()},
     **{name: ("name", (kind, value), fragment) for name, (kind, value, fragment) in NAMES.items()},
     **{name: ("run", argv, fragment) for name, (argv, fragment) in RUNS.items()},
+    **{name: ("other yaml", given, fragment) for name, (given, fragment) in OTHER_YAML.items()},
 }
 
 
@@ -288,7 +306,23 @@ def refused_run(argv, tmp_path, capsys) -> str:
     return capsys.readouterr().err.rstrip("\n")
 
 
-REFUSALS = {"config": refused_config, "layout": refused_layout, "name": refused_name, "run": refused_run}
+def refused_other_yaml(given, tmp_path, capsys) -> str:
+    from training.ablation import AblationSpec
+    from training.cli import main as kiln
+
+    reader, content = given
+    path = tmp_path / f"{reader}.yaml"
+    path.write_text(content)
+    if reader == "import-hf":
+        assert kiln(["import-hf", str(tmp_path / "hf"), str(tmp_path / "out"), "--config", str(path)]) == 2
+        return capsys.readouterr().err.rstrip("\n")
+    with pytest.raises(ValueError) as raised:
+        AblationSpec.load(path)
+    return str(raised.value)
+
+
+REFUSALS = {"config": refused_config, "layout": refused_layout, "name": refused_name, "run": refused_run,
+            "other yaml": refused_other_yaml}
 
 
 def test_what_the_mock_refusal_says_to_set_is_enough(capsys):

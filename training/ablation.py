@@ -27,7 +27,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 
 ABLATION_DIR = "ablation"  # under the runs root (results, runs) and the data root's blend/ (variant manifests)
 
@@ -43,20 +42,44 @@ class AblationSpec:
 
     @classmethod
     def load(cls, path: str | Path) -> "AblationSpec":
-        with open(path) as stream:
-            data = yaml.safe_load(stream) or {}
+        """The spec at ``path``, read as a training config is (duplicate keys, alias bombs and nesting refused:
+        training.config.read_yaml_mapping); every problem of its fields in one ValueError naming them."""
+        from training.config import read_yaml_mapping, shown
+
+        data = read_yaml_mapping(path, "an ablation spec")
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; known: "
+            raise ValueError(f"{path}: unknown key(s) {shown(sorted(unknown))}; known: "
                              f"{', '.join(cls.__dataclass_fields__)}")
-        try:
-            spec = cls(**data)
-        except TypeError as exc:
-            raise ValueError(f"{path}: {exc}") from None
-        if not spec.variants or len(spec.seeds) < 2 or spec.tokens <= 0:
-            raise ValueError(f"{path}: an ablation needs variants, two seeds or more (the spread) and tokens > 0; "
-                             f"got {len(spec.variants)} variant(s), seeds {spec.seeds}, tokens {spec.tokens}")
-        return spec
+        problems = [f"{path}: {field} {need}, got {shown(data[field])}" for field, (valid, need) in _SPEC_FIELDS.items()
+                    if field in data and not valid(data[field])]
+        problems += [f"{path}: {field} is required" for field in ("proxy_config", "tokens", "variants")
+                     if field not in data]
+        if problems:
+            raise ValueError("; ".join(problems))
+        return cls(**data)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _weight(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
+
+
+_SPEC_FIELDS = {  # field -> (its check, what it needs)
+    "proxy_config": (lambda v: isinstance(v, str) and v != "", "must be a training config's path"),
+    "tokens": (_positive_int, "must be an integer > 0"),
+    "seeds": (lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(x, int) for x in v),
+              "must list two integers or more (the spread over seeds)"),
+    "tasks": (lambda v: isinstance(v, list) and v != [] and all(isinstance(x, str) for x in v),
+              "must list task names (training/tasks.py)"),
+    "task_limit": (_positive_int, "must be an integer > 0"),
+    "variants": (lambda v: isinstance(v, dict) and v != {} and all(
+        isinstance(weights, dict) and weights != {} and all(isinstance(k, str) and _weight(w) for k, w in weights.items())
+        for weights in v.values()), "must map each variant's name to its sources' weights (numbers > 0)"),
+}
 
 
 def variant_manifest(manifest: dict, weights: dict[str, float], data_root: Path, name: str) -> Path:

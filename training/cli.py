@@ -253,10 +253,9 @@ def _model_section(config_path: str | None) -> dict | None:
     """The ``model:`` section of a training YAML, if one was given."""
     if config_path is None:
         return None
-    import yaml
+    from training.config import read_yaml_mapping
 
-    with open(config_path) as f:
-        section = (yaml.safe_load(f) or {}).get("model")
+    section = read_yaml_mapping(config_path).get("model")
     if not isinstance(section, dict):
         raise ValueError(f"{config_path}: no model: section")
     return section

@@ -1179,22 +1179,28 @@ def parse_yaml(text: str, where: str) -> Any:
         loader.dispose()
 
 
-def read_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> dict:
-    """The training YAML at ``path`` as a dict, ``overrides`` applied; the file's own problems (not found, not
-    text, invalid YAML, duplicate keys, alias bombs) are a ConfigError naming it."""
+def read_yaml_mapping(path: str | Path, what: str = "a training YAML") -> dict:
+    """The YAML file at ``path`` (``what`` it should be), a mapping at the top level, read as a training config is
+    (parse_yaml); the file's own problems (not found, not text, invalid YAML, duplicate keys, alias bombs) are a
+    ConfigError naming it."""
     path = Path(path)
     try:
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8); expected a training YAML") from None
+        raise ConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8); expected {what}") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config ({exc.strerror})") from None
     data = parse_yaml(text, str(path))
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    return apply_overrides(data, overrides)
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level ({what})")
+    return data
+
+
+def read_config(path: str | Path, overrides: typing.Iterable[str] = ()) -> dict:
+    """The training YAML at ``path`` as a dict (read_yaml_mapping), ``overrides`` applied."""
+    return apply_overrides(read_yaml_mapping(path), overrides)
 
 
 def parse_config(data: dict, where: str, model_check: Optional[typing.Callable[[dict], Any]] = None
