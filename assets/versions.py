@@ -63,16 +63,17 @@ ASSET_PARTS: dict[str, tuple[str, ...]] = {
         "assets/data.py:raw_corpus", "assets/data.py:<module>", "assets/data.py:_ingest_chunk",
         "assets/data.py:_source_spec", "assets/data.py:_part_files", "assets/data.py:per_source",
         "assets/data.py:figures", "assets/data.py:combined_result", "assets/data.py:files_table",
-        "assets/builtin_corpus.py", "training/data/corpus.py", *_DATA_COMMON),
+        "assets/data.py:failing_as", "assets/builtin_corpus.py", "training/data/corpus.py", *_DATA_COMMON),
     "clean_corpus": (
         "assets/cleaning.py", "assets/data.py:<module>", "assets/data.py:_source_spec", "assets/data.py:raw_files",
         "assets/data.py:_part_files", "assets/data.py:raw_file_hashes", "assets/data.py:clean_dir",
         "assets/data.py:clean_sidecar", "assets/data.py:combined_result", "assets/data.py:figures",
-        "training/data/cleaning/", "training/data/corpus.py", *_DATA_COMMON),
+        "assets/data.py:failing_as", "training/data/cleaning/", "training/data/corpus.py", *_DATA_COMMON),
     "tokenizer": (
         "assets/data.py:tokenizer", "assets/data.py:<module>", "assets/data.py:raw_files",
         "assets/data.py:_part_files", "assets/data.py:chunk_inputs", "assets/data.py:clean_dir",
-        "assets/data.py:clean_sidecar", "assets/data.py:_source_spec", "resources/tokenizer.py",
+        "assets/data.py:clean_sidecar", "assets/data.py:_source_spec", "assets/data.py:failing_as",
+        "assets/data.py:_train_tokenizer", "resources/tokenizer.py",
         "training/data/corpus.py", *_DATA_COMMON),
     "token_shards": (
         "assets/data.py:token_shards", "assets/data.py:<module>", "assets/data.py:ChunkStepConfig",
@@ -82,13 +83,14 @@ ASSET_PARTS: dict[str, tuple[str, ...]] = {
         "assets/data.py:raw_file_hashes", "assets/data.py:shard_dir", "assets/data.py:shards_hash",
         "assets/data.py:_histogram_table", "assets/data.py:files_table", "assets/data.py:figures",
         "assets/data.py:combined_result", "assets/data.py:chunk_inputs", "assets/data.py:clean_dir",
-        "assets/data.py:clean_sidecar", "assets/data.py:clean_file_records", "training/data/corpus.py",
-        "training/data/encoding.py",
+        "assets/data.py:clean_sidecar", "assets/data.py:clean_file_records", "assets/data.py:failing_as",
+        "training/data/corpus.py", "training/data/encoding.py",
         "training/data/indexed.py", "training/data/preprocess.py", *_DATA_COMMON),
     "blend_manifest": (
         "assets/data.py:blend_manifest", "assets/data.py:<module>", "assets/data.py:BlendConfig",
         "assets/data.py:read_shard_sidecar", "assets/data.py:source_shards", "assets/data.py:shard_dir",
-        "assets/data.py:shards_hash", "assets/data.py:_blend_summary", "training/data/manifest.py",
+        "assets/data.py:shards_hash", "assets/data.py:_blend_summary", "assets/data.py:failing_as",
+        "assets/data.py:_blend", "training/data/manifest.py",
         *_DATA_COMMON),
     "training_run": (
         "assets/training.py:training_run", "assets/training.py:<module>", "assets/training.py:TrainingRunConfig",
