@@ -16,7 +16,9 @@ A part is one of:
   (its constants and imports);
 - ``"training/data/corpus.py"``: a whole file; ``"training/"``: every Python file under a package;
 - ``SOURCES_CONFIG`` or ``TRAINING_CONFIG``: the config file a setting names (``sources_config``,
-  ``default_training_config``).
+  ``default_training_config``);
+- ``CLEANING_RECIPES``: the recipe YAML files the sources config's ``cleaning:`` entries name (an inline recipe
+  is in the sources config itself), so that editing one shows ``clean_corpus`` stale.
 
 The data assets list the functions of ``assets/`` they run and the modules of ``resources/`` and ``training/``.
 ``training_run`` and ``checkpoint_eval`` launch a process running ``training/``, so they list the whole package,
@@ -36,6 +38,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SOURCES_CONFIG = "$KILN_SOURCES"
 TRAINING_CONFIG = "$KILN_TRAIN_CONFIG"
 ABLATION_CONFIG = "$KILN_ABLATION_SPEC"
+CLEANING_RECIPES = "$KILN_SOURCES:cleaning"
 TOP_LEVEL = "<module>"  # as Python names a module's own code
 
 
@@ -68,7 +71,8 @@ ASSET_PARTS: dict[str, tuple[str, ...]] = {
         "assets/cleaning.py", "assets/data.py:<module>", "assets/data.py:_source_spec", "assets/data.py:raw_files",
         "assets/data.py:_part_files", "assets/data.py:raw_file_hashes", "assets/data.py:clean_dir",
         "assets/data.py:clean_sidecar", "assets/data.py:combined_result", "assets/data.py:figures",
-        "assets/data.py:failing_as", "training/data/cleaning/", "training/data/corpus.py", *_DATA_COMMON),
+        "assets/data.py:failing_as", "training/data/cleaning/", "training/data/corpus.py", CLEANING_RECIPES,
+        *_DATA_COMMON),
     "tokenizer": (
         "assets/data.py:tokenizer", "assets/data.py:<module>", "assets/data.py:raw_files",
         "assets/data.py:_part_files", "assets/data.py:chunk_inputs", "assets/data.py:clean_dir",
@@ -147,8 +151,31 @@ def _definitions(source: str) -> dict[str, list[tuple[int, int]]]:
     return spans
 
 
+def recipe_files_source() -> bytes:
+    """Each recipe file the sources config names, by name and content (a missing one as such: loading the sources
+    names it). A config that does not parse names none here; the data assets refuse it with its error."""
+    import yaml
+
+    from training.data.cleaning.versions import recipe_file
+
+    config = sources_config()
+    try:
+        sources = (yaml.safe_load(config.read_text()) or {}).get("sources")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return b""
+    out = []
+    for name, entry in sorted(sources.items(), key=lambda item: str(item[0])) if isinstance(sources, dict) else ():
+        path = recipe_file(entry.get("cleaning"), config.parent) if isinstance(entry, dict) else None
+        if path is not None:
+            content = path.read_bytes() if path.is_file() else b"missing"
+            out.append(f"{name}:{entry['cleaning']}".encode() + b"\0" + content)
+    return b"\0".join(out)
+
+
 def part_source(part: str) -> bytes:
     """The text ``part`` stands for (module docstring)."""
+    if part == CLEANING_RECIPES:
+        return recipe_files_source()
     if part in _SETTING_FILES:
         path = Path(_SETTING_FILES[part]())
         if not path.is_file():

@@ -3,9 +3,11 @@
 ``raw_files_sensor`` groups new files of a chunked source into chunks and registers them as
 ``source_chunks`` partitions (assets/chunks.py), hashes every chunk's files (re-hashing a file only when
 its size or mtime moved) and requests ``raw_corpus[<chunk>]`` when a hash changed or a known source got a
-new chunk; its cursor holds two digests per chunk (about 300 bytes), however many files a chunk has; ``token_shards`` and
-``blend_manifest`` carry ``AutomationCondition.eager()``, evaluated by ``kiln_automation``, declared
-here because Dagster's default automation sensor ships stopped. Training is only started
+new chunk, and ``clean_corpus[<chunk>]`` when only its source's cleaning recipe changed (a recipe file's
+content: its name alone is in the source's spec); its cursor holds three digests per chunk (about 400 bytes),
+however many files a chunk has; ``clean_corpus``, ``token_shards`` and ``blend_manifest`` carry
+``AutomationCondition.eager()``, evaluated by ``kiln_automation``, declared here because Dagster's default
+automation sensor ships stopped. Training is only started
 automatically when ``KILN_AUTO_TRAIN=1`` gives ``training_run`` its eager condition.
 Both sensors ship running; ``KILN_AUTOMATION=off`` ships them stopped (the UI tests click every
 materialization themselves and must not race automation).
@@ -19,9 +21,10 @@ from pathlib import Path
 import dagster as dg
 
 from assets.chunks import ChunkError, assign_source_chunks, key_stem, source_chunks, source_of
+from assets.cleaning import clean_corpus
 from assets.data import blend_manifest, raw_corpus, token_shards
 from assets.evaluation import checkpoint_eval
-from assets.sources import SourcesConfigError, SourceSpec, load_sources
+from assets.sources import SourcesConfigError, SourceSpec, load_sources, source_recipe
 from assets.training import training_run
 from resources.storage import KilnStorage
 from training.atomic import write_json_atomic
@@ -59,10 +62,17 @@ def sensor_hashes_path(storage: KilnStorage, key: str) -> Path:
     return storage.root / ".kiln" / "raw_files_sensor" / f"{key_stem(key)}.json"
 
 
-@dg.sensor(target=dg.AssetSelection.assets(raw_corpus), minimum_interval_seconds=30,
+def recipe_state(spec: SourceSpec, sources_config: str) -> str:
+    """The sha256 of the source's cleaning recipe as it resolves now ("none": not cleaned)."""
+    recipe = source_recipe(spec, sources_config)
+    return "none" if recipe is None else recipe.sha256
+
+
+@dg.sensor(target=dg.AssetSelection.assets(raw_corpus, clean_corpus), minimum_interval_seconds=30,
            default_status=AUTOMATION_STATUS,
            description="Registers new chunks of the sources' files and re-materializes raw_corpus[<chunk>] when a "
-                       "file of the chunk changes (by sha256) or a known source gets a new chunk.")
+                       "file of the chunk changes (by sha256) or a known source gets a new chunk, and "
+                       "clean_corpus[<chunk>] when only the source's cleaning recipe changed.")
 def raw_files_sensor(context: dg.SensorEvaluationContext, storage: KilnStorage) -> dg.SensorResult:
     cursor = json.loads(context.cursor) if context.cursor else {}
     try:
@@ -80,6 +90,7 @@ def raw_files_sensor(context: dg.SensorEvaluationContext, storage: KilnStorage) 
             states.update({key: state for key, state in cursor.items() if source_of(key) == name})
             continue
         new_keys += [key for key in keys if key not in registered]
+        recipe = recipe_state(spec, storage.sources_config)
         for key, files in keys.items():
             try:
                 states[key] = source_state(spec, files, cursor.get(key, {}), sensor_hashes_path(storage, key))
@@ -90,15 +101,21 @@ def raw_files_sensor(context: dg.SensorEvaluationContext, storage: KilnStorage) 
                 continue
             # the first sight of a source only records it: its first ingest is the user's or the schedule's; a
             # new chunk of a known source (files added) is ingested, as is a chunk whose files changed
-            if name in known_sources and cursor.get(key, {}).get("content") != states[key]["content"]:
+            states[key] = {**states[key], "recipe": recipe}
+            known = cursor.get(key, {})
+            if name in known_sources and known.get("content") != states[key]["content"]:
                 requests.append(dg.RunRequest(partition_key=key, run_key=f"{key}:{states[key]['content'][:16]}",
-                                              asset_selection=[raw_corpus.key]))
+                                              asset_selection=[raw_corpus.key]))  # its cleaning follows (eager)
+            elif known.get("recipe", recipe) != recipe:  # a cursor from before recipes were recorded: no change
+                requests.append(dg.RunRequest(partition_key=key, run_key=f"{key}:recipe:{recipe[:16]}",
+                                              asset_selection=[clean_corpus.key]))
     return dg.SensorResult(run_requests=requests, cursor=json.dumps(states),
                            dynamic_partitions_requests=[source_chunks.build_add_request(new_keys)] if new_keys else [])
 
 
 kiln_automation = dg.AutomationConditionSensorDefinition(
-    "kiln_automation", target=dg.AssetSelection.assets(token_shards, blend_manifest, training_run, checkpoint_eval),
+    "kiln_automation",
+    target=dg.AssetSelection.assets(clean_corpus, token_shards, blend_manifest, training_run, checkpoint_eval),
     default_status=AUTOMATION_STATUS, minimum_interval_seconds=30,
-    description="Evaluates the eager conditions of token_shards, blend_manifest and checkpoint_eval (a new "
-                "checkpoint partition is evaluated), and of training_run with KILN_AUTO_TRAIN=1.")
+    description="Evaluates the eager conditions of clean_corpus, token_shards, blend_manifest and checkpoint_eval "
+                "(a new checkpoint partition is evaluated), and of training_run with KILN_AUTO_TRAIN=1.")

@@ -10,6 +10,7 @@ import dagster as dg
 
 from assets.chunks import register_source_chunks
 from assets.training import training_run
+from assets.versions import ASSET_PARTS, code_version
 from conftest import PROJECT_ROOT
 from pipelines.definitions import build_definitions, resources
 from pipelines.pools import configure_pools, training_slots
@@ -19,24 +20,30 @@ from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 
 
+RECIPE = "steps: [{length: {min_chars: 5, max_chars: 100000}}]\ndedup: false\n"  # the source's file of its own
+
+
 def _sources(tmp_path):
     corpus = tmp_path / "user" / "code.jsonl"
     corpus.parent.mkdir()
     corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(200)))
+    (tmp_path / "code_recipe.yaml").write_text(RECIPE)
     sources = tmp_path / "sources.yaml"
     sources.write_text("sources:\n"
-                       f"  stdlib_code: {{files: ['{corpus}'], weight: 0.5}}\n"
+                       f"  stdlib_code: {{files: ['{corpus}'], weight: 0.5, cleaning: code_recipe.yaml}}\n"
                        "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 40000, weight: 0.5}\n")
     return corpus, sources
 
 
 def _sensor_tick(instance, storage, cursor):
+    """``asset[chunk]`` of each run the sensor requests, and its cursor."""
     context = dg.build_sensor_context(instance=instance, cursor=cursor, resources={"storage": storage})
     result = raw_files_sensor(context)
-    return [r.partition_key for r in result.run_requests], result.cursor
+    return ([f"{r.asset_selection[0].to_user_string()}[{r.partition_key}]" for r in result.run_requests],
+            result.cursor)
 
 
-def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_path):
+def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_path, monkeypatch):
     corpus, sources = _sources(tmp_path)
     storage = KilnStorage(data_root=str(tmp_path / "data"), runs_root=str(tmp_path / "runs"),
                           sources_config=str(sources))
@@ -65,7 +72,7 @@ def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_p
         with corpus.open("a") as f:
             f.write(json.dumps({"text": "def added():\n    pass\n"}) + "\n")
         requested, cursor = _sensor_tick(instance, storage, cursor)
-        assert requested == ["stdlib_code"]
+        assert requested == ["raw_corpus[stdlib_code]"]
         assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("raw_corpus")],
                                       partition_key="stdlib_code").success
 
@@ -84,6 +91,22 @@ def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_p
         assert after_shards.get_num_requested(dg.AssetKey("blend_manifest")) == 1
         assert after_shards.get_num_requested(dg.AssetKey("token_shards")) == 0
         assert after_shards.get_num_requested(dg.AssetKey("training_run")) == 0  # not unless KILN_AUTO_TRAIN=1
+
+        # the source's recipe file edited, nothing else: clean_corpus shows stale (its code version), the sensor
+        # re-cleans that source's chunks only, without re-ingesting them, and its shards follow
+        monkeypatch.setenv("KILN_SOURCES", str(sources))
+        before = {asset: code_version(asset) for asset in ASSET_PARTS}
+        (tmp_path / "code_recipe.yaml").write_text(RECIPE.replace("100000", "90000"))
+        after = {asset: code_version(asset) for asset in ASSET_PARTS}
+        assert {asset for asset in before if before[asset] != after[asset]} == {"clean_corpus"}
+        requested, cursor = _sensor_tick(instance, storage, cursor)
+        assert requested == ["clean_corpus[stdlib_code]"]
+        assert _sensor_tick(instance, storage, cursor)[0] == []
+        assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("clean_corpus")],
+                                      partition_key="stdlib_code").success
+        after_recipe = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=after_shards.cursor)
+        assert after_recipe.get_requested_partitions(dg.AssetKey("token_shards")) == {"stdlib_code"}
+        assert after_recipe.get_num_requested(dg.AssetKey("clean_corpus")) == 0  # done: not requested again
 
 
 
@@ -111,18 +134,21 @@ def test_the_sensor_cursor_holds_digests_per_source_and_rehashes_only_changed_fi
     _, small = tick(None)
     write(300)
     requested, cursor = tick(small)
-    assert requested == ["stdlib_code"] and len(hashed) == 303
+    assert requested == ["raw_corpus[stdlib_code]"] and len(hashed) == 303
     assert len(cursor) == len(small) < 400  # the same size at 3 files and at 300
     hashed.clear()
     assert tick(cursor) == ([], cursor) and hashed == []  # nothing moved: nothing read
     (corpus / "part0007.jsonl").write_text('{"text": "changed"}\n')
     requested, _ = tick(cursor)
-    assert requested == ["stdlib_code"] and hashed == ["part0007.jsonl"]
+    assert requested == ["raw_corpus[stdlib_code]"] and hashed == ["part0007.jsonl"]
 
 def test_sensors_run_by_default_and_the_pool_follows_the_devices():
     defs = build_definitions(resources())
     assert {s.name: s.default_status for s in defs.sensors} == {
         "raw_files_sensor": dg.DefaultSensorStatus.RUNNING, "kiln_automation": dg.DefaultSensorStatus.RUNNING}
+    # the eager assets are under the running sensor, not Dagster's default one (which ships stopped)
+    automated = defs.get_sensor_def("kiln_automation").asset_selection.resolve(defs.resolve_asset_graph())
+    assert {"clean_corpus", "token_shards", "blend_manifest"} <= {key.to_user_string() for key in automated}
     assert training_slots(MsrunResource(local_worker_num=2)) == 1  # CPU: one run's workers fill the machine
     assert training_slots(MsrunResource(worker_num=2, local_worker_num=2, visible_devices="0,1,2,3,4,5,6,7")) == 4
     assert training_slots(MsrunResource(worker_num=8, local_worker_num=8, visible_devices="0,1,2,3,4,5,6,7")) == 1

@@ -25,6 +25,7 @@ import yaml
 
 from training.data.cleaning.filters import FILTERS, Step, parameters
 from training.data.cleaning.minhash import MinHashSettings
+from training.data.cleaning.versions import recipe_file
 
 ON_ERROR = ("fail", "skip")
 BUILTIN_RECIPES: dict[str, dict | None] = {
@@ -175,8 +176,8 @@ def load_recipe(spec, base: Path | None = None) -> Recipe | None:
     if spec in BUILTIN_RECIPES:
         builtin = BUILTIN_RECIPES[spec]
         return None if builtin is None else recipe_from_mapping(builtin, spec)
-    path = Path(spec) if base is None or Path(spec).is_absolute() else base / spec
-    if path.suffix.lower() not in (".yaml", ".yml") or not path.is_file():
+    path = recipe_file(spec, base)
+    if path is None or not path.is_file():
         raise RecipeError(f"recipe {spec!r} is neither a built-in recipe ({', '.join(BUILTIN_RECIPES)}) nor a "
                           f"YAML file")
     try:
