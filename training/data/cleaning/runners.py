@@ -7,6 +7,10 @@ shard of it (``dedup.link_jobs``: the rows of every chunk's signatures whose ban
 DataTrove splits its buckets stage by bucket and hash range; the links they return are joined on the driver);
 phase 3 a task per chunk. Tasks stream their files, and the shards per band grow with the corpus, so a worker's
 memory does not grow with it.
+
+These are Kiln's jobs as plain Ray tasks, not DataTrove's ``RayPipelineExecutor``: the DataTrove release Kiln can
+install (0.3.0, the last on numpy<2) has none, and that executor runs DataTrove's own pipeline steps, whose
+English filters download NLTK's punkt and which write no removals sidecar.
 """
 from __future__ import annotations
 
