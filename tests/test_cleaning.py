@@ -97,8 +97,11 @@ def test_url_block_list_and_pii_redaction():
     step = F.UrlBlocklist(domains=["spam.example"])
     assert step.apply(F.Document("x", url="https://www.spam.example/page")).detail == "www.spam.example"
     assert step.apply(F.Document("x", url="https://notspam.example/")) is None
-    redacted = F.PiiRedaction().apply(F.Document("mail jane.doe@corp.com from 192.168.1.20 now"))
-    assert redacted == "mail email@example.com from 0.0.0.0 now"
+    text = "mail jane.doe@corp.com from 8.8.4.4 and 192.168.1.20 now"
+    assert F.PiiRedaction().apply(F.Document(text)) == \
+        "mail email@example.com from 0.0.0.0 and 192.168.1.20 now"   # a private address is not PII
+    assert F.PiiRedaction(only_public_ips=False, ip_replacement="<ip>").apply(F.Document(text)) == \
+        "mail email@example.com from <ip> and <ip> now"
 
 
 # ---- recipes ---------------------------------------------------------------------------------------------------

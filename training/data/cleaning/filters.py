@@ -15,6 +15,7 @@ and its limit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -343,21 +344,27 @@ class UrlBlocklist(Step):
         return None
 
 
-EMAIL = re.compile(r"\b[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+(?:\.[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+)*@"
-                   r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?\.)+[A-Za-z]{2,}\b")
-IPV4 = re.compile(r"\b(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\b")
-
-
 @dataclass
 class PiiRedaction(Step):
-    """E-mail addresses and IPv4 addresses replaced by placeholders (as DataTrove's PIIFormatter does)."""
+    """E-mail addresses and IPv4 addresses replaced by placeholders: DataTrove's own PIIFormatter (regular
+    expressions, nothing to download), by default only public IP addresses as there. One replacement each, where
+    DataTrove can cycle through several: a cycle would carry over from one document to the next, and so depend on
+    which chunks a worker cleaned before (a Ray run would differ from a local one)."""
     name: ClassVar[str] = "pii"
     changes_text: ClassVar[bool] = True
     email_replacement: str = "email@example.com"
     ip_replacement: str = "0.0.0.0"
+    only_public_ips: bool = True
 
     def apply(self, doc: Document) -> str:
-        return IPV4.sub(self.ip_replacement, EMAIL.sub(self.email_replacement, doc.text))
+        return self._formatter.format(doc.text)
+
+    @functools.cached_property
+    def _formatter(self):
+        from datatrove.pipeline.formatters import PIIFormatter
+
+        return PIIFormatter(only_remove_public_ips=self.only_public_ips, email_replacement=self.email_replacement,
+                            ip_replacement=self.ip_replacement)
 
 
 FILTERS: dict[str, type[Step]] = {cls.name: cls for cls in (
