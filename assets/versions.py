@@ -107,6 +107,7 @@ ASSET_PARTS: dict[str, tuple[str, ...]] = {
     "checkpoint_eval": (
         "assets/evaluation.py:checkpoint_eval", "assets/evaluation.py:<module>",
         "assets/evaluation.py:CheckpointEvalConfig", "assets/evaluation.py:eval_command",
+        "assets/evaluation.py:scores_tasks",
         "assets/evaluation.py:eval_metadata", "assets/evaluation.py:_unevaluated_table",
         "assets/evaluation.py:_bpb_metadata", "assets/evaluation.py:task_metadata", "assets/evaluation.py:_score",
         "assets/evaluation.py:run_leased",

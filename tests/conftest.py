@@ -114,7 +114,7 @@ SLOW_TESTS = frozenset({
     "test_data_assets.py::test_token_shards_records_every_shard_and_the_skipped_records",
     "test_deepseek_v3.py::test_eager_dispatch_sorts_on_the_host_and_equals_the_compiled_static_one",
     "test_deepseek_v3.py::test_the_compiled_step_equals_the_eager_one_and_resumes_bit_identically",
-    "test_downstream.py::test_batched_compiled_loglikelihoods_equal_each_request_scored_alone",
+    "test_downstream.py::test_packed_compiled_loglikelihoods_equal_each_request_scored_alone",
     "test_downstream.py::test_checkpoint_eval_plots_each_task_and_tabulates_the_scores",
     "test_error_boundary.py::test_output_piped_into_head_ends_without_a_traceback",
     "test_fast_ops.py::test_causal_attention_in_query_blocks_is_the_full_masked_softmax",

@@ -197,3 +197,28 @@ def test_a_run_moved_with_its_data_still_evaluates_and_audits_there(trained, tmp
     finally:
         if hidden.exists():
             hidden.rename(root)
+
+
+def test_checkpoint_eval_scores_the_tasks_every_task_interval_steps_and_at_the_runs_last(tmp_path):
+    from assets.evaluation import CheckpointEvalConfig, eval_command, scores_tasks
+
+    def checkpoint(step, steps):
+        path = tmp_path / f"iteration_{step:08d}_of_{steps}"
+        path.mkdir()
+        (path / "lineage.json").write_text(json.dumps({"checkpoint": {"step": step},
+                                                       "run": {"config": {"training": {"steps": steps}}}}))
+        return path
+
+    default = CheckpointEvalConfig()  # the fast set every 1000 steps
+    assert [scores_tasks(checkpoint(step, 150), default) for step in (50, 100, 150)] == [False, False, True]
+    assert [scores_tasks(checkpoint(step, 2500), default) for step in (500, 1000, 2000)] == [False, True, True]
+    every_50 = CheckpointEvalConfig(task_interval=50)
+    assert scores_tasks(tmp_path / "iteration_00000050_of_150", every_50)
+    assert not scores_tasks(tmp_path / "iteration_00000150_of_150", CheckpointEvalConfig(tasks=[]))
+    unreadable = tmp_path / "no_lineage"
+    unreadable.mkdir()
+    assert scores_tasks(unreadable, default)  # kiln eval then names what is wrong with the lineage
+    assert "--tasks" not in eval_command(unreadable, default, tasks=False)
+    assert eval_command(unreadable, default, tasks=True)[-4:] == ["--tasks", "fast", "--task-limit", "200"]
+    with pytest.raises(Exception, match="task_interval"):
+        CheckpointEvalConfig(task_interval=0)

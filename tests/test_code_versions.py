@@ -161,7 +161,7 @@ def test_training_and_evaluation_launch_only_code_of_the_package_they_hash():
     from assets.evaluation import CheckpointEvalConfig, eval_command
 
     assert "training/" in ASSET_PARTS["training_run"] and "training/" in ASSET_PARTS["checkpoint_eval"]
-    launched = [eval_command(PROJECT_ROOT, CheckpointEvalConfig())[2]]
+    launched = [eval_command(PROJECT_ROOT, CheckpointEvalConfig(), True)[2]]
     body = ast.parse(part_source("assets/training.py:launch_run").decode().lstrip())
     launched += [node.elts[1].value for node in ast.walk(body) if isinstance(node, ast.List) and len(node.elts) > 1
                  and isinstance(node.elts[0], ast.Constant) and node.elts[0].value == "-m"]

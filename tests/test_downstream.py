@@ -13,8 +13,8 @@ from conftest import write_random_documents
 from test_trainer import make_trainer
 from training.cli import main as kiln
 from training.data.hashing import sha256_file
-from training.downstream import (PARTIAL_DIR, RequestScorer, TokenBytes, encode_task, score_documents, score_task)
-from training.evaluation import HeldOutLoss, evaluating
+from training.downstream import PARTIAL_DIR, RequestScorer, TokenBytes, encode_task, score_documents, score_tasks
+from training.evaluation import evaluating
 from training.tasks import TaskError, load_task, task_texts
 
 RUN = "run"
@@ -63,20 +63,35 @@ def alone_loglikelihood(model, context_ids, continuation_ids, max_length):
     return sum(log_probs[len(window) - 1 - n + i, continuation_ids[i]] for i in range(n))
 
 
-def test_batched_compiled_loglikelihoods_equal_each_request_scored_alone(trained):
+def test_packed_compiled_loglikelihoods_equal_each_request_scored_alone(trained, monkeypatch):
+    import training.downstream as downstream
+
     _, trainer, processor = trained
-    model, max_length = trainer.model, 32
-    scorer = RequestScorer(HeldOutLoss(model, compiled=True), max_length)
-    left_out = {}
-    for name in TASKS.split(","):
-        task = load_task(name)
-        with evaluating(model):
-            result = score_task(task, 6, processor, scorer)
-        left_out[name] = result["left_out_too_long"]
-        documents = [doc for doc in task.instances(6) if doc.doc_id not in left_out[name]]
+    model, max_length = trainer.model, 64  # the micro model's max_position_embeddings
+    # narrow rows and small batches, so that a few documents reach every path: groups split at the sequence
+    # length, two row widths, batches shared by the tasks and cut by their answer tokens, a row with more answer
+    # tokens than a batch holds
+    monkeypatch.setattr(downstream, "PACK_WIDTH", 48)
+    monkeypatch.setattr(downstream, "FORWARD_TOKENS", 192)
+    monkeypatch.setattr(downstream, "TARGET_SHARE", 0.25)
+    shapes, packed_batch = [], downstream.packed_batch
+    monkeypatch.setattr(downstream, "packed_batch", lambda rows, requests, width, count, targets: (
+        shapes.append((width, len(rows), count, targets, max(len(g.requests) for groups in rows for g in groups))),
+        packed_batch(rows, requests, width, count, targets))[1])
+    scorer = RequestScorer(model, max_length, compiled=True)
+    tasks = [load_task(name) for name in TASKS.split(",")]
+    with evaluating(model):
+        results = dict((task.name, result) for task, result in score_tasks(tasks, 6, processor, scorer))
+    assert {width for width, *_ in shapes} == {48, 64} and max(rows for _, rows, *_ in shapes) > 1
+    assert any(targets > int(0.25 * count * width) for width, _, count, targets, _ in shapes)
+    assert max(answers for *_, answers in shapes) > 1  # answers shared a prompt
+    for task in tasks:
+        result = results[task.name]
+        documents = [doc for doc in task.instances(6) if doc.doc_id not in result["left_out_too_long"]]
         expected = [alone_loglikelihood(model, processor.encode(context), processor.encode(continuation), max_length)
                     for doc in documents for context, continuation in doc.requests]
-        np.testing.assert_allclose(result["loglikelihoods"], expected, rtol=0, atol=1e-4)
+        # to float32 rounding: each answer sees what it sees alone (the summed log-probabilities are ~100)
+        np.testing.assert_allclose(result["loglikelihoods"], expected, rtol=1e-6, atol=1e-5)
         # the scores, from those log-likelihoods by hand
         ll = iter(expected)
         per_doc = [[next(ll) for _ in doc.requests] for doc in documents]
@@ -95,7 +110,39 @@ def test_batched_compiled_loglikelihoods_equal_each_request_scored_alone(trained
     # a document with an answer longer than the model's sequence length is left out, by id
     too_long = [d.doc_id for d in load_task("piqa").instances(6)
                 if max(len(processor.encode(a)) for _, a in d.requests) > max_length]
-    assert left_out["piqa"] == too_long and too_long and not left_out["arc_easy"]
+    assert results["piqa"]["left_out_too_long"] == too_long and too_long
+    assert not results["arc_easy"]["left_out_too_long"]
+
+
+def test_a_packed_row_shares_each_prompt_and_keeps_the_answers_apart():
+    from training.downstream import EncodedRequests, pack_rows, packed_batch, prompt_groups
+
+    # document 0: prompt [1, 2, 3], answers [4, 5] and [6]; document 1: prompt [7], answer [8, 9, 10]
+    encoded = EncodedRequests([np.array([1, 2, 3])] * 2 + [np.array([7])], [np.array([4, 5]), np.array([6]),
+                                                                              np.array([8, 9, 10])],
+                              np.array([0, 0, 1]), np.array([0, 1, 0]))
+    groups = prompt_groups(encoded, max_length=8)
+    assert [(g.requests, g.length, g.targets) for g in groups] == [([0, 1], 4, 3), ([2], 3, 3)]
+    (row,) = pack_rows(groups, [8])
+    assert row[0] == 8 and [g.requests for g in row[1]] == [[0, 1], [2]]
+    batch = packed_batch([row[1]], [encoded], 8, row_count=2, target_count=8)
+    assert batch.input_ids[0].tolist() == [1, 2, 3, 4, 7, 8, 9, 0] and not batch.input_ids[1].any()
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
+    # the answers' tokens predicted from: the prompt's last token (each answer's first), then the answer's own
+    assert batch.target_index.tolist() == [2, 3, 2, 4, 5, 6, 0, 0]
+    assert batch.target_labels.tolist() == [4, 5, 6, 8, 9, 10, 0, 0]
+    assert batch.target_request.tolist() == [0, 0, 1, 2, 2, 2, -1, -1]
+    sees = 1 - batch.attention_mask[0, 0]  # [query, key]
+    assert sees[3].tolist() == [1, 1, 1, 1, 0, 0, 0, 0]  # answer 0 sees its prompt and itself
+    assert sees[5].tolist() == [0, 0, 0, 0, 1, 1, 0, 0]  # document 1 sees nothing of document 0
+    # two answers after one prompt: the second sees the prompt, not the first answer
+    two = EncodedRequests([np.array([1, 2])] * 2, [np.array([4, 5]), np.array([6, 7])], np.array([0, 0]),
+                          np.array([0, 1]))
+    (row,) = pack_rows(prompt_groups(two, max_length=8), [8])
+    sees = 1 - packed_batch([row[1]], [two], 8, row_count=1, target_count=4).attention_mask[0, 0]
+    assert sees[3].tolist() == [1, 1, 0, 1, 0, 0, 0, 0]
+    # a prompt with answers longer together than the sequence length is repeated, each group within it
+    assert [g.requests for g in prompt_groups(two, max_length=3)] == [[0], [1]]
 
 
 def test_ranking_by_length_normalized_likelihood_can_differ_from_raw_likelihood():
@@ -105,7 +152,7 @@ def test_ranking_by_length_normalized_likelihood_can_differ_from_raw_likelihood(
 
     from training.downstream import EncodedRequests
 
-    encoded = EncodedRequests([], np.array([1, 5]), np.array([0, 0]), np.array([0, 1]))
+    encoded = EncodedRequests([], [], np.array([0, 0]), np.array([0, 1]))
     scores = score_documents([Doc()], encoded, np.array([-2.0, -6.0]))
     # raw: -2 beats -6 (choice 0, wrong); per character: -6/21 beats -2/2 (choice 1, right)
     assert (scores["acc"], scores["len_norm"]) == (0.0, 1.0)
@@ -171,23 +218,28 @@ def test_an_evaluation_stopped_half_way_writes_no_sidecar_and_resumes_at_the_nex
     checkpoint = root / RUN / "checkpoints" / CHECKPOINT
     sidecar = checkpoint / "eval.json"  # the run has no test split: valid is its default
     sidecar.unlink(missing_ok=True)
-    scored, real = [], downstream.score_task
+    encoded, scored, encode, score = [], [], downstream.encode_task, downstream.score_documents
 
-    def stopped_at_piqa(task, *args):
-        if task.name == "piqa" and not scored.count("piqa"):
-            scored.append("piqa")
-            raise Killed  # the process stopped while scoring the second task
-        scored.append(task.name)
-        return real(task, *args)
+    def recorded(task, *args):
+        encoded.append(task.name)
+        return encode(task, *args)
 
-    monkeypatch.setattr(downstream, "score_task", stopped_at_piqa)
+    def stopped_at_the_second(*args):
+        scored.append(1)
+        if len(scored) == 2:
+            raise Killed  # the process stopped once the first task's scores were kept
+        return score(*args)
+
+    monkeypatch.setattr(downstream, "encode_task", recorded)
+    monkeypatch.setattr(downstream, "score_documents", stopped_at_the_second)
     args = ["eval", str(checkpoint), "--split", "valid", "--batches", "1", "--tasks", "arc_easy,piqa",
             "--task-limit", "3"]
     with pytest.raises(Killed):
         kiln(args)
     assert not sidecar.exists() and (checkpoint / PARTIAL_DIR / "arc_easy.json").is_file()
+    assert not (checkpoint / PARTIAL_DIR / "piqa.json").exists()
     assert kiln(args) == 0
-    assert scored == ["arc_easy", "piqa", "piqa"]  # arc_easy was not scored again
+    assert encoded == ["arc_easy", "piqa", "piqa"]  # arc_easy was not scored again
     assert set(json.loads(sidecar.read_text())["tasks"]) == {"arc_easy", "piqa"}
     assert not (checkpoint / PARTIAL_DIR).exists()
     capsys.readouterr()

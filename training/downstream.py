@@ -11,9 +11,15 @@ sum of its tokens' log-probabilities. Per document, with ``label`` the right cho
 - ``bpb``: ``-ll / (bytes of the right answer · ln 2)``, bits per UTF-8 byte of the right answer (logits_per_byte),
   which moves long before accuracy leaves chance and does not depend on the tokenizer.
 
-Each is a mean over documents; ties go to the first choice (argmax). Requests are batched by length (a few
-padded lengths, each one compiled graph: the model's forward with the held-out loss's per-sample sums,
-``HeldOutLoss``); right padding changes no earlier position under causal attention.
+Each is a mean over documents; ties go to the first choice (argmax).
+
+Scoring packs requests instead of padding each alone (``pack_rows``): the answers of a document that share its
+prompt follow one copy of the prompt in a row, each answer attending to the prompt and to itself only (a block
+mask) at the positions it would have alone, so each gets the log-likelihood it gets scored alone (to float32
+rounding: tests/test_downstream.py); several documents share a row, longest first into the best-filled row; the
+output layer runs only where an answer token is predicted (``GPTModel.target_losses``); rows of one width go
+through one compiled graph, ``FORWARD_TOKENS`` positions at a time, across tasks. For the fast set this reads a
+fraction of the tokens one padded row per request does (benchmarks/downstream.py prints both).
 """
 from __future__ import annotations
 
@@ -30,17 +36,20 @@ import numpy as np
 from training.tasks import Task, TaskError, load_task
 
 LOG2_E = 1.0 / math.log(2.0)
-BATCH_ROWS = 16  # requests per forward
-SHORTEST_PADDED = 32  # padded lengths: 32, 64, 128, ... up to the model's sequence length (one graph each)
+FORWARD_TOKENS = 2048  # token positions per forward (rows x row width)
+PACK_WIDTH = 256  # rows are this wide (the model's sequence length when shorter); a longer group gets a wider row
+# a forward's answer tokens (whose log-probabilities the output layer computes), as a share of its positions:
+# a batch of packed rows takes rows while their answers fit, so each row width is one compiled shape
+TARGET_SHARE = 0.5
 
 
 @dataclass
 class EncodedRequests:
-    """A task's requests as token windows: ``window[i]`` holds ``context + continuation`` (cut from the left to
-    ``max_length + 1`` tokens), of which the last ``targets[i]`` are the continuation."""
-    windows: list[np.ndarray]
-    targets: np.ndarray  # [requests] continuation tokens
-    document: np.ndarray  # [requests] index of the request's document in ``Task.instances``
+    """A task's requests as tokens: request ``i`` scores ``continuations[i]`` after ``contexts[i]``, the prompt cut
+    from the left so that the two are at most ``max_length + 1`` tokens (the model reads all but the last)."""
+    contexts: list[np.ndarray]
+    continuations: list[np.ndarray]
+    document: np.ndarray  # [requests] index of the request's document in the documents scored
     choice: np.ndarray  # [requests] its choice within the document
 
 
@@ -70,9 +79,9 @@ def encode_task(task: Task, documents, processor, max_length: int) -> tuple[Enco
     """Every request of ``documents`` (the task's instances) tokenized, the documents scored and the ids of those
     left out: a document with an answer longer than ``max_length`` tokens (the model cannot condition all of it
     on anything). A text the tokenizer can only encode as its unknown piece is a TaskError naming the task, the
-    documents and the characters."""
+    documents and the characters; so is an answer with no token or no prompt."""
     unk = processor.unk_id()
-    windows, targets, document, choice, unknown, kept, too_long = [], [], [], [], {}, [], []
+    contexts, continuations, document, choice, unknown, kept, too_long = [], [], [], [], {}, [], []
     for doc in documents:
         encoded = [(processor.encode(context), processor.encode(continuation))
                    for context, continuation in doc.requests]
@@ -80,15 +89,16 @@ def encode_task(task: Task, documents, processor, max_length: int) -> tuple[Enco
             if unk in ctx or unk in cont:
                 chars = {c for c in context + continuation if unk in processor.encode(c)}
                 unknown.setdefault(doc.doc_id, set()).update(chars)
-            if not cont:
-                raise TaskError(f"task {task.name} ({task.path}), document {doc.doc_id}: the answer "
-                                f"{continuation!r} encodes to no token")
+            if not cont or not ctx:
+                raise TaskError(f"task {task.name} ({task.path}), document {doc.doc_id}: the "
+                                f"{'answer' if not cont else 'prompt'} {(continuation if not cont else context)!r} "
+                                f"encodes to no token")
         if max(len(cont) for _, cont in encoded) > max_length:
             too_long.append(doc.doc_id)
             continue
         for option, (ctx, cont) in enumerate(encoded):
-            windows.append(np.asarray((ctx + cont)[-(max_length + 1):], np.int32))
-            targets.append(len(cont))
+            contexts.append(np.asarray(ctx[-(max_length + 1 - len(cont)):], np.int32))
+            continuations.append(np.asarray(cont, np.int32))
             document.append(len(kept))
             choice.append(option)
         kept.append(doc)
@@ -98,47 +108,190 @@ def encode_task(task: Task, documents, processor, max_length: int) -> tuple[Enco
                         f"{''.join(chars)!r} (no byte fallback), in documents {sorted(unknown)[:10]}"
                         f"{' ...' if len(unknown) > 10 else ''} of {task.path}: drop the task or evaluate with a "
                         f"tokenizer that encodes them")
-    return EncodedRequests(windows, np.asarray(targets), np.asarray(document), np.asarray(choice)), kept, too_long
+    return EncodedRequests(contexts, continuations, np.asarray(document, np.int64),
+                           np.asarray(choice, np.int64)), kept, too_long
 
 
-def padded_length(length: int, max_length: int) -> int:
-    padded = SHORTEST_PADDED
-    while padded < length:
-        padded *= 2
-    return min(padded, max_length)
+@dataclass
+class PromptGroup:
+    """Requests of one document that share their prompt, as one segment of a packed row: the prompt's tokens once,
+    then each answer's tokens but its last; each answer attends to the prompt and to itself only, at the
+    positions it would have alone, so its log-likelihood is the one of the request scored alone."""
+    context: np.ndarray
+    requests: list[int]
+    length: int  # the segment's tokens
+    targets: int  # its answer tokens
+
+
+def prompt_groups(requests: EncodedRequests, max_length: int) -> list[PromptGroup]:
+    """The requests grouped by document and prompt (a prompt cut from the left for a long answer is its own), in
+    request order; a group longer than ``max_length`` tokens is split between answers."""
+    groups, by_prompt = [], {}
+    for index, (context, continuation) in enumerate(zip(requests.contexts, requests.continuations)):
+        key = (int(requests.document[index]), context.tobytes())
+        group = by_prompt.get(key)
+        if group is None or group.length + len(continuation) - 1 > max_length:
+            group = by_prompt[key] = PromptGroup(context, [], len(context), 0)
+            groups.append(group)
+        group.requests.append(index)
+        group.length += len(continuation) - 1
+        group.targets += len(continuation)
+    return groups
+
+
+def row_widths(max_length: int) -> list[int]:
+    """The widths packed rows come in: PACK_WIDTH (or ``max_length`` when shorter), then doublings up to
+    ``max_length`` for longer groups; each is one compiled shape."""
+    widths = [min(PACK_WIDTH, max_length)]
+    while widths[-1] < max_length:
+        widths.append(min(2 * widths[-1], max_length))
+    return widths
+
+
+def pack_rows(groups: list[PromptGroup], widths: list[int]) -> list[tuple[int, list[PromptGroup]]]:
+    """The groups packed into rows, each as (width, its groups): a group goes to the narrowest width that holds
+    it, longest first into the row it fills best (best-fit decreasing), so rows carry little padding."""
+    rows: list[tuple[int, list[PromptGroup]]] = []
+    free_rows = {width: [[] for _ in range(width + 1)] for width in widths}  # width -> free tokens -> rows
+    for group in sorted(groups, key=lambda g: -g.length):
+        width = next(w for w in widths if w >= group.length)
+        by_free = free_rows[width]
+        free = next((f for f in range(group.length, width + 1) if by_free[f]), None)
+        if free is None:
+            rows.append((width, []))
+            row, free = len(rows) - 1, width
+        else:
+            row = by_free[free].pop()
+        rows[row][1].append(group)
+        by_free[free - group.length].append(row)
+    return rows
+
+
+@dataclass
+class PackedBatch:
+    """Rows of one width as the model's inputs (``GPTModel.target_losses``) and, per target, its request."""
+    input_ids: np.ndarray  # [rows, width]
+    position_ids: np.ndarray  # [rows, width]
+    attention_mask: np.ndarray  # [rows, 1, width, width], 1 = masked
+    target_index: np.ndarray  # [targets] flat position (row · width + column) predicting the target
+    target_labels: np.ndarray  # [targets]
+    target_request: np.ndarray  # [targets] its request (-1: padding)
+
+
+def packed_batch(rows: list[list[PromptGroup]], requests: list[EncodedRequests], width: int, row_count: int,
+                 target_count: int) -> PackedBatch:
+    """``rows`` (their groups' requests indexing ``requests``, one EncodedRequests per row) padded to
+    ``row_count`` rows and ``target_count`` targets. Each token's segment (its group in the row) and branch (-1
+    for the prompt, else the answer's slot) make the mask: a token attends to earlier tokens of its segment
+    that are the prompt or its own answer."""
+    input_ids = np.zeros((row_count, width), np.int32)
+    position_ids = np.zeros((row_count, width), np.int32)
+    segment = np.full((row_count, width), -1, np.int64)
+    branch = np.full((row_count, width), -1, np.int64)
+    index, labels, owner = [], [], []
+    for r, (groups, encoded) in enumerate(zip(rows, requests)):
+        at = 0
+        for s, group in enumerate(groups):
+            prompt = len(group.context)
+            input_ids[r, at:at + prompt] = group.context
+            position_ids[r, at:at + prompt] = np.arange(prompt)
+            segment[r, at:at + prompt] = s
+            last_prompt = r * width + at + prompt - 1
+            at += prompt
+            for slot, request in enumerate(group.requests):
+                answer = encoded.continuations[request]
+                n = len(answer) - 1
+                input_ids[r, at:at + n] = answer[:-1]
+                position_ids[r, at:at + n] = np.arange(prompt, prompt + n)
+                segment[r, at:at + n], branch[r, at:at + n] = s, slot
+                index += [last_prompt, *range(r * width + at, r * width + at + n)]
+                labels += answer.tolist()
+                owner += [request] * len(answer)
+                at += n
+    causal = np.tril(np.ones((width, width), bool))
+    allowed = causal & (segment[:, :, None] == segment[:, None, :]) & \
+        ((branch[:, None, :] == -1) | (branch[:, :, None] == branch[:, None, :]))
+    padding = target_count - len(index)
+    return PackedBatch(input_ids, position_ids, (~allowed).astype(np.uint8)[:, None],
+                       np.asarray(index + [0] * padding, np.int32), np.asarray(labels + [0] * padding, np.int32),
+                       np.asarray(owner + [-1] * padding, np.int64))
 
 
 class RequestScorer:
-    """Log-likelihoods of requests through ``loss`` (a HeldOutLoss: the model's per-sample summed cross entropy
-    over the loss-masked tokens), ``BATCH_ROWS`` requests per forward, grouped by padded length."""
+    """Log-likelihoods of requests through the model's ``target_losses`` (a compiled graph when ``compiled``):
+    each task's requests grouped by prompt and packed into rows (``pack_rows``), rows of one width batched
+    ``FORWARD_TOKENS`` positions and ``TARGET_SHARE`` of answer tokens at a time, across tasks, so only the last
+    batch of each width is partly empty."""
 
-    def __init__(self, loss, max_length: int, pad_id: int = 0):
-        self.loss = loss
+    def __init__(self, model, max_length: int, compiled: bool):
+        from training.forward import TargetLosses
+
+        self.losses = TargetLosses(model, compiled)
         self.max_length = max_length
-        self.pad_id = pad_id
+        self.widths = row_widths(max_length)
         self.forwards = 0
 
     def loglikelihoods(self, requests: EncodedRequests) -> np.ndarray:
-        from training.forward import forward_loss_sums
-
-        lengths = np.array([len(w) - 1 for w in requests.windows])
-        order = np.argsort(-lengths, kind="stable")
-        result = np.zeros(len(order))
-        for first in range(0, len(order), BATCH_ROWS):
-            rows = order[first:first + BATCH_ROWS]
-            width = padded_length(int(lengths[rows].max()), self.max_length)
-            batch = {"input_ids": np.full((BATCH_ROWS, width), self.pad_id, np.int32),
-                     "labels": np.full((BATCH_ROWS, width), self.pad_id, np.int32),
-                     "loss_mask": np.zeros((BATCH_ROWS, width), np.float32)}
-            for row, request in enumerate(rows):
-                window, n = requests.windows[request], len(requests.windows[request]) - 1
-                batch["input_ids"][row, :n] = window[:-1]
-                batch["labels"][row, :n] = window[1:]
-                batch["loss_mask"][row, n - requests.targets[request]:n] = 1.0
-            sums, _ = forward_loss_sums(self.loss, batch)
-            result[rows] = -sums[:len(rows)]
-            self.forwards += 1
+        ((_, result, _),) = self.score([(None, requests)])
         return result
+
+    def score(self, tasks):
+        """For each ``(key, EncodedRequests)`` of ``tasks``: ``(key, per-request log-likelihoods, seconds)`` in
+        their order, each as soon as its last batch is scored (its share of each batch's time)."""
+        results: dict = {}  # position -> [key, log-likelihoods, rows left, seconds]
+        pending = {width: [] for width in self.widths}  # width -> rows waiting: (position, encoded, groups)
+        done = 0
+        for position, (key, requests) in enumerate(tasks):
+            rows = pack_rows(prompt_groups(requests, self.max_length), self.widths)
+            results[position] = [key, np.zeros(len(requests.contexts)), len(rows), 0.0]
+            for width, groups in rows:
+                rows_per_batch, targets_per_batch = self._batch_shape(width)
+                waiting = pending[width]
+                if waiting and (len(waiting) == rows_per_batch or sum(g.targets for _, _, gs in waiting for g in gs)
+                                + sum(g.targets for g in groups) > targets_per_batch):
+                    self._run(width, waiting, results)
+                waiting.append((position, requests, groups))
+            while done in results and results[done][2] == 0:
+                yield self._finished(results, done)
+                done += 1
+        for width, waiting in pending.items():
+            if waiting:
+                self._run(width, waiting, results)
+        while done in results:
+            yield self._finished(results, done)
+            done += 1
+
+    @staticmethod
+    def _finished(results: dict, position: int) -> tuple:
+        key, loglikelihoods, _, seconds = results.pop(position)
+        return key, loglikelihoods, seconds
+
+    def _batch_shape(self, width: int) -> tuple[int, int]:
+        rows = max(1, FORWARD_TOKENS // width)
+        return rows, int(TARGET_SHARE * rows * width)
+
+    def _run(self, width: int, waiting: list, results: dict) -> None:
+        """One forward of the rows ``waiting`` (emptied): each request's log-likelihood into its task's result."""
+        from mindspore import Tensor
+
+        rows, targets = self._batch_shape(width)
+        needed = sum(g.targets for _, _, groups in waiting for g in groups)
+        if needed > targets:  # a single row with more answer tokens than a batch holds: a shape of its own
+            targets = 1 << (needed - 1).bit_length()
+        started = time.perf_counter()
+        batch = packed_batch([groups for _, _, groups in waiting], [encoded for _, encoded, _ in waiting], width,
+                             rows, targets)
+        losses = self.losses(*(Tensor(x) for x in (batch.input_ids, batch.position_ids, batch.attention_mask,
+                                                   batch.target_index, batch.target_labels))).asnumpy()
+        self.forwards += 1
+        seconds = (time.perf_counter() - started) / len(waiting)
+        offsets = np.cumsum([0] + [sum(g.targets for g in groups) for _, _, groups in waiting])
+        for (position, _, _), first, end in zip(waiting, offsets[:-1], offsets[1:]):
+            result = results[position]
+            np.add.at(result[1], batch.target_request[first:end], -losses[first:end].astype(np.float64))
+            result[2] -= 1
+            result[3] += seconds
+        waiting.clear()
 
 
 def score_documents(documents, requests: EncodedRequests, loglikelihoods: np.ndarray) -> dict:
@@ -160,21 +313,36 @@ def score_documents(documents, requests: EncodedRequests, loglikelihoods: np.nda
             "bpb": float(np.mean(bits_per_byte)), "instances": n, "requests": len(loglikelihoods)}
 
 
+def score_tasks(tasks: list[Task], limit: int | None, processor, scorer: RequestScorer):
+    """Each task's scores on its first ``limit`` documents, with the per-request log-likelihoods (in the order of
+    the documents and their choices) and the requests' rate: ``(task, scores)`` in the order of ``tasks``, each
+    as soon as its requests are scored (the tasks share batches)."""
+    encoded = {}
+
+    def requests():
+        for task in tasks:
+            started = time.perf_counter()
+            requests, documents, too_long = encode_task(task, task.instances(limit), processor, scorer.max_length)
+            if not documents:
+                raise TaskError(f"task {task.name}: each of its first {limit} documents has an answer longer than "
+                                f"the model's sequence length ({scorer.max_length} tokens): nothing to score")
+            encoded[task.name] = (requests, documents, too_long, time.perf_counter() - started)
+            yield task, requests
+
+    for task, loglikelihoods, seconds in scorer.score(requests()):
+        requests, documents, too_long, encoding = encoded.pop(task.name)
+        seconds += encoding
+        scores = score_documents(documents, requests, loglikelihoods)
+        yield task, {**scores, "primary_metric": task.primary_metric, "primary": scores[task.primary_metric],
+                     "left_out_too_long": too_long,
+                     "seconds": seconds, "requests_per_second": len(loglikelihoods) / max(seconds, 1e-9),
+                     "loglikelihoods": [float(x) for x in loglikelihoods]}
+
+
 def score_task(task: Task, limit: int | None, processor, scorer: RequestScorer) -> dict:
-    """One task's scores on its first ``limit`` documents, with the per-request log-likelihoods (in the order of
-    the documents and their choices) and the requests' rate."""
-    requests, documents, too_long = encode_task(task, task.instances(limit), processor, scorer.max_length)
-    if not documents:
-        raise TaskError(f"task {task.name}: each of its first {limit} documents has an answer longer than the "
-                        f"model's sequence length ({scorer.max_length} tokens): nothing to score")
-    started = time.perf_counter()
-    loglikelihoods = scorer.loglikelihoods(requests)
-    seconds = time.perf_counter() - started
-    scores = score_documents(documents, requests, loglikelihoods)
-    return {**scores, "primary_metric": task.primary_metric, "primary": scores[task.primary_metric],
-            "left_out_too_long": too_long,
-            "seconds": seconds, "requests_per_second": len(loglikelihoods) / max(seconds, 1e-9),
-            "loglikelihoods": [float(x) for x in loglikelihoods]}
+    """``score_tasks`` of one task."""
+    ((_, scores),) = score_tasks([task], limit, processor, scorer)
+    return scores
 
 
 PARTIAL_DIR = ".eval-tasks-partial"  # in the checkpoint directory: each task's scores as it finishes
@@ -220,31 +388,31 @@ class TaskRun:
     limit: int | None = 200
     tokenizer_model: str | None = None
 
-    def run(self, loss, processor, max_length: int, checkpoint_dir: Path) -> dict:
-        """``{"tasks": {name: scores}, "task_settings": ...}``. Each task's scores are kept in PARTIAL_DIR as it
-        finishes, so an evaluation stopped half-way resumes at the first task not scored (``discard_partial``
-        once the sidecar is written)."""
+    def run(self, model, compiled: bool, processor, max_length: int, checkpoint_dir: Path) -> dict:
+        """``{"tasks": {name: scores}, "task_settings": ...}``, scored through ``model`` (``compiled``: the
+        forward as a graph). Each task's scores are kept in PARTIAL_DIR as it finishes, so an evaluation stopped
+        half-way resumes at the first task not scored (``discard_partial`` once the sidecar is written)."""
         from training.atomic import write_json_atomic
         from training.data.hashing import sha256_file
 
         if processor is None:
             raise TaskError(f"{checkpoint_dir}: its lineage names no tokenizer to encode the task texts with: "
                             f"pass --tokenizer-model (the run's sentencepiece .model)")
-        settings = {"limit": self.limit, "max_length": max_length, "batch_rows": BATCH_ROWS,
+        settings = {"limit": self.limit, "max_length": max_length,
                     "tokenizer_sha256": hashlib.sha256(processor.serialized_model_proto()).hexdigest(),
                     "lineage_sha256": sha256_file(checkpoint_dir / "lineage.json")}
-        scorer = RequestScorer(loss, max_length)
         scores, partial = {}, checkpoint_dir / PARTIAL_DIR
-        for name in self.names:
-            kept = partial / f"{name.replace(':', '-')}.json"
-            if kept.is_file() and (done := _read_partial(kept)).get("settings") == settings:
+        kept = {name: partial / f"{name.replace(':', '-')}.json" for name in self.names}
+        for name, path in kept.items():
+            if path.is_file() and (done := _read_partial(path)).get("settings") == settings:
                 scores[name] = done["scores"]
-                continue
-            result = score_task(load_task(name), self.limit, processor, scorer)
-            scores[name] = {k: v for k, v in result.items() if k != "loglikelihoods"}
+        todo = [load_task(name) for name in self.names if name not in scores]
+        for task, result in score_tasks(todo, self.limit, processor, RequestScorer(model, max_length, compiled)):
+            scores[task.name] = {k: v for k, v in result.items() if k != "loglikelihoods"}
             partial.mkdir(exist_ok=True)
-            write_json_atomic(kept, {"settings": settings, "scores": scores[name],
-                                     "loglikelihoods": result["loglikelihoods"]})
+            write_json_atomic(kept[task.name], {"settings": settings, "scores": scores[task.name],
+                                                "loglikelihoods": result["loglikelihoods"]})
+        scores = {name: scores[name] for name in self.names}
         primary = [s["primary"] for s in scores.values()]
         return {"tasks": scores, "task_settings": settings,
                 "tasks_mean": {"primary": float(np.mean(primary)),

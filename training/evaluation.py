@@ -317,13 +317,14 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, split: str | None = None, ba
     configure_runtime(config)
     model = build_model(config.model)
     verified = _load_weights(model, checkpoint_dir)
-    loss = HeldOutLoss(model, compiled=not compile_blockers(config, ParallelDims(world=1), model))
+    compiled = not compile_blockers(config, ParallelDims(world=1), model)
+    loss = HeldOutLoss(model, compiled)
     held_out = HeldOutSplit(config, split, batches, "--batches").build(model.config.vocab_size)
     names = _source_names(config, split, lineage)
     samples = batches * config.training.global_batch_size
     with evaluating(model):
         per_source = _per_source_sums(loss, config, held_out, samples, len(names), token_bytes)
-        scored = tasks.run(loss, processor, config.model["seq_length"], checkpoint_dir) if tasks else {}
+        scored = tasks.run(model, compiled, processor, config.model["seq_length"], checkpoint_dir) if tasks else {}
     by_name: dict[str, np.ndarray] = {}
     for entry in held_out.entries:
         by_name[names[entry]] = by_name.get(names[entry], np.zeros(4)) + per_source[entry]

@@ -40,3 +40,17 @@ def forward_loss_sums(loss: HeldOutLoss, batch: dict[str, np.ndarray], shard_inp
         inputs = shard_inputs(inputs)
     sums, tokens = loss(*inputs)
     return sums.asnumpy().astype(np.float64), tokens.asnumpy().astype(np.float64)
+
+
+class TargetLosses(nn.Cell):
+    """``GPTModel.target_losses`` as a cell (one compiled graph per input shape when ``compiled``, as HeldOutLoss):
+    the losses of chosen tokens of a packed batch, downstream scoring's forward. Called in evaluation mode."""
+
+    def __init__(self, model, compiled: bool):
+        super().__init__(auto_prefix=False)
+        self.model = model
+        if compiled:
+            self.construct = ms.jit(self.construct)
+
+    def construct(self, input_ids, position_ids, attention_mask, target_index, target_labels):
+        return self.model.target_losses(input_ids, position_ids, attention_mask, target_index, target_labels)

@@ -1,7 +1,8 @@
 """Kiln's downstream scores against OLMo's own evaluation code: for a checkpoint exported with `kiln export-hf`,
-olmo_eval (its OEEvalTask requests and ICLMetric, over transformers' model of the exported directory) and Kiln
-(training/downstream.py over its MindSpore model of the checkpoint) give each request the same log-likelihood
-within 1e-4 and each task the same accuracy, length-normalized accuracy and bits per byte."""
+olmo_eval (its OEEvalTask requests and ICLMetric, over the exported directory loaded as a Hugging Face user loads
+it: AutoTokenizer and AutoModelForCausalLM) and Kiln (training/downstream.py over its MindSpore model of the
+checkpoint and the sentencepiece model it trained with) give each request the same log-likelihood within 1e-4 and
+each task the same accuracy, length-normalized accuracy and bits per byte."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,7 +13,7 @@ from test_downstream import train_tokenizer
 from training.checkpoint import save_checkpoint
 from training.cli import main
 from training.downstream import RequestScorer, score_task
-from training.evaluation import HeldOutLoss, _load_weights, evaluating
+from training.evaluation import _load_weights, evaluating
 from training.model import build_model
 from training.parallel.comm import Collectives
 from training.parallel.mesh import World
@@ -33,7 +34,8 @@ LIMIT = 16
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """A checkpoint of random weights with a wide spread (choices' log-likelihoods far apart, so no ranking
-    hangs on a rounding difference), its `kiln export-hf` directory, and a tokenizer trained on task texts."""
+    hangs on a rounding difference), a tokenizer trained on task texts, and the `kiln export-hf` directory of
+    both (config, weights, tokenizer.json)."""
     root = tmp_path_factory.mktemp("olmo")
     section = model_section(CONFIG, max_position_embeddings=128, seq_length=MAX_LENGTH)
     _, weights = kiln_model(section, seed=11)
@@ -41,27 +43,32 @@ def exported(tmp_path_factory):
                     common={"global_step": 5, "consumed_samples": 20, "global_batch_size": 4},
                     lineage={"run": {"config": {"model": section}}}, prefix=None, save_max=2,
                     world=World(rank=0, size=1), collectives=Collectives(World(rank=0, size=1)))
-    assert main(["export-hf", str(root / "run"), str(root / "hf")]) == 0
-    return root / "run" / "iteration_00000005", root / "hf", section, train_tokenizer(root / "tokenizer")
+    processor = train_tokenizer(root / "tokenizer")
+    assert main(["export-hf", str(root / "run"), str(root / "hf"), "--tokenizer-model",
+                 str(root / "tokenizer.model")]) == 0
+    return root / "run" / "iteration_00000005", root / "hf", section, processor
 
 
-def olmo_tokenizer(processor):
-    """The sentencepiece model behind olmo_eval's Tokenizer interface: no BOS (Kiln's shards have none), the
-    special ids resources/tokenizer.py gives."""
+def olmo_tokenizer(hf_dir):
+    """The exported tokenizer as AutoTokenizer loads it, behind olmo_eval's Tokenizer interface (whose
+    add_special_tokens appends EOS, as its HFTokenizer does; no BOS: Kiln's shards have none)."""
     from olmo_eval.tokenizer import Tokenizer
 
-    class SentencePiece(Tokenizer):
-        vocab_size = property(lambda self: processor.get_piece_size())
-        pad_token_id = property(lambda self: processor.pad_id())
-        eos_token_id = property(lambda self: processor.eos_id())
+    auto = transformers.AutoTokenizer.from_pretrained(hf_dir)
+
+    class Exported(Tokenizer):
+        vocab_size = property(lambda self: len(auto))
+        pad_token_id = property(lambda self: auto.pad_token_id)
+        eos_token_id = property(lambda self: auto.eos_token_id)
 
         def encode_batch(self, inputs, add_special_tokens=True):
-            return [processor.encode(text) + ([processor.eos_id()] if add_special_tokens else []) for text in inputs]
+            return [ids + ([auto.eos_token_id] if add_special_tokens else [])
+                    for ids in auto(list(inputs), add_special_tokens=False)["input_ids"]]
 
         def decode_batch(self, batch_token_ids, skip_special_tokens=True):
-            return [processor.decode(list(ids)) for ids in batch_token_ids]
+            return auto.batch_decode(batch_token_ids, skip_special_tokens=skip_special_tokens)
 
-    return SentencePiece()
+    return Exported()
 
 
 def olmo_scores(name: str, hf_model, tokenizer, doc_ids: set[int]):
@@ -92,15 +99,16 @@ def test_kiln_scores_equal_olmo_eval_on_the_exported_model(exported, name):
     checkpoint, hf_dir, section, processor = exported
     model = build_model(section)
     _load_weights(model, checkpoint)
-    scorer = RequestScorer(HeldOutLoss(model, compiled=True), MAX_LENGTH)
+    scorer = RequestScorer(model, MAX_LENGTH, compiled=True)
     with evaluating(model):
         kiln = score_task(load_task(name), LIMIT, processor, scorer)
     kept = [doc for doc in load_task(name).instances(LIMIT) if doc.doc_id not in kiln["left_out_too_long"]]
     ours = {(doc.doc_id, choice): ll for doc, lls in
             zip(kept, _per_document(kept, kiln["loglikelihoods"])) for choice, ll in enumerate(lls)}
 
-    hf_model, _ = load_hf(transformers.Qwen3ForCausalLM, hf_dir)
-    theirs, olmo = olmo_scores(name, hf_model, olmo_tokenizer(processor), {doc.doc_id for doc in kept})
+    hf_model, _ = load_hf(transformers.AutoModelForCausalLM, hf_dir)
+    assert type(hf_model).__name__ == "Qwen3ForCausalLM"
+    theirs, olmo = olmo_scores(name, hf_model, olmo_tokenizer(hf_dir), {doc.doc_id for doc in kept})
     assert set(theirs) == set(ours) and len(kept) >= LIMIT // 2
     keys = sorted(ours)
     np.testing.assert_allclose([ours[k] for k in keys], [theirs[k] for k in keys], rtol=0, atol=TOLERANCE)

@@ -213,6 +213,15 @@ class GPTModel(nn.Cell):
         mask = cast(loss_mask, ms.float32)
         return (token_loss.reshape(mask.shape) * mask).sum(-1), mask.sum(-1)
 
+    def target_losses(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor, target_index: Tensor,
+                      target_labels: Tensor) -> Tensor:
+        """-log p(``target_labels[i]``) predicted at flat position ``target_index[i]`` of the [batch·seq]
+        positions ([targets] each): the output layer runs on those positions only, so a scorer that needs a few
+        tokens' likelihoods (downstream tasks: the answers', not the prompt's) does not pay for the others'."""
+        hidden = self._decode(input_ids, position_ids, attention_mask)[0]
+        hidden = ops.gather(hidden.reshape(-1, hidden.shape[-1]), target_index, 0)
+        return self.token_loss(self._output(hidden), target_labels)
+
     def logits(self, input_ids: Tensor, position_ids: Tensor | None = None,
                attention_mask: Tensor | None = None) -> Tensor:
         """[batch, seq] token ids → [batch, seq, vocab] fp32 logits. Without ``position_ids`` positions
