@@ -7,9 +7,11 @@ is the one of the lowest chunk, file and line wherever the copies are; then ``cl
 JSONL, ``removals.jsonl`` and ``<stem>.kiln.json`` (phase 3). A source with ``cleaning: none`` (the default) is
 recorded as its raw files, which the tokenizer and token_shards read as before.
 
-A run over several chunks filters them all before its one dedup step. A chunk cleaned before a chunk with a
-lower key appeared keeps copies that chunk now holds first: the step lists such chunks (``stale_chunks``) and
-they are right again once re-materialized.
+A run over several chunks filters them all before its one dedup step, and first filters again any chunk of its
+dedup groups whose stage another recipe or other raw files made (``_outdated_peer_jobs``). A chunk outside the
+run whose decisions the clusters now change (a chunk with a lower key appeared, a peer's recipe or files
+changed) is listed (``stale_chunks``) and is right again once re-materialized: after a recipe change,
+raw_files_sensor requests every chunk of the source's dedup groups (pipelines/sensors.py).
 """
 
 import os
@@ -24,7 +26,7 @@ from assets.data import (EAGER_AFTER_CHECKS, SIDECAR, _source_spec, clean_dir, c
 from assets.sources import load_sources, source_recipe
 from assets.versions import versioned_asset
 from resources.storage import KilnStorage
-from training.data.cleaning.pipeline import ChunkStage, Numbering, RawInput
+from training.data.cleaning.pipeline import STATS, ChunkStage, Numbering, RawInput
 from training.data.cleaning.versions import clean_data_version
 from training.data.cleaning.runners import FilterJob, FinalizeJob, LocalRunner, runner
 from training.data.cleaning.recipe import Recipe
@@ -45,19 +47,45 @@ def _filter_job(storage: KilnStorage, key: str, recipe: Recipe) -> FilterJob:
     return FilterJob(recipe, inputs, filter_stage(storage, key), spec.json_keys, spec.on_bad_line)
 
 
+def dedup_group(recipe: Recipe | None) -> str | None:
+    """The dedup group a source with ``recipe`` takes part in, named by its dedup settings: every chunk of every
+    source with the same settings is deduplicated together (signatures of other settings are not comparable);
+    None: not deduplicated."""
+    return None if recipe is None or not recipe.dedups else repr(recipe.spec()["dedup"])
+
+
 def _dedup_groups(storage: KilnStorage) -> dict[str, list[str]]:
-    """Every configured chunk with a filter stage, grouped by its recipe's dedup settings (signatures of other
-    settings are not comparable), each group in chunk order."""
+    """Every configured chunk with a filter stage, by dedup group, each group in chunk order."""
     sources = load_sources(storage.sources_config)
     groups: dict[str, list[str]] = defaultdict(list)
     for name in sorted(sources):
-        recipe = source_recipe(sources[name], storage.sources_config)
-        if recipe is None or not recipe.dedups:
+        group = dedup_group(source_recipe(sources[name], storage.sources_config))
+        if group is None:
             continue
         for key in source_chunk_keys(storage, sources[name]):
-            if (filter_stage(storage, key) / "stats.json").is_file():
-                groups[repr(recipe.spec()["dedup"])].append(key)
-    return {settings: sorted(keys) for settings, keys in groups.items()}
+            if (filter_stage(storage, key) / STATS).is_file():
+                groups[group].append(key)
+    return {group: sorted(keys) for group, keys in groups.items()}
+
+
+def _outdated_peer_jobs(storage: KilnStorage, keys: list[str], recipes: dict) -> list[FilterJob]:
+    """Phase 1 again for the chunks outside the run that share a dedup group with one of its chunks and whose
+    filter stage no longer matches their source's recipe or raw files (a recipe change whose own chunks' runs
+    have not come yet, a re-ingested chunk not re-cleaned yet): the run clusters every peer as it is now, so its
+    decisions do not depend on the order the runs of one change come in."""
+    groups = {dedup_group(recipes[key]) for key in keys} - {None}
+    sources = load_sources(storage.sources_config)
+    jobs = []
+    for group, members in _dedup_groups(storage).items():
+        for key in (members if group in groups else []):
+            if key in recipes:
+                continue
+            job = _filter_job(storage, key, source_recipe(sources[source_of(key)], storage.sources_config))
+            stats = ChunkStage.load(key, job.stage).stats
+            made_from = (stats["recipe_sha256"], [(f["path"], f["sha256"]) for f in stats["files"]])
+            if made_from != (job.recipe.sha256, [(raw.shown, raw.sha256) for raw in job.inputs]):
+                jobs.append(job)
+    return jobs
 
 
 def _stale(numbering: Numbering, clusters, storage: KilnStorage, run: set[str]) -> list[str]:
@@ -122,8 +150,7 @@ def _cleaned_result(storage: KilnStorage, key: str, sidecar: dict, stale: list[s
         metadata["decontamination"] = dg.MetadataValue.json(sidecar["decontamination"])
     if stale:
         metadata["stale_chunks"] = dg.MetadataValue.text(", ".join(stale))
-    version = clean_data_version(sidecar["recipe_sha256"], sidecar["code_version"],
-                                 [f["sha256"] for f in sidecar["raw_files"]], [o["sha256"] for o in sidecar["outputs"]])
+    version = clean_data_version([o["sha256"] for o in sidecar["outputs"]])
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(version))
 
 
@@ -176,7 +203,8 @@ def clean_corpus(context: dg.AssetExecutionContext, config: CleanConfig, storage
         sources = load_sources(storage.sources_config)
         recipes = {key: source_recipe(sources[source_of(key)], storage.sources_config) for key in keys}
         run = runner(config.ray_address)
-        run.filter([_filter_job(storage, key, recipes[key]) for key in keys if recipes[key] is not None])
+        run.filter([_filter_job(storage, key, recipes[key]) for key in keys if recipes[key] is not None]
+                   + _outdated_peer_jobs(storage, keys, recipes))
         finished = _finalize(storage, keys, recipes, run)
     results = {}
     for key in keys:

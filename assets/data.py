@@ -39,9 +39,16 @@ load_sources(SOURCES_CONFIG)
 # stem `<source>_NNNNN`: assets/chunks.py)
 SIDECAR = ".kiln.json"
 SHARD_STATS = ("key", "docs", "tokens", "bin_sha256", "idx_sha256", "bin_bytes", "idx_bytes")  # copied per shard
-# automation re-builds an asset only once every blocking check of its inputs passed: a corrupt shard found by
-# `shards_are_well_formed` must stop the automatic re-blend as it stops the blend in the same run
-EAGER_AFTER_CHECKS = dg.AutomationCondition.eager() & dg.AutomationCondition.all_deps_blocking_checks_passed()
+# automation re-builds an asset when an input's data version changed, not on every materialization of it (eager()'s
+# newly_updated): a chunk re-cleaned to the same bytes, or shards rebuilt to the same tokens, leave what is built
+# from them fresh, as the UI shows them; and only once every blocking check of its inputs passed: a corrupt shard
+# found by `shards_are_well_formed` must stop the automatic re-blend as it stops the blend in the same run
+# (the target's own "handled" reset keeps newly_updated: a run of it to the same bytes still handles the request)
+ANY_DEPS_DATA_CHANGED = dg.AutomationCondition.any_deps_match(
+    (dg.AutomationCondition.data_version_changed() & ~dg.AutomationCondition.executed_with_root_target())
+    | dg.AutomationCondition.will_be_requested()).with_label("any_deps_data_changed")
+EAGER_AFTER_CHECKS = (dg.AutomationCondition.eager().replace("any_deps_updated", ANY_DEPS_DATA_CHANGED)
+                      & dg.AutomationCondition.all_deps_blocking_checks_passed())
 
 TABLE_ROWS = 20  # rows of a per-file table in an event; every row is in the on-disk sidecar the event names
 

@@ -339,9 +339,7 @@ def expected_versions(checkpoint_dir: Path, lineage: dict) -> list[tuple[str, st
     for record in lineage.get("clean_files") or []:
         cleaned.setdefault(record.get("chunk", record["source"]), []).append(record)
     for chunk, records in sorted(cleaned.items()):
-        links.append(("clean_corpus", chunk, clean_data_version(
-            records[0]["recipe_sha256"], records[0]["code_version"], [r["raw_sha256"] for r in records],
-            [r["sha256"] for r in records])))
+        links.append(("clean_corpus", chunk, clean_data_version([r["sha256"] for r in records])))
     if lineage.get("tokenizer"):
         links.append(("tokenizer", None, lineage["tokenizer"]["sha256"]))
     for source, hashes in sorted(by_source.items()):

@@ -20,18 +20,22 @@ from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 
 
-RECIPE = "steps: [{length: {min_chars: 5, max_chars: 100000}}]\ndedup: false\n"  # the source's file of its own
+# the code source's file of its own; it dedups exactly, as the docstrings' inline recipe does: one dedup group
+RECIPE = "steps: [{length: {min_chars: 5, max_chars: 100000}}]\ndedup: {minhash: false}\n"
 
 
 def _sources(tmp_path):
     corpus = tmp_path / "user" / "code.jsonl"
     corpus.parent.mkdir()
-    corpus.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(200)))
+    names = ["".join(chr(ord("a") + int(digit)) for digit in f"{i:03d}") for i in range(200)]  # dedup drops digits
+    corpus.write_text("".join(json.dumps({"text": f"def {name}(x):\n    return x + {i}\n"}) + "\n"
+                              for i, name in enumerate(names)))
     (tmp_path / "code_recipe.yaml").write_text(RECIPE)
     sources = tmp_path / "sources.yaml"
     sources.write_text("sources:\n"
                        f"  stdlib_code: {{files: ['{corpus}'], weight: 0.5, cleaning: code_recipe.yaml}}\n"
-                       "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 40000, weight: 0.5}\n")
+                       "  stdlib_docs: {builtin: python_stdlib_docstrings, max_bytes: 40000, weight: 0.5, "
+                       "cleaning: {dedup: {minhash: false}}}\n")
     return corpus, sources
 
 
@@ -52,8 +56,14 @@ def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_p
     with dg.instance_for_test() as instance:
         register_source_chunks(instance, storage)
         job = defs.resolve_implicit_global_asset_job_def()
-        for key, partition in [("raw_corpus", "stdlib_code"), ("raw_corpus", "stdlib_docs"),
-                               ("clean_corpus", "stdlib_code"), ("clean_corpus", "stdlib_docs"), ("tokenizer", None),
+        assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("raw_corpus")],
+                                      partition_key="stdlib_docs").success
+        # a docstring both sources hold: the copy kept is stdlib_code's (the lower chunk)
+        docs = (storage.root / "raw/stdlib_docs/part-00000.jsonl").read_text().splitlines()
+        line, shared = next((n, json.loads(d)["text"]) for n, d in enumerate(docs, 1) if len(json.loads(d)["text"]) > 200)
+        with corpus.open("a") as f:
+            f.write(json.dumps({"text": shared}) + "\n")
+        for key, partition in [("raw_corpus", "stdlib_code"), ("clean_corpus", "stdlib_code"), ("clean_corpus", "stdlib_docs"), ("tokenizer", None),
                                ("token_shards", "stdlib_code"), ("token_shards", "stdlib_docs"),
                                ("blend_manifest", None)]:
             assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey(key)],
@@ -92,20 +102,38 @@ def test_changed_file_reingests_its_source_then_shards_and_manifest_follow(tmp_p
         assert after_shards.get_num_requested(dg.AssetKey("token_shards")) == 0
         assert after_shards.get_num_requested(dg.AssetKey("training_run")) == 0  # not unless KILN_AUTO_TRAIN=1
 
-        # the source's recipe file edited, nothing else: clean_corpus shows stale (its code version), the sensor
-        # re-cleans that source's chunks only, without re-ingesting them, and its shards follow
+        def shared_copy_kept():
+            return json.loads((storage.root / "clean/stdlib_docs/removals.jsonl").read_text().splitlines()[line - 1])["kept"]
+
+        def clean(*chunks):
+            for chunk in chunks:
+                assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("clean_corpus")],
+                                              partition_key=chunk).success
+
+        # the source's recipe file edited, nothing else: clean_corpus shows stale (its code version), and the sensor
+        # re-cleans, without re-ingesting them, the chunks of every source of its dedup group: stdlib_docs too
         monkeypatch.setenv("KILN_SOURCES", str(sources))
         before = {asset: code_version(asset) for asset in ASSET_PARTS}
-        (tmp_path / "code_recipe.yaml").write_text(RECIPE.replace("100000", "90000"))
+        (tmp_path / "code_recipe.yaml").write_text(RECIPE.replace("100000", "90000"))  # removes nothing more
         after = {asset: code_version(asset) for asset in ASSET_PARTS}
         assert {asset for asset in before if before[asset] != after[asset]} == {"clean_corpus"}
         requested, cursor = _sensor_tick(instance, storage, cursor)
-        assert requested == ["clean_corpus[stdlib_code]"]
+        assert requested == ["clean_corpus[stdlib_code]", "clean_corpus[stdlib_docs]"]
         assert _sensor_tick(instance, storage, cursor)[0] == []
-        assert job.execute_in_process(instance=instance, asset_selection=[dg.AssetKey("clean_corpus")],
-                                      partition_key="stdlib_code").success
-        after_recipe = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=after_shards.cursor)
-        assert after_recipe.get_requested_partitions(dg.AssetKey("token_shards")) == {"stdlib_code"}
+        clean("stdlib_code", "stdlib_docs")
+        # both re-cleaned to the same bytes: the same data versions, so their shards stay fresh
+        unchanged = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=after_shards.cursor)
+        assert unchanged.total_requested == 0 and not shared_copy_kept()
+
+        # a limit that removes the shared docstring from stdlib_code: stdlib_docs' copy is kept now. Its run comes
+        # first and filters stdlib_code's chunk again itself; both chunks' shards follow
+        (tmp_path / "code_recipe.yaml").write_text(RECIPE.replace("100000", str(len(shared) - 1)))
+        requested, cursor = _sensor_tick(instance, storage, cursor)
+        assert requested == ["clean_corpus[stdlib_code]", "clean_corpus[stdlib_docs]"]
+        clean("stdlib_docs", "stdlib_code")
+        assert shared_copy_kept()
+        after_recipe = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=unchanged.cursor)
+        assert after_recipe.get_requested_partitions(dg.AssetKey("token_shards")) == {"stdlib_code", "stdlib_docs"}
         assert after_recipe.get_num_requested(dg.AssetKey("clean_corpus")) == 0  # done: not requested again
 
 

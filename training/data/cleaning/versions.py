@@ -18,6 +18,10 @@ def recipe_file(spec, base: Path | None) -> Path | None:
     return Path(spec) if base is None or Path(spec).is_absolute() else base / spec
 
 
-def clean_data_version(recipe_sha256: str, code_version: str, raw_sha256: list[str], output_sha256: list[str]) -> str:
-    """Over the recipe, the cleaning code, the raw files read and the files written (clean_corpus's data version)."""
-    return combined_hash([recipe_sha256, code_version, *raw_sha256, *output_sha256])
+def clean_data_version(output_sha256: list[str]) -> str:
+    """clean_corpus's data version: over the cleaned files written, what token_shards and the tokenizer read. A
+    chunk re-cleaned to the same bytes (its recipe edited without effect on it, or a dedup group peer's change
+    that moved no copy of its) keeps its version, so Dagster leaves its shards fresh; the recipe and cleaning
+    code that made the files are in the sidecar and the shards' lineage. Every kept record names its raw file's
+    sha256, so the files change with the raw files they keep documents of."""
+    return combined_hash(["clean", *output_sha256])
