@@ -127,8 +127,15 @@ LAYOUTS = {
                                              2), r"interleaved_1f1b needs the micro-batches per step \(1: "
                                                  r"global_batch_size / \(local_batch_size × data parallel\)\) to be a "
                                                  r"multiple of pipeline_parallel \(2\)"),
-    "1F1B with interleaving": (([*INTERLEAVED[:2], "model.num_hidden_layers=4"], 2),
-                               r"1f1b runs one stage per rank; with pipeline_parallel_interleave_num > 1 use"),
+    "interleaved 1F1B without interleaving": (([*PP2, "parallelism.pipeline_parallel_schedule=interleaved_1f1b"], 2),
+                                              r"interleaved_1f1b needs pipeline_parallel_interleave_num > 1"),
+    # what the trainer refused only once each rank built its pipeline (issue 36)
+    "local_norm under a pipeline": (([*PP2, "monitor.train_state.local_norm=true"], 2),
+                                    r"^monitor\.train_state\.local_norm with parallelism\.pipeline_parallel > 1 "
+                                    r"is not implemented"),
+    "max_attention_logit under a pipeline": (([*PP2, "kiln.train_state.max_attention_logit=true"], 2),
+                                             r"kiln\.train_state\.max_attention_logit with parallelism\."
+                                             r"pipeline_parallel > 1 is not implemented"),
     "interleaving without a pipeline": ((["parallelism.pipeline_parallel_interleave_num=2"], 1),
                                         r"pipeline_parallel_interleave_num = 2 splits .* but "
                                         r"parallelism\.pipeline_parallel is 1"),
@@ -151,6 +158,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("config_path, sets, workers", [
     (MICRO_CONFIG, TP2, 2), (MICRO_CONFIG, PP2, 2), (MICRO_CONFIG, ["parallelism.context_parallel=2"], 2),
     (MICRO_CONFIG, [*INTERLEAVED, "model.num_hidden_layers=4"], 2), (MICRO_CONFIG, ["training.local_batch_size=1"], 4),
+    # 1f1b over interleaved stages is interleaved_1f1b, as MindFormers upgrades it (and as the trainer runs it)
+    (MICRO_CONFIG, [*INTERLEAVED[:2], "model.num_hidden_layers=4"], 2),
     ("tests/configs/deepseek_v3_micro.yaml", ["parallelism.expert_parallel=2"], 2)])
 def test_the_layouts_the_suite_trains_pass_the_check(config_path, sets, workers):
     from training.launch import check_layout

@@ -184,7 +184,7 @@ def check_layout(config, model, workers: int):
     from training.parallel.context_parallel import check_context_parallel, token_positions
     from training.parallel.expert_parallel import check_expert_parallel
     from training.parallel.mesh import ParallelDims
-    from training.parallel.pipeline import stage_layer_ranges, work_order
+    from training.parallel.pipeline import pipeline_problems
 
     p, problems = config.parallelism, []
 
@@ -199,11 +199,7 @@ def check_layout(config, model, workers: int):
     micro_batches = attempt(lambda: dims.check_batch(config.training)) if dims else None
     problems += _tensor_parallel_problems(p.tensor_parallel, p.sequence_parallel, model)
     if p.pipeline_parallel > 1:
-        attempt(lambda: stage_layer_ranges(p.pipeline_parallel_layers_per_stage, model.num_hidden_layers,
-                                           p.pipeline_parallel, p.pipeline_parallel_interleave_num))
-        if micro_batches:
-            attempt(lambda: work_order(p.pipeline_parallel_schedule, p.pipeline_parallel, 0, micro_batches,
-                                       p.pipeline_parallel_interleave_num))
+        problems += pipeline_problems(config, model.num_hidden_layers, micro_batches)
     elif p.pipeline_parallel_interleave_num > 1:
         problems.append(f"parallelism.pipeline_parallel_interleave_num = {p.pipeline_parallel_interleave_num} "
                         f"splits each pipeline rank's layers into chunks, but parallelism.pipeline_parallel is 1")

@@ -299,13 +299,7 @@ class Pipeline:
         self.model, self.mesh = model, mesh
         self.pp, self.interleave = dims.pp, parallelism.pipeline_parallel_interleave_num
         self.rank = dims.coords(mesh.rank)["pp"]
-        schedule = parallelism.pipeline_parallel_schedule
-        if schedule == "1f1b" and self.interleave > 1:
-            schedule = "interleaved_1f1b"  # as MindFormers upgrades it
-        if schedule == "interleaved_1f1b" and self.interleave == 1:
-            raise ConfigError("parallelism.pipeline_parallel_schedule interleaved_1f1b needs "
-                              "pipeline_parallel_interleave_num > 1 (1f1b is the schedule of one stage per rank)")
-        self.schedule = schedule
+        self.schedule = schedule = effective_schedule(parallelism)
         self.ranges = stage_layer_ranges(parallelism.pipeline_parallel_layers_per_stage, model.pipeline_layers,
                                          self.pp, self.interleave)
         self.last_stage = self.pp * self.interleave - 1
@@ -594,18 +588,48 @@ class Pipeline:
                         dtype=bool)
 
 
+def effective_schedule(parallelism: ParallelismConfig) -> str:
+    """The schedule a pipeline follows: ``1f1b`` over interleaved stages is ``interleaved_1f1b``, as MindFormers
+    upgrades it."""
+    schedule = parallelism.pipeline_parallel_schedule
+    return "interleaved_1f1b" if schedule == "1f1b" and parallelism.pipeline_parallel_interleave_num > 1 else schedule
+
+
+def pipeline_problems(config, num_layers: int, micro_batches: int | None) -> list[str]:
+    """Every reason a pipeline of ``config`` (parallelism.pipeline_parallel > 1) cannot run ``num_layers`` decoder
+    layers in ``micro_batches`` micro-batches a step (None: not known, the batch being wrong already), each naming
+    its field and the arithmetic: the stages' layer ranges, the schedule, and the statistics a pipeline does not
+    measure. The one check: training.launch.check_layout runs it before launch, build_pipeline on every rank."""
+    p, problems = config.parallelism, []
+    if config.monitor.train_state.local_norm:
+        problems.append("monitor.train_state.local_norm with parallelism.pipeline_parallel > 1 is not implemented: a "
+                        "stage adds each micro-batch's gradients into the step's as its backwards run, in the "
+                        "schedule's order, and measures no gradient of a single micro-batch")
+    if config.kiln.train_state.max_attention_logit:
+        problems.append("kiln.train_state.max_attention_logit with parallelism.pipeline_parallel > 1 is not "
+                        "implemented: each stage tracks only its own layers' maxima, and the report stacks every "
+                        "layer's (GPTModel.pop_max_attention_logits gives none while a layer has not run)")
+    schedule, interleave = effective_schedule(p), p.pipeline_parallel_interleave_num
+    if schedule == "interleaved_1f1b" and interleave == 1:
+        problems.append("parallelism.pipeline_parallel_schedule interleaved_1f1b needs "
+                        "pipeline_parallel_interleave_num > 1 (1f1b is the schedule of one stage per rank)")
+    checks = [lambda: stage_layer_ranges(p.pipeline_parallel_layers_per_stage, num_layers, p.pipeline_parallel,
+                                         interleave)]
+    if micro_batches:
+        checks.append(lambda: work_order(schedule, p.pipeline_parallel, 0, micro_batches, interleave))
+    for check in checks:
+        try:
+            check()
+        except ConfigError as exc:
+            problems += exc.problems
+    return problems
+
+
 def build_pipeline(model, mesh: DeviceMesh, config, micro_batches: int, tensor_parallel) -> Pipeline:
     """This rank's stages of ``model`` (already cut for tensor parallelism), or a clear refusal of what a pipeline
-    run cannot do here."""
-    p = config.parallelism
-    train_state = config.monitor.train_state
-    if train_state.local_norm:
-        raise ConfigError("monitor.train_state.local_norm with parallelism.pipeline_parallel > 1 is not implemented: "
-                          "a stage adds each micro-batch's gradients into the step's as its backwards run, in the "
-                          "schedule's order, and measures no gradient of a single micro-batch")
-    if config.kiln.train_state.max_attention_logit:
-        raise ConfigError("kiln.train_state.max_attention_logit with parallelism.pipeline_parallel > 1 is not "
-                          "implemented: each stage tracks only its own layers' maxima, and the report stacks every "
-                          "layer's (GPTModel.pop_max_attention_logits gives none while a layer has not run)")
+    run cannot do here (``pipeline_problems``, which training_run and training.run checked before launch)."""
+    problems = pipeline_problems(config, model.pipeline_layers, micro_batches)
+    if problems:
+        raise ConfigError(*problems)
     sequence_parallel = bool(tensor_parallel and tensor_parallel.sequence_parallel)
-    return Pipeline(model, mesh, p, micro_batches, sequence_parallel)
+    return Pipeline(model, mesh, config.parallelism, micro_batches, sequence_parallel)
