@@ -12,15 +12,25 @@ hundred MB, enough for the disk rather than the page cache bookkeeping to show. 
 - async write throughput: the checkpoint's bytes over the writer thread's time (host copies included,
   training running alongside), against ``dd`` writing as many bytes (with fsync) into the same directory
   right after, paired per round (median of the per-round ratios; target >= 50%). Other jobs on a shared
-  machine move both figures severalfold between runs, so only the paired ratio means much.
+  machine move both figures severalfold between runs, so only the paired ratio means much;
+- resharded load memory: the peak RSS a load adds (each variant in a fresh process) when one rank of 4 loads
+  its quarter of every tensor of a checkpoint (8 tensors of 32 MB; 2 MB in a smoke run): verified against its
+  lineage.json, unverified (the same checkpoint without it, ``allow_unverified``), and, for comparison, the same
+  slices copied out of memory-mapped files, nothing hashed (the mapped pages count too). Against the quarter the
+  rank keeps: a load that read whole files peaked at 5x it (target <= 1.5x). Memory, unlike time, does not
+  depend on the machine's load.
 """
 from __future__ import annotations
 
+import multiprocessing
+import shutil
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
 
 from benchmarks import blend_settings
 from benchmarks.contention import LoadWatch
@@ -121,11 +131,110 @@ def measure(bench: Bench, rounds: int, wider: list[str]) -> None:
     bench.report("dd to the same directory", statistics.median(dd_rates) / 1e6, "MB/s", watch=watch)
 
 
+LOAD_PARTS = 4  # the loading rank holds 1 of 4 parts of every tensor (rows)
+
+
+def _quarter_layouts(checkpoint: Path) -> dict:
+    from training.checkpoint import read_catalog
+    from training.checkpoint_files import CheckpointFiles
+    from training.parallel.layout import TensorLayout
+
+    catalog = read_catalog(CheckpointFiles(checkpoint, allow_unverified=True))
+    return {name: TensorLayout.split(entry.shape, 0, tuple(range(LOAD_PARTS)), LOAD_PARTS)
+            for name, entry in catalog.items()}
+
+
+class _MappedFiles:
+    """The part of CheckpointFiles read_regions uses, over memory-mapped files, nothing hashed: the floor."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def exists(self, name: str) -> bool:
+        return (self.path / name).exists()
+
+    def safetensors(self, name: str, regions=None):
+        from training.safetensors_io import SafetensorsFile
+
+        return SafetensorsFile(self.path / name)
+
+
+def _peak_rss_of_load(checkpoint: Path, variant: str, result) -> None:
+    """In a fresh process: the peak RSS (bytes) over the RSS before it of rank 0's resharded load of
+    ``checkpoint`` (``variant``: verified, unverified or mapped), and the bytes of the arrays it returns."""
+    from training.checkpoint import CheckpointFiles, load_checkpoint, read_catalog, read_regions, target_regions
+
+    layouts = _quarter_layouts(checkpoint)
+
+    def vm(field: str) -> int:
+        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+        return int(line.split()[1]) * 1024
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from the RSS now
+        before = vm("VmRSS")
+        if variant == "mapped":
+            catalog = read_catalog(CheckpointFiles(checkpoint, allow_unverified=True))
+            mapped = read_regions(_MappedFiles(checkpoint), catalog,
+                                  target_regions(checkpoint, catalog, list(catalog), layouts, 0), 0)
+            tensors = {name: np.array(view) for name, view in mapped.items()}  # in memory, as a load returns them
+        else:
+            tensors = load_checkpoint(checkpoint, rank=0, layouts=layouts,
+                                      allow_unverified=variant == "unverified").model
+        result.put((vm("VmHWM") - before, sum(a.nbytes for a in tensors.values())))
+    except BaseException as exc:
+        result.put(exc)
+        raise
+
+
+LOAD_VARIANTS = {"verified": "verified against lineage.json", "unverified": "unverified, hashed",
+                 "mapped": "memory-mapped slices copied out, not hashed"}
+
+
+def measure_load_memory(bench: Bench, tensor_mb: int, variants=tuple(LOAD_VARIANTS)) -> None:
+    from training.checkpoint import save_checkpoint
+    from training.parallel.comm import Collectives
+    from training.parallel.mesh import World
+
+    rows = tensor_mb * 2**20 // (4 * 1024)
+    with tempfile.TemporaryDirectory(prefix="kiln-bench-load-") as tmp:
+        work, world = Path(tmp), World(rank=0, size=1)
+        model = {f"decoder.layers.{i}.mlp.linear_fc1.weight": np.random.default_rng(i).random((rows, 1024), np.float32)
+                 for i in range(8)}
+        save_checkpoint(save_path=work / "verified", step=1, model=model, optim=None, common={"global_step": 1, "consumed_samples": 8, "global_batch_size": 8},
+                        lineage={"run": {}}, prefix="checkpoint", save_max=1, world=world,
+                        collectives=Collectives(world))
+        del model
+        checkpoint = work / "verified" / "iteration_00000001"
+        unverified = work / "unverified" / checkpoint.name
+        shutil.copytree(checkpoint, unverified)
+        (unverified / "lineage.json").unlink()
+        peaks, kept = {}, 0
+        spawn = multiprocessing.get_context("spawn")
+        for variant in variants:
+            path = unverified if variant == "unverified" else checkpoint
+            result = spawn.Queue()
+            child = spawn.Process(target=_peak_rss_of_load, args=(path, variant, result))
+            child.start()
+            measured = result.get()
+            child.join()
+            if isinstance(measured, BaseException):
+                raise RuntimeError(f"the {variant} load failed") from measured
+            peaks[variant], kept = measured
+    for variant in variants:
+        # a smoke run's 2 MB tensors are smaller than the 8 MB a read is hashed by: its ratio means nothing
+        bench.report(f"resharded load peak RSS, {LOAD_VARIANTS[variant]}", peaks[variant] / 1e6, "MB",
+                     peaks[variant] / kept, f"the rank's quarter ({kept / 1e6:.0f} MB)",
+                     target=at_most(1.5) if variant != "mapped" and not bench.smoke else ())
+
+
 def run(bench: Bench) -> None:
     # a smoke run: qwen3_tiny as configured (a checkpoint of a few MB), one round
     measure(bench, 1, []) if bench.smoke else measure(bench, 5, WIDER)
+    measure_load_memory(bench, 2, ("verified",)) if bench.smoke else measure_load_memory(bench, 32)
 
 
 if __name__ == "__main__":
     with standalone("checkpoint_io") as bench:
         measure(bench, 5, WIDER)
+        measure_load_memory(bench, 32)

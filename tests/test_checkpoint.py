@@ -353,3 +353,27 @@ def test_a_process_killed_before_the_tracker_resumes_from_the_checkpoint_it_comp
     assert_loaded(load_checkpoint(resolve_load_path(tmp_path)), 4)
     save(tmp_path, 6)
     assert tracked_step(tmp_path) == 6
+
+
+def test_a_resharded_load_keeps_only_the_rows_it_loads_yet_verifies_the_whole_file(tmp_path):
+    """Memory bounded by what a rank loads (benchmarks/checkpoint_io.py measures it): rank 1 of a 2-way row cut
+    holds its rows in buffers of their size, not views of whole files, and a byte changed in rows it does not
+    load still fails the file's sha256."""
+    from training.parallel.layout import TensorLayout
+    from training.safetensors_io import read_header
+
+    path = save(tmp_path, 1).path
+    model, _ = arrays(1)
+    layouts = {name: TensorLayout.split(a.shape, 0, (0, 1), 2) for name, a in model.items() if a.ndim == 2}
+    loaded = load_checkpoint(path, rank=1, load_optim=False, layouts=layouts)
+    for name in layouts:
+        rows = model[name][len(model[name]) // 2:]
+        np.testing.assert_array_equal(loaded.model[name], rows, err_msg=name)
+        assert len(loaded.model[name].base) == rows.nbytes, name  # its own rows' bytes, all that was kept
+    header, data_start = read_header(path / MODEL_FILE)
+    first_row = data_start + header["embedding.word_embeddings.weight"]["data_offsets"][0]
+    data = bytearray((path / MODEL_FILE).read_bytes())
+    data[first_row] ^= 1  # rank 0's rows
+    (path / MODEL_FILE).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{MODEL_FILE}: sha256 .* is not the"):
+        load_checkpoint(path, rank=1, load_optim=False, layouts=layouts)

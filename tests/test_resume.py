@@ -214,8 +214,8 @@ if __name__ == "__main__":
     world = init_world()
     path, out = Path(sys.argv[1]), Path(sys.argv[2])
     plain = checkpoint.load_checkpoint(path, rank=world.rank)
-    read, real_read = [], checkpoint.read_tensors
-    checkpoint.read_tensors = lambda p, c, names, rank: read.extend(names) or real_read(p, c, names, rank)
+    read, real_read = [], checkpoint.read_regions
+    checkpoint.read_regions = lambda f, c, regions, rank: read.extend(regions) or real_read(f, c, regions, rank)
     balanced = checkpoint.load_checkpoint_balanced(path, world, Collectives(world), readers=2)
     same = all(plain_part[n].dtype == got_part[n].dtype and plain_part[n].shape == got_part[n].shape
                and plain_part[n].tobytes() == got_part[n].tobytes()

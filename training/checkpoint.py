@@ -22,6 +22,7 @@ import re
 import shutil
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -781,40 +782,51 @@ def _overlaps(grid: TensorLayout, region: Region):
 
 def read_regions(files: CheckpointFiles, catalog: dict[str, TensorEntry], regions: dict[str, Region], rank: int
                  ) -> dict[str, np.ndarray]:
-    """Each tensor's region, assembled from the stored chunks it overlaps. Only the files holding those
-    chunks are read (each once, verified as it is read); every chunk is checked against the catalog's shape
-    and dtype first. A region that is one stored chunk whole is a view of the file's bytes, not a copy."""
-    tensors = {}
+    """Each tensor's region, assembled from the stored chunks it overlaps. Only the files holding those chunks
+    are read, one at a time, each once (verified as it is read), keeping only the bytes of the chunks' parts
+    the regions need; every chunk is checked against the catalog's shape and dtype first. A region inside one
+    chunk whose bytes are contiguous (a cut along the first dim, or the chunk whole) is a view of the bytes
+    kept, not a copy."""
+    pieces: dict[str, list[tuple[str, int, Region, Region]]] = {}  # file -> (tensor, chunk, in chunk, in region)
     for name, region in regions.items():
         entry = catalog[name]
-        shape = tuple(box.stop - box.start for box in region)
-        out = None
         for chunk, in_chunk, in_region in _overlaps(entry.grid, region):
             file_name = entry.file_for(chunk, rank)
             if not files.exists(file_name):
                 raise CheckpointError(f"{files.path / file_name}: missing (listed in {METADATA} for tensor {name})")
-            stored = _stored_chunk(files.safetensors(file_name), name, entry, chunk)
-            part = stored[in_chunk]
-            if entry.stored != "BFloat16" and part.shape == stored.shape == shape and part.flags.aligned:
-                out = part  # the region is this one chunk whole (so no other overlaps it): no copy
+            pieces.setdefault(file_name, []).append((name, chunk, in_chunk, in_region))
+    shapes = {name: tuple(box.stop - box.start for box in region) for name, region in regions.items()}
+    one_piece = {name for name, count in Counter(n for wanted in pieces.values() for n, *_ in wanted).items()
+                 if count == 1}
+    tensors: dict[str, np.ndarray] = {}
+    for file_name, wanted in pieces.items():
+        reader = files.safetensors(file_name, {name: [in_chunk for n, _, in_chunk, _ in wanted if n == name]
+                                               for name, *_ in wanted})
+        for name, chunk, in_chunk, in_region in wanted:
+            entry = catalog[name]
+            part = _stored_part(reader, name, entry, chunk, in_chunk)
+            if name in one_piece and entry.stored != "BFloat16" and part.shape == shapes[name] \
+                    and part.flags.c_contiguous and part.flags.aligned:
+                tensors[name] = part  # the region lies in one chunk, its bytes kept in one piece: no copy
                 continue
-            if out is None:
-                out = np.empty(shape, entry.dtype)
-            out[in_region] = widen_bfloat16(part) if entry.stored == "BFloat16" else part
-        tensors[name] = out if out is not None else np.empty(shape, entry.dtype)
-    return tensors
+            if name not in tensors:
+                tensors[name] = np.empty(shapes[name], entry.dtype)
+            tensors[name][in_region] = widen_bfloat16(part) if entry.stored == "BFloat16" else part
+    return {name: tensors[name] if name in tensors else np.empty(shapes[name], catalog[name].dtype)
+            for name in regions}
 
 
-def _stored_chunk(reader: SafetensorsFile, name: str, entry: TensorEntry, chunk: int) -> np.ndarray:
-    """The chunk as stored (a view of the file's verified bytes; bfloat16 as its raw bits), once its shape and
-    dtype are checked."""
+def _stored_part(reader: SafetensorsFile, name: str, entry: TensorEntry, chunk: int, in_chunk: Region
+                 ) -> np.ndarray:
+    """The part ``in_chunk`` of the chunk as stored (a view of the file's verified bytes; bfloat16 as its raw
+    bits), once the chunk's shape and dtype are checked."""
     if name not in reader.header:
         raise CheckpointError(f"{reader.path}: tensor {name} listed in {METADATA} is not in the file")
     stored = _MS_NAMES_BY_CODE.get(reader.dtype(name), reader.dtype(name))
     if reader.shape(name) != entry.grid.local_shape or stored != entry.stored:
         raise CheckpointError(f"{reader.path}: tensor {name} is {stored}{list(reader.shape(name))}, "
                               f"{METADATA} says {entry.describe(chunk)}")
-    return reader.raw(name)
+    return reader.region(name, in_chunk)
 
 
 def read_tensors(files: CheckpointFiles, catalog: dict[str, TensorEntry], names, rank: int
@@ -868,8 +880,11 @@ def load_checkpoint_balanced(path: Path, world, collectives, load_optim: bool = 
     reading_ranks = tuple(range(min(readers or world.size, world.size)))
     owners = balanced_assignment({n: catalog[n].nbytes for n in shared_names},
                                  {n: reading_ranks for n in shared_names})
-    own = read_tensors(files, catalog, [n for n in shared_names if owners[n] == world.rank], world.rank)
+    # what this rank reads, in one pass over each file: the shared tensors it owns whole, its own sharded regions
+    own = [n for n in shared_names if owners[n] == world.rank]
+    read = read_regions(files, catalog, {**{n: whole(catalog[n].shape) for n in own},
+                                         **{n: regions[n] for n in sorted(sharded) if n in regions}}, world.rank)
     specs = {n: (catalog[n].shape, catalog[n].dtype) for n in shared_names}
-    tensors = collectives.share_arrays(own, owners, specs)
-    tensors.update(read_regions(files, catalog, {n: regions[n] for n in sorted(sharded) if n in regions}, world.rank))
+    tensors = collectives.share_arrays({n: read[n] for n in own}, owners, specs)
+    tensors.update({n: read[n] for n in sorted(sharded) if n in read})
     return _split(files, catalog, tensors, common)

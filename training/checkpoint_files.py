@@ -1,8 +1,9 @@
 """Reading a checkpoint's files as its save recorded them.
 
-Every file a load reads (safetensors, metadata.json, kiln_state.json) is hashed while it is read, into the
-memory the tensors are then taken from, and compared with the sha256 its checkpoint's ``lineage.json``
-recorded: what is verified is exactly what is loaded, with no second pass over the bytes. common.json must hold
+Every file a load reads (safetensors, metadata.json, kiln_state.json) is hashed while it is read, and compared
+with the sha256 its checkpoint's ``lineage.json`` recorded: what is verified is exactly what is loaded, with no
+second pass over the bytes. Of a safetensors file, a load keeps only the bytes of the tensor regions it needs
+(``read_hashed_regions``), so a rank loading its shard holds that shard, not whole files. common.json must hold
 what lineage.json recorded of it. A file is read only from inside the checkpoint directory: a name that is
 not a plain file name, or a symlink resolving outside the directory (e.g. to another step's file), is refused.
 
@@ -17,7 +18,8 @@ import json
 import os
 from pathlib import Path
 
-from training.safetensors_io import SafetensorsFile, SafetensorsFileError
+from training.safetensors_io import (_MAX_HEADER, ITEMSIZE, SafetensorsFile, SafetensorsFileError, parse_header,
+                                     region_bytes)
 
 LINEAGE = "lineage.json"
 COMMON = "common.json"
@@ -43,34 +45,117 @@ def inside(directory: Path, name: str) -> Path:
     return path
 
 
-def read_hashed(path: Path, expected: dict | None, recorded_in: str) -> tuple[bytearray, str]:
-    """The bytes of ``path`` and their sha256, hashed as they are read; ``expected`` ({"sha256"} and maybe "bytes", as
-    ``recorded_in`` holds them) refuses any other bytes. The file is opened without following a symlink."""
+def _open_recorded(path: Path, expected: dict | None, recorded_in: str):
+    """``path`` opened for reading without following a symlink, and its size, refused when ``expected`` records
+    another size."""
     try:
         fd = os.open(path.resolve(), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
-    with os.fdopen(fd, "rb", buffering=0) as stream:
-        size = os.fstat(stream.fileno()).st_size
-        if expected is not None and expected.get("bytes", size) != size:
-            raise CheckpointError(f"{path}: {size} bytes, {recorded_in} recorded {expected['bytes']} when it was "
-                                  f"written (truncated or replaced); refusing to load it (restore it from a copy, "
-                                  f"or load another checkpoint)")
-        data, digest, done = bytearray(size), hashlib.sha256(), 0
-        view = memoryview(data)
-        while done < size:
-            count = stream.readinto(view[done:done + _READ_BYTES])
-            if not count:
-                raise CheckpointError(f"{path}: ended at byte {done} of {size} while it was read")
-            digest.update(view[done:done + count])
-            done += count
-        view.release()
+    stream = os.fdopen(fd, "rb", buffering=0)
+    size = os.fstat(stream.fileno()).st_size
+    if expected is not None and expected.get("bytes", size) != size:
+        stream.close()
+        raise CheckpointError(f"{path}: {size} bytes, {recorded_in} recorded {expected['bytes']} when it was "
+                              f"written (truncated or replaced); refusing to load it (restore it from a copy, "
+                              f"or load another checkpoint)")
+    return stream, size
+
+
+def _read_into(stream, view: memoryview, path: Path, done: int, size: int) -> int:
+    count = stream.readinto(view)
+    if not count:
+        raise CheckpointError(f"{path}: ended at byte {done} of {size} while it was read")
+    return count
+
+
+def _checked(path: Path, digest, expected: dict | None, recorded_in: str) -> str:
     actual = digest.hexdigest()
     if expected is not None and actual != expected["sha256"]:
         raise CheckpointError(f"{path}: sha256 {actual[:16]}… is not the {expected['sha256'][:16]}… {recorded_in} "
                               f"recorded when it was written: the file changed since; refusing to load it (restore "
                               f"it from a copy, or load another checkpoint)")
-    return data, actual
+    return actual
+
+
+def read_hashed(path: Path, expected: dict | None, recorded_in: str) -> tuple[bytearray, str]:
+    """The bytes of ``path`` and their sha256, hashed as they are read; ``expected`` ({"sha256"} and maybe "bytes", as
+    ``recorded_in`` holds them) refuses any other bytes. The file is opened without following a symlink."""
+    stream, size = _open_recorded(path, expected, recorded_in)
+    with stream:
+        data, digest, done = bytearray(size), hashlib.sha256(), 0
+        view = memoryview(data)
+        while done < size:
+            count = _read_into(stream, view[done:done + _READ_BYTES], path, done, size)
+            digest.update(view[done:done + count])
+            done += count
+        view.release()
+    return data, _checked(path, digest, expected, recorded_in)
+
+
+def read_hashed_regions(path: Path, expected: dict | None, recorded_in: str,
+                        regions: dict[str, list[tuple[slice, ...]]]) -> tuple[SafetensorsFile, str]:
+    """A safetensors file read once, hashed as it is read (as ``read_hashed``), keeping of its bytes only those
+    holding ``regions`` (tensor name -> boxes of it): the memory a resharded load needs is what it returns, not
+    the whole file. A mismatch with ``expected`` is refused before anything read is used; a header that does
+    not parse is reported once the whole file is hashed (a changed file is named as changed)."""
+    stream, size = _open_recorded(path, expected, recorded_in)
+    with stream:
+        digest = hashlib.sha256()
+        prefix = stream.read(min(8, size))
+        length = int.from_bytes(prefix, "little")
+        if len(prefix) == 8 and 0 < length <= size - 8 and length < _MAX_HEADER:
+            prefix += stream.read(length)
+        digest.update(prefix)
+        try:
+            header = parse_header(path, prefix, size)
+            problem = None
+        except SafetensorsFileError as exc:
+            header, problem = ({}, 0), exc
+        spans = _kept_spans(header, regions)
+        done, block = len(prefix), bytearray(min(_READ_BYTES, max(size - len(prefix), 0)))
+        view, pending = memoryview(block), 0
+        while done < size:
+            count = _read_into(stream, view[:min(len(block), size - done)], path, done, size)
+            digest.update(view[:count])
+            while pending < len(spans) and spans[pending][1] <= done:
+                pending += 1  # ended before this block (spans sorted by their first byte)
+            for first, end, _, _, kept in spans[pending:]:
+                if first >= done + count:
+                    break
+                lo, hi = max(first, done), min(end, done + count)
+                if lo < hi:
+                    kept[lo - first:hi - first] = view[lo - done:hi - done]
+            done += count
+        view.release()
+    actual = _checked(path, digest, expected, recorded_in)
+    if problem is not None:
+        raise problem
+    kept_by_name: dict[str, list[tuple[int, bytearray]]] = {}
+    for first, _, name, tensor_first, kept in spans:
+        kept_by_name.setdefault(name, []).append((tensor_first, kept))
+    return SafetensorsFile(path, header=header, spans=kept_by_name), actual
+
+
+def _kept_spans(header: tuple[dict, int], regions: dict[str, list[tuple[slice, ...]]]) -> list[tuple]:
+    """(first file byte, end, tensor, first byte within the tensor, buffer) for each region of a tensor the header
+    holds, sorted; a region that does not fit the tensor's header shape keeps nothing (the caller's check of
+    the shape against the catalog names the mismatch)."""
+    entries, data_start = header
+    spans = []
+    for name, boxes in regions.items():
+        entry = entries.get(name)
+        if entry is None or entry["dtype"] not in ITEMSIZE:
+            continue
+        shape = tuple(entry["shape"])
+        for box in boxes:
+            if len(box) != len(shape) or any(b.stop > n for b, n in zip(box, shape)):
+                continue
+            first, end = region_bytes(shape, ITEMSIZE[entry["dtype"]], box)
+            if first < end:
+                at = data_start + entry["data_offsets"][0]
+                spans.append((at + first, at + end, name, first, bytearray(end - first)))
+    return sorted(spans, key=lambda span: span[0])
 
 
 def recorded_files(records, where: Path) -> dict[str, dict]:
@@ -124,14 +209,17 @@ class CheckpointFiles:
     def exists(self, name: str) -> bool:
         return self.local(name).exists()
 
-    def _read(self, name: str, verify: bool = True) -> bytearray:
-        """The bytes of file ``name``, hashed as they are read and compared with the recorded sha256."""
-        path = self.local(name)
+    def _expected(self, name: str, verify: bool = True) -> dict | None:
+        """What lineage.json recorded of file ``name`` (None: not verified); a file it does not list is refused."""
         expected = self.recorded.get(name) if verify and self.recorded is not None else None
         if verify and self.recorded is not None and expected is None:
-            raise CheckpointError(f"{path}: not among the files {LINEAGE} recorded when the checkpoint was saved; "
-                                  f"remove it, or restore the checkpoint from a copy")
-        data, self.read_sha256[name] = read_hashed(path, expected, LINEAGE)
+            raise CheckpointError(f"{self.local(name)}: not among the files {LINEAGE} recorded when the checkpoint "
+                                  f"was saved; remove it, or restore the checkpoint from a copy")
+        return expected
+
+    def _read(self, name: str, verify: bool = True) -> bytearray:
+        """The bytes of file ``name``, hashed as they are read and compared with the recorded sha256."""
+        data, self.read_sha256[name] = read_hashed(self.local(name), self._expected(name, verify), LINEAGE)
         return data
 
     def json(self, name: str) -> dict:
@@ -153,15 +241,22 @@ class CheckpointFiles:
                                   f"it was saved; refusing to load it (restore it from a copy)")
         return payload
 
-    def safetensors(self, name: str) -> SafetensorsFile:
-        """A safetensors file of the checkpoint, read whole once (verified) and parsed from memory."""
-        if name not in self._safetensors:
-            data = self._read(name)
-            try:
-                self._safetensors[name] = SafetensorsFile(self.local(name), data)
-            except SafetensorsFileError as exc:
-                raise CheckpointError(str(exc)) from None
-        return self._safetensors[name]
+    def safetensors(self, name: str, regions: dict[str, list[tuple[slice, ...]]] | None = None) -> SafetensorsFile:
+        """A safetensors file of the checkpoint, read once (verified as it is read). ``regions`` (tensor name ->
+        the boxes of it a load needs): only their bytes are kept, for this caller (a load reads each file
+        once); None: the whole file, parsed from memory and kept for the load (a file read whole already is
+        that copy, whatever ``regions`` asks)."""
+        try:
+            if name in self._safetensors:
+                return self._safetensors[name]
+            if regions is not None:
+                reader, self.read_sha256[name] = read_hashed_regions(self.local(name), self._expected(name), LINEAGE,
+                                                                     regions)
+                return reader
+            self._safetensors[name] = SafetensorsFile(self.local(name), self._read(name))
+            return self._safetensors[name]
+        except SafetensorsFileError as exc:
+            raise CheckpointError(str(exc)) from None
 
     def origin(self) -> dict:
         """What a run that loads this checkpoint records of it in its own lineage: the sha256 of the

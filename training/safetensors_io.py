@@ -94,17 +94,51 @@ def parse_header(path: Path, prefix: bytes, size: int) -> tuple[dict, int]:
     return header, 8 + length
 
 
-class SafetensorsFile:
-    """The tensors of one file, read on demand: memory-mapped from the file, or, given ``data`` (the file's
-    bytes, read once by a caller that verified them), views of those bytes."""
+def region_bytes(shape: tuple[int, ...], itemsize: int, region: tuple[slice, ...]) -> tuple[int, int]:
+    """The bytes [first, end) of a C-ordered tensor of ``shape`` that hold ``region`` (a box of slices with
+    explicit bounds): from its first element to its last; (0, 0) for an empty region."""
+    if any(box.stop <= box.start for box in region) or 0 in shape:
+        return 0, 0
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    first = sum(box.start * stride for box, stride in zip(region, strides))
+    last = sum((box.stop - 1) * stride for box, stride in zip(region, strides))
+    return first * itemsize, (last + 1) * itemsize
 
-    def __init__(self, path: Path, data: bytearray | None = None):
+
+class SafetensorsFile:
+    """The tensors of one file, read on demand: memory-mapped from the file; or, given ``data`` (the file's
+    bytes, read once by a caller that verified them), views of those bytes; or, given ``spans`` (tensor name ->
+    [(first byte within the tensor, its bytes from there)], what a caller kept of a file it read once),
+    ``region`` views of those."""
+
+    def __init__(self, path: Path, data: bytearray | None = None, *, header: tuple[dict, int] | None = None,
+                 spans: dict[str, list[tuple[int, bytearray]]] | None = None):
         self.path = Path(path)
-        self.data = data
-        if data is None:
+        self.data, self.spans = data, spans
+        if header is not None:
+            self.header, self.data_start = header
+        elif data is None:
             self.header, self.data_start = read_header(self.path)
         else:
             self.header, self.data_start = parse_header(self.path, data, len(data))
+
+    def region(self, name: str, region: tuple[slice, ...]) -> np.ndarray:
+        """The stored values of a box of the tensor (bfloat16 as uint16 bits): a view of the bytes kept or
+        mapped."""
+        if self.spans is None:
+            return self.raw(name)[region]
+        entry = self.header[name]
+        dtype, shape = np.dtype(NUMPY_DTYPES[entry["dtype"]]), tuple(entry["shape"])
+        first, end = region_bytes(shape, dtype.itemsize, region)
+        region_shape = tuple(box.stop - box.start for box in region)
+        if first == end:
+            return np.zeros(region_shape, dtype)
+        span_first, kept = next(((f, b) for f, b in self.spans.get(name, ()) if f <= first and end <= f + len(b)),
+                                (None, None))
+        if kept is None:
+            raise SafetensorsFileError(f"{self.path}: tensor {name}: bytes {first}-{end} were not kept when it was read")
+        strides = tuple(math.prod(shape[d + 1:]) * dtype.itemsize for d in range(len(shape)))
+        return np.ndarray(region_shape, dtype, buffer=kept, offset=first - span_first, strides=strides)
 
     def names(self) -> list[str]:
         return list(self.header)
