@@ -116,6 +116,9 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
         "checkpoint.load_path": load_path,
         "checkpoint.no_load_optim": cfg.start == "weights_only",
         "context.device_target": device_target,
+        # recorded once: a copy of the project tree trains into itself (training/relocation.py)
+        "kiln.roots.runs_root": str(Path(storage.runs_root).resolve()),
+        "kiln.roots.data_root": str(storage.root),
     }
     for key, value in wiring.items():
         set_field(data, key, value)

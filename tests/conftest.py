@@ -132,6 +132,7 @@ SLOW_TESTS = frozenset({
     "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[layer1]",
     "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[mlp0]",
     "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[select]",
+    "test_relocation.py::test_a_copied_tree_trains_into_itself_on_its_own_data_and_audits_against_itself",  # 3.6
     "test_resume.py::test_changed_global_batch_size_keeps_consumed_samples",
     "test_tasks.py::test_the_fast_set_is_known_and_each_document_ranks_its_choices_as_the_file_lists_them",
     "test_train_state.py::test_a_save_before_training_is_a_step_zero_checkpoint_that_trains_as_the_seed_does",

@@ -49,6 +49,7 @@ READ = {
     **{f"kiln.training.{name}": "training/evaluation.py" for name in ("eval_interval", "eval_iters")},
     **{f"kiln.train_state.{name}": "training/monitor.py" for name in ("param_norm", "max_attention_logit")},
     "kiln.parallelism.context_parallel_load_balance": "training/parallel/context_parallel.py",
+    **{f"kiln.roots.{name}": "training/trainer.py" for name in ("runs_root", "data_root")},  # into the lineage
     **{f"optimizer.{name}": "training/optim.py" for name in (
         "type", "betas", "eps", "weight_decay", "weight_decay_include", "weight_decay_exclude")},
     **{f"monitor.train_state.{name}": "training/monitor.py" for name in (

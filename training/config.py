@@ -933,6 +933,16 @@ class KilnParallelismConfig(Section):
 
 
 @dataclass
+class KilnRootsConfig(Section):
+    """The roots training_run rendered the config for, recorded once (absolute): the runs root holding its run
+    directory and the data root holding its data. A copy of both, side by side as they were (a copied project
+    tree), trains from the copied config into the copy on the copy's data (training/relocation.py), and its
+    checkpoints' lineage records the roots, so an audit of the copy verifies the copy."""
+    runs_root: Optional[str] = None
+    data_root: Optional[str] = None
+
+
+@dataclass
 class KilnConfig(Section):
     """Kiln's own settings, in the top-level section ``kiln`` (MindFormers' TrainConfig keeps top-level keys it
     does not know and ignores them, but refuses unknown keys inside its own sections): training, train_state and
@@ -942,6 +952,7 @@ class KilnConfig(Section):
     train_state: KilnTrainStateConfig = field(default_factory=KilnTrainStateConfig)
     parallelism: KilnParallelismConfig = field(default_factory=KilnParallelismConfig)
     mindrecord: KilnMindRecordConfig = field(default_factory=KilnMindRecordConfig)
+    roots: KilnRootsConfig = field(default_factory=KilnRootsConfig)
 
 
 @dataclass

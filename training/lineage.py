@@ -8,7 +8,9 @@ with the corpus (300 KB at 1,000 raw files), so it is stored once, content-addre
 stored relative to the data root, so an audit also works after the data root moved (``--data-root``).
 The audit needs the checkpoint directory, the store entry it points to (found next to the run, at the
 store recorded at training time, or given with ``--lineage-store``: copy it along with a checkpoint) and
-whatever files still exist. Lineages written before the store (upstream records inline) read as before.
+whatever files still exist. A run training_run rendered records its runs and data roots once (``run.roots``):
+a checkpoint in a copied project tree is audited against the copy's files, never the original's
+(training/relocation.py). Lineages written before the store (upstream records inline) read as before.
 
 ``kiln lineage --consumers`` reads, per run, ``checkpoints/lineage_index.jsonl`` (one line per saved
 checkpoint: its step and the hash of its inputs) and each distinct store entry once, instead of every
@@ -30,7 +32,7 @@ import yaml
 from training.atomic import write_atomic
 from training.data.hashing import sha256_file
 from training.data.manifest import read_manifest
-from training.relocation import moved_path, rebase
+from training.relocation import moved_path, moved_roots, rebase
 
 LINEAGE_VERSION = 2  # 2: upstream records in the lineage store, lineage.json points at them (1: inline)
 STORE_DIR = "lineage"  # under the runs root
@@ -96,11 +98,25 @@ class LineageInputsMissing(ValueError):
     pass
 
 
+def runs_root_now(checkpoint_dir: Path) -> Path | None:
+    """The runs root a checkpoint sits in (``<runs root>/<run>/checkpoints/iteration_N``), None when it sits
+    elsewhere (copied out on its own)."""
+    checkpoint_dir = Path(checkpoint_dir).resolve()
+    return checkpoint_dir.parents[2] if checkpoint_dir.parent.name == "checkpoints" else None
+
+
+def moved(checkpoint_dir: Path, run: dict) -> list[tuple[str, str]]:
+    """(recorded, now) for each root the checkpoint's run recorded that moved with it (training.relocation)."""
+    return moved_roots(run.get("roots") or {}, runs_root_now(checkpoint_dir))
+
+
 def relocated(checkpoint_dir: Path, run: dict, recorded: str | Path) -> Path:
-    """Where a path recorded (absolute) when the checkpoint was trained is now (training.relocation): when its run
-    directory moved (the checkpoint sits in ``<run dir>/checkpoints/`` beside the config file run.config_path
-    names, no longer where that was written), at its place relative to the run directory if something is there;
-    else as recorded."""
+    """Where a path recorded (absolute) when the checkpoint was trained is now: under the roots its run recorded,
+    where they are now (``moved``). A lineage from before roots were recorded: when its run directory moved (the
+    checkpoint sits in ``<run dir>/checkpoints/`` beside the config file run.config_path names, no longer where
+    that was written), at its place relative to the run directory if something is there; else as recorded."""
+    if run.get("roots"):
+        return Path(rebase(str(recorded), moved(checkpoint_dir, run)))
     config_path = run.get("config_path")
     if not config_path:
         return Path(recorded)
@@ -110,16 +126,24 @@ def relocated(checkpoint_dir: Path, run: dict, recorded: str | Path) -> Path:
     return moved_path(Path(config_path).parent, new_run_dir, recorded)
 
 
+def recorded_data_root(lineage: dict) -> str | None:
+    """The data root the checkpoint's run trained on: the one its run recorded (run.roots; a run trained from a
+    copied tree shares the original's store entry, which names the original's), else its inputs'."""
+    return ((lineage.get("run") or {}).get("roots") or {}).get("data_root") or lineage.get("data_root")
+
+
 def moved_run(checkpoint_dir: Path, lineage: dict, data_root: str | Path | None = None) -> tuple[dict, dict]:
     """The lineage with ``data_root`` where the data is now, and the run's config with its paths under the recorded
-    data root and run directory moved to where they are now: ``data_root`` when given, else where the run
-    directory's move took them (``relocated``). What a forward pass over the run's data needs after a move."""
+    data root and runs root (or run directory) moved to where they are now: ``data_root`` when given, else where
+    the run's move took them (``relocated``). What a forward pass over the run's data needs after a move."""
     run = lineage["run"]
-    recorded_root = lineage.get("data_root")
+    recorded_root = recorded_data_root(lineage)
     moves = []
     if recorded_root:
         moves.append((recorded_root, str(data_root or relocated(checkpoint_dir, run, recorded_root))))
-    if run.get("config_path"):
+    if run.get("roots"):
+        moves += moved(checkpoint_dir, run)
+    elif run.get("config_path"):
         old_run_dir = str(Path(run["config_path"]).parent)
         moves.append((old_run_dir, str(relocated(checkpoint_dir, run, old_run_dir))))
     moves = [(old, new) for old, new in moves if os.path.normpath(old) != os.path.normpath(new)]
@@ -134,8 +158,12 @@ def _store_candidates(checkpoint_dir: Path, pointer: dict, lineage_store: str | 
     sits in (``<runs root>/<run>/checkpoints/iteration_N``), the recorded store where the run moved with it
     (``relocated``), the store recorded when it was trained."""
     stores = [Path(lineage_store)] if lineage_store else []
-    stores += [checkpoint_dir.resolve().parent.parent.parent / STORE_DIR,
-               relocated(checkpoint_dir, run or {}, pointer["store"]), Path(pointer["store"])]
+    stores.append(checkpoint_dir.resolve().parent.parent.parent / STORE_DIR)
+    roots = (run or {}).get("roots")
+    if roots:  # the store of the runs root it recorded, where that is now: a copied tree's, never the original's
+        stores.append(relocated(checkpoint_dir, run, Path(roots["runs_root"]) / STORE_DIR))
+    else:
+        stores += [relocated(checkpoint_dir, run or {}, pointer["store"]), Path(pointer["store"])]
     return [store / f"{pointer['sha256']}.json" for store in dict.fromkeys(stores)]
 
 
@@ -274,7 +302,8 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
     missing link: the checkpoint's own files and config are still verified."""
     checkpoint_dir = Path(checkpoint_dir)
     lineage, inputs_missing = read_lineage(checkpoint_dir, lineage_store)
-    root = Path(data_root) if data_root else relocated(checkpoint_dir, lineage["run"], lineage.get("data_root", "."))
+    root = Path(data_root) if data_root else relocated(checkpoint_dir, lineage["run"],
+                                                       recorded_data_root(lineage) or ".")
     checks = [_check("checkpoint", checkpoint_dir / f["name"], f["name"], f["sha256"], cache)
               for f in lineage["checkpoint"]["files"]]
     common_path = checkpoint_dir / "common.json"
@@ -304,11 +333,12 @@ def audit_checkpoint(checkpoint_dir: str | Path, data_root: str | Path | None = 
     return lineage, checks
 
 
-def _parent_dir(child_dir: Path, parent: dict) -> Path | None:
+def _parent_dir(child_dir: Path, child_run: dict, parent: dict) -> Path | None:
     """Where the checkpoint ``parent`` (a child's run.parent record) is now: in the child's runs root under the
-    same run and step (the tree moved together), else where it was when loaded; None when it is neither."""
+    same run and step (the tree moved together), else where it was when loaded (under the child's roots, where
+    they are now: a copied tree's, never the original's); None when it is neither."""
     candidates = [child_dir.resolve().parent.parent.parent / parent["run_path"]] if parent.get("run_path") else []
-    for candidate in candidates + [Path(parent["path"])]:
+    for candidate in candidates + [relocated(child_dir, child_run, parent["path"])]:
         if (candidate / "lineage.json").is_file():
             return candidate
     return None
@@ -319,7 +349,8 @@ def _ancestor_checks(checkpoint_dir: Path, lineage: dict, cache: AuditCache | No
     one its child verified the loaded files against (the sha256 the child recorded), and each one's files must
     still be what that lineage.json records, so a tampered ancestor fails the audit of every descendant."""
     checks, seen = [], set()
-    child_dir, parent = checkpoint_dir, (lineage.get("run") or {}).get("parent")
+    child_dir, child_run = checkpoint_dir, lineage.get("run") or {}
+    parent = child_run.get("parent")
     while parent:
         shown = parent.get("run_path") or parent["path"]
         if not parent.get("verified"):
@@ -327,7 +358,7 @@ def _ancestor_checks(checkpoint_dir: Path, lineage: dict, cache: AuditCache | No
             break
         if parent.get("hugging_face"):  # a Kiln export, verified against its kiln_export.json when loaded
             break
-        where = _parent_dir(child_dir, parent)
+        where = _parent_dir(child_dir, child_run, parent)
         if where is None or where.resolve() in seen:
             checks.append(Check("ancestor", shown, parent["lineage_sha256"], None, "gone"))
             break
@@ -339,7 +370,8 @@ def _ancestor_checks(checkpoint_dir: Path, lineage: dict, cache: AuditCache | No
         ancestor = json.loads((where / "lineage.json").read_text())
         checks += [_check("ancestor", where / f["name"], f"{shown}/{f['name']}", f["sha256"], cache)
                    for f in ancestor["checkpoint"]["files"]]
-        child_dir, parent = where, (ancestor.get("run") or {}).get("parent")
+        child_dir, child_run = where, ancestor.get("run") or {}
+        parent = child_run.get("parent")
     return checks
 
 

@@ -95,14 +95,18 @@ def checked_config(args: argparse.Namespace):
     from training.boundary import debugging
     from training.config import ConfigError, parse_config, read_config
     from training.failures import CONFIG_ERROR
-    from training.relocation import moved_rendered_config
+    from training.relocation import MovedConfigError, moved_rendered_config
 
     try:
-        data, rendered_for = moved_rendered_config(read_config(args.config, args.overrides), Path(args.config))
+        try:
+            data, rendered_for = moved_rendered_config(read_config(args.config, args.overrides), Path(args.config))
+        except MovedConfigError as exc:
+            raise ConfigError(str(exc)) from None
         if rendered_for is not None:
-            print(f"[kiln] {args.config} was rendered for the run directory {rendered_for}: its paths there (and "
-                  f"the data's, where this copy has them) are taken from {Path(args.config).resolve().parent}",
-                  flush=True)
+            print(f"[kiln] {args.config} was rendered for the run directory {rendered_for}: its paths under the "
+                  f"runs and data roots it recorded (kiln.roots) are taken from this copy's, "
+                  f"{Path(args.config).resolve().parent.parent} and "
+                  f"{data['kiln']['roots'].get('data_root')}", flush=True)
         use_host_blocking_dispatch(asks_host_blocking_dispatch(data))
         from training.launch import check_layout, world_size_before_init
         from training.model import model_config, validate_model_section  # loads MindSpore

@@ -308,7 +308,10 @@ class Trainer:
         return {"config_sha256": config_sha256(self.resolved_yaml), "config": self.config.to_dict(),
                 "config_path": str(self.resolved_config_path), "command": self.command,
                 "world_size": self.world.size, "started_at": self.started_at, "resumed_from": self.resumed_from,
-                "parent": self.parent, "mindspore_version": ms.__version__}
+                "parent": self.parent, "mindspore_version": ms.__version__,
+                # where the paths above lie now, recorded once (training/relocation.py): rendered runs only
+                **({"roots": {"runs_root": roots.runs_root, "data_root": roots.data_root}}
+                   if (roots := self.config.kiln.roots).runs_root else {})}
 
     # ---- loop --------------------------------------------------------------------------------
     def train(self) -> TrainSummary:
