@@ -183,6 +183,12 @@ def _finalize(storage: KilnStorage, keys: list[str], recipes: dict, run: LocalRu
     return {key: (sidecar, stale) for key, sidecar in done.items()}
 
 
+# one clean_corpus step at a time (pipelines/pools.py gives the pool one slot): a run filters again the outdated
+# stages of its dedup groups and reads every peer's, so the runs a recipe change starts must not write a stage
+# another one is reading
+CLEANING_POOL = "clean"
+
+
 class CleanConfig(dg.Config):
     """Where the cleaning runs: this process, or the Ray cluster at `ray_address` (`host:port` of its head;
     default $KILN_RAY_ADDRESS), whose nodes mount the data root at the same path."""
@@ -191,6 +197,7 @@ class CleanConfig(dg.Config):
 
 @versioned_asset(partitions_def=source_chunks, deps=[raw_corpus], group_name="data", kinds={"json"},
                  owners=["team:kiln"], tags={"stage": "clean"}, backfill_policy=dg.BackfillPolicy.single_run(),
+                 pool=CLEANING_POOL,
                  automation_condition=EAGER_AFTER_CHECKS)
 def clean_corpus(context: dg.AssetExecutionContext, config: CleanConfig, storage: KilnStorage) -> dg.MaterializeResult:
     """Each chunk through its source's cleaning recipe (`cleaning:` in the sources config): filters, then exact

@@ -1,4 +1,5 @@
-"""The `npu` concurrency pool: as many training steps at once as the devices hold msrun jobs.
+"""The concurrency pools. `npu`: as many training steps at once as the devices hold msrun jobs; `clean`: one
+clean_corpus step at a time (assets/cleaning.py).
 
 Dagster keeps pool limits in the instance, not in code, so `make ui` / `make demo` (and the UI tests)
 set it from the msrun resource before starting: devices // workers per node, at least 1. On CPU there
@@ -11,6 +12,7 @@ import sys
 
 import dagster as dg
 
+from assets.cleaning import CLEANING_POOL
 from assets.training import TRAINING_POOL
 from resources.msrun import MsrunResource
 
@@ -27,8 +29,10 @@ def training_slots(msrun: MsrunResource) -> int:
 
 
 def configure_pools(instance: dg.DagsterInstance, msrun: MsrunResource) -> int:
+    """Sets both pools' slots; returns the training slots."""
     slots = training_slots(msrun)
     instance.event_log_storage.set_concurrency_slots(TRAINING_POOL, slots)
+    instance.event_log_storage.set_concurrency_slots(CLEANING_POOL, 1)
     return slots
 
 
@@ -40,7 +44,8 @@ def main() -> int:
         slots = configure_pools(instance, resources()["msrun"])
         # the sources' chunks are instance state too: the UI lists them as partitions before a sensor tick
         chunks = register_source_chunks(instance, resources()["storage"])
-    print(f"concurrency pool {TRAINING_POOL!r}: {slots} training run(s) at a time")
+    print(f"concurrency pool {TRAINING_POOL!r}: {slots} training run(s) at a time; {CLEANING_POOL!r}: 1 "
+          f"clean_corpus step")
     print(f"source chunks (partitions of raw_corpus and token_shards): {len(chunks)}")
     return 0
 

@@ -187,6 +187,7 @@ def test_sensors_run_by_default_and_the_pool_follows_the_devices():
     with dg.instance_for_test() as instance:
         assert configure_pools(instance, MsrunResource(local_worker_num=2, visible_devices="0,1,2,3")) == 2
         assert instance.event_log_storage.get_concurrency_info("npu").slot_count == 2
+        assert instance.event_log_storage.get_concurrency_info("clean").slot_count == 1  # runs of one recipe change
 
 
 CODE_VERSIONS = ("from pipelines.definitions import defs; import json; graph = defs.resolve_asset_graph(); "
