@@ -228,7 +228,7 @@ RUNS = {
 
 ABLATION = "proxy_config: configs/qwen3_tiny.yaml\ntokens: 512\nvariants:\n  all: {web: 1.0}\n"
 # the other YAML Kiln reads, through the training config's reader: an ablation spec, the model config import-hf and
-# export-hf take (--config)
+# export-hf take (--config), a cleaning recipe file
 OTHER_YAML = {
     "ablation spec: a key given twice": (("ablation", ABLATION + "tokens: 1024\n"),
                                          r"ablation\.yaml:5: tokens is given twice \(first at line 2\)"),
@@ -241,6 +241,8 @@ OTHER_YAML = {
                                               r"^kiln import-hf: .*\.yaml:3: model\.hidden_size is given twice "
                                               r"\(first at line 2\)"),
     "import-hf --config: an alias bomb": (("import-hf", ALIAS_BOMB), r"^kiln import-hf: .*its aliases expand it"),
+    "cleaning recipe: a key given twice": (("recipe", "steps: []\nsteps: [{url_blocklist: {}}]\n"),
+                                           r"recipe\.yaml:2: steps is given twice \(first at line 1\)"),
 }
 
 BAD_INPUTS = {
@@ -322,6 +324,12 @@ def refused_other_yaml(given, tmp_path, capsys) -> str:
     reader, content = given
     path = tmp_path / f"{reader}.yaml"
     path.write_text(content)
+    if reader == "recipe":
+        from training.data.cleaning.recipe import load_recipe
+
+        with pytest.raises(ValueError) as raised:
+            load_recipe(str(path))
+        return str(raised.value)
     if reader == "import-hf":
         assert kiln(["import-hf", str(tmp_path / "hf"), str(tmp_path / "out"), "--config", str(path)]) == 2
         return capsys.readouterr().err.rstrip("\n")

@@ -21,8 +21,6 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
-
 from training.data.cleaning.filters import FILTERS, Step, parameters
 from training.data.cleaning.minhash import MinHashSettings
 from training.data.cleaning.versions import recipe_file
@@ -180,8 +178,12 @@ def load_recipe(spec, base: Path | None = None) -> Recipe | None:
     if path is None or not path.is_file():
         raise RecipeError(f"recipe {spec!r} is neither a built-in recipe ({', '.join(BUILTIN_RECIPES)}) nor a "
                           f"YAML file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+    from training.config import ConfigError, parse_yaml
+
+    try:  # read as a training config is: duplicate keys name both lines, alias bombs are refused
+        data = parse_yaml(path.read_text(), str(path))
+    except OSError as exc:
         raise RecipeError(f"{path}: unreadable recipe ({exc})") from None
+    except ConfigError as exc:
+        raise RecipeError(str(exc)) from None
     return recipe_from_mapping(data, path.stem, str(path))
