@@ -4,9 +4,8 @@ each layer parsed and inferred on its own, and the peak memory of each.
 
 configs/qwen3_tiny.yaml on mock data at seq 512, the whole step compiled, synchronous dispatch, one process per
 (depth, variant), the two variants of a depth back to back. Each worker reports the seconds of its first step (the
-compile), its peak RSS and its losses of 3 steps, which must be equal between the variants. MoE layers compile
-apart (their routing statistics are per-layer state outside the graph's inputs), so DeepSeek-V3's MoE layers gain
-nothing here.
+compile), its peak RSS and its losses of 3 steps, which must be equal between the variants. MoE layers of one
+construction share one graph as well (their routing statistics leave it as outputs: ``transformer.run_layer``).
 """
 from __future__ import annotations
 

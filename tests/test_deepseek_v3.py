@@ -99,7 +99,7 @@ def test_moe_layer_is_assembled_from_its_spec():
     moe = build_module(swapped, Init(0, config.initializer_range), config)
     assert isinstance(moe.router, BiasFreeRouter) and isinstance(moe.experts, GroupedExperts)
     moe.expert_bias.set_data(Tensor(np.array([0, 0, 0, 0, 0, 10, 0, 0], np.float32)))
-    moe(Tensor(np.random.RandomState(0).randn(1, 10, 32).astype(np.float32)))
+    moe.keep_routing(moe(Tensor(np.random.RandomState(0).randn(1, 10, 32).astype(np.float32)))[1])
     assert moe.take_counts()[5] < 10  # the bias no longer forces expert 5 on every token
 
 
@@ -119,7 +119,9 @@ def test_eager_dispatch_sorts_on_the_host_and_equals_the_compiled_static_one():
 
     class Objective(nn.Cell):
         def construct(self, inputs):
-            return (moe(inputs) * probe).sum() + moe.aux_loss
+            out, routing = moe(inputs)
+            moe.keep_routing(routing)
+            return (out * probe).sum() + moe.aux_loss
 
     grad_fn = ms.value_and_grad(Objective(), 0, moe.trainable_params())
     with mock.patch.object(GroupedExperts, "dispatch", side_effect=AssertionError("static dispatch ran eagerly")):
@@ -428,11 +430,16 @@ def test_moe_monitor_reports_every_interval_for_the_target_layers():
         MoeMonitor(MoeMonitorConfig(save_tokens_per_expert_interval=1), [])
 
 
-def test_the_compiled_step_equals_the_eager_one_and_resumes_bit_identically(tmp_path, shard):
+def test_the_compiled_step_equals_the_eager_one_and_resumes_bit_identically(tmp_path, shard, monkeypatch):
     """MLA, MoE (static dispatch, group-limited routing, sequence aux loss, expert biases) and MTP in one compiled
     graph per step: the same losses and loss parts (rtol 1e-5), routing (tokens per expert, expert biases: equal),
     grad norms (rtol 1e-5) and weights (atol 1e-6) as the eager step, and a resume from its checkpoint repeats
-    its losses bit for bit. One MoE layer and one MTP depth keep the graph's compile time down."""
+    its losses bit for bit. One MoE layer and one MTP depth keep the graph's compile time down. The two MoE layers
+    (the decoder's and the MTP depth's) share one parsed layer graph (MindSpore's lazy_inline, keyed by
+    TransformerLayer.graph_key): their routing statistics leave it as outputs, which the caller keeps per layer, so
+    each layer's tokens per expert and the balancing loss still equal the eager step's."""
+    from mindspore.graph._parse.parser import Parser
+
     from training.config import load_config
     from training.reporting import Reporter
     from training.step import configure_runtime
@@ -452,9 +459,20 @@ def test_the_compiled_step_equals_the_eager_one_and_resumes_bit_identically(tmp_
     def records(name):
         return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
+    parsed = []
+    parse = Parser.__init__
+
+    def counting_parse(self, fn, *args, **kwargs):
+        parsed.append(getattr(fn, "__qualname__", None))
+        return parse(self, fn, *args, **kwargs)
+
     compiled = trainer("compiled", "fast_step.compile=true")
     assert compiled.step_mode.startswith("whole step compiled"), compiled.step_mode
-    compiled.train()
+    assert len(compiled.model.moe_layers()) == 2
+    with monkeypatch.context() as patched:
+        patched.setattr(Parser, "__init__", counting_parse)
+        compiled.train()
+    assert (parsed.count("TransformerLayer.construct"), parsed.count("MoELayer._dispatch_in_graph")) == (1, 1)
     eager = trainer("eager")
     eager.train()
     parts = ["loss", "lm_loss", "mtp_1_loss", "load_balancing_loss", "grad_norm"]

@@ -24,7 +24,7 @@ from training.model.layers import (DTYPE_FIELDS, DTYPES, Init, LanguageModelEmbe
 from training.model.moe import MoELayer
 from training.model.mtp import MultiTokenPredictionBlock
 from training.model.spec import ModuleSpec
-from training.model.transformer import TransformerBlock, TransformerLayer
+from training.model.transformer import TransformerBlock, TransformerLayer, run_layer
 
 
 @dataclass
@@ -476,7 +476,7 @@ class PipelineStage:
         if self.first:
             x = self.model._embed(input_ids)
         for layer in self.layers:
-            x = layer(x, *tables)
+            x = run_layer(layer, x, *tables)
         return x, tables
 
     def forward(self, x, input_ids, labels, loss_mask, position_ids, attention_mask):

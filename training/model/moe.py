@@ -23,8 +23,10 @@ GEMM): ``experts.weight1`` [E, hidden, 2·ffn] with the gate in the first half o
 second, ``experts.weight2`` [E, ffn, hidden] (input-major: the transpose of an HF Linear weight).
 
 What a step needs besides the output (tokens per expert for the expert-bias update, the load-balancing loss
-for the loss and its log) goes to ``RoutingStats`` buffers the forward writes in the graph: they are not
-model parameters (not saved, not sharded) and a compiled step writes them as an eager one does.
+for the loss and its log) the layer returns with it, its ``routing``, and its caller keeps in the layer's
+``RoutingStats`` buffers (``MoELayer.keep_routing``): they are not model parameters (not saved, not sharded).
+Kept by the caller, not written by the layer's forward, so that compiled, every MoE layer of one shape can share
+one graph (``TransformerLayer.graph_key``): a graph writing buffers of its own would write the first layer's.
 """
 from __future__ import annotations
 
@@ -198,9 +200,9 @@ _stats_ids = itertools.count()
 
 
 class RoutingStats:
-    """What a MoE layer's forwards leave for the host, in buffers the graph writes (``ops.assign``): tokens per
-    expert summed since the last ``take_counts`` and the last forward's load-balancing loss. A plain object, so
-    the buffers are no Cell parameters: not in checkpoints, not sharded, no gradients."""
+    """What a MoE layer's forwards leave for the host, in buffers its callers write (``MoELayer.keep_routing``):
+    tokens per expert summed since the last ``take_counts`` and the last forward's load-balancing loss. A plain
+    object, so the buffers are no Cell parameters: not in checkpoints, not sharded, no gradients."""
 
     def __init__(self, num_experts: int):
         number = next(_stats_ids)  # a graph needs its parameters' names distinct
@@ -231,9 +233,9 @@ class MoELayer(nn.Cell):
     """Routed experts (+ shared experts) in place of the dense MLP; the router, the routed experts and
     the shared experts (None: none) come from the spec. Counts how many tokens each expert received
     (``take_counts``; ``tokens_per_expert`` keeps the last step's for the checkpoint), and its load-balancing
-    loss of the last forward is ``aux_loss`` (None when moe_aux_loss_coeff is 0 or the type is 'none')."""
-
-    writes_own_state = True  # its RoutingStats: a compiled layer's graph cannot be shared (TransformerLayer.graph_key)
+    loss of the last forward is ``aux_loss`` (None when moe_aux_loss_coeff is 0 or the type is 'none').
+    ``construct`` returns the output and its ``routing`` (module docstring), which the caller passes to
+    ``keep_routing``."""
 
     def __init__(self, init: Init, config, router: ModuleSpec, experts: ModuleSpec,
                  shared_experts: ModuleSpec | None = None):
@@ -270,7 +272,9 @@ class MoELayer(nn.Cell):
         """The last forward's load-balancing loss as a value (its gradient comes through ``AuxLossGradient``)."""
         return self.stats.aux_loss if self.has_aux_loss else None
 
-    def construct(self, x: Tensor) -> Tensor:
+    def construct(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """x [batch, seq, hidden] → (output, routing: this forward's tokens per expert [E] and, with a balancing
+        loss, that loss's value)."""
         batch, seq, hidden = x.shape
         tokens = x.reshape(-1, hidden)
         scores, chosen, gates = self.router(tokens, self.expert_bias)
@@ -284,12 +288,17 @@ class MoELayer(nn.Cell):
         out = out.reshape(x.shape)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        ops.assign_add(self.stats.tokens, counts)
+        if not self.has_aux_loss:
+            return out, (counts,)
+        aux_loss = self._load_balancing_loss(scores, one_hot.reshape(batch, seq * self.top_k, self.num_experts))
+        return self.aux_loss_gradient(out, aux_loss), (counts, ops.stop_gradient(aux_loss))
+
+    def keep_routing(self, routing: tuple[Tensor, ...]) -> None:
+        """Adds a forward's tokens per expert to the counts and keeps its load-balancing loss (``construct``'s
+        ``routing``), outside the graph a compiled layer shares with the others."""
+        ops.assign_add(self.stats.tokens, routing[0])
         if self.has_aux_loss:
-            aux_loss = self._load_balancing_loss(scores, one_hot.reshape(batch, seq * self.top_k, self.num_experts))
-            ops.assign(self.stats.aux_loss, ops.stop_gradient(aux_loss))
-            out = self.aux_loss_gradient(out, aux_loss)
-        return out
+            ops.assign(self.stats.aux_loss, routing[1])
 
     def _dispatch_in_graph(self, tokens: Tensor, expert_of_row: Tensor, one_hot: Tensor, counts: Tensor,
                            chosen: Tensor, gates: Tensor) -> Tensor:

@@ -7,6 +7,7 @@ from mindspore import Tensor, nn, ops
 
 from training.model.layers import Init, Linear, RMSNorm
 from training.model.spec import ModuleSpec, build_module
+from training.model.transformer import run_layer
 
 
 class MultiTokenPredictionLayer(nn.Cell):
@@ -24,7 +25,7 @@ class MultiTokenPredictionLayer(nn.Cell):
 
     def construct(self, embedded: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         x = self.eh_proj(ops.cat((self.enorm(embedded), self.hnorm(hidden)), axis=-1))
-        return self.final_layernorm(self.transformer_layer(x, cos, sin, mask))
+        return self.final_layernorm(run_layer(self.transformer_layer, x, cos, sin, mask))
 
 
 class MultiTokenPredictionBlock(nn.Cell):

@@ -5,6 +5,7 @@ from mindspore import Tensor, lazy_inline, nn, ops
 
 from training.model.dropout import Dropout
 from training.model.layers import Init, Linear, RMSNorm
+from training.model.moe import MoELayer
 from training.model.spec import ModuleSpec, build_module
 
 
@@ -57,16 +58,20 @@ class TransformerLayer(nn.Cell):
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, norm_dtype)
         self.mlp = build_module(mlp, init, config)
         self.hidden_dropout = Dropout(config.hidden_dropout)
-        # what the layer's graph depends on. A part whose forward writes state of its own outside its Parameters
-        # (a MoE layer's RoutingStats: buffers on a plain object) would have a shared graph hold the first layer's
-        # (seen: the load-balancing loss of three MoE layers counted one layer's): such a layer keys on itself and
-        # compiles apart
-        own_state = any(getattr(part, "writes_own_state", False) for part in (self.self_attention, self.mlp))
-        self.graph_key = f"{config!r}|{self_attention!r}|{mlp!r}" + (f"|{id(self)}" if own_state else "")
+        # a MoE layer returns its routing statistics with its output (MoELayer.construct)
+        self.routed = isinstance(self.mlp, MoELayer)
+        # what the layer's graph depends on. Nothing the forward writes may live outside its inputs and Parameters:
+        # a shared graph would write the first layer's (seen, when MoE layers wrote their RoutingStats in the graph:
+        # the load-balancing loss of three MoE layers counted one layer's). MoE layers return theirs (``run_layer``)
+        self.graph_key = f"{config!r}|{self_attention!r}|{mlp!r}"
 
-    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor):
+        """The layer's output; a MoE layer's with its routing statistics, (output, routing): ``run_layer``."""
         x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), cos, sin, mask))
-        return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        if not self.routed:
+            return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        out, routing = self.mlp(self.pre_mlp_layernorm(x))
+        return x + self.hidden_dropout(out), routing
 
     def check_tensor_parallel(self, tp) -> None:
         self.self_attention.check_tensor_parallel(tp)
@@ -76,6 +81,17 @@ class TransformerLayer(nn.Cell):
         """Tensor parallelism: the attention's and the MLP's own cuts; the norms stay whole."""
         self.self_attention.parallelize_tensor(tp)
         self.mlp.parallelize_tensor(tp)
+
+
+def run_layer(layer: TransformerLayer, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+    """The layer's output; a MoE layer's routing statistics go to its RoutingStats, written here, in the caller's
+    graph, not in the one the layer shares with the others. (A function: a graph cannot call a Cell's ``self``.)
+    A layer without ``routed`` (another model's) returns its output alone."""
+    if not getattr(layer, "routed", False):
+        return layer(x, cos, sin, mask)
+    x, routing = layer(x, cos, sin, mask)
+    layer.mlp.keep_routing(routing)
+    return x
 
 
 class TransformerBlock(nn.Cell):
@@ -88,5 +104,5 @@ class TransformerBlock(nn.Cell):
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = run_layer(layer, x, cos, sin, mask)
         return self.final_layernorm(x)
