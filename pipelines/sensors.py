@@ -6,7 +6,7 @@ its size or mtime moved) and requests ``raw_corpus[<chunk>]`` when a hash change
 new chunk, and ``clean_corpus[<chunk>]`` for every chunk of a source whose cleaning recipe changed (a recipe
 file's content: its name alone is in the source's spec) and of every source in its dedup groups, old and new
 (dedup is global: the copy kept can move between sources); its cursor holds a few digests per chunk (about
-500 bytes), however many files a chunk has; ``clean_corpus``, ``token_shards`` and ``blend_manifest`` carry
+230 bytes), however many files a chunk has; ``clean_corpus``, ``token_shards`` and ``blend_manifest`` carry
 ``AutomationCondition.eager()``, evaluated by ``kiln_automation``, declared here because Dagster's default
 automation sensor ships stopped. Training is only started
 automatically when ``KILN_AUTO_TRAIN=1`` gives ``training_run`` its eager condition.
