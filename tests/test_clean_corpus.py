@@ -11,6 +11,7 @@ from assets.data import blend_manifest, raw_corpus, token_shards, tokenizer
 from resources.storage import KilnStorage
 from resources.tokenizer import TokenizerSettings
 from test_cleaning import vocabulary, words
+from training.data.cleaning.versions import clean_data_version
 from training.lineage import _consumed, _upstream_checks, lineage_inputs
 
 ASSETS = [raw_corpus, clean_corpus, tokenizer, token_shards, blend_manifest]
@@ -91,6 +92,9 @@ def test_duplicates_across_chunks_and_lineage_through_the_cleaned_files(tmp_path
     inputs = lineage_inputs(storage.manifest_path(), storage.root)
     assert {c["path"] for c in inputs["clean_files"]} == {"clean/web/00000/part-00000.jsonl",
                                                           "clean/web/00001/part-00000.jsonl"}
+    for chunk in ("web/00000", "web/00001"):  # the audit's cross-check finds clean_corpus by this version
+        recorded = [c["sha256"] for c in inputs["clean_files"] if c["chunk"] == chunk]
+        assert clean_data_version(recorded) == metadata[f"data_version/{chunk}"]
     recipe_sha256 = inputs["clean_files"][0]["recipe_sha256"]
     matched, share = _consumed(inputs, recipe_sha256[:12])
     assert matched.startswith("recipe inline recipe") and 0 < share < 1
