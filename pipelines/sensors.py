@@ -7,9 +7,9 @@ new chunk, and ``clean_corpus[<chunk>]`` for every chunk of a source whose clean
 file's content: its name alone is in the source's spec) and of every source in its dedup groups, old and new
 (dedup is global: the copy kept can move between sources); its cursor holds a few digests per chunk (about
 230 bytes), however many files a chunk has; ``clean_corpus``, ``token_shards`` and ``blend_manifest`` carry
-``AutomationCondition.eager()``, evaluated by ``kiln_automation``, declared here because Dagster's default
-automation sensor ships stopped. Training is only started
-automatically when ``KILN_AUTO_TRAIN=1`` gives ``training_run`` its eager condition.
+Dagster's eager condition, firing on an input's changed data version (assets/data.py EAGER_AFTER_CHECKS),
+evaluated by ``kiln_automation``, declared here because Dagster's default automation sensor ships stopped.
+Training is only started automatically when ``KILN_AUTO_TRAIN=1`` gives ``training_run`` its eager condition.
 Both sensors ship running; ``KILN_AUTOMATION=off`` ships them stopped (the UI tests click every
 materialization themselves and must not race automation).
 """
