@@ -40,6 +40,21 @@ def blend_settings() -> list[str]:
             f"{data}.split='{blend.split}'", f"{data}.seed={blend.seed}"]
 
 
+# a smoke run's batch in one process: 2 samples in one micro-batch
+SMOKE_BATCH = ["training.local_batch_size=2", "training.global_batch_size=2"]
+# and its step eager, where what the benchmark measures does not depend on compiling (compiling a step costs 7-14
+# CPU-s even at one layer: what compile_time measures)
+SMOKE_STEP = [*SMOKE_BATCH, "fast_step.compile=false"]
+
+
+def smoke_model(layers: int = 1, seq: int = 32) -> list[str]:
+    """Overrides cutting a shipped model config to a smoke run's size: ``layers`` decoder layers (DeepSeek-V3 needs
+    2: its first is dense, the MoE ones follow) and ``seq``-token sequences; the benchmark's layout stays. Put them
+    after blend_settings(), which sets the demo's sequence length."""
+    data = "train_dataset.dataloader.config"
+    return [f"model.num_hidden_layers={layers}", f"{data}.seq_length={seq}", f"model.seq_length={seq}"]
+
+
 def builtin_shard(work, corpus_bytes: int, settings=None):
     """The built-in source code corpus (``corpus_bytes`` of it) tokenized as the demo chain does, with Kiln's
     default tokenizer (or ``settings``) trained on it; its dataset prefix."""

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import blend_settings
+from benchmarks import SMOKE_STEP, blend_settings, smoke_model
 from benchmarks.contention import LoadWatch
 from benchmarks.monitoring import _random_shard
 from benchmarks.suite import Bench, at_least, at_most, standalone
@@ -229,8 +229,8 @@ def measure_load_memory(bench: Bench, tensor_mb: int, variants=tuple(LOAD_VARIAN
 
 
 def run(bench: Bench) -> None:
-    # a smoke run: qwen3_tiny as configured (a checkpoint of a few MB), one round
-    measure(bench, 1, []) if bench.smoke else measure(bench, 5, WIDER)
+    # a smoke run: qwen3_tiny at one layer (a checkpoint of a few MB), one round
+    measure(bench, 1, [*smoke_model(1), *SMOKE_STEP]) if bench.smoke else measure(bench, 5, WIDER)
     measure_load_memory(bench, 2, ("verified",)) if bench.smoke else measure_load_memory(bench, 32)
 
 

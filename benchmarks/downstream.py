@@ -10,12 +10,14 @@ evaluation compiles the forward's graphs, as checkpoint_eval's process does each
 the evaluation (and its ratio to the step: training steps per evaluation), its requests/s, the compiling, how many
 positions it reads beside scoring each request alone, and the overhead (evaluation + compiling) / (interval x step)
 at the shipped task interval (the target), at validation's interval and the interval at which it is 5%. Timings are taken under
-benchmarks/contention.py's LoadWatch: under competition they are reported as not valid.
+benchmarks/contention.py's LoadWatch: under competition they are reported as not valid. A smoke run: one round of
+5 documents a task, one layer, 32 tokens, 2 samples, the step compiled as in a full run (so the forward is).
 """
 from __future__ import annotations
 
 import statistics
 
+from benchmarks import SMOKE_BATCH, smoke_model
 from benchmarks.contention import LoadWatch
 from benchmarks.monitoring import _trainer
 from benchmarks.suite import Bench, at_most, standalone
@@ -40,7 +42,7 @@ def positions_read(tasks, task_limit: int, processor, scorer) -> tuple[int, int,
     return packed, answers, alone
 
 
-def measure(bench: Bench, rounds: int, task_limit: int) -> None:
+def measure(bench: Bench, rounds: int, task_limit: int, smoke: bool = False) -> None:
     import sentencepiece
 
     from assets.evaluation import TASK_INTERVAL
@@ -51,7 +53,8 @@ def measure(bench: Bench, rounds: int, task_limit: int) -> None:
 
     shard = bench.shard()
     processor = sentencepiece.SentencePieceProcessor(model_file=str(shard.parent / "tokenizer.model"))
-    trainer = _trainer(shard, bench.work, "downstream", {}, rounds + 2)
+    size = [*smoke_model(1), *SMOKE_BATCH] if smoke else []
+    trainer = _trainer(shard, bench.work, "downstream", {}, rounds + 2, size)
     model = trainer.model
     scorer = RequestScorer(model, trainer.seq_length,
                            compiled=not compile_blockers(trainer.config, trainer.mesh.dims, model))
@@ -88,7 +91,10 @@ def measure(bench: Bench, rounds: int, task_limit: int) -> None:
 def run(bench: Bench) -> None:
     from assets.evaluation import CheckpointEvalConfig
 
-    measure(bench, 1, SMOKE_TASK_LIMIT) if bench.smoke else measure(bench, 3, CheckpointEvalConfig().task_limit)
+    if bench.smoke:
+        measure(bench, 1, SMOKE_TASK_LIMIT, smoke=True)
+    else:
+        measure(bench, 3, CheckpointEvalConfig().task_limit)
 
 
 if __name__ == "__main__":

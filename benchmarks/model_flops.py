@@ -2,7 +2,8 @@
 configs/deepseek_v3_tiny.yaml) trained by the real Trainer in one process on the built-in corpus:
 tokens/s, model FLOP/s (``flops_per_token``: 6·active matmul params + attention, MoE counting the top-k
 experts a token visits, MTP its extra output layers) and the ratio to MindSpore's fp32 matmul peak measured
-in the same run, just before each model; each model's LM loss at its last step against its first.
+in the same run, just before each model; each model's LM loss at its last step against its first. A smoke run:
+each config at one layer of each kind, 32 tokens, SMOKE_STEP's eager step, and a 256³ peak.
 """
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import blend_settings
+from benchmarks import SMOKE_STEP, blend_settings, smoke_model
 from benchmarks.contention import LoadWatch
 from benchmarks.suite import Bench, standalone
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("configs/qwen3_tiny.yaml", "configs/deepseek_v3_tiny.yaml")
-STEPS, SMOKE_STEPS = 12, 3
+STEPS, SMOKE_STEPS = 12, 2
+SMOKE_OVERRIDES = {"configs/qwen3_tiny.yaml": smoke_model(1), "configs/deepseek_v3_tiny.yaml": smoke_model(2)}
 
 
-def load(config_path: str, shard_prefix: Path, steps: int):
+def load(config_path: str, shard_prefix: Path, steps: int, overrides: list[str] = ()):
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
 
@@ -29,7 +31,7 @@ def load(config_path: str, shard_prefix: Path, steps: int):
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard_prefix}']",
         f"train_dataset.dataloader.config.eod={SPECIAL_IDS['eos']}",
         f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(),
-        f"training.steps={steps}", "checkpoint.enable_save=false"])
+        f"training.steps={steps}", "checkpoint.enable_save=false", *overrides])
 
 
 def matmul_peak_flops(size: int = 1024, repeats: int = 20) -> float:
@@ -65,16 +67,18 @@ def measure(config, shard_prefix: Path, steps: int, watch: LoadWatch, name: str)
             "last_loss": records[-1].get("lm_loss", records[-1]["loss"])}
 
 
-def measure_all(bench: Bench, shard_prefix: Path, steps: int) -> None:
+def measure_all(bench: Bench, shard_prefix: Path, steps: int, smoke: bool = False) -> None:
     from training.step import configure_runtime
 
-    configs = {Path(path).stem: load(path, shard_prefix, steps) for path in CONFIGS}
+    configs = {Path(path).stem: load(path, shard_prefix, steps, [*SMOKE_OVERRIDES[path], *SMOKE_STEP] if smoke else [])
+               for path in CONFIGS}
     configure_runtime(next(iter(configs.values())))  # once per process, before any kernel runs
+    peak_size, peak_repeats = (256, 2) if smoke else (1024, 20)
     for name, config in configs.items():
         with LoadWatch() as watch:
-            _, peak = watch.call("matmul peak", matmul_peak_flops)
+            _, peak = watch.call("matmul peak", lambda: matmul_peak_flops(peak_size, peak_repeats))
             result = measure(config, shard_prefix, steps, watch, name)
-        bench.report(f"fp32 matmul 1024³ (MindSpore), before {name}", peak / 1e9, "GFLOP/s", watch=watch)
+        bench.report(f"fp32 matmul {peak_size}³ (MindSpore), before {name}", peak / 1e9, "GFLOP/s", watch=watch)
         bench.report(f"{name} tokens/s, 1 process", result["tokens_per_s"], "tokens/s", watch=watch)
         bench.report(f"{name} model FLOP/s ({result['params'] / 1e6:.2f}M params)", result["flops"] / 1e9, "GFLOP/s",
                      result["flops"] / peak, "the fp32 matmul peak", watch=watch)
@@ -82,7 +86,7 @@ def measure_all(bench: Bench, shard_prefix: Path, steps: int) -> None:
 
 
 def run(bench: Bench) -> None:
-    measure_all(bench, bench.shard(), SMOKE_STEPS if bench.smoke else STEPS)
+    measure_all(bench, bench.shard(), SMOKE_STEPS if bench.smoke else STEPS, bench.smoke)
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,8 @@ each in turn (the order swapped every round), so machine load drifts affect both
 median step time of each, and the median over rounds of the on/off step-time ratio within a round. On a
 shared machine that ratio is only good to several percent, so the monitoring work itself (the hooks'
 norms, losses and gathers, and the max-logit reductions inside attention) is also timed alone on real
-gradients. The health check (``monitor.health_checkpoint``) is always on, so it is in both trainers.
+gradients. The health check (``monitor.health_checkpoint``) is always on, so it is in both trainers. A smoke run:
+one layer, 32 tokens, SMOKE_STEP's eager step, 2 rounds.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import blend_settings
+from benchmarks import SMOKE_STEP, blend_settings, smoke_model
 from benchmarks.contention import LoadWatch
 from benchmarks.suite import Bench, standalone
 
@@ -24,6 +25,7 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = {"local_norm": "true", "device_norm": "true", "param_norm": "true", "local_loss": "true",
            "device_loss": "true", "max_attention_logit": "true"}
 KILN_OPTIONS = ("param_norm", "max_attention_logit")  # kiln.train_state's; the others are monitor.train_state's
+SMOKE_TRAINER = [*smoke_model(1), *SMOKE_STEP]  # the demo model at a smoke run's size
 
 
 def _random_shard(prefix: Path, vocab_size: int, documents: int = 2000) -> Path:
@@ -37,7 +39,8 @@ def _random_shard(prefix: Path, vocab_size: int, documents: int = 2000) -> Path:
     return prefix
 
 
-def _trainer(shard: Path, work: Path, name: str, options: dict[str, str], steps: int):
+def _trainer(shard: Path, work: Path, name: str, options: dict[str, str], steps: int, overrides: list[str] = ()):
+    """configs/qwen3_tiny.yaml on ``shard`` (with ``overrides``: a smoke run's size) in one process."""
     from training.parallel.mesh import World
     from training.config import load_config
     from training.reporting import Reporter
@@ -48,7 +51,8 @@ def _trainer(shard: Path, work: Path, name: str, options: dict[str, str], steps:
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
         "train_dataset.dataloader.config.pad=3", f"train_dataset.dataloader.config.path_to_cache={work / 'cache'}",
         *blend_settings(), f"training.steps={steps}", "checkpoint.enable_save=false",
-        *(f"{'kiln' if key in KILN_OPTIONS else 'monitor'}.train_state.{key}={value}" for key, value in options.items())])
+        *(f"{'kiln' if key in KILN_OPTIONS else 'monitor'}.train_state.{key}={value}"
+          for key, value in options.items()), *overrides])
     configure_runtime(config)
     return Trainer(config, World(rank=0, size=1), work / name, Reporter(None, enabled=False))
 
@@ -76,13 +80,14 @@ def _hook_seconds(trainer, repeats: int) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def measure(bench: Bench, rounds: int) -> None:
+def measure(bench: Bench, rounds: int, smoke: bool = False) -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-bench-monitor-") as tmp:
         work = Path(tmp)
         shard = _random_shard(work / "random", vocab_size=4096)
         # one step more than timed for compilation, and a batch for _hook_seconds
-        trainers = {"off": _trainer(shard, work, "off", {}, rounds + 2),
-                    "on": _trainer(shard, work, "on", OPTIONS, rounds + 2)}
+        size = SMOKE_TRAINER if smoke else []
+        trainers = {"off": _trainer(shard, work, "off", {}, rounds + 2, size),
+                    "on": _trainer(shard, work, "on", OPTIONS, rounds + 2, size)}
         times: dict[str, list[float]] = {name: [] for name in trainers}
         for trainer in trainers.values():
             trainer.train_step()  # the first step compiles kernels
@@ -102,7 +107,7 @@ def measure(bench: Bench, rounds: int) -> None:
 
 
 def run(bench: Bench) -> None:
-    measure(bench, rounds=2 if bench.smoke else 30)
+    measure(bench, rounds=2, smoke=True) if bench.smoke else measure(bench, rounds=30)
 
 
 if __name__ == "__main__":

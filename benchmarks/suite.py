@@ -120,9 +120,10 @@ class Bench:
 
         prefix = self.work / "shard" / "shard_text_document"
         if not prefix.with_suffix(".idx").exists():
-            # a smoke run's corpus holds too few distinct pieces for 4096; ids under 1024 suit every model config
-            smoke = TokenizerSettings(vocab_size=1024, sample_lines=10_000)
-            builtin_shard(prefix.parent, 1_000_000 if self.smoke else 3_000_000, smoke if self.smoke else None)
+            # a smoke run's: 100 KB, enough samples for its few short steps, and a vocabulary its small corpus
+            # fills, whose ids suit every model config (the test ones have 512)
+            smoke = TokenizerSettings(vocab_size=512, sample_lines=2_000)
+            builtin_shard(prefix.parent, 100_000 if self.smoke else 3_000_000, smoke if self.smoke else None)
         return prefix
 
 

@@ -3,7 +3,8 @@
 One trainer (configs/qwen3_tiny.yaml, one process) and its Validation; each round times one training step and
 one whole evaluation (10 global batches of the validation split, forward only), the order swapped every
 round, so machine load drifts affect both alike. The overhead is one evaluation per 50 steps: the median over
-rounds of evaluation / (50 x step) within a round (target <= 5% of training time).
+rounds of evaluation / (50 x step) within a round (target <= 5% of training time). A smoke run: one round of 2
+batches, one layer, 32 tokens, 2 samples, the step compiled as in a full run (so the evaluation's forward is).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from benchmarks import SMOKE_BATCH, smoke_model
 from benchmarks.contention import LoadWatch
 from benchmarks.monitoring import _random_shard, _trainer
 from benchmarks.suite import Bench, at_most, standalone
@@ -19,7 +21,7 @@ from benchmarks.suite import Bench, at_most, standalone
 EVAL_INTERVAL, EVAL_ITERS = 50, 10
 
 
-def measure(bench: Bench, rounds: int, eval_iters: int) -> None:
+def measure(bench: Bench, rounds: int, eval_iters: int, smoke: bool = False) -> None:
     from training.evaluation import Validation
     from training.step import compile_blockers
     from training.train_state import micro_batch_indices
@@ -28,7 +30,7 @@ def measure(bench: Bench, rounds: int, eval_iters: int) -> None:
         work = Path(tmp)
         # enough documents that the default split's 2% holds eval_iters global batches of validation samples
         shard = _random_shard(work / "random", vocab_size=4096, documents=600 * eval_iters)
-        trainer = _trainer(shard, work, "run", {}, rounds + 1)
+        trainer = _trainer(shard, work, "run", {}, rounds + 1, [*smoke_model(1), *SMOKE_BATCH] if smoke else [])
         config = trainer.config
         config = dataclasses.replace(config, kiln=dataclasses.replace(config.kiln, training=dataclasses.replace(
             config.kiln.training, eval_interval=EVAL_INTERVAL, eval_iters=eval_iters)))
@@ -53,7 +55,7 @@ def measure(bench: Bench, rounds: int, eval_iters: int) -> None:
 
 
 def run(bench: Bench) -> None:
-    measure(bench, rounds=1 if bench.smoke else 6, eval_iters=2 if bench.smoke else EVAL_ITERS)
+    measure(bench, rounds=1, eval_iters=2, smoke=True) if bench.smoke else measure(bench, 6, EVAL_ITERS)
 
 
 if __name__ == "__main__":
