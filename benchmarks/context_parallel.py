@@ -19,7 +19,8 @@ micro-batches, with one K/V block = batch × kv groups × s × (k dim + v dim) �
 - Ulysses of u: q, K/V and the output each switch sequence parts for head parts, forward and backward; a
   native all-to-all receives (u−1)/u of each, the CPU one (all-gather, then a pick) u−1 whole tensors, u
   times as much.
-Run by msrun: ``python -m benchmarks.context_parallel OUT SHARD ROUNDS SEQ``.
+A smoke run: one layer, 32 tokens, one round. Run by msrun: ``python -m benchmarks.context_parallel OUT SHARD ROUNDS
+SEQ [MODEL OVERRIDE ...]``.
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from benchmarks.suite import Bench
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SEQ, ROUNDS = 512, 5
-SMOKE_SEQ, SMOKE_ROUNDS = 64, 1
+SMOKE_SEQ, SMOKE_ROUNDS = 32, 1
+SMOKE_MODEL = ["model.num_hidden_layers=1"]  # the sequence is the worker's SEQ argument
 # the same global batch of 2 samples, one micro-batch per step: DP 2 reads one sample per rank, CP 2 both (halves)
 CP2 = ["parallelism.context_parallel=2", "training.local_batch_size=2"]
 EAGER = ["fast_step.compile=false"]
@@ -49,7 +51,7 @@ VARIANTS = {"DP 2": ["training.local_batch_size=1"],
             "CP 2 Ulysses, eager": [*CP2, "parallelism.context_parallel_method=ulysses", *EAGER]}
 
 
-def _config(shard: str, overrides: list[str], rounds: int, seq: int):
+def _config(shard: str, overrides: list[str], rounds: int, seq: int, model: list[str]):
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
 
@@ -58,7 +60,7 @@ def _config(shard: str, overrides: list[str], rounds: int, seq: int):
         f"{data}.data_path=[1.0, '{shard}']", f"{data}.eod={SPECIAL_IDS['eos']}", f"{data}.pad={SPECIAL_IDS['pad']}",
         f"{data}.seq_length={seq}", f"model.seq_length={seq}", f"{data}.split='100,0,0'",
         "training.global_batch_size=2", f"training.steps={rounds + 1}",
-        "parallelism.data_parallel_shard_strategy=optim", "checkpoint.enable_save=false", *overrides])
+        "parallelism.data_parallel_shard_strategy=optim", "checkpoint.enable_save=false", *model, *overrides])
 
 
 def kv_block_bytes(config) -> int:
@@ -80,8 +82,9 @@ def analytic_bytes(variant: str, config, accumulation: int) -> float:
     return per_layer * m["num_hidden_layers"] * accumulation
 
 
-def worker(out: str, shard: str, rounds: str, seq: str) -> None:
-    """One msrun worker: every variant's trainer, their steps alternating round by round."""
+def worker(out: str, shard: str, rounds: str, seq: str, *model: str) -> None:
+    """One msrun worker: every variant's trainer, their steps alternating round by round. ``model``: overrides of
+    the config's size (none: as shipped)."""
     rounds, seq = int(rounds), int(seq)
     import numpy as np
     from mindspore import Tensor
@@ -92,7 +95,7 @@ def worker(out: str, shard: str, rounds: str, seq: str) -> None:
     from training.step import configure_runtime
     from training.trainer import Trainer
 
-    configure_runtime(_config(shard, [], rounds, seq))
+    configure_runtime(_config(shard, [], rounds, seq, model))
     world = init_world()
     received = [0, 0]  # bytes, calls
     gather_list = comm._CpuBackend.gather_list
@@ -102,7 +105,7 @@ def worker(out: str, shard: str, rounds: str, seq: str) -> None:
         received[1] += 1
         return gather_list(self, x, group)
     comm._CpuBackend.gather_list = counting
-    trainers = {name: Trainer(_config(shard, overrides, rounds, seq), world, Path(out) / name,
+    trainers = {name: Trainer(_config(shard, overrides, rounds, seq, model), world, Path(out) / name,
                               Reporter(None, enabled=False))
                 for name, overrides in VARIANTS.items()}
     times = {name: [] for name in VARIANTS}
@@ -134,11 +137,12 @@ def worker(out: str, shard: str, rounds: str, seq: str) -> None:
         (Path(out) / "figures.json").write_text(json.dumps(figures))
 
 
-def measure(bench: Bench, shard: Path, rounds: int, seq: int) -> None:
+def measure(bench: Bench, shard: Path, rounds: int, seq: int, model: list[str] = ()) -> None:
     from training.launch import run_on_local_workers
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-cp-") as tmp, LoadWatch(cores=2) as watch:
-        run_on_local_workers(["-m", "benchmarks.context_parallel", tmp, shard, rounds, seq], Path(tmp) / "log", 2)
+        run_on_local_workers(["-m", "benchmarks.context_parallel", tmp, shard, rounds, seq, *model], Path(tmp) / "log",
+                             2)
         figures = json.loads((Path(tmp) / "figures.json").read_text())
         gather_s = figures.pop("gather_s")
         for name, f in figures.items():
@@ -169,7 +173,7 @@ def measure(bench: Bench, shard: Path, rounds: int, seq: int) -> None:
 
 def run(bench: Bench) -> None:
     if bench.smoke:
-        measure(bench, bench.shard(), SMOKE_ROUNDS, SMOKE_SEQ)
+        measure(bench, bench.shard(), SMOKE_ROUNDS, SMOKE_SEQ, SMOKE_MODEL)
     else:
         measure(bench, bench.shard(), ROUNDS, SEQ)
 

@@ -20,7 +20,8 @@ rows_sent_away``); the combine returns as many rows, and the backward sends the 
 same way, so the step moves 4 × rows × hidden × 4 bytes. The analytic count assumes uniform routing: each
 MoE layer of each micro-batch sends (tokens · top_k + experts, the safe tokens) · (ep − 1)/ep rows away. (On
 CPU the all-to-all is built from an all-gather, which moves ep × the longest rank's rows instead: that is the
-backend's cost, not the dispatch's.) Run by msrun: ``python -m benchmarks.expert_parallel OUT SHARD ROUNDS``.
+backend's cost, not the dispatch's.) A smoke run: a dense and a MoE layer, no MTP (its layer compiles apart: ~8
+CPU-s a rank), 32 tokens, a sample per rank, one round. Run by msrun: ``python -m benchmarks.expert_parallel OUT SHARD ROUNDS [MODEL OVERRIDE ...]``.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import smoke_model
 from benchmarks.contention import LoadWatch
 from benchmarks.suite import Bench
 
@@ -41,10 +43,12 @@ EAGER = "fast_step.compile=false"  # the all-to-all dispatch, whose rows the byt
 LAYOUTS = {"DP": [EAGER], "EP2": [EP2, EAGER], "EP2 ZeRO-1 eager": [EP2, ZERO1, EAGER],
            "EP2 ZeRO-1 compiled": [EP2, ZERO1, "fast_step.compile=true"]}
 ROUNDS, SMOKE_ROUNDS = 4, 1
+SMOKE_MODEL = [*smoke_model(2), "model.num_nextn_predict_layers=0", "training.local_batch_size=1",
+               "training.global_batch_size=2"]
 BYTES_PER_VALUE = 4  # float32 activations
 
 
-def _config(shard: str, overrides: list[str], rounds: int):
+def _config(shard: str, overrides: list[str], rounds: int, model: list[str]):
     from benchmarks import blend_settings
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
@@ -53,7 +57,7 @@ def _config(shard: str, overrides: list[str], rounds: int):
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
         f"train_dataset.dataloader.config.eod={SPECIAL_IDS['eos']}",
         f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(),
-        f"training.steps={rounds + 1}", "checkpoint.enable_save=false", *overrides])
+        *model, f"training.steps={rounds + 1}", "checkpoint.enable_save=false", *overrides])
 
 
 def _dispatchers(trainer) -> list:
@@ -99,17 +103,18 @@ def _transport_times(group, tokens: int, hidden: int, top_k: int, repeats: int) 
             "padded all-to-all": timed(PaddedAllToAllTransport(), ones(group.size * tokens * top_k, hidden))}
 
 
-def worker(out: str, shard: str, rounds: str) -> None:
-    """One msrun worker: the layouts, a step of each in turn; the first step of each dropped."""
+def worker(out: str, shard: str, rounds: str, *model: str) -> None:
+    """One msrun worker: the layouts, a step of each in turn; the first step of each dropped. ``model``: overrides
+    of the config's size (none: as shipped)."""
     rounds = int(rounds)
     from training.parallel.mesh import init_world
     from training.reporting import Reporter
     from training.step import configure_runtime
     from training.trainer import Trainer
 
-    configure_runtime(_config(shard, [], rounds))
+    configure_runtime(_config(shard, [], rounds, model))
     world = init_world()
-    trainers = {name: Trainer(_config(shard, overrides, rounds), world, Path(out) / name,
+    trainers = {name: Trainer(_config(shard, overrides, rounds, model), world, Path(out) / name,
                               Reporter(None, enabled=False))
                 for name, overrides in LAYOUTS.items()}
     times = {name: [] for name in LAYOUTS}
@@ -144,11 +149,11 @@ def worker(out: str, shard: str, rounds: str) -> None:
         (Path(out) / "expert_parallel.json").write_text(json.dumps(figures))
 
 
-def measure(bench: Bench, shard: Path, rounds: int) -> None:
+def measure(bench: Bench, shard: Path, rounds: int, model: list[str] = ()) -> None:
     from training.launch import run_on_local_workers
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-ep-") as tmp, LoadWatch(cores=2) as watch:
-        run_on_local_workers(["-m", "benchmarks.expert_parallel", tmp, shard, rounds], Path(tmp) / "log", 2)
+        run_on_local_workers(["-m", "benchmarks.expert_parallel", tmp, shard, rounds, *model], Path(tmp) / "log", 2)
         figures = json.loads((Path(tmp) / "expert_parallel.json").read_text())
         for name, seconds in figures["cpu_s"].items():
             watch.cpu(name, seconds)  # rank 0's
@@ -167,7 +172,7 @@ def measure(bench: Bench, shard: Path, rounds: int) -> None:
 
 
 def run(bench: Bench) -> None:
-    measure(bench, bench.shard(), SMOKE_ROUNDS if bench.smoke else ROUNDS)
+    measure(bench, bench.shard(), SMOKE_ROUNDS, SMOKE_MODEL) if bench.smoke else measure(bench, bench.shard(), ROUNDS)
 
 
 if __name__ == "__main__":

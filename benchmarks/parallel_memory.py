@@ -6,8 +6,9 @@ ZeRO-2 and ZeRO-3 trains a few steps per world size; rank 0 reports the bytes it
 DP's at the same world size (ZeRO-3 at N ranks should hold about 1/N of each), and the median step time
 against DP's. ZeRO-2's reduce-scatter runs after the backward here, so its gradients are whole until then, as
 ZeRO-1's; only ZeRO-3's backward yields chunks. "ZeRO-3 never" keeps each unit's gathered weights until its
-backward instead of gathering them again there: its step time shows what re-gathering costs. Run as a script by msrun:
-``python -m benchmarks.parallel_memory OUT SHARD STEPS``.
+backward instead of gathering them again there: its step time shows what re-gathering costs. A smoke run: one layer,
+32 tokens, 2 samples a step, at 1 and 2 ranks. Run as a script by msrun:
+``python -m benchmarks.parallel_memory OUT SHARD STEPS [MODEL OVERRIDE ...]`` (default: WIDER).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import smoke_model
 from benchmarks.contention import LoadWatch
 from benchmarks.suite import Bench
 
@@ -39,9 +41,11 @@ EAGER = "fast_step.compile=false"
 STEPS = 4
 WORLDS = (1, 2, 4)
 SMOKE_STEPS, SMOKE_WORLDS = 2, (1, 2)
+SMOKE_MODEL = [*smoke_model(1), "training.local_batch_size=1", "training.global_batch_size=2"]
 
 
-def _config(shard: str, overrides: list[str], steps: int = STEPS):
+def _config(shard: str, overrides: list[str], steps: int = STEPS, model: list[str] = WIDER):
+    """configs/qwen3_tiny.yaml at ``model``'s size (default: WIDER) on ``shard``, never saving."""
     from benchmarks import blend_settings
     from resources.tokenizer import SPECIAL_IDS
     from training.config import load_config
@@ -49,7 +53,7 @@ def _config(shard: str, overrides: list[str], steps: int = STEPS):
     return load_config(PROJECT_ROOT / "configs/qwen3_tiny.yaml", [
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
         f"train_dataset.dataloader.config.eod={SPECIAL_IDS['eos']}",
-        f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(), *WIDER,
+        f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(), *model,
         f"training.steps={steps}", "checkpoint.enable_save=false", *overrides])
 
 
@@ -74,30 +78,31 @@ def _measure(trainer, steps: int) -> dict:
             "step_s": statistics.median(times[1:]), "cpu_s": statistics.median(cpu[1:])}
 
 
-def worker(out: str, shard: str, steps: str) -> None:
-    """One msrun worker (or a single process): every strategy in turn."""
+def worker(out: str, shard: str, steps: str, *model: str) -> None:
+    """One msrun worker (or a single process): every strategy in turn, at ``model``'s size (none given: WIDER)."""
     from training.parallel.mesh import init_world
     from training.reporting import Reporter
     from training.step import configure_runtime
     from training.trainer import Trainer
 
-    configure_runtime(_config(shard, []))
+    model = list(model) or WIDER
+    configure_runtime(_config(shard, [], model=model))
     world = init_world()
     figures = {}
     for name, overrides in STRATEGIES.items():
-        trainer = Trainer(_config(shard, [*overrides, EAGER], int(steps)), world, Path(out) / name,
+        trainer = Trainer(_config(shard, [*overrides, EAGER], int(steps), model), world, Path(out) / name,
                           Reporter(None, enabled=False))
         figures[name] = _measure(trainer, int(steps))
     if world.is_main:
         (Path(out) / f"world{world.size}.json").write_text(json.dumps(figures))
 
 
-def measure(bench: Bench, shard: Path, worlds, steps: int) -> None:
+def measure(bench: Bench, shard: Path, worlds, steps: int, model: list[str] = WIDER) -> None:
     from training.launch import run_on_local_workers
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-parallel-") as tmp:
         for world in worlds:
-            command = ["-m", "benchmarks.parallel_memory", tmp, str(shard), str(steps)]
+            command = ["-m", "benchmarks.parallel_memory", tmp, str(shard), str(steps), *model]
             with LoadWatch(cores=world) as watch:
                 if world == 1:
                     subprocess.run([sys.executable, *command], check=True, cwd=PROJECT_ROOT)
@@ -117,7 +122,7 @@ def measure(bench: Bench, shard: Path, worlds, steps: int) -> None:
 
 def run(bench: Bench) -> None:
     if bench.smoke:
-        measure(bench, bench.shard(), SMOKE_WORLDS, SMOKE_STEPS)
+        measure(bench, bench.shard(), SMOKE_WORLDS, SMOKE_STEPS, SMOKE_MODEL)
     else:
         measure(bench, bench.shard(), WORLDS, STEPS)
 

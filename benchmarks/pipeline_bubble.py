@@ -20,7 +20,10 @@ in turn, round by round, so the machine's load falls on all alike. Per schedule:
 - step time against DP2 (ZeRO-1, the same global batch as 4 accumulated micro-batches per rank), whose trainer
   takes its steps in the same rounds; median over the rounds after the first.
 
-Run by msrun: ``python -m benchmarks.pipeline_bubble OUT SHARD ROUNDS MICRO_BATCHES``.
+A smoke run: 4 layers (interleaving needs 2 per rank), 32 tokens, 2 micro-batches, 2 rounds.
+
+Run by msrun: ``python -m benchmarks.pipeline_bubble OUT SHARD ROUNDS MICRO_BATCHES [MODEL OVERRIDE ...]`` (default:
+parallel_memory's WIDER).
 """
 from __future__ import annotations
 
@@ -31,12 +34,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import smoke_model
 from benchmarks.contention import LoadWatch
 from benchmarks.suite import Bench
 
 PP, MICRO_BATCHES = 2, 8
 ROUNDS = 4
-SMOKE_ROUNDS, SMOKE_MICRO_BATCHES = 2, 4
+SMOKE_ROUNDS, SMOKE_MICRO_BATCHES = 2, 2  # the first round is left out of the medians
+SMOKE_MODEL = smoke_model(4)
 SCHEDULES = {"gpipe": (["parallelism.pipeline_parallel_schedule=gpipe"], 1),
              "1f1b": (["parallelism.pipeline_parallel_schedule=1f1b"], 1),
              "interleaved_1f1b": (["parallelism.pipeline_parallel_schedule=interleaved_1f1b",
@@ -48,26 +53,29 @@ DATA_PARALLEL = ["parallelism.pipeline_parallel=1", "parallelism.data_parallel_s
 EAGER = ["fast_step.compile=false"]
 
 
-def _config(shard: str, overrides: list[str], rounds: int, micro_batches: int):
-    """parallel_memory's widened qwen3_tiny, ``micro_batches`` micro-batches of one sample per step, 2 stages."""
-    from benchmarks.parallel_memory import _config as widened_tiny
+def _config(shard: str, overrides: list[str], rounds: int, micro_batches: int, model: list[str]):
+    """parallel_memory's qwen3_tiny at ``model``'s size, ``micro_batches`` micro-batches of one sample per step, 2
+    stages."""
+    from benchmarks.parallel_memory import _config as sized_tiny
 
-    return widened_tiny(shard, [f"training.global_batch_size={micro_batches}", "training.local_batch_size=1",
-                                f"parallelism.pipeline_parallel={PP}", *EAGER, *overrides], rounds)
+    return sized_tiny(shard, [f"training.global_batch_size={micro_batches}", "training.local_batch_size=1",
+                              f"parallelism.pipeline_parallel={PP}", *EAGER, *overrides], rounds, model)
 
 
-def worker(out: str, shard: str, rounds: str, micro_batches: str) -> None:
+def worker(out: str, shard: str, rounds: str, micro_batches: str, *model: str) -> None:
     """One msrun worker: the schedules' trainers, a step of each in turn per round; this rank's figures."""
     rounds, micro_batches = int(rounds), int(micro_batches)
+    from benchmarks.parallel_memory import WIDER
     from training.parallel.mesh import init_world
     from training.reporting import Reporter
     from training.step import configure_runtime
     from training.trainer import Trainer
 
-    configure_runtime(_config(shard, [], rounds, micro_batches))
+    model = list(model) or WIDER
+    configure_runtime(_config(shard, [], rounds, micro_batches, model))
     world = init_world()
     arms = {name: overrides for name, (overrides, _) in SCHEDULES.items()} | {"dp": DATA_PARALLEL}
-    trainers = {name: Trainer(_config(shard, overrides, rounds, micro_batches), world, Path(out) / name,
+    trainers = {name: Trainer(_config(shard, overrides, rounds, micro_batches, model), world, Path(out) / name,
                               Reporter(None, enabled=False))
                 for name, overrides in arms.items()}
     figures = {name: {"idle": [], "in_flight": 0, "kept_bytes": 0, "sent_bytes": 0, "step_s": [], "cpu_s": []}
@@ -90,15 +98,15 @@ def worker(out: str, shard: str, rounds: str, micro_batches: str) -> None:
     (Path(out) / f"rank{world.rank}.json").write_text(json.dumps(figures))
 
 
-def measure(bench: Bench, shard: Path, rounds: int, micro_batches: int) -> None:
+def measure(bench: Bench, shard: Path, rounds: int, micro_batches: int, model: list[str] = ()) -> None:
     from training.launch import run_on_local_workers
     from training.parallel.pipeline import analytic_bubble
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-pipeline-") as tmp, LoadWatch(cores=PP) as watch:
         # synchronous dispatch (the launch's default, as training.run's): with MindSpore's threaded dispatch a transfer
         # returns before it completes and the wait for the other stage is charged to the next computation (0.6% idle)
-        run_on_local_workers(["-m", "benchmarks.pipeline_bubble", tmp, shard, rounds, micro_batches], Path(tmp) / "log",
-                             PP)
+        run_on_local_workers(["-m", "benchmarks.pipeline_bubble", tmp, shard, rounds, micro_batches, *model],
+                             Path(tmp) / "log", PP)
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(PP)]
         for name in [*SCHEDULES, "dp"]:  # the ranks' CPU seconds per step, summed, after the first round
             for i in range(1, rounds):
@@ -126,7 +134,7 @@ def measure(bench: Bench, shard: Path, rounds: int, micro_batches: int) -> None:
 
 def run(bench: Bench) -> None:
     if bench.smoke:
-        measure(bench, bench.shard(), SMOKE_ROUNDS, SMOKE_MICRO_BATCHES)
+        measure(bench, bench.shard(), SMOKE_ROUNDS, SMOKE_MICRO_BATCHES, SMOKE_MODEL)
     else:
         measure(bench, bench.shard(), ROUNDS, MICRO_BATCHES)
 
