@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import smoke_model
 from benchmarks.contention import LoadWatch
 from benchmarks.suite import Bench, at_least, at_most, standalone
 
@@ -284,19 +285,23 @@ class Worker:
 TARGETS = {("qwen3_bench", "vs torch eager"): at_least(1.0), ("qwen3_bench", "vs torch compile"): at_least(1.0),
            ("deepseek_v3_bench", "vs torch compile"): at_least(1.0), ("qwen3_tiny", "vs torch eager"): at_least(0.5),
            ("qwen3_bench", "of the matmul peak"): at_least(0.75)}
-# a smoke run: each tiny config at 64 tokens, one layer of each kind (DeepSeek-V3's first is dense, the second MoE),
-# one round of one step
-SMOKE_SEQ = ["train_dataset.dataloader.config.seq_length=64", "model.seq_length=64"]
-SMOKE_CONFIGS = {"configs/qwen3_tiny.yaml": ["model.num_hidden_layers=1", *SMOKE_SEQ],
-                 "configs/deepseek_v3_tiny.yaml": ["model.num_hidden_layers=2", *SMOKE_SEQ]}
+# a smoke run: each tiny config at 32 tokens and 2 samples, one layer of each kind (DeepSeek-V3's first is dense, the
+# second MoE), one round of one step; every worker kind runs on Qwen3, DeepSeek-V3 leaves out torch.compile (its MoE
+# takes minutes to compile, in a worker Qwen3's already ran through)
+SMOKE_BATCH = ["training.local_batch_size=2", "training.global_batch_size=2"]
+SMOKE_CONFIGS = {
+    "configs/qwen3_tiny.yaml": ([*smoke_model(1), *SMOKE_BATCH], MODEL_VARIANTS["qwen3"]),
+    "configs/deepseek_v3_tiny.yaml": ([*smoke_model(2), *SMOKE_BATCH],
+                                      tuple(k for k in MODEL_VARIANTS["deepseek_v3"] if k != "torch compile"))}
 
 
 def compare(bench: Bench, config_path: str, rounds: int, steps_per_round: int, overrides: list[str] = (),
-            profile: bool = False, warmup: int = WARMUP_STEPS) -> None:
-    """Runs every variant of ``config_path`` round by round and reports each paired ratio."""
+            profile: bool = False, warmup: int = WARMUP_STEPS, kinds: tuple[str, ...] = ()) -> None:
+    """Runs every variant of ``config_path`` (``kinds``; default: its model type's) round by round and reports each
+    paired ratio."""
     model_type = load(config_path, overrides).model["model_type"]
     name = Path(config_path).stem
-    kinds = MODEL_VARIANTS[model_type]
+    kinds = kinds or MODEL_VARIANTS[model_type]
     print(f"-- throughput {name}: {', '.join(kinds)}; {rounds} rounds of {steps_per_round} steps", flush=True)
     infos, seconds, rss, table, first_steps, watch = _run_variants(
         kinds, config_path, [*overrides], model_type, warmup, rounds, steps_per_round, profile)
@@ -374,8 +379,9 @@ def _run_variants(kinds, config_path: str, overrides: list[str], model_type: str
 
 def run(bench: Bench) -> None:
     if bench.smoke:
-        for config_path, overrides in SMOKE_CONFIGS.items():
-            compare(bench, config_path, rounds=1, steps_per_round=1, overrides=overrides, profile=True, warmup=0)
+        for config_path, (overrides, kinds) in SMOKE_CONFIGS.items():
+            compare(bench, config_path, rounds=1, steps_per_round=1, overrides=overrides, profile=True, warmup=0,
+                    kinds=kinds)
     else:
         for config_path in CONFIGS:
             compare(bench, config_path, rounds=5, steps_per_round=2, profile=True)
