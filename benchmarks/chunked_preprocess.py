@@ -40,22 +40,26 @@ from benchmarks.suite import Bench, at_least, standalone
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CHUNKS = 16
+FULL_TOKENIZER = {"sample_lines": 50_000}
+# a smoke run: 4 chunks of 64 KiB (the step-per-chunk arm still runs a step per chunk, the default's one step takes
+# them all), a tokenizer of 512 pieces, one round
+SMOKE = {"corpus_bytes": 256 << 10, "rounds": 1, "chunks": 4, "tokenizer": {"vocab_size": 512, "sample_lines": 2_000}}
 BACKFILL_CONCURRENCY = 2
 
 
-def write_corpus(directory: Path, total_bytes: int) -> list[Path]:
-    """16 JSONL files of the built-in stdlib_code documents, repeated up to total_bytes / 16 each."""
+def write_corpus(directory: Path, total_bytes: int, chunks: int = CHUNKS) -> list[Path]:
+    """``chunks`` JSONL files of the built-in stdlib_code documents, repeated up to total_bytes / chunks each."""
     from assets.builtin_corpus import write_builtin_source
 
     seed = directory / "seed"
     write_builtin_source("python_stdlib_code", seed, min(40_000_000, total_bytes))
     lines = b"".join(p.read_bytes() for p in sorted(seed.glob("part-*"))).splitlines(keepends=True)
     files, cursor = [], 0
-    for i in range(CHUNKS):
+    for i in range(chunks):
         path = directory / f"corpus-{i:02d}.jsonl"
         with open(path, "wb") as out:
             written = 0
-            while written < total_bytes // CHUNKS:
+            while written < total_bytes // chunks:
                 line = lines[cursor % len(lines)]
                 out.write(line)
                 written += len(line)
@@ -68,8 +72,9 @@ def _storage_config(root: Path) -> dict:
     return {"data_root": str(root / "data"), "runs_root": str(root / "runs"), "sources_config": str(root / "sources.yaml")}
 
 
-def prepare(root: Path, files: list[Path]) -> list[str]:
-    """Sources config, chunks registered, raw chunks ingested and the tokenizer trained; the chunk keys."""
+def prepare(root: Path, files: list[Path], tokenizer: dict) -> list[str]:
+    """Sources config, chunks registered, raw chunks ingested and the tokenizer (``tokenizer``: its settings)
+    trained; the chunk keys."""
     import dagster as dg
 
     from assets.chunks import register_source_chunks
@@ -80,7 +85,7 @@ def prepare(root: Path, files: list[Path]) -> list[str]:
     (root / "sources.yaml").write_text(f"sources:\n  corpus: {{files: {json.dumps([str(f) for f in files])}, "
                                        f"files_per_chunk: 1}}\n")
     storage = KilnStorage(**_storage_config(root))
-    res = resources(storage=storage, tokenizer_settings=TokenizerSettings(sample_lines=50_000))
+    res = resources(storage=storage, tokenizer_settings=TokenizerSettings(**tokenizer))
     defs = build_definitions(res)
     (root / "home").mkdir()
     (root / "home" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
@@ -170,13 +175,14 @@ def _timed(command: list[str]) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def measure(bench: Bench, corpus_bytes: int, rounds: int, step_mibs: list[float]) -> None:
+def measure(bench: Bench, corpus_bytes: int, rounds: int, step_mibs: list[float], chunks: int = CHUNKS,
+            tokenizer: dict = FULL_TOKENIZER) -> None:
     with tempfile.TemporaryDirectory(prefix="kiln-chunks-bench-") as tmp:
         root = Path(tmp)
         (root / "corpus").mkdir()
-        files = write_corpus(root / "corpus", corpus_bytes)
+        files = write_corpus(root / "corpus", corpus_bytes, chunks)
         size = sum(f.stat().st_size for f in files)
-        keys = prepare(root, files)
+        keys = prepare(root, files, tokenizer)
         model = root / "data" / "tokenizer" / "kiln.model"
         commands = {"reference": [sys.executable, "-m", "training.cli", "preprocess", "--tokenizer-model", str(model),
                                   "--output-prefix", str(root / "single" / "corpus"), "--append-eod",
@@ -223,8 +229,8 @@ def measure(bench: Bench, corpus_bytes: int, rounds: int, step_mibs: list[float]
 def run(bench: Bench) -> None:
     from assets.data import ChunkStepConfig
 
-    if bench.smoke:  # 16 chunks of 128 KiB, one round
-        measure(bench, 2 << 20, 1, [0.0, ChunkStepConfig().step_mib])
+    if bench.smoke:
+        measure(bench, step_mibs=[0.0, ChunkStepConfig().step_mib], **SMOKE)
     else:
         measure(bench, 256 << 20, 2, [0.0, ChunkStepConfig().step_mib])
 

@@ -55,7 +55,9 @@ ASSET_TABS = {"checkpoint": ("overview", "partitions", "events", "checks", "line
 # docs/long-runs.md: every tab under 2 s and under 2x the first level's; the commands under 1 s and 200 MB
 UI_TARGETS = (at_most(2.0, of="value"), at_most(2.0))
 COMMAND_TARGET, MEGABYTES_TARGET = at_most(1.0, of="value"), at_most(200, of="value")
-SMOKE = {"levels": [1, 2], "raw_files": 10}
+# a smoke run: two small levels, the commands timed at the second only, one tab of each asset
+SMOKE = {"levels": [1, 2], "raw_files": 10, "command_levels": [2],
+         "tabs": {"checkpoint": ("partitions",), "raw_corpus": ("events",), "token_shards": ("checks",)}}
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}  # the events are stored all the same
 
 
@@ -252,7 +254,7 @@ def _page_load_seconds(page, url: str) -> float:
     return (max(finished) if finished else time.perf_counter()) - started
 
 
-def _ui_loads(urls: list[str], rounds: int) -> list[dict[str, float]]:
+def _ui_loads(urls: list[str], rounds: int, asset_tabs: dict = ASSET_TABS) -> list[dict[str, float]]:
     """Each tab's load time on each server (best of ``rounds``), the servers' loads alternating tab by tab
     and round by round so that a slow moment of the shared machine falls on both."""
     from playwright.sync_api import sync_playwright
@@ -263,7 +265,7 @@ def _ui_loads(urls: list[str], rounds: int) -> list[dict[str, float]]:
         pages = [browser.new_page(viewport={"width": 1600, "height": 1000}) for _ in urls]
         for page, url in zip(pages, urls):  # warm-up (and the first-visit dialog)
             page.goto(f"{url}/assets/checkpoint", wait_until="networkidle", timeout=180_000)
-        for asset, tabs in ASSET_TABS.items():
+        for asset, tabs in asset_tabs.items():
             for tab in tabs:
                 for _ in range(rounds):
                     for page, url, measured in zip(pages, urls, loads):
@@ -362,7 +364,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def measure(bench: Bench, work: Path, levels: list[int], raw_files: int, ui: bool, ui_rounds: int) -> None:
+def measure(bench: Bench, work: Path, levels: list[int], raw_files: int, ui: bool, ui_rounds: int,
+            command_levels: list[int] | None = None, tabs: dict = ASSET_TABS) -> None:
+    """The levels built (or found), then at each the instance, the commands (at ``command_levels`` only, if given)
+    and the UI's ``tabs`` against the first level's."""
     workspace = work / "workspace.yaml"
     work.mkdir(parents=True, exist_ok=True)
     workspace.write_text("load_from:\n  - python_module:\n      module_name: pipelines.definitions\n"
@@ -380,9 +385,10 @@ def measure(bench: Bench, work: Path, levels: list[int], raw_files: int, ui: boo
         home = level_dir / "dagster_home"
         pages[level] = _sqlite_pages(home)
         bench.report(f"[{level:,} ckpt] instance size", _dir_bytes(home) / 1e6, "MB")
-        _measure_commands(bench, level, level_dir, env, home)
+        if command_levels is None or level in command_levels:
+            _measure_commands(bench, level, level_dir, env, home)
         if ui and level != levels[0]:
-            _measure_ui(bench, levels[0], level, level_env(dirs[levels[0]]), env, workspace, work, ui_rounds)
+            _measure_ui(bench, levels[0], level, level_env(dirs[levels[0]]), env, workspace, work, ui_rounds, tabs)
     _report_growth(bench, levels, pages)
 
 
@@ -428,14 +434,14 @@ def _measure_commands(bench: Bench, level: int, level_dir: Path, env: dict, home
 
 
 def _measure_ui(bench: Bench, reference_level: int, level: int, reference_env: dict, env: dict, workspace: Path,
-                work: Path, ui_rounds: int) -> None:
+                work: Path, ui_rounds: int, tabs: dict) -> None:
     """Each UI tab's load time at ``level`` checkpoints against the first level's instance, served next to it and
     loaded alternately."""
     servers = [Webserver(reference_env, workspace, work / "webserver_ref.log"),
                Webserver(env, workspace, work / f"webserver_{level}.log")]
     try:
         with LoadWatch() as watch:  # the browser and both webservers
-            reference, loads = _ui_loads([server.url for server in servers], ui_rounds)
+            reference, loads = _ui_loads([server.url for server in servers], ui_rounds, tabs)
     finally:
         for server in servers:
             server.stop()
@@ -461,7 +467,7 @@ def run(bench: Bench) -> None:
     directory. The UI part needs Debian's Chromium (`make chromium`)."""
     ui = Path("/usr/bin/chromium").exists()
     if bench.smoke:
-        measure(bench, bench.work / "lineage_scale", SMOKE["levels"], SMOKE["raw_files"], ui, ui_rounds=1)
+        measure(bench, bench.work / "lineage_scale", ui=ui, ui_rounds=1, **SMOKE)
     else:
         measure(bench, PROJECT_ROOT / ".kiln" / "bench_lineage_scale", [10, 1000, 10_000], 10_000, ui, ui_rounds=3)
 

@@ -91,13 +91,13 @@ def run_preprocess(corpus: Path, model: Path, out: Path) -> tuple[float, int, in
 
 
 def measure(bench: Bench, corpus_gib: float, reference_mib: float, work: Path, source_bytes: int,
-            sample_lines: int) -> None:
+            sample_lines: int, vocab_size: int = 4096) -> None:
     from assets.builtin_corpus import write_builtin_source
     from resources.tokenizer import TokenizerSettings
     from training.data.corpus import iter_texts
 
     source = write_builtin_source("python_stdlib_code", work / "source", source_bytes)
-    settings = TokenizerSettings(vocab_size=4096, sample_lines=sample_lines)
+    settings = TokenizerSettings(vocab_size=vocab_size, sample_lines=sample_lines)
     settings.train((text for path in source for text in iter_texts(path)), work / "tokenizer")
     ram = ram_bytes()
     print(f"RAM {ram / 2**30:.1f} GiB; corpus {corpus_gib:.2f} GiB vs reference {reference_mib:.0f} MiB; "
@@ -121,7 +121,8 @@ def measure(bench: Bench, corpus_gib: float, reference_mib: float, work: Path, s
 
 def run(bench: Bench) -> None:
     if bench.smoke:
-        measure(bench, 8 / 1024, 2, bench.work / "preprocess_memory", 2 << 20, 5_000)
+        # 1 MiB against 256 KiB, a tokenizer of 512 pieces on a few lines
+        measure(bench, 1 / 1024, 0.25, bench.work / "preprocess_memory", 256 << 10, 2_000, vocab_size=512)
     else:
         with tempfile.TemporaryDirectory(prefix="kiln-preprocess-memory-") as tmp:
             measure(bench, ram_bytes() / 4 * 1.05 / 2**30, 600, Path(tmp), 64 << 20, 50_000)
