@@ -229,11 +229,6 @@ class RequestScorer:
         self.losses = TargetLosses(model, compiled)
         self.max_length = max_length
         self.widths = row_widths(max_length)
-        self.forwards = 0
-
-    def loglikelihoods(self, requests: EncodedRequests) -> np.ndarray:
-        ((_, result, _),) = self.score([(None, requests)])
-        return result
 
     def score(self, tasks):
         """For each ``(key, EncodedRequests)`` of ``tasks``: ``(key, per-request log-likelihoods, seconds)`` in
@@ -283,7 +278,6 @@ class RequestScorer:
                              rows, targets)
         losses = self.losses(*(Tensor(x) for x in (batch.input_ids, batch.position_ids, batch.attention_mask,
                                                    batch.target_index, batch.target_labels))).asnumpy()
-        self.forwards += 1
         seconds = (time.perf_counter() - started) / len(waiting)
         offsets = np.cumsum([0] + [sum(g.targets for g in groups) for _, _, groups in waiting])
         for (position, _, _), first, end in zip(waiting, offsets[:-1], offsets[1:]):
