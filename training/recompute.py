@@ -18,7 +18,9 @@ drew its masks (the same masks), and the MoE token counts of the second run are 
 Compiled (``mindspore.jit``): not yet. A run that recomputes steps eagerly (``RECOMPUTE_IS_EAGER``, the reason the
 trainer logs): the Cell above cannot run in a graph, whose custom backward may not read Parameters, and MindSpore's
 own graph recompute (``Cell.recompute``, ``mindspore.recompute``) does not reach into the model's hand-written
-backward Cells (RMSNorm, softmax), whose kept inputs are most of a layer's activations.
+backward Cells (RMSNorm, softmax), whose kept inputs are most of a layer's activations. With the decoder layers as
+shared lazy_inline graphs, ``Cell.recompute()`` on them does re-run their products in the compiled backward (242
+MatMul nodes instead of 202) but leaves the step's peak RSS where it was (``benchmarks/graph_recompute_probe.py``).
 """
 from __future__ import annotations
 
