@@ -60,6 +60,28 @@ class TrainingRunConfig(dg.Config):
         "training.max_consecutive_skipped_steps, is never retried"))
     retry_delay_s: float = Field(default=60.0, description="seconds between a failed launch and its retry")
 
+# the blend manifest is the one place these are set (BlendConfig): the YAML may repeat a value, not change it
+FROM_MANIFEST = {"train_dataset.dataloader.config.seq_length": "seq_length",
+                 "train_dataset.dataloader.config.split": "split",
+                 "train_dataset.dataloader.config.seed": "seed", "model.seq_length": "seq_length"}
+
+
+def _refuse_manifest_conflicts(source: str, data: dict, overrides: list, manifest: dict, storage: KilnStorage) -> None:
+    """A value of FROM_MANIFEST in the YAML or the overrides that differs from the manifest's fails the run, naming
+    where it was set and the two ways out."""
+    unset = object()
+    for where, settings in [(source, data), ("training_run config overrides", apply_overrides({}, overrides))]:
+        for key, name in FROM_MANIFEST.items():
+            value = settings
+            for part in key.split("."):
+                value = value.get(part, unset) if isinstance(value, dict) else unset
+            if value is not unset and value != manifest[name]:
+                raise dg.Failure(
+                    f"{where}: {key} is {value!r}, but the blend manifest {storage.manifest_path()} was built with "
+                    f"{name} {manifest[name]!r}, and training takes {name} from the manifest: drop {key} from "
+                    f"{where}, or re-materialize blend_manifest with config {name}: {value!r}")
+
+
 def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_target: str, manifest: dict
                            ) -> tuple[dict, Path]:
     """The user's YAML with Kiln's wiring: data, seq_length, split and seed from the blend ``manifest``
@@ -75,21 +97,7 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
         data = read_config(source)  # duplicate keys and alias bombs refused, as when training reads it
     except ConfigError as exc:
         raise dg.Failure(str(exc)) from None
-    # the blend manifest is the one place these are set (BlendConfig): the YAML may repeat a value, not change it
-    from_manifest = {"train_dataset.dataloader.config.seq_length": "seq_length",
-                     "train_dataset.dataloader.config.split": "split",
-                     "train_dataset.dataloader.config.seed": "seed", "model.seq_length": "seq_length"}
-    unset = object()
-    for where, settings in [(str(source), data), ("training_run config overrides", apply_overrides({}, cfg.overrides))]:
-        for key, name in from_manifest.items():
-            value = settings
-            for part in key.split("."):
-                value = value.get(part, unset) if isinstance(value, dict) else unset
-            if value is not unset and value != manifest[name]:
-                raise dg.Failure(
-                    f"{where}: {key} is {value!r}, but the blend manifest {storage.manifest_path()} was built with "
-                    f"{name} {manifest[name]!r}, and training takes {name} from the manifest: drop {key} from "
-                    f"{where}, or re-materialize blend_manifest with config {name}: {value!r}")
+    _refuse_manifest_conflicts(str(source), data, cfg.overrides, manifest, storage)
     run_dir = storage.run_dir(cfg.run_name)
     save_path = run_dir / "checkpoints"
     special = manifest["tokenizer"]["special_ids"]
@@ -110,7 +118,7 @@ def render_training_config(cfg: TrainingRunConfig, storage: KilnStorage, device_
         "train_dataset.dataloader.config.data_path": training_data_path(manifest, storage.root),
         "train_dataset.dataloader.config.eod": special["eod"],
         "train_dataset.dataloader.config.pad": special["pad"],
-        **{key: manifest[name] for key, name in from_manifest.items()},
+        **{key: manifest[name] for key, name in FROM_MANIFEST.items()},
         "train_dataset.dataloader.config.path_to_cache": str(run_dir / "index_cache"),
         "checkpoint.save_path": str(save_path),
         "checkpoint.load_path": load_path,
