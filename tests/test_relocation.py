@@ -59,7 +59,7 @@ def test_a_copied_tree_trains_into_itself_on_its_own_data_and_audits_against_its
     capsys.readouterr()
     assert kiln(["audit", str(again / "runs" / "r" / "checkpoints" / "iteration_00000001")]) == 0
     report = capsys.readouterr().out
-    assert f"ok        shard       shards/s.bin" in report and str(again / "runs" / "r" / "config-") in report
+    assert "ok        shard       shards/s.bin" in report and str(again / "runs" / "r" / "config-") in report
     assert "copy" not in report.replace(str(again), "") and "missing" not in report
     # and evaluates on the copy's data, found by the roots; with --data-root, on the data root given
     checkpoint = again / "runs" / "r" / "checkpoints" / "iteration_00000001"
