@@ -21,7 +21,7 @@ from training.model import register_model
 from training.model.dropout import Dropout
 from training.model.gpt import GPTConfig
 from training.model.layers import Init, Linear, MaxLogitTracker, RotaryEmbedding, apply_rotary, cast
-from training.model.spec import ModuleSpec, build_module
+from training.model.spec import ModuleSpec, build_module, check_tensor_parallel
 
 
 class LayerNorm(nn.Cell):
@@ -78,8 +78,10 @@ class MultiHeadAttention(nn.Cell):
         return self.linear_proj(out.transpose(0, 2, 1, 3).reshape(batch, seq, self.num_heads * self.head_dim))
 
     # ---- this model's own parallel plan ----
-    def check_tensor_parallel(self, tp) -> None:
-        tp.require_divisible(self.num_heads, "model.num_attention_heads", "q, k and v are split by whole heads")
+    @staticmethod
+    def check_tensor_parallel(config, tp) -> None:
+        tp.require_divisible(config.num_attention_heads, "model.num_attention_heads",
+                             "q, k and v are split by whole heads")
 
     def parallelize_tensor(self, tp) -> None:
         """q, k and v column-parallel (their biases with them), the output projection row-parallel."""
@@ -105,8 +107,9 @@ class SiLUMLP(nn.Cell):
     def construct(self, x: Tensor) -> Tensor:
         return self.linear_fc2(ops.silu(self.linear_fc1(x)))
 
-    def check_tensor_parallel(self, tp) -> None:
-        tp.require_divisible(self.ffn, "model.intermediate_size", "linear_fc1/linear_fc2 split it")
+    @staticmethod
+    def check_tensor_parallel(config, tp) -> None:
+        tp.require_divisible(config.intermediate_size, "model.intermediate_size", "linear_fc1/linear_fc2 split it")
 
     def parallelize_tensor(self, tp) -> None:
         tp.column_parallel(self.linear_fc1)
@@ -129,9 +132,10 @@ class PlainLayer(nn.Cell):
         x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), cos, sin, mask))
         return x + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
-    def check_tensor_parallel(self, tp) -> None:
-        self.self_attention.check_tensor_parallel(tp)
-        self.mlp.check_tensor_parallel(tp)
+    @staticmethod
+    def check_tensor_parallel(config, tp, self_attention: ModuleSpec, mlp: ModuleSpec) -> None:
+        check_tensor_parallel(self_attention, config, tp)
+        check_tensor_parallel(mlp, config, tp)
 
     def parallelize_tensor(self, tp) -> None:
         """The norms stay whole; under sequence parallelism they run on the sequence shard."""

@@ -116,10 +116,10 @@ LAYOUTS = {
                           r"tensor_parallel 3 × pipeline_parallel 1 × context_parallel 1 = 3 does not divide the 2 "
                           r"workers"),
     "tp 2 with 1 KV head": (([*TP2, "model.num_key_value_heads=1"], 2),
-                            r"parallelism\.tensor_parallel 2 does not divide model\.num_key_value_heads 1 \(1 % 2 = "
-                            r"1\): linear_qkv is split by whole query groups"),
+                            r"parallelism\.tensor_parallel \(2\) must divide model\.num_key_value_heads \(1\): "
+                            r"linear_qkv is split by whole query groups"),
     "tp 2 with an odd vocabulary": (([*TP2, "model.vocab_size=511"], 2),
-                                    r"does not divide model\.vocab_size 511 \(511 % 2 = 1\)"),
+                                    r"must divide model\.vocab_size \(511\)"),
     "interleave 2 on 2 layers": ((INTERLEAVED, 2),
                                  r"'auto' splits the 2 decoder layers equally over pipeline_parallel 2 × "
                                  r"pipeline_parallel_interleave_num 2 = 4 virtual stages"),
@@ -151,7 +151,7 @@ LAYOUTS = {
                                        r"training\.global_batch_size=6 is not divisible by training\.local_batch_size=2 "
                                        r"× data_parallel=2"),
     "two layout mistakes at once": (([*TP2, "model.num_key_value_heads=1", "parallelism.expert_parallel=2"], 2),
-                                    r"num_key_value_heads 1.*\n.*expert_parallel is 2"),
+                                    r"num_key_value_heads \(1\).*\n.*expert_parallel is 2"),
 }
 
 

@@ -185,6 +185,7 @@ def check_layout(config, model, workers: int):
     from training.parallel.expert_parallel import check_expert_parallel
     from training.parallel.mesh import ParallelDims
     from training.parallel.pipeline import pipeline_problems
+    from training.parallel.tensor_parallel import tensor_parallel_problems
 
     p, problems = config.parallelism, []
 
@@ -197,7 +198,7 @@ def check_layout(config, model, workers: int):
 
     dims = attempt(lambda: ParallelDims.from_config(p, workers))
     micro_batches = attempt(lambda: dims.check_batch(config.training)) if dims else None
-    problems += _tensor_parallel_problems(p.tensor_parallel, p.sequence_parallel, model)
+    problems += tensor_parallel_problems(model, p.tensor_parallel, p.sequence_parallel)
     if p.pipeline_parallel > 1:
         problems += pipeline_problems(config, model.num_hidden_layers, micro_batches)
     elif p.pipeline_parallel_interleave_num > 1:
@@ -211,30 +212,6 @@ def check_layout(config, model, workers: int):
     if problems:
         raise ConfigError(*problems)
     return dims
-
-
-def _tensor_parallel_problems(tp: int, sequence_parallel: bool, model) -> list[str]:
-    """What tensor parallelism of degree ``tp`` cannot cut in ``model``: each width it splits must divide."""
-    if tp == 1:
-        return []
-    multi_latent = getattr(model, "kv_lora_rank", None) is not None
-    dense = not model.has_moe or any(not model.is_moe_layer(i) for i in range(model.num_hidden_layers))
-    widths = [("model.vocab_size", model.vocab_size, "each rank holds an equal slice of the vocabulary"),
-              ("model.num_attention_heads", model.num_attention_heads, "each rank computes whole heads")]
-    if not multi_latent:
-        widths.append(("model.num_key_value_heads", model.num_key_value_heads,
-                       "linear_qkv is split by whole query groups, each rank holding its own K/V heads"))
-    if dense:
-        widths.append(("model.intermediate_size", model.intermediate_size, "linear_fc1/linear_fc2 split it"))
-    if sequence_parallel:
-        widths.append(("model.seq_length", model.seq_length,
-                       "sequence parallelism gives each rank an equal part of every sequence"))
-    problems = [f"parallelism.tensor_parallel {tp} does not divide {field} {count} ({count} % {tp} = "
-                f"{count % tp}): {why}" for field, count, why in widths if count % tp]
-    if multi_latent and not model.q_lora_rank:
-        problems.append("model.q_lora_rank is unset: tensor-parallel MLA needs the query compression (linear_qb "
-                        "splits the heads), as in MindFormers")
-    return problems
 
 
 class LaunchFailed(RuntimeError):

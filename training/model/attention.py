@@ -51,8 +51,10 @@ class SelfAttention(nn.Cell):
     def mask_repeats(config) -> int:
         return config.num_attention_heads // config.num_key_value_heads
 
-    def check_tensor_parallel(self, tp) -> None:
-        tp.require_divisible(self.num_groups, "model.num_key_value_heads", "linear_qkv is split by whole query groups")
+    @staticmethod
+    def check_tensor_parallel(config, tp) -> None:
+        tp.require_divisible(config.num_key_value_heads, "model.num_key_value_heads",
+                             "linear_qkv is split by whole query groups")
 
     def parallelize_tensor(self, tp) -> None:
         """Tensor parallelism: ``linear_qkv`` column-parallel by whole KV groups (its rows are grouped per group),

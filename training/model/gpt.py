@@ -16,14 +16,14 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from training.config import ConfigError, Section, require
+from training.config import Section, require
 from training.model import ascend
 from training.model.dropout import Dropout, MaskStream
 from training.model.layers import (DTYPE_FIELDS, DTYPES, Init, LanguageModelEmbedding, Linear, RotaryEmbedding,
                                    additive_mask, causal_mask, cast, token_cross_entropy)
 from training.model.moe import MoELayer
 from training.model.mtp import MultiTokenPredictionBlock
-from training.model.spec import ModuleSpec
+from training.model.spec import ModuleSpec, check_tensor_parallel
 from training.model.transformer import TransformerBlock, TransformerLayer, run_layer
 
 
@@ -84,6 +84,21 @@ class GPTConfig(Section):
     def dtype(self, name: str):
         """The MindSpore dtype of the precision field ``name``."""
         return DTYPES[getattr(self, name)]
+
+    def check_tensor_parallel(self, tp) -> None:
+        """What tensor parallelism ``tp`` (training.parallel.tensor_parallel.TensorParallelRequirements) needs of
+        the model this config builds: the vocabulary and sequence here, each layer's modules from their specs
+        (the MTP layers reuse the last decoder layer's). Nothing is built: a launch asks before msrun starts."""
+        tp.require_divisible(self.vocab_size, "model.vocab_size", "each rank holds an equal slice of the vocabulary")
+        if tp.sequence_parallel:
+            tp.require_divisible(self.seq_length, "model.seq_length",
+                                 "sequence parallelism gives each rank an equal part of every sequence")
+        elif self.hidden_dropout > 0:
+            tp.refuse(f"model.hidden_dropout ({self.hidden_dropout}) with tensor parallelism needs "
+                      "parallelism.sequence_parallel: true: without it every tp rank holds the same activations and "
+                      "would drop different elements of them")
+        for spec in self.decoder_layer_specs():
+            check_tensor_parallel(spec, self, tp)
 
     # ---- what a family supplies ----
     has_moe = False
@@ -308,19 +323,8 @@ class GPTModel(nn.Cell):
 
     # ---- parallel plan: how each parallelism of training.parallel cuts this model -------------------------
     def check_tensor_parallel(self, tp) -> None:
-        """What tensor parallelism (``tp``: training.parallel.tensor_parallel.TensorParallel) needs of this model
-        and of each transformer layer, refused naming the fields."""
-        c = self.config
-        tp.require_divisible(c.vocab_size, "model.vocab_size", "each rank holds an equal slice of the vocabulary")
-        if tp.sequence_parallel:
-            tp.require_divisible(c.seq_length, "model.seq_length",
-                                 "sequence parallelism gives each rank an equal part of every sequence")
-        elif c.hidden_dropout > 0:
-            raise ConfigError(f"model.hidden_dropout ({c.hidden_dropout}) with tensor parallelism needs "
-                              "parallelism.sequence_parallel: true: without it every tp rank holds the same "
-                              "activations and would drop different elements of them")
-        for _, layer in self.transformer_layers():
-            layer.check_tensor_parallel(tp)
+        """What tensor parallelism needs of this model: its config says (GPTConfig.check_tensor_parallel)."""
+        self.config.check_tensor_parallel(tp)
 
     def parallelize_tensor(self, tp) -> None:
         """Tensor parallelism's cut: the vocabulary rows of the embedding and of the output layer (a tied output

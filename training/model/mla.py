@@ -14,7 +14,6 @@ import math
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from training.config import ConfigError
 from training.model import ascend
 from training.model.attention import SelfAttention
 from training.model.layers import Init, Linear, MaxLogitTracker, RMSNorm, Softmax, apply_rotary
@@ -120,11 +119,12 @@ class MLASelfAttention(nn.Cell):
             out = self._causal_attention(q, k, v, mask).squeeze(2)
         return self.linear_proj(merge_heads(out))
 
-    def check_tensor_parallel(self, tp) -> None:
-        tp.require_divisible(self.num_heads, "model.num_attention_heads", "MLA splits the heads")
-        if not self.q_lora:
-            raise ConfigError("model.q_lora_rank is unset: tensor-parallel MLA needs the query compression "
-                              "(linear_qb splits the heads), as in MindFormers")
+    @staticmethod
+    def check_tensor_parallel(config, tp) -> None:
+        tp.require_divisible(config.num_attention_heads, "model.num_attention_heads", "MLA splits the heads")
+        if not config.q_lora_rank:
+            tp.refuse("model.q_lora_rank is unset: tensor-parallel MLA needs the query compression (linear_qb "
+                      "splits the heads), as in MindFormers")
 
     def parallelize_tensor(self, tp) -> None:
         """Tensor parallelism splits the heads: ``linear_qb`` and ``linear_kvb`` column-parallel, ``linear_proj``

@@ -345,7 +345,8 @@ class MoELayer(nn.Cell):
         return (fraction * mean_probs).sum(-1).mean() * self.aux_coeff * self.aux_loss_share
 
     # ---- parallel plan ----
-    def check_tensor_parallel(self, tp) -> None:
+    @staticmethod
+    def check_tensor_parallel(config, tp, **submodules) -> None:
         """Nothing to require: tensor parallelism cuts nothing here."""
 
     def parallelize_tensor(self, tp) -> None:

@@ -19,3 +19,11 @@ class ModuleSpec:
 def build_module(spec: ModuleSpec, init, config, **kwargs):
     """Instantiate ``spec.module`` with its submodule specs and params (``kwargs`` add call-site ones)."""
     return spec.module(init, config, **spec.submodules, **spec.params, **kwargs)
+
+
+def check_tensor_parallel(spec: ModuleSpec, config, tp) -> None:
+    """What tensor parallelism ``tp`` (training.parallel.tensor_parallel.TensorParallelRequirements) needs of the
+    module ``spec`` would build, asked of its class with the same arguments, so nothing is built: each class's
+    static ``check_tensor_parallel(config, tp, **submodule_specs, **params)`` sits beside the
+    ``parallelize_tensor`` that makes the cuts it checks."""
+    spec.module.check_tensor_parallel(config, tp, **spec.submodules, **spec.params)

@@ -6,7 +6,7 @@ from mindspore import Tensor, lazy_inline, nn, ops
 from training.model.dropout import Dropout
 from training.model.layers import Init, Linear, RMSNorm
 from training.model.moe import MoELayer
-from training.model.spec import ModuleSpec, build_module
+from training.model.spec import ModuleSpec, build_module, check_tensor_parallel
 
 
 class MLP(nn.Cell):
@@ -30,8 +30,10 @@ class MLP(nn.Cell):
         # silu written out: its backward then reuses the forward's sigmoid, where ops.silu's recomputes it
         return self.linear_fc2(gate * ops.sigmoid(gate) * up)
 
-    def check_tensor_parallel(self, tp) -> None:
-        tp.require_divisible(self.ffn, "model.intermediate_size", "linear_fc1/linear_fc2 split it")
+    @staticmethod
+    def check_tensor_parallel(config, tp, ffn_size: int | None = None) -> None:
+        tp.require_divisible(ffn_size or config.intermediate_size, "model.intermediate_size",
+                             "linear_fc1/linear_fc2 split it")
 
     def parallelize_tensor(self, tp) -> None:
         """Tensor parallelism: fc1 column-parallel (a rank's rows hold whole gate/up pairs), fc2 row-parallel."""
@@ -73,9 +75,10 @@ class TransformerLayer(nn.Cell):
         out, routing = self.mlp(self.pre_mlp_layernorm(x))
         return x + self.hidden_dropout(out), routing
 
-    def check_tensor_parallel(self, tp) -> None:
-        self.self_attention.check_tensor_parallel(tp)
-        self.mlp.check_tensor_parallel(tp)
+    @staticmethod
+    def check_tensor_parallel(config, tp, self_attention: ModuleSpec, mlp: ModuleSpec) -> None:
+        check_tensor_parallel(self_attention, config, tp)
+        check_tensor_parallel(mlp, config, tp)
 
     def parallelize_tensor(self, tp) -> None:
         """Tensor parallelism: the attention's and the MLP's own cuts; the norms stay whole."""

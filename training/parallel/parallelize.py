@@ -3,8 +3,11 @@ model's layers are cut for tensor parallelism first, its attention split along t
 parallelism, then its state is sharded over the data-parallel (and context-parallel) ranks.
 
 The code here is generic: the model says how each parallelism cuts it, as torchtitan's ``parallelize_<model>``
-does (Kiln's GPTModel and its modules in training/model; tests/third_model.py shows a model of its own):
+does (Kiln's GPTModel and its modules in training/model; tests/plain_gpt.py shows a model of its own):
 
+- ``check_tensor_parallel(tp)``: what tensor parallelism cannot split, named (``require_divisible``, ``refuse``);
+  Kiln's models answer from their config alone, each module class for the specs it builds, so a launch asks the
+  config before msrun starts (``tensor_parallel_problems``) what the built model is asked again;
 - ``parallelize_tensor(tp)``, ``parallelize_experts(ep)``, ``parallelize_context(cp)``: the model's cut, each
   module's its own, with the tools ``TensorParallel``, ``ExpertParallel`` and ``ContextParallelPlan`` hand it;
 - ``sharding_units(pipelined)``: what FSDP gathers as one, outermost first; ``unit_entry_points(unit)``: the

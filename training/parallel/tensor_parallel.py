@@ -92,16 +92,45 @@ class VocabParallelCrossEntropy(nn.Cell):
         return ops.log(sums[0]) - sums[1]
 
 
-class TensorParallel:
+class TensorParallelRequirements:
+    """What a model's ``check_tensor_parallel(tp)`` asks of a tensor-parallel degree: ``require_divisible`` and
+    ``refuse`` gather every problem, so one error names them all. A model answers from its config alone (its
+    modules' classes check the widths their specs would build), so a launch checks a layout before any model
+    or collective exists (``tensor_parallel_problems``)."""
+
+    def __init__(self, size: int, sequence_parallel: bool):
+        self.size, self.sequence_parallel = size, sequence_parallel
+        self.problems: list[str] = []
+
+    def require_divisible(self, count: int, field: str, what: str) -> None:
+        if count % self.size:
+            self.refuse(f"parallelism.tensor_parallel ({self.size}) must divide {field} ({count}): {what}")
+
+    def refuse(self, problem: str) -> None:
+        if problem not in self.problems:  # layers built from one spec ask the same
+            self.problems.append(problem)
+
+
+def tensor_parallel_problems(model_config, size: int, sequence_parallel: bool) -> list[str]:
+    """What tensor parallelism of degree ``size`` cannot split in the model ``model_config`` describes (empty: it
+    can), from the config's own ``check_tensor_parallel``, without building the model."""
+    if size == 1:
+        return []
+    requirements = TensorParallelRequirements(size, sequence_parallel)
+    model_config.check_tensor_parallel(requirements)
+    return requirements.problems
+
+
+class TensorParallel(TensorParallelRequirements):
     """What a model's tensor-parallel plan cuts with over the tp ``group``: the cuts (each recording the parameter's
     layout over the world), the collectives around column- and row-parallel linears (``enter``, ``leave``: one
     Cell for every call site, as they hold no state, so ``comm.for_graph`` switches them all at once), and the
     record of replicated parameters applied to this rank's heads only. The model's ``check_tensor_parallel(tp)``
-    refuses what it cannot split (``require_divisible``), then its ``parallelize_tensor(tp)`` cuts."""
+    names what it cannot split (``require_divisible``, ``refuse``), then its ``parallelize_tensor(tp)`` cuts."""
 
     def __init__(self, mesh: DeviceMesh, group: Group, sequence_parallel: bool):
-        self.group, self.size, self.rank = group, group.size, group.rank
-        self.sequence_parallel = sequence_parallel
+        super().__init__(group.size, sequence_parallel)
+        self.group, self.rank = group, group.rank
         self.world = mesh.dims.world
         self.tp_index_of_rank = tuple(mesh.dims.coords(r)["tp"] for r in range(self.world))
         self.layouts: dict[str, TensorLayout] = {}
@@ -118,10 +147,6 @@ class TensorParallel:
         """Out of a row-parallel linear: the partial outputs reduce-scattered onto the sequence shards, or summed."""
         return (comm.ReduceScatter(self.group, SEQUENCE_DIM) if self.sequence_parallel
                 else comm.ReduceFromGroup(self.group))
-
-    def require_divisible(self, count: int, field: str, what: str) -> None:
-        if count % self.size:
-            raise ConfigError(f"parallelism.tensor_parallel ({self.size}) must divide {field} ({count}): {what}")
 
     def cut(self, cell: nn.Cell, attr: str, dim: int) -> None:
         """Replace ``cell.<attr>`` by this rank's chunk along ``dim`` (a new Parameter of the same name)."""
@@ -172,6 +197,8 @@ def apply_tensor_parallel(model: nn.Cell, mesh: DeviceMesh, sequence_parallel: b
     tp = TensorParallel(mesh, group, sequence_parallel and group.size > 1)  # a group of one holds whole sequences
     if group.size > 1:
         model.check_tensor_parallel(tp)
+        if tp.problems:
+            raise ConfigError(*tp.problems)
         model.parallelize_tensor(tp)
     layouts = {p.name: tp.layouts.get(p.name, TensorLayout.replicated(tuple(p.shape), tp.world))
                for p in model.get_parameters()}
