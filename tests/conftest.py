@@ -127,6 +127,7 @@ SLOW_TESTS = frozenset({
     "test_monitor.py::test_every_train_state_option_lands_in_the_step_record",
     "test_monitor.py::test_profiler_runs_over_its_window_on_rank_0",
     "test_optim.py::test_tiny_model_memorizes_a_batch",
+    "test_recompute.py::test_compiled_recompute_trains_bit_identically_and_resumes",  # 52 (6 compiled trainers)
     "test_recompute.py::test_deepseek_v3_recomputing_its_moe_and_mtp_layers_trains_bit_identically",
     "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[full]",
     "test_recompute.py::test_eager_recompute_trains_bit_identically_with_dropout_and_resumes[layer1]",

@@ -3,10 +3,13 @@ import json
 
 import numpy as np
 import pytest
+import yaml
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT
-from training.config import ConfigError, layer_indices, load_config
+from training.config import ConfigError, RecomputeConfig, layer_indices, load_config
+from training.model import build_model
 from training.parallel.mesh import World
+from training.recompute import compiled_recompute_problems
 from training.reporting import Reporter
 from training.step import configure_runtime
 from training.trainer import Trainer
@@ -57,7 +60,46 @@ def test_eager_recompute_trains_bit_identically_with_dropout_and_resumes(tmp_pat
     assert [r["loss"] for r in records(tmp_path / "resumed")] == [r["loss"] for r in records(tmp_path / "plain")][2:]
 
 
-def test_a_run_asking_to_compile_recomputes_eagerly_and_says_why(tmp_path, shard):
+def test_compiled_recompute_trains_bit_identically_and_resumes(tmp_path, shard):
+    """The compiled step recomputing whole layers (its own backward, training.recompute.RecomputedLayers), with
+    gradient accumulation (2 micro-batches), against the plain compiled step: every layer in the whole-step graph
+    (and a resume), the first layer in the forward+backward graph (clip and update eager: local norms read)."""
+    compiled = "fast_step.compile=true"
+    plain = make_trainer(tmp_path, shard, "plain", compiled)
+    plain.train()
+    every = make_trainer(tmp_path, shard, "every", compiled, *FULL)
+    assert every.compiled_step is not None and every.compiled_step.recomputed is not None, every.step_mode
+    assert "the first 2 decoder layers recomputed in the backward" in every.step_mode
+    every.train()
+    assert_bit_identical(tmp_path, plain, every)
+    resumed = make_trainer(tmp_path, shard, "resumed", compiled, *FULL,
+                           f"checkpoint.load_path={tmp_path / 'every/checkpoints/iteration_00000002'}")
+    resumed.train()
+    assert [r["loss"] for r in records(tmp_path / "resumed")] == [r["loss"] for r in records(tmp_path / "plain")][2:]
+    local_norms = "monitor.train_state.local_norm=true"  # read on the host: clip and update eager
+    plain_outside = make_trainer(tmp_path, shard, "plain_outside", compiled, local_norms)
+    plain_outside.train()
+    first = make_trainer(tmp_path, shard, "first", compiled, local_norms, "recompute.mode=full",
+                         "recompute.full_recompute_layer=1")
+    assert first.compiled_step is None and "the first 1 decoder layers recomputed" in first.step_mode, first.step_mode
+    first.train()
+    assert_bit_identical(tmp_path, plain_outside, first)
+
+
+@pytest.mark.parametrize("model, recompute, pp, problem", [
+    (MICRO_CONFIG, 1, 1, None),
+    (MICRO_CONFIG, ["1"], 1, "recomputes the first n decoder layers"),
+    (MICRO_CONFIG, True, 2, "recompute under pipeline parallelism"),
+    ("tests/configs/deepseek_v3_micro.yaml", 2, 1, "recompute of MoE layers"),  # layer 0 is dense
+    ("tests/configs/deepseek_v3_micro.yaml", True, 1, "(not MTP depths)"),
+], ids=["first-n", "not-first", "pipeline", "moe", "mtp"])
+def test_what_the_compiled_step_recomputes_and_what_it_leaves_to_the_eager_step(model, recompute, pp, problem):
+    section = yaml.safe_load((PROJECT_ROOT / model).read_text())["model"]
+    problems = compiled_recompute_problems(build_model(section), RecomputeConfig("full", recompute), pp)
+    assert (problems == []) if problem is None else any(problem in p for p in problems), problems
+
+
+def test_a_compiled_run_asking_for_selective_recompute_recomputes_eagerly_and_says_why(tmp_path, shard):
     trainer = make_trainer(tmp_path, shard, "compiled", "fast_step.compile=true", *SELECT)
     assert trainer.compiled_step is None and trainer.step_mode.startswith("forward+backward eager"), trainer.step_mode
     assert "recompute.mode = 'select': recompute runs eagerly" in trainer.step_mode

@@ -15,12 +15,19 @@ and their gradient reaches the chunks through the gather's backward. What the fo
 replayed alike, as the pipeline's recomputing backward does: the dropout stream is rewound to where the forward
 drew its masks (the same masks), and the MoE token counts of the second run are dropped.
 
-Compiled (``mindspore.jit``): not yet. A run that recomputes steps eagerly (``RECOMPUTE_IS_EAGER``, the reason the
-trainer logs): the Cell above cannot run in a graph, whose custom backward may not read Parameters, and MindSpore's
-own graph recompute (``Cell.recompute``, ``mindspore.recompute``) does not reach into the model's hand-written
-backward Cells (RMSNorm, softmax), whose kept inputs are most of a layer's activations. With the decoder layers as
-shared lazy_inline graphs, ``Cell.recompute()`` on them does re-run their products in the compiled backward (242
-MatMul nodes instead of 202) but leaves the step's peak RSS where it was (``benchmarks/graph_recompute_probe.py``).
+Compiled (``mindspore.jit``, ``RecomputedLayers``): full recompute of the first n decoder layers. A custom bprop
+Cell cannot run in a graph (its backward may not read Parameters) and MindSpore's own graph recompute
+(``Cell.recompute``) leaves the step's memory where it was (``benchmarks/graph_recompute_probe.py``), so the step
+takes its gradients by hand, in one graph: each recomputed layer is a one-layer pipeline stage (``PipelineStage``;
+the first also embeds) run forward without autodiff, keeping only its input; the rest of the model (the other layers,
+the final norm, the loss) runs under ``value_and_grad``; then, last layer first, each stage runs again under
+``value_and_grad`` of its output's dot product with the gradient received from the stage after it, which gives its
+weights' gradients and the gradient to pass back. The re-run's input waits on that gradient (``ops.depend``):
+without it the graph may run every re-run forward early and keep all of them (measured: more memory than no
+recompute). Same ops on the same values: losses, gradients and weights are bit-identical to the plain compiled step.
+What it does not cover steps eagerly, the reason logged (``compiled_recompute_problems``): selective recompute, layers
+other than a first n (or MTP depths), MoE layers (their routing statistics, kept where the layer runs, would be
+counted twice in one graph) and pipeline parallelism (whose compiled stages recompute already).
 """
 from __future__ import annotations
 
@@ -28,15 +35,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import mindspore as ms
-from mindspore import nn, ops
+from mindspore import ParameterTuple, nn, ops
 
 from training.config import ConfigError, RecomputeConfig, layer_indices
 from training.model.gpt import ReplayState
+from training.model.moe import MoELayer
+from training.parallel.pipeline import _Objective, _Stage, _StageOutput
 
 CORE_ATTENTION = "self_attention.core_attention"
-RECOMPUTE_IS_EAGER = ("recompute runs eagerly: MindSpore 2.10's graph recompute leaves the model's hand-written backward "
-                      "Cells' inputs kept (qwen3_bench, seq 1024, batch 4, full recompute: compiled peak RSS 3.01 -> "
-                      "2.75 GB, eager 2.62 -> 1.28 GB)")
 
 
 @dataclass(frozen=True)
@@ -153,11 +159,91 @@ class _Rerun(nn.Cell):
         return self.forward(*args)
 
 
-def apply_recompute(model, config: RecomputeConfig) -> list[str]:
-    """Make the parts ``config`` names recompute in backward; returns their names."""
+def apply_recompute(model, config: RecomputeConfig, eager: bool) -> list[str]:
+    """Make the parts ``config`` names recompute in an ``eager`` backward; returns their names. A compiled step
+    recomputes them itself (``RecomputedLayers``), so they are left as they are."""
     parts = recomputed_parts(model, config)
     replay = ReplayState(model, [moe for _, moe in model.moe_layers()])
-    for part in parts:
+    for part in parts if eager else ():
         # set past Cell.__setattr__, which would adopt the Cell as a child of the part (its cells and names)
         object.__setattr__(part.cell, "_recompute_cell", _Recompute(part.cell, replay))
     return [part.name for part in parts]
+
+
+def compiled_recompute_problems(model, config: RecomputeConfig, pp: int) -> list[str]:
+    """Why ``config``'s recompute cannot run in the compiled step (``RecomputedLayers``); empty when it can."""
+    if config.mode == "None":
+        return []
+    eager = "recompute runs eagerly"
+    if config.mode != "full":
+        return [f"recompute.mode = {config.mode!r}: {eager}; the compiled step recomputes whole layers (mode full) "
+                f"only"]
+    if pp > 1:
+        return [f"recompute under pipeline parallelism: {eager} (the compiled pipeline stages recompute every stage "
+                f"but the last already)"]
+    decoder = len(model.decoder.layers)
+    layers = sorted(layer_indices(config.full_recompute_layer, "recompute.full_recompute_layer",
+                                  decoder + (len(model.mtp.layers) if model.mtp is not None else 0)))
+    problems = []
+    if layers != list(range(len(layers))) or len(layers) > decoder:
+        problems.append(f"recompute.full_recompute_layer = {config.full_recompute_layer!r}: {eager}; the compiled "
+                        f"step recomputes the first n decoder layers (not MTP depths) only")
+    if any(isinstance(model.decoder.layers[i].mlp, MoELayer) for i in layers if i < decoder):
+        problems.append(f"recompute of MoE layers: {eager} (a recomputed layer's routing statistics would be kept "
+                        f"twice in one graph)")
+    return problems
+
+
+class RecomputedLayers(nn.Cell):
+    """The compiled step's forward and backward with the first ``layers`` decoder layers recomputed (the module's
+    docstring): called as ``mindspore.value_and_grad(ScaledLoss, None, params, has_aux=True)`` is, it returns the
+    scaled loss, the loss and its parts, and the gradients of ``params`` (the step's, in their order). ``scale``
+    is the loss's (``ScaledLoss.scale``)."""
+
+    def __init__(self, model, params: list, scale: float, layers: int):
+        super().__init__(auto_prefix=False)  # the model's parameter names stay its own
+        stages = [_Stage(model, k, layers, range(k, k + 1)) for k in range(layers)]
+        stages.append(_Stage(model, layers, layers, range(layers, model.pipeline_layers)))  # the rest, and the loss
+        self.forwards = nn.CellList([_StageOutput(stage) for stage in stages[:-1]], auto_prefix=False)
+        self.objectives = nn.CellList([_Objective(stage, scale) for stage in stages], auto_prefix=False)
+        self.weights = [ParameterTuple(stage.params) for stage in stages]
+        # each of params' gradient: the sum of its stages' (a tied embedding's: the first stage's and the last's),
+        # the stages counted from the last, in the order the backward reaches them
+        places = {}
+        for k, stage in enumerate(stages):
+            for i, param in enumerate(stage.params):
+                places.setdefault(param.name, []).append((layers - k, i))
+        self.sources = tuple(tuple(places[param.name]) for param in params)
+
+    def construct(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
+        batch = (input_ids, labels, loss_mask, position_ids, attention_mask)
+        inputs = [None]  # each stage's input: all the forward keeps
+        for forward in self.forwards:
+            inputs.append(forward(inputs[-1], *batch))
+        (objective, aux), (dx, grads) = ms.value_and_grad(self.objectives[-1], 0, self.weights[-1], has_aux=True)(
+            inputs[-1], None, *batch)
+        stage_grads = [grads]  # last stage first
+        for k in range(len(self.forwards) - 1, 0, -1):
+            _, (dx, grads) = ms.value_and_grad(self.objectives[k], 0, self.weights[k], has_aux=True)(
+                ops.depend(inputs[k], dx), dx, *batch)
+            stage_grads.append(grads)
+        _, grads = ms.value_and_grad(self.objectives[0], None, self.weights[0], has_aux=True)(
+            None, dx, ops.depend(input_ids, dx), labels, loss_mask, position_ids, attention_mask)
+        stage_grads.append(grads)
+        summed = []
+        for sources in self.sources:
+            grad = None
+            for stage, index in sources:
+                grad = stage_grads[stage][index] if grad is None else grad + stage_grads[stage][index]
+            summed.append(grad)
+        return (objective,) + aux, tuple(summed)
+
+
+def compiled_recompute(model, config: RecomputeConfig, params: list, scale: float) -> RecomputedLayers | None:
+    """The compiled step's recomputing forward and backward for ``config`` (``compiled_recompute_problems`` found
+    none), or None when it recomputes nothing."""
+    if config.mode == "None":
+        return None
+    layers = len(layer_indices(config.full_recompute_layer, "recompute.full_recompute_layer",
+                               len(model.decoder.layers)))
+    return RecomputedLayers(model, params, scale, layers) if layers else None

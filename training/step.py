@@ -21,7 +21,7 @@ from training.optim import AdamW, clip_grad_norm_in_graph
 from training.parallel import comm
 from training.parallel.fsdp import GradientReduction, Parallelism
 from training.parallel.mesh import ParallelDims
-from training.recompute import RECOMPUTE_IS_EAGER
+from training.recompute import RecomputedLayers, compiled_recompute, compiled_recompute_problems
 
 
 def configure_runtime(config: TrainConfig) -> None:
@@ -43,8 +43,7 @@ def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -
     if model.config.hidden_dropout > 0:
         reasons.append("model.hidden_dropout > 0: dropout masks come from Kiln's host-side mask stream (so a "
                        "resume draws the same masks), which a graph would replay as constants")
-    if config.recompute.mode != "None":
-        reasons.append(f"recompute.mode = {config.recompute.mode!r}: {RECOMPUTE_IS_EAGER}")
+    reasons += compiled_recompute_problems(model, config.recompute, dims.pp)
     if config.kiln.train_state.max_attention_logit:
         reasons.append("kiln.train_state.max_attention_logit: the per-head maxima are gathered on the host")
     return reasons
@@ -101,9 +100,10 @@ class CompiledStep(nn.Cell):
     the update alike."""
 
     def __init__(self, loss: ScaledLoss, params: list, optimizer: AdamW, max_norm: float, accumulation: int,
-                 reduction: GradientReduction | None = None):
+                 reduction: GradientReduction | None = None, recomputed: RecomputedLayers | None = None):
         super().__init__(auto_prefix=False)  # parameter names stay the model's and the optimizer's
         self.loss = loss
+        self.recomputed = recomputed  # the forward and backward when layers recompute (training.recompute)
         self.params = ParameterTuple(params)
         self.update = optimizer.compiled_update()
         self.max_norm = max_norm
@@ -117,8 +117,11 @@ class CompiledStep(nn.Cell):
                          if accumulation > 1 else None)
 
     def _gradients(self, input_ids, labels, loss_mask, position_ids, attention_mask):
-        outputs, grads = ms.value_and_grad(self.loss, None, self.params, has_aux=True)(
-            input_ids, labels, loss_mask, position_ids, attention_mask)
+        if self.recomputed is not None:
+            outputs, grads = self.recomputed(input_ids, labels, loss_mask, position_ids, attention_mask)
+        else:
+            outputs, grads = ms.value_and_grad(self.loss, None, self.params, has_aux=True)(
+                input_ids, labels, loss_mask, position_ids, attention_mask)
         return outputs[1], outputs[2:], grads
 
     def accumulate(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
@@ -185,13 +188,18 @@ def build_step_functions(config: TrainConfig, dims: ParallelDims, model: GPTMode
     compiled_apart = model_parts.compile()  # pipeline stages: their own graphs, the schedule on the host
     if compiled_apart:
         return StepFunctions(grad_fn, None, True, f"{compiled_apart}, {dispatch}")
+    # after the layers' in-graph gathers and collectives: the recomputing stages run what they made
+    recomputed = compiled_recompute(model, config.recompute, parallel.model_params, scaled_loss.scale)
+    if recomputed is not None:
+        dispatch += (f"; the first {len(recomputed.forwards)} decoder layers recomputed in the backward (each keeps "
+                     f"its input only)")
     outside = whole_step_blockers(config, dims, monitor, optimizer)
     if outside:
-        return StepFunctions(ms.jit(grad_fn), None, True,
+        return StepFunctions(ms.jit(grad_fn if recomputed is None else recomputed.construct), None, True,
                              f"forward+backward compiled (mindspore.jit), clip and update eager, {dispatch}; not in "
                              f"the graph: {'; '.join(outside)}")
     compiled = CompiledStep(scaled_loss, parallel.model_params, optimizer, config.training.max_norm, accumulation,
-                            parallel.compiled_reduction() if dims.world > 1 else None)
+                            parallel.compiled_reduction() if dims.world > 1 else None, recomputed)
     compiled.construct = ms.jit(compiled.construct)
     compiled.accumulate = ms.jit(compiled.accumulate)
     reduced = ", gradient reduction over the ranks" if dims.world > 1 else ""

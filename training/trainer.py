@@ -36,7 +36,7 @@ from training.parallel.parallelize import parallelize
 from training.profiling import build_profiler, profile_root
 from training.recompute import apply_recompute
 from training.reporting import Reporter
-from training.step import build_step_functions, degrees
+from training.step import build_step_functions, compile_blockers, degrees
 from training.train_state import (CheckpointManager, CheckpointRecord, DataPosition, GeneratorStates,
                                   LrSchedulePosition, micro_batch_indices)
 
@@ -99,7 +99,9 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(self.seq_length)
         self.parallel = parallelize(self.model, self.mesh, config, self.accumulation)
         fused_kernels = ascend.select_kernels(self.model, config, self.mesh.dims)  # after TP set its own loss
-        self.recomputed = apply_recompute(self.model, config.recompute)  # after the plans: it wraps what they made
+        # after the plans: it wraps what they made
+        self.recomputed = apply_recompute(self.model, config.recompute,
+                                          eager=bool(compile_blockers(config, self.mesh.dims, self.model)))
         self.model_parts = model_parts(self.model, self.parallel)
         self.params = self.model_parts.params  # under pipeline parallelism: this rank's stages'
         loader = config.train_dataset.dataloader
