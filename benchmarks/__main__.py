@@ -13,7 +13,7 @@ The benchmarks, in order (each module's docstring says what it measures and how)
   torch.compile (issue 38), tiny >= 0.5x eager, >= 0.75 of the matmul peak; compiled peak RSS <= torch eager's);
 - compile_time: the first compiled step at 2, 8 and 16 layers, layers sharing one graph vs a graph per layer;
 - recompute_memory: qwen3_bench at seq 2048, activation memory and step time with full and selective recompute vs
-  without (targets, issue 38: full <= 0.4x the memory, <= 1.35x the step time);
+  without, eager and compiled (targets, issue 38: full <= 0.4x the memory, <= 1.35x the step time);
 - data_index: GPTDataset index build, the blend vs a scalar loop, sample fetching vs training consumption;
 - monitoring: the step with every `monitor.train_state` option on vs off;
 - validation: one evaluation vs 50 training steps (target <= 5% of training time);

@@ -9,12 +9,32 @@ Measured (MindSpore 2.10.0 CPU, 2026-12-06, seq 1024, load ~6 on 2 cores; memory
 - the layers recomputed: 242 MatMul nodes instead of 202 (each layer's products run again in the backward), the
   same loss and gradients: the graph recompute does apply inside a PyNative jit graph (the decoder layers being
   shared lazy_inline graphs);
-- but the step's memory does not drop: 757 MB with it, 735 MB without (1.03x). So Kiln's compiled step
-  still refuses recompute and a recomputing run steps eagerly (``training.recompute.RECOMPUTE_IS_EAGER``), where it
-  saves 0.34x;
+- but the step's memory does not drop: 757 MB with it, 735 MB without (1.03x), where the eager recompute saves 0.34x;
 - ``--stock``, the same sizes in MindSpore's own ops (no Cell with a hand-written backward): 72 -> 92 MatMul nodes,
-  equal values, 1,643 -> 1,486 MB (0.90x). MindSpore's CPU graph keeps most of the activations even there.
+  equal values, 1,643 -> 1,486 MB (0.90x).
 The step memory is the first step's peak over the built model's RSS, and includes what compiling holds.
+
+What the compiled step does instead (``training.recompute.RecomputedLayers``), and what was tried on the way (scratch
+scripts, same day, memory figures under load 4-11; micro Qwen3 at batch 8 x seq 2048 unless said):
+- a custom-bprop Cell per layer, its weights passed as inputs (as ``fsdp.RegatheredMatrix``): MindSpore refuses it in
+  a graph when the bprop's re-forward reads the layer's Parameters ("The user defined 'bprop' function ... does not
+  support using Parameter"), so it needs a layer written as a function of its weights. On a toy stack whose layers
+  are such functions it saves memory only when the re-forward's input waits on the incoming gradient
+  (``ops.depend``); without that the graph runs the re-forward during the forward and keeps it all (8 layers:
+  plain 2,835 MB, re-forward with depend 2,349, ``Cell.recompute`` 2,382);
+- host-run graphs per layer (each layer's forward and its recomputing backward compiled apart, as the pipeline's
+  stages): 4 layers 3,121 -> 2,403 MB (0.77x), the same gradients;
+- one graph taking the gradients by hand with stages recomputed under ``value_and_grad`` of output . gradient, the
+  re-forward's input waiting on the gradient: 2,412 MB (0.77x), bit-identical gradients; without the depend 3,366 MB
+  (more than no recompute). This is Kiln's compiled recompute. qwen3_bench sizes, batch 4 x seq 2048: 5,390 -> 4,143
+  MB (0.77x); ``benchmarks.recompute_memory`` reports it against the eager recompute.
+Why the ratio stays far above the eager step's: the compiled step's memory is not its live activations alone. What
+compiling holds grows with the graph (a re-forward adds nodes), and some CPU kernels hold memory per graph node for
+as long as the graph lives: a Transpose node an int64 index map of its output's size (64 MB per node for a 32 MB
+tensor, measured as the peak of a chain of n nodes; mint.permute holds none), MindSpore's SoftmaxBackward 4x its
+output (Kiln's Softmax has its own backward). A decoder layer has 10 Transposes (q, k, v, the output and their
+gradients), 4 more when recomputed: the next thing to try is the attention's layout changes as mint.permute
+(checking gradients numerically: the machine's mint.permute-of-a-mint.split-view autograd bug).
 """
 from __future__ import annotations
 

@@ -23,10 +23,12 @@ CASES = {
     "ulysses_cp2_dp2_zero1": ["parallelism.context_parallel=2", "parallelism.context_parallel_method=ulysses",
                               "parallelism.data_parallel_shard_strategy=optim"],
     # compiled (forward and backward in one graph, the ring steps and Ulysses exchanges as all-reduces in it:
-    # comm.for_graph); contiguous chunks; ZeRO-2, as ZeRO-3 does not compile
+    # comm.for_graph); contiguous chunks; ZeRO-2, as ZeRO-3 does not compile; the first layer recomputed in the graph
+    # (training.recompute.RecomputedLayers: its exchanges run again in the backward, every rank in one order)
     "hybrid_cp4_zero2_compiled": ["parallelism.context_parallel=4", "parallelism.context_parallel_method=hybrid",
                                   "parallelism.ulysses_degree_in_cp=2", *COMPILED,
-                                  "parallelism.data_parallel_shard_strategy=optim_grads"],
+                                  "parallelism.data_parallel_shard_strategy=optim_grads", "recompute.mode=full",
+                                  "recompute.full_recompute_layer=1"],
     # with tensor parallel: each rank's heads, its zig-zag sequence segments cut again over tp between the layers
     # (sequence parallel); forward and backward compiled. Rings longer than 2: hybrid's cp 4, and a ring of 3
     # checked in one process

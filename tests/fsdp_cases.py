@@ -29,17 +29,19 @@ CASES = {
     "hsdp_zero3_compiled_divide_after": ["parallelism.data_parallel_shard=2", "parallelism.disable_gradient_division=false",
                                          "parallelism.reshard_after_forward_policy=never", "fast_step.compile=true"],
     # compiled and resharding after forward (fsdp.RegatheredMatrix's hand-written backward gathers again), with the
-    # output layer tied to the embedding table (its own reference: TIED)
+    # output layer tied to the embedding table (its own reference: TIED); the first layer recomputed in the compiled
+    # step (training.recompute.RecomputedLayers: the embedding's gradient summed over its stage and the loss's)
     "zero3_tied_compiled": ["parallelism.data_parallel_shard_strategy=optim_grads_params", "fast_step.compile=true",
-                            TIED],
+                            TIED, "recompute.mode=full", "recompute.full_recompute_layer=1"],
     "tp2_sp_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true"],
     # resumed compiled, forward and backward in one graph (the default under data parallelism): tensor parallelism's
-    # collectives as all-reduces in it (comm.for_graph), the gradient reduction over tp and the shards eager. Compiled
-    # here rather than in a case of its own: that one took 41.8 s of the launch at load 13-16, this one costs the
-    # compile over its eager run (~25 s there)
+    # collectives as all-reduces in it (comm.for_graph), the gradient reduction over tp and the shards eager; the
+    # first layer recomputed (its collectives run again in the graph's backward). Compiled here rather than in a case
+    # of its own: that one took 41.8 s of the launch at load 13-16, this one costs the compile over its eager run
     "tp2_sp_zero1_compiled_from_zero3": ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true",
                                          "parallelism.data_parallel_shard_strategy=optim", "fast_step.compile=true",
-                                         "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002"],
+                                         "checkpoint.load_path={out}/zero3/checkpoints/iteration_00000002",
+                                         "recompute.mode=full", "recompute.full_recompute_layer=1"],
     # activation recompute (training/recompute.py): every layer under ZeRO-3 resharding after forward, so the
     # recomputing backward gathers the weights again; the attention cores under tensor + sequence parallelism
     "zero3_recompute_full": ["parallelism.data_parallel_shard_strategy=optim_grads_params", "recompute.mode=full",

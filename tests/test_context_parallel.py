@@ -76,6 +76,7 @@ def test_each_case_runs_the_step_its_name_says(runs, case):
     mode = (runs[0] / "cases" / case / "step_mode.txt").read_text()
     if case.endswith("compiled"):
         assert mode.startswith("forward+backward compiled"), mode
+        assert ("decoder layers recomputed in the backward" in mode) == ("recompute.mode=full" in CASES[case]), mode
         assert "context parallel: attention's ring steps and Ulysses exchanges in the graph" in mode
     else:
         assert mode.startswith("forward+backward eager"), mode

@@ -46,9 +46,11 @@ def test_layout_trains_as_one_process(runs, case):
                                   else TIED if TIED in CASES[case] else MICRO_CONFIG]
     if "compiled" in case:  # the micro config trains eagerly unless a case turns compiling on
         step_mode = (root / "cases" / case / "step_mode.txt").read_text()
-        whole = "fast_step.compile_reduction=true" in {**CASES, **DEEPSEEK_CASES, **PLAIN_CASES}[case]
+        overrides = {**CASES, **DEEPSEEK_CASES, **PLAIN_CASES}[case]
+        whole = "fast_step.compile_reduction=true" in overrides
         assert step_mode.startswith("whole step compiled (mindspore.jit: forward, backward, gradient reduction" if whole
                                     else "forward+backward compiled (mindspore.jit)"), step_mode
+        assert ("decoder layers recomputed in the backward" in step_mode) == ("recompute.mode=full" in overrides)
     sharded = read_records(root / "cases" / case / "metrics.jsonl")
     single = single[-len(sharded):]  # a resumed case starts after the checkpoint's step
     assert [m["step"] for m in sharded] == [m["step"] for m in single] and sharded[-1]["step"] == single[-1]["step"]

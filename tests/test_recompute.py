@@ -42,22 +42,30 @@ def assert_bit_identical(tmp_path, a, b):
     assert all(np.array_equal(sa[k], sb[k]) for k in sa)
 
 
+def trains_as_without(tmp_path, shard, settings, recompute, name, resume=True):
+    """A run with ``recompute`` trains bit-identically to one without it, both with ``settings``; resumed from step 2,
+    it goes on as the run without did. Returns the recomputing trainer."""
+    plain = make_trainer(tmp_path, shard, f"{name}_plain", *settings)
+    plain.train()
+    recomputed = make_trainer(tmp_path, shard, name, *settings, *recompute)
+    assert recomputed.recomputed, recomputed.recomputed
+    recomputed.train()
+    assert_bit_identical(tmp_path, plain, recomputed)
+    if resume:
+        resumed = make_trainer(tmp_path, shard, f"{name}_resumed", *settings, *recompute,
+                               f"checkpoint.load_path={tmp_path / name / 'checkpoints/iteration_00000002'}")
+        resumed.train()
+        assert ([r["loss"] for r in records(tmp_path / f"{name}_resumed")]
+                == [r["loss"] for r in records(tmp_path / f"{name}_plain")][2:])
+    return recomputed
+
+
 @pytest.mark.parametrize("recompute", [FULL, SELECT, ("recompute.mode=full", "recompute.full_recompute_layer=['1']"),
                                        ("recompute.mode=select", "recompute.select_module={mlp: ['0']}")],
                          ids=["full", "select", "layer1", "mlp0"])
 def test_eager_recompute_trains_bit_identically_with_dropout_and_resumes(tmp_path, shard, recompute):
     # dropout on: the recomputing backward must draw the masks its forward drew
-    dropout = "model.hidden_dropout=0.1"
-    plain = make_trainer(tmp_path, shard, "plain", dropout)
-    plain.train()
-    recomputed = make_trainer(tmp_path, shard, "recomputed", dropout, *recompute)
-    assert recomputed.recomputed, recomputed.recomputed
-    recomputed.train()
-    assert_bit_identical(tmp_path, plain, recomputed)
-    resumed = make_trainer(tmp_path, shard, "resumed", dropout, *recompute,
-                           f"checkpoint.load_path={tmp_path / 'recomputed/checkpoints/iteration_00000002'}")
-    resumed.train()
-    assert [r["loss"] for r in records(tmp_path / "resumed")] == [r["loss"] for r in records(tmp_path / "plain")][2:]
+    trains_as_without(tmp_path, shard, ["model.hidden_dropout=0.1"], recompute, "recomputed")
 
 
 def test_compiled_recompute_trains_bit_identically_and_resumes(tmp_path, shard):
@@ -65,25 +73,12 @@ def test_compiled_recompute_trains_bit_identically_and_resumes(tmp_path, shard):
     gradient accumulation (2 micro-batches), against the plain compiled step: every layer in the whole-step graph
     (and a resume), the first layer in the forward+backward graph (clip and update eager: local norms read)."""
     compiled = "fast_step.compile=true"
-    plain = make_trainer(tmp_path, shard, "plain", compiled)
-    plain.train()
-    every = make_trainer(tmp_path, shard, "every", compiled, *FULL)
+    every = trains_as_without(tmp_path, shard, [compiled], FULL, "every")
     assert every.compiled_step is not None and every.compiled_step.recomputed is not None, every.step_mode
     assert "the first 2 decoder layers recomputed in the backward" in every.step_mode
-    every.train()
-    assert_bit_identical(tmp_path, plain, every)
-    resumed = make_trainer(tmp_path, shard, "resumed", compiled, *FULL,
-                           f"checkpoint.load_path={tmp_path / 'every/checkpoints/iteration_00000002'}")
-    resumed.train()
-    assert [r["loss"] for r in records(tmp_path / "resumed")] == [r["loss"] for r in records(tmp_path / "plain")][2:]
-    local_norms = "monitor.train_state.local_norm=true"  # read on the host: clip and update eager
-    plain_outside = make_trainer(tmp_path, shard, "plain_outside", compiled, local_norms)
-    plain_outside.train()
-    first = make_trainer(tmp_path, shard, "first", compiled, local_norms, "recompute.mode=full",
-                         "recompute.full_recompute_layer=1")
+    first = trains_as_without(tmp_path, shard, [compiled, "monitor.train_state.local_norm=true"],
+                              ("recompute.mode=full", "recompute.full_recompute_layer=1"), "first", resume=False)
     assert first.compiled_step is None and "the first 1 decoder layers recomputed" in first.step_mode, first.step_mode
-    first.train()
-    assert_bit_identical(tmp_path, plain_outside, first)
 
 
 @pytest.mark.parametrize("model, recompute, pp, problem", [
