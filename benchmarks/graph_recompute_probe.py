@@ -29,12 +29,16 @@ scripts, same day, memory figures under load 4-11; micro Qwen3 at batch 8 x seq 
   (more than no recompute). This is Kiln's compiled recompute. qwen3_bench sizes, batch 4 x seq 2048: 5,390 -> 4,143
   MB (0.77x); ``benchmarks.recompute_memory`` reports it against the eager recompute.
 Why the ratio stays far above the eager step's: the compiled step's memory is not its live activations alone. What
-compiling holds grows with the graph (a re-forward adds nodes), and some CPU kernels hold memory per graph node for
-as long as the graph lives: a Transpose node an int64 index map of its output's size (64 MB per node for a 32 MB
-tensor, measured as the peak of a chain of n nodes; mint.permute holds none), MindSpore's SoftmaxBackward 4x its
-output (Kiln's Softmax has its own backward). A decoder layer has 10 Transposes (q, k, v, the output and their
-gradients), 4 more when recomputed: the next thing to try is the attention's layout changes as mint.permute
-(checking gradients numerically: the machine's mint.permute-of-a-mint.split-view autograd bug).
+compiling holds grows with the graph (a re-forward adds nodes), and some CPU kernels hold memory per graph node: a
+Transpose node an int64 index map of its output's size (the peak of a chain of n Transposes of a 32 MB tensor grows
+64 MB a node; mint.permute's does not), MindSpore's SoftmaxBackward 4x its output (Kiln's Softmax has its own
+backward). A decoder layer has 10 Transposes (q, k, v, the output and their gradients), 4 more when recomputed.
+Tried: the attention's four layout changes as mint.permute instead (gradients bit-identical to the Transposes',
+eager and compiled). qwen3_bench, batch 4 x seq 2048, what a step adds to the built model's RSS
+(benchmarks.recompute_memory --modes compiled, load 2-4): no recompute 6,439 -> 4,728 MiB, full recompute 5,133 ->
+3,112 MiB (0.66x of no recompute's). Not adopted: the compiled step is slower with it, 1.65-1.72 s against 1.36-1.43
+s a step (qwen3_bench, seq 512 x batch 4, forward+backward, medians of 8 steps, two rounds alternating, load
+1.7-1.9); a permute that keeps the Transpose's speed, or one for recomputing runs only, is the next thing to try.
 """
 from __future__ import annotations
 
