@@ -36,9 +36,9 @@ backward). A decoder layer has 10 Transposes (q, k, v, the output and their grad
 Tried: the attention's four layout changes as mint.permute instead (gradients bit-identical to the Transposes',
 eager and compiled). qwen3_bench, batch 4 x seq 2048, what a step adds to the built model's RSS
 (benchmarks.recompute_memory --modes compiled, load 2-4): no recompute 6,439 -> 4,728 MiB, full recompute 5,133 ->
-3,112 MiB (0.66x of no recompute's). Not adopted: the compiled step is slower with it, 1.65-1.72 s against 1.36-1.43
-s a step (qwen3_bench, seq 512 x batch 4, forward+backward, medians of 8 steps, two rounds alternating, load
-1.7-1.9); a permute that keeps the Transpose's speed, or one for recomputing runs only, is the next thing to try.
+3,112 MiB (0.66x of no recompute's). But the compiled step is slower with it, 1.65-1.72 s against 1.36-1.43 s a step
+(qwen3_bench, seq 512 x batch 4, forward+backward, medians of 8 steps, two rounds alternating, load 1.7-1.9), so
+only the compiled recompute, which trades time for memory, takes it (``SelfAttention.permute_layouts``).
 """
 from __future__ import annotations
 

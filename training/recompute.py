@@ -38,6 +38,7 @@ import mindspore as ms
 from mindspore import ParameterTuple, nn, ops
 
 from training.config import ConfigError, RecomputeConfig, layer_indices
+from training.model.attention import SelfAttention
 from training.model.gpt import ReplayState
 from training.model.moe import MoELayer
 from training.parallel.pipeline import _Objective, _Stage, _StageOutput
@@ -246,4 +247,9 @@ def compiled_recompute(model, config: RecomputeConfig, params: list, scale: floa
         return None
     layers = len(layer_indices(config.full_recompute_layer, "recompute.full_recompute_layer",
                                len(model.decoder.layers)))
-    return RecomputedLayers(model, params, scale, layers) if layers else None
+    if not layers:
+        return None
+    for _, layer in model.transformer_layers():  # memory first: the attention's layouts as mint.permute
+        if isinstance(layer.self_attention, SelfAttention):
+            layer.self_attention.permute_layouts = True
+    return RecomputedLayers(model, params, scale, layers)

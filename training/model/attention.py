@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, mint, nn, ops
 
 from training.model import ascend
 from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, Softmax, _bmm, _bmm_transpose_b,
@@ -46,6 +46,8 @@ class SelfAttention(nn.Cell):
         self.context_attention = None
         # Ascend's FlashAttentionScore when model.use_flash_attention asks and the device and heads allow it
         self.flash_attention = ascend.flash_attention(config)
+        # the compiled step's recompute sets it, for every layer alike (they share one graph): ``_layout``
+        self.permute_layouts = False
 
     @staticmethod
     def mask_repeats(config) -> int:
@@ -89,9 +91,9 @@ class SelfAttention(nn.Cell):
         # adds a zero-filled gradient for the unused normed v to v's own)
         qk, v = ops.split(qkv.reshape(batch, seq, groups, per_group + 2, dim), [per_group + 1, 1], axis=3)
         q, k = ops.split(self._qk_normed(qk), [per_group, 1], axis=3)    # q head g·per_group + j: KV group g
-        q = q.transpose(0, 2, 3, 1, 4)                                     # [batch, groups, per_group, seq, dim]
-        k = k.squeeze(3).transpose(0, 2, 1, 3)                             # [batch, groups, seq, dim]
-        v = v.squeeze(3).transpose(0, 2, 1, 3)
+        q = self._layout(q, (0, 2, 3, 1, 4))                               # [batch, groups, per_group, seq, dim]
+        k = self._layout(k.squeeze(3), (0, 2, 1, 3))                       # [batch, groups, seq, dim]
+        v = self._layout(v.squeeze(3), (0, 2, 1, 3))
         # per-sample tables are [batch, 1, seq, dim] (k's layout); q has one more head axis. The softmax scale is
         # folded into q's tables: a multiply of [seq, dim] instead of all of q
         q_cos, q_sin = (cos, sin) if cos.ndim == 2 else (cos.expand_dims(1), sin.expand_dims(1))
@@ -103,7 +105,16 @@ class SelfAttention(nn.Cell):
             out = self.flash_attention(q, k, v, mask)
         else:
             out = self._causal_attention(q, k, v, mask)
-        return self.linear_proj(out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, self.num_heads * dim))
+        return self.linear_proj(self._layout(out, (0, 3, 1, 2, 4)).reshape(batch, seq, self.num_heads * dim))
+
+    def _layout(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
+        """x's axes in the order ``axes``: a Transpose, or with ``permute_layouts`` mint.permute, the same values and
+        gradients (bit-identical, eager and compiled). In a compiled graph on CPU each Transpose node holds an int64
+        index map of its output's size (a chain of n Transposes of a 32 MB tensor peaks 64 MB higher a node),
+        mint.permute's none, but the step is slower with it (qwen3_bench, seq 512 x batch 4: 1.65-1.72 s against
+        1.36-1.43 s). So only the compiled recompute, which trades time for memory, takes it: qwen3_bench, batch 4 x
+        seq 2048, full recompute 5,133 -> 3,112 MiB over the built model (benchmarks/graph_recompute_probe.py)."""
+        return mint.permute(x, axes) if self.permute_layouts else ops.transpose(x, axes)
 
     def _causal_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """softmax(q·kᵀ + mask)·v per head: q [batch, groups, per_group, seq, dim], k [batch, groups, seq, dim],
