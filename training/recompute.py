@@ -38,7 +38,6 @@ import mindspore as ms
 from mindspore import ParameterTuple, nn, ops
 
 from training.config import ConfigError, RecomputeConfig, layer_indices
-from training.model.attention import SelfAttention
 from training.model.gpt import ReplayState
 from training.model.moe import MoELayer
 from training.parallel.pipeline import _Objective, _Stage, _StageOutput
@@ -249,7 +248,8 @@ def compiled_recompute(model, config: RecomputeConfig, params: list, scale: floa
                                len(model.decoder.layers)))
     if not layers:
         return None
-    for _, layer in model.transformer_layers():  # memory first: the attention's layouts as mint.permute
-        if isinstance(layer.self_attention, SelfAttention):
-            layer.self_attention.permute_layouts = True
+    for _, layer in model.transformer_layers():  # memory first: layouts as mint.permute where a module offers it
+        for _, cell in layer.cells_and_names():
+            if hasattr(cell, "permute_layouts"):
+                cell.permute_layouts = True
     return RecomputedLayers(model, params, scale, layers)

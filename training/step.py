@@ -165,15 +165,15 @@ class StepFunctions:
 
 
 def build_step_functions(config: TrainConfig, dims: ParallelDims, model: GPTModel, parallel: Parallelism,
-                         model_parts: WholeModel, optimizer: AdamW, monitor: TrainStateMonitor, accumulation: int
-                         ) -> StepFunctions:
-    """The fastest step this run allows: the whole step compiled, else its forward and backward, else eager
-    (``compile_blockers``, ``whole_step_blockers``); pipeline stages compile apart (``model_parts.compile``)."""
+                         model_parts: WholeModel, optimizer: AdamW, monitor: TrainStateMonitor, accumulation: int,
+                         blockers: list[str]) -> StepFunctions:
+    """The fastest step this run allows: the whole step compiled, else its forward and backward, else eager (what
+    ``compile_blockers`` gave: ``blockers``; ``whole_step_blockers``); pipeline stages compile apart
+    (``model_parts.compile``)."""
     dispatch = ("synchronous dispatch" if os.environ.get("MS_DEV_HOST_BLOCKING_RUN") == "1"
                 else "threaded dispatch (fast_step.host_blocking_dispatch takes effect through training.run)")
     scaled_loss = ScaledLoss(model, parallel.loss_scale())
     grad_fn = ms.value_and_grad(scaled_loss, None, parallel.model_params, has_aux=True)
-    blockers = compile_blockers(config, dims, model)
     if blockers:
         return StepFunctions(grad_fn, None, False,
                              f"forward+backward eager, {dispatch}; not compiled: {'; '.join(blockers)}")

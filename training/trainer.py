@@ -99,9 +99,9 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(self.seq_length)
         self.parallel = parallelize(self.model, self.mesh, config, self.accumulation)
         fused_kernels = ascend.select_kernels(self.model, config, self.mesh.dims)  # after TP set its own loss
+        self.compile_blockers = compile_blockers(config, self.mesh.dims, self.model)
         # after the plans: it wraps what they made
-        self.recomputed = apply_recompute(self.model, config.recompute,
-                                          eager=bool(compile_blockers(config, self.mesh.dims, self.model)))
+        self.recomputed = apply_recompute(self.model, config.recompute, eager=bool(self.compile_blockers))
         self.model_parts = model_parts(self.model, self.parallel)
         self.params = self.model_parts.params  # under pipeline parallelism: this rank's stages'
         loader = config.train_dataset.dataloader
@@ -116,7 +116,7 @@ class Trainer:
         self.monitor = TrainStateMonitor(config.monitor.train_state, config.kiln.train_state,
                                          [p.name for p in self.params], self.collectives)
         functions = build_step_functions(config, self.mesh.dims, self.model, self.parallel, self.model_parts,
-                                         self.optimizer, self.monitor, self.accumulation)
+                                         self.optimizer, self.monitor, self.accumulation, self.compile_blockers)
         self.grad_fn, self.compiled_step = functions.grad_fn, functions.compiled
         self.step_mode = ". ".join([functions.mode, *fused_kernels])
         self.model.track_max_attention_logits(config.kiln.train_state.max_attention_logit)

@@ -110,10 +110,8 @@ class SelfAttention(nn.Cell):
     def _layout(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
         """x's axes in the order ``axes``: a Transpose, or with ``permute_layouts`` mint.permute, the same values and
         gradients (bit-identical, eager and compiled). In a compiled graph on CPU each Transpose node holds an int64
-        index map of its output's size (a chain of n Transposes of a 32 MB tensor peaks 64 MB higher a node),
-        mint.permute's none, but the step is slower with it (qwen3_bench, seq 512 x batch 4: 1.65-1.72 s against
-        1.36-1.43 s). So only the compiled recompute, which trades time for memory, takes it: qwen3_bench, batch 4 x
-        seq 2048, full recompute 5,133 -> 3,112 MiB over the built model (benchmarks/graph_recompute_probe.py)."""
+        index map of its output's size, mint.permute's none, but the step runs slower with it. So only the compiled
+        recompute, which trades time for memory, takes it (docs/training.md, "Activation recompute": the figures)."""
         return mint.permute(x, axes) if self.permute_layouts else ops.transpose(x, axes)
 
     def _causal_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
