@@ -5,8 +5,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training.launch import CPU_THREADS_VARIABLE, cpu_threads_per_worker
-
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MICRO_CONFIG = "tests/configs/qwen3_micro.yaml"
 
@@ -16,10 +14,6 @@ os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get(
 # tests' own processes, the msrun workers and every subprocess: MindSpore's dispatch thread busy-waits on a core.
 # Measured: test_trainer 175 s threaded, 62 s synchronous; test_pipeline's 4 workers on 2 cores 1604 s vs 82 s
 os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
-# and each pytest worker its share of the cores for MindSpore's CPU thread pools (training.launch
-# CPU_THREADS_VARIABLE), as the launcher gives each msrun worker: `make test` runs 2 workers on 2 cores
-os.environ.setdefault(CPU_THREADS_VARIABLE, str(cpu_threads_per_worker(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT",
-                                                                                           "1")))))
 
 
 def write_micro_sources(path: Path) -> Path:
@@ -161,9 +155,8 @@ SLOW_TESTS = frozenset({
 })
 # What runs first: on two workers a long group started last leaves a core idle at the end, so groups start longest
 # first (`make test` passes --no-loadscope-reorder: pytest-xdist's own order, by test count, put the one-test
-# groups last). GROUP_SECONDS: how long each long group held a worker (wall seconds, from a per-test log of the
-# suite on 2026-12-06 at 409d8b0, taken at load 5-8: an order, not timings); a group not in it is assumed to take
-# UNMEASURED_SECONDS by its markers.
+# groups last). How long each long group held a worker (wall seconds, GROUP_SECONDS: measured in a quiet
+# `make test`, see its date below); a group not in it is assumed to take UNMEASURED_SECONDS by its markers.
 GROUP_SECONDS = {
     "test_fsdp.py": 389, "test_docs_commands.py": 260, "test_pipeline.py": 211, "test_resume.py": 200,
     "test_expert_parallel.py": 197, "benchmark-throughput": 174, "test_context_parallel.py": 161,

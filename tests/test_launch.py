@@ -130,21 +130,14 @@ def test_launcher_refuses_malformed_visible_devices(monkeypatch):
 
 
 def test_environment_keeps_the_callers_and_sets_visible_devices():
-    base = {"PATH": "/bin", "PYTHONPATH": "/extra", "GLOG_v": "1", "ASCEND_RT_VISIBLE_DEVICES": "0,1",
-            launch.CPU_THREADS_VARIABLE: "3"}
-    env = msrun_environment(base, 2)
+    base = {"PATH": "/bin", "PYTHONPATH": "/extra", "GLOG_v": "1", "ASCEND_RT_VISIBLE_DEVICES": "0,1"}
+    env = msrun_environment(base)
     assert env["PYTHONPATH"] == f"{launch.PROJECT_ROOT}{os.pathsep}/extra"
-    assert env["GLOG_v"] == "1" and env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1" and env[launch.CPU_THREADS_VARIABLE] == "3"
-    assert msrun_environment(base, 2, "2,3")["ASCEND_RT_VISIBLE_DEVICES"] == "2,3"
-    assert msrun_environment({}, 2)["GLOG_v"] == "3"
+    assert env["GLOG_v"] == "1" and env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"
+    assert msrun_environment(base, "2,3")["ASCEND_RT_VISIBLE_DEVICES"] == "2,3"
+    assert msrun_environment({})["GLOG_v"] == "3"
     with pytest.raises(SettingError, match="lists a device twice"):
-        msrun_environment({}, 2, "0,1,0")
-
-
-def test_each_local_worker_gets_its_share_of_the_cores_and_at_least_one(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert [msrun_environment({}, workers)[launch.CPU_THREADS_VARIABLE] for workers in (1, 2, 3, 8, 16)] == \
-        ["8", "4", "2", "1", "1"]
+        msrun_environment({}, "0,1,0")
 
 
 def test_settings_errors_name_the_field():

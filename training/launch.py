@@ -214,17 +214,6 @@ def check_layout(config, model, workers: int):
     return dims
 
 
-# MindSpore's CPU thread pools per process (step.configure_runtime sizes them): each worker's kernel and runtime
-# threads spin (sched_yield) while they wait, so workers that outnumber the cores take turns spinning
-# (docs/training.md, "CPU threads per worker": the figures)
-CPU_THREADS_VARIABLE = "KILN_CPU_THREADS"
-
-
-def cpu_threads_per_worker(local_workers: int) -> int:
-    """The cores this process may run on, shared among the node's ``local_workers``: at least one each."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, local_workers))
-
-
 class LaunchFailed(RuntimeError):
     """A local msrun launch that exited with an error; the message holds the tail of every worker's log."""
 
@@ -240,7 +229,7 @@ def run_on_local_workers(script_args: list, log_dir: Path, workers: int, *, time
     log_dir.mkdir(parents=True, exist_ok=True)
     settings = MsrunSettings(worker_num=workers, local_worker_num=workers, master_port=free_port(),
                              log_dir=str(log_dir), cluster_time_out=300)
-    environment = msrun_environment(os.environ if env is None else env, workers)
+    environment = msrun_environment(os.environ if env is None else env)
     environment.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
     with open(log_dir / "msrun.out", "w") as output:
         code = run_msrun(msrun_command(settings, [str(a) for a in script_args]), environment, cwd=PROJECT_ROOT,
@@ -252,15 +241,12 @@ def run_on_local_workers(script_args: list, log_dir: Path, workers: int, *, time
                            f"{code}:\n{tails}")
 
 
-def msrun_environment(base: Mapping[str, str], local_workers: int,
-                      visible_devices: Optional[str] = None) -> dict[str, str]:
-    """The environment msrun (and so every worker) gets: this interpreter first on PATH, Kiln importable, and
-    each of the node's ``local_workers`` its share of the cores (CPU_THREADS_VARIABLE, unless ``base`` sets it).
+def msrun_environment(base: Mapping[str, str], visible_devices: Optional[str] = None) -> dict[str, str]:
+    """The environment msrun (and so every worker) gets: this interpreter first on PATH, Kiln importable.
 
     ``visible_devices`` sets ASCEND_RT_VISIBLE_DEVICES; without it, the value in ``base`` (if any) stays.
     """
     env = dict(base)
-    env.setdefault(CPU_THREADS_VARIABLE, str(cpu_threads_per_worker(local_workers)))
     if visible_devices is not None:
         env["ASCEND_RT_VISIBLE_DEVICES"] = visible_devices
     if "ASCEND_RT_VISIBLE_DEVICES" in env:
@@ -355,7 +341,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(shlex.join(command))
         return
     try:
-        env = msrun_environment(os.environ, settings.local_worker_num)
+        env = msrun_environment(os.environ)
     except SettingError as exc:
         sys.exit(f"python -m training.launch: {exc}")
     print(f"[kiln] {shlex.join(command)}", file=sys.stderr, flush=True)

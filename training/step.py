@@ -5,7 +5,6 @@ where the training step's compiles (``compile_blockers``).
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -15,7 +14,6 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from training.config import TrainConfig
-from training.launch import CPU_THREADS_VARIABLE
 from training.model import GPTModel
 from training.model_parts import WholeModel
 from training.monitor import TrainStateMonitor
@@ -27,23 +25,13 @@ from training.recompute import RecomputedLayers, compiled_recompute, compiled_re
 
 
 def configure_runtime(config: TrainConfig) -> None:
-    """Mode, device, CPU threads, memory cap and determinism; MindSpore requires them before
-    ``communication.init()``."""
+    """Mode, device, memory cap and determinism; MindSpore requires them before ``communication.init()``."""
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device(config.context.device_target)
-    threads = os.environ.get(CPU_THREADS_VARIABLE)  # each worker's share of the cores (training.launch)
-    if threads:
-        _use_cpu_threads(int(threads))
     if config.context.caps_device_memory:
         ms.runtime.set_memory(max_size=config.context.max_device_memory)
     if config.training.deterministic:
         ms.set_context(deterministic="ON")
-
-
-@functools.cache  # MindSpore takes each once per process; a process may configure several runs
-def _use_cpu_threads(threads: int) -> None:
-    ms.device_context.cpu.op_tuning.threads_num(threads)
-    ms.runtime.dispatch_threads_num(threads)
 
 
 def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -> list[str]:
