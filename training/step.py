@@ -90,11 +90,13 @@ def whole_step_blockers(config: TrainConfig, dims: ParallelDims, monitor: TrainS
 
 
 class CompiledStep(nn.Cell):
-    """A whole training step as compiled graphs. ``accumulate`` runs forward and backward of each micro-batch but
-    the last and adds its gradients and loss to buffers; ``construct`` runs the last (or only) micro-batch, then
-    the global-norm clip of the summed gradients and the AdamW update, applied only when the summed loss and the
-    gradient norm are finite (the host then counts, skips or stops exactly as ``SkipStepOnNaN`` decides after an
-    eager step, from the same values). The sums run in the eager step's order, so they are the same bits.
+    """A whole training step as compiled graphs. With one micro-batch, ``construct`` runs its forward and backward,
+    then the global-norm clip of the gradients and the AdamW update, applied only when the loss and the gradient
+    norm are finite (the host then counts, skips or stops exactly as ``SkipStepOnNaN`` decides after an eager step,
+    from the same values). With several, ``accumulate`` runs each micro-batch's forward and backward and adds its
+    gradients and loss to buffers, and ``apply_sums`` clips and applies the sums the same way: one forward and
+    backward graph for every micro-batch, not a second one for the last (compiling it again cost as much as the
+    first). The sums run in the eager step's order, so they are the same bits.
     Under data parallelism ``reduction`` reduces the summed gradients over the ranks in the graph, as
     ``Parallelism.reduce_gradients`` does eagerly, and sums the loss over them, so every rank applies or skips
     the update alike."""
@@ -125,7 +127,8 @@ class CompiledStep(nn.Cell):
         return outputs[1], outputs[2:], grads
 
     def accumulate(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
-        """A micro-batch before the last; returns its loss, then the loss's parts."""
+        """One of several micro-batches: its gradients and loss added to the buffers; returns its loss, then the
+        loss's parts."""
         loss, parts, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
         for grad_sum, grad in zip(self.grad_sums, grads):
             ops.assign_add(grad_sum, grad)
@@ -133,16 +136,23 @@ class CompiledStep(nn.Cell):
         return (loss,) + parts
 
     def construct(self, lr, eps, decay, input_ids, labels, loss_mask, position_ids=None, attention_mask=None):
-        """The last micro-batch and the update; returns its loss, each gradient's sum of squares and the global
+        """The only micro-batch and the update; returns its loss, each gradient's sum of squares and the global
         gradient norm before clipping, then the loss's parts."""
         loss, parts, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
-        loss_sum = loss
-        if self.accumulation > 1:
-            grads = tuple(grad_sum + grad for grad_sum, grad in zip(self.grad_sums, grads))
-            loss_sum = self.loss_sum + loss
-            for grad_sum in self.grad_sums:
-                ops.assign(grad_sum, ops.zeros_like(grad_sum))
-            ops.assign(self.loss_sum, ops.zeros_like(self.loss_sum))
+        return (loss,) + self._apply(grads, loss, lr, eps, decay) + parts
+
+    def apply_sums(self, lr, eps, decay):
+        """The update from the micro-batches ``accumulate`` summed, the buffers zeroed for the next step; returns
+        each gradient's sum of squares and the global gradient norm before clipping."""
+        grads = tuple(grad_sum * 1 for grad_sum in self.grad_sums)  # values read before the buffers are zeroed
+        loss_sum = self.loss_sum * 1
+        applied = self._apply(grads, loss_sum, lr, eps, decay)
+        for grad_sum in self.grad_sums:
+            ops.assign(grad_sum, ops.zeros_like(grad_sum))
+        ops.assign(self.loss_sum, ops.zeros_like(self.loss_sum))
+        return applied
+
+    def _apply(self, grads, loss_sum, lr, eps, decay):
         whole_squares = None
         if self.reduction is not None:
             grads = self.reduction(grads)
@@ -151,7 +161,7 @@ class CompiledStep(nn.Cell):
         clipped, squares, grad_norm = clip_grad_norm_in_graph(grads, self.max_norm, whole_squares)
         if ops.logical_and(ops.isfinite(loss_sum), ops.isfinite(grad_norm)):
             self.update(clipped, lr, eps, decay)
-        return (loss, squares, grad_norm) + parts
+        return squares, grad_norm
 
 
 @dataclass
@@ -202,6 +212,7 @@ def build_step_functions(config: TrainConfig, dims: ParallelDims, model: GPTMode
                             parallel.compiled_reduction() if dims.world > 1 else None, recomputed)
     compiled.construct = ms.jit(compiled.construct)
     compiled.accumulate = ms.jit(compiled.accumulate)
+    compiled.apply_sums = ms.jit(compiled.apply_sums)
     reduced = ", gradient reduction over the ranks" if dims.world > 1 else ""
     return StepFunctions(grad_fn, compiled, True,
                          f"whole step compiled (mindspore.jit: forward, backward{reduced}, clip, AdamW), {dispatch}")

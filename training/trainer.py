@@ -183,14 +183,19 @@ class Trainer:
     def _compiled_whole_step(self) -> tuple[float, dict, np.ndarray, float]:
         """The loss, its parts, each gradient's norm and the global norm of a step that ``CompiledStep`` ran whole,
         its update applied in the graph when both are finite. The host waits for the losses only at the end."""
-        lr, eps, decay = self.optimizer.kernel_hyperparameters(self.optimizer.global_step + 1)
-        last = self.accumulation - 1
-        micro_outputs = [self.compiled_step.accumulate(*self._micro_batch(micro)) for micro in range(last)]
-        self.checkpoints.saver.before_update()  # an async save still copying the parameters must finish first
-        loss, squares, grad_norm, *parts = self.compiled_step(Tensor(lr, ms.float32), Tensor(eps, ms.float32),
-                                                             Tensor(decay, ms.float32), *self._micro_batch(last))
+        hyperparameters = [Tensor(value, ms.float32) for value in
+                           self.optimizer.kernel_hyperparameters(self.optimizer.global_step + 1)]
+        if self.accumulation == 1:
+            self.checkpoints.saver.before_update()  # an async save still copying the parameters must finish first
+            loss, squares, grad_norm, *parts = self.compiled_step(*hyperparameters, *self._micro_batch(0))
+            micro_outputs = [(loss, *parts)]
+        else:
+            micro_outputs = [self.compiled_step.accumulate(*self._micro_batch(micro))
+                             for micro in range(self.accumulation)]
+            self.checkpoints.saver.before_update()
+            squares, grad_norm = self.compiled_step.apply_sums(*hyperparameters)
         local_loss, components = 0.0, {}
-        for micro_loss, *micro_parts in [*micro_outputs, (loss, *parts)]:
+        for micro_loss, *micro_parts in micro_outputs:
             micro_loss = float(micro_loss.asnumpy())
             local_loss += micro_loss / self.accumulation  # as the eager step sums them
             add_loss_parts(self.model, components, micro_parts, self.accumulation)
