@@ -44,12 +44,12 @@ postgres:
 test: $(STAMP) chromium postgres
 	# -rs: every skipped test prints its reason; -n 2 --dist loadgroup: two workers, each file whole on one (the
 	# msrun files share one launch per file through module fixtures; tests/conftest.py makes each file a group,
-	# the benchmark smoke tests spread), the longest groups first (tests/conftest.py GROUP_SECONDS)
-	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --no-loadscope-reorder tests
+	# the benchmark smoke tests spread)
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup tests
 
 # the unit tier: no msrun launch, Dagster webserver, browser or test marked slow (tests/conftest.py says which)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup --no-loadscope-reorder -m "not msrun and not ui and not browser and not slow" tests
+	$(BIN)/python -m pytest -q -rs -n 2 --dist loadgroup -m "not msrun and not ui and not browser and not slow" tests
 
 ui: $(STAMP) $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/python -m pipelines.pools

@@ -153,20 +153,10 @@ SLOW_TESTS = frozenset({
     "test_validation.py::test_validation_leaves_training_unchanged_and_a_resumed_run_validates_bit_identically",
     "test_validation.py::test_validation_loss_equals_a_separate_forward_and_is_reported_megatron_style",
 })
-# What runs first: on two workers a long group started last leaves a core idle at the end, so groups start longest
-# first (`make test` passes --no-loadscope-reorder: pytest-xdist's own order, by test count, put the one-test
-# groups last). How long each long group held a worker (wall seconds, GROUP_SECONDS: measured in a quiet
-# `make test`, see its date below); a group not in it is assumed to take UNMEASURED_SECONDS by its markers.
-GROUP_SECONDS = {
-    "test_fsdp.py": 389, "test_docs_commands.py": 260, "test_pipeline.py": 211, "test_resume.py": 200,
-    "test_expert_parallel.py": 197, "benchmark-throughput": 174, "test_context_parallel.py": 161,
-    "test_browser_ui.py": 157, "test_trainer.py": 124, "test_chain.py": 111, "test_recompute.py": 99,
-    "benchmark-compiled_parallel": 97, "test_deepseek_v3.py": 97, "benchmark-cleaning": 94, "test_cancel.py": 74,
-    "test_tensor_parallel.py": 71, "test_cleaning_ray.py": 65, "test_shipped_configs.py": 62,
-    "test_parallel_comm.py": 59, "benchmark-context_parallel": 59, "benchmark-lineage_scale": 57,
-    "benchmark-expert_parallel": 50, "benchmark-parallel_memory": 48, "test_downstream.py": 45,
-}
-UNMEASURED_SECONDS = ((("msrun", "ui", "browser"), 60), (("slow",), 10))
+# No order of the groups is set: pytest-xdist's loadgroup hands them out by test count (its --loadscope-reorder
+# default). Longest first (--no-loadscope-reorder, groups sorted by their walls) was measured worse on 2 cores: the
+# long groups are msrun launches, and run side by side they spin against each other (a fresh-clone `make test`,
+# quiet: 1,677 s and 2,787 CPU-s, against 1,508 s and 2,302 CPU-s in xdist's order).
 
 
 def pytest_configure(config):
@@ -178,21 +168,12 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     """Each file is an xdist group (`make test` runs ``--dist loadgroup``), so it runs whole on one worker: the msrun
     files share one launch per file through module fixtures. A test that names its own group spreads (the benchmark
-    smoke tests). The long groups run first (GROUP_SECONDS)."""
+    smoke tests)."""
     for item in items:
         if item.nodeid.removeprefix("tests/") in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
-    seconds = {}
-    for item in items:
-        guess = max([0, *(s for markers, s in UNMEASURED_SECONDS if any(item.get_closest_marker(m) for m in markers))])
-        seconds[_group(item)] = GROUP_SECONDS.get(_group(item), max(seconds.get(_group(item), 0), guess))
-    items.sort(key=lambda item: -seconds[_group(item)])  # stable: each file's tests keep their order
-
-
-def _group(item) -> str:
-    return item.get_closest_marker("xdist_group").args[0]
 
 
 @pytest.fixture

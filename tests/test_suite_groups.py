@@ -8,5 +8,3 @@ def test_this_test_carries_its_files_group_into_the_id_xdist_schedules_by(reques
     # where it cannot (pytest 9.2 with pytest-xdist 3.8: pyproject.toml), the file's tests spread over the workers
     if getattr(request.config.option, "loadgroup", False):
         assert request.node.nodeid.endswith("@test_suite_groups.py"), request.node.nodeid
-        # and the groups start in the order tests/conftest.py sorts them (longest first), not by their test count
-        assert request.config.option.loadscopereorder is False, "make test runs with --no-loadscope-reorder"
