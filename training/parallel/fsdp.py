@@ -260,8 +260,8 @@ class _RegatherInBackward:
 # MoE's TopKRouter and GroupedExperts have them). A graph keeps whatever its backward reads, so resharding after
 # forward takes a hand-written backward that reads only its inputs (x and the chunk) and gathers the weight again:
 # MindSpore 2.10's Cell.recompute re-runs a layer's products inside a PyNative mindspore.jit graph but leaves the
-# step's memory where it was (benchmarks/graph_recompute_probe.py), so it cannot stand in for that backward. Vectors (norm weights, biases) stay gathered until the backward:
-# a few KB per layer.
+# step's memory where it was (benchmarks/graph_recompute_probe.py), so it cannot stand in for that backward.
+# Vectors (norm weights, biases) stay gathered until the backward: a few KB per layer.
 class GatheredMatrix(nn.Cell):
     """x @ W.T for a linear's (or a tied output layer's) weight W held as this rank's rows: W gathered for the
     product (``view``, when the layer gives one, reorders the gathered rows for it: an MLP's fc1 puts its gate/up
