@@ -44,7 +44,13 @@ def blend_settings() -> list[str]:
 SMOKE_BATCH = ["training.local_batch_size=2", "training.global_batch_size=2"]
 # and its step eager, where what the benchmark measures does not depend on compiling (compiling a step costs 7-14
 # CPU-s even at one layer: what compile_time measures)
-SMOKE_STEP = [*SMOKE_BATCH, "fast_step.compile=false"]
+SMOKE_EAGER = "fast_step.compile=false"
+SMOKE_STEP = [*SMOKE_BATCH, SMOKE_EAGER]
+# The msrun benchmarks that pair compiled layouts with eager ones train every variant eagerly in a smoke run,
+# SMOKE_EAGER given last: there each compiled variant costs a compile per rank, most of such a smoke run, and a
+# smoke run checks the benchmark's own code (its launch, variants, pairing and figures). Each layout's compiled
+# step is proven against one process by the equivalence tests (tests/test_fsdp.py, test_pipeline.py,
+# test_context_parallel.py, test_expert_parallel.py, test_tensor_parallel.py).
 
 
 def smoke_model(layers: int = 1, seq: int = 32) -> list[str]:

@@ -17,7 +17,8 @@ of a zero-padded buffer (group-size times the bytes, summed), and only the world
 workers the group is the world, so both graph forms are timed.
 
 ``python -m benchmarks.compiled_parallel [--config PATH] [--rounds N]``; run by msrun as
-``python -m benchmarks.compiled_parallel OUT SHARD CONFIG ROUNDS SEQ``.
+``python -m benchmarks.compiled_parallel OUT SHARD CONFIG ROUNDS SEQ [OVERRIDE ...]``. A smoke run: 32 tokens, one
+round, every variant eager (benchmarks.SMOKE_EAGER).
 """
 from __future__ import annotations
 
@@ -30,12 +31,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import SMOKE_EAGER
 from benchmarks.contention import LoadWatch
 from benchmarks.suite import Bench, standalone
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SEQ, ROUNDS = 512, 5
 SMOKE_SEQ, SMOKE_ROUNDS = 32, 1  # at qwen3_tiny's 2 layers: a stage each under PP 2
+SMOKE_OVERRIDES = [SMOKE_EAGER]
 DEFAULT_CONFIG = "configs/qwen3_tiny.yaml"
 TP2 = ["parallelism.tensor_parallel=2", "parallelism.sequence_parallel=true", "training.local_batch_size=2"]
 PP2 = ["parallelism.pipeline_parallel=2", "training.local_batch_size=1"]
@@ -99,8 +102,9 @@ def _gather_times(layer, group, repeats: int) -> dict[str, float]:
             "bytes": size * 4}
 
 
-def worker(out: str, shard: str, config_path: str, rounds: str, seq: str) -> None:
-    """One msrun worker: every variant's trainer, their steps alternating round by round, then the gathers."""
+def worker(out: str, shard: str, config_path: str, rounds: str, seq: str, *extra: str) -> None:
+    """One msrun worker: every variant's trainer, their steps alternating round by round, then the gathers.
+    ``extra``: overrides given after each variant's."""
     from training.parallel.mesh import init_world, world_group
     from training.reporting import Reporter
     from training.step import configure_runtime
@@ -109,7 +113,7 @@ def worker(out: str, shard: str, config_path: str, rounds: str, seq: str) -> Non
     rounds, seq = int(rounds), int(seq)
     configure_runtime(_config(shard, config_path, rounds, seq, []))
     world = init_world()
-    trainers = {name: Trainer(_config(shard, config_path, rounds, seq, overrides), world, Path(out) / name,
+    trainers = {name: Trainer(_config(shard, config_path, rounds, seq, [*overrides, *extra]), world, Path(out) / name,
                               Reporter(None, enabled=False))
                 for name, overrides in VARIANTS.items()}
     times = {name: [] for name in VARIANTS}
@@ -128,11 +132,11 @@ def worker(out: str, shard: str, config_path: str, rounds: str, seq: str) -> Non
             "gathers": gathers}))
 
 
-def measure(bench: Bench, shard: Path, config_path: str, rounds: int, seq: int) -> None:
+def measure(bench: Bench, shard: Path, config_path: str, rounds: int, seq: int, extra: list[str] = ()) -> None:
     from training.launch import run_on_local_workers
 
     with tempfile.TemporaryDirectory(prefix="kiln-bench-compiled-parallel-") as tmp, LoadWatch(cores=2) as watch:
-        run_on_local_workers(["-m", "benchmarks.compiled_parallel", tmp, shard, config_path, rounds, seq],
+        run_on_local_workers(["-m", "benchmarks.compiled_parallel", tmp, shard, config_path, rounds, seq, *extra],
                              Path(tmp) / "log", 2)
         figures = json.loads((Path(tmp) / "figures.json").read_text())
         for name, cpu_seconds in figures["cpu"].items():
@@ -161,7 +165,7 @@ def measure(bench: Bench, shard: Path, config_path: str, rounds: int, seq: int) 
 
 def run(bench: Bench) -> None:
     if bench.smoke:
-        measure(bench, bench.shard(), DEFAULT_CONFIG, SMOKE_ROUNDS, SMOKE_SEQ)
+        measure(bench, bench.shard(), DEFAULT_CONFIG, SMOKE_ROUNDS, SMOKE_SEQ, SMOKE_OVERRIDES)
     else:
         measure(bench, bench.shard(), DEFAULT_CONFIG, ROUNDS, SEQ)
 
@@ -186,7 +190,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and not sys.argv[1].startswith("-"):
+    if len(sys.argv) >= 6 and not sys.argv[1].startswith("-"):
         os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")  # before MindSpore loads: single-threaded dispatch
         worker(*sys.argv[1:])
     else:

@@ -19,8 +19,8 @@ micro-batches, with one K/V block = batch × kv groups × s × (k dim + v dim) �
 - Ulysses of u: q, K/V and the output each switch sequence parts for head parts, forward and backward; a
   native all-to-all receives (u−1)/u of each, the CPU one (all-gather, then a pick) u−1 whole tensors, u
   times as much.
-A smoke run: one layer, 32 tokens, one round. Run by msrun: ``python -m benchmarks.context_parallel OUT SHARD ROUNDS
-SEQ [MODEL OVERRIDE ...]``.
+A smoke run: one layer, 32 tokens, one round, every variant eager (benchmarks.SMOKE_EAGER). Run by msrun:
+``python -m benchmarks.context_parallel OUT SHARD ROUNDS SEQ [MODEL OVERRIDE ...]``.
 """
 from __future__ import annotations
 
@@ -32,13 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import SMOKE_EAGER
 from benchmarks.contention import LoadWatch
 from benchmarks.suite import Bench
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 SEQ, ROUNDS = 512, 5
 SMOKE_SEQ, SMOKE_ROUNDS = 32, 1
-SMOKE_MODEL = ["model.num_hidden_layers=1"]  # the sequence is the worker's SEQ argument
+SMOKE_MODEL = ["model.num_hidden_layers=1", SMOKE_EAGER]  # the sequence is the worker's SEQ argument
 # the same global batch of 2 samples, one micro-batch per step: DP 2 reads one sample per rank, CP 2 both (halves)
 CP2 = ["parallelism.context_parallel=2", "training.local_batch_size=2"]
 EAGER = ["fast_step.compile=false"]
@@ -60,7 +61,7 @@ def _config(shard: str, overrides: list[str], rounds: int, seq: int, model: list
         f"{data}.data_path=[1.0, '{shard}']", f"{data}.eod={SPECIAL_IDS['eos']}", f"{data}.pad={SPECIAL_IDS['pad']}",
         f"{data}.seq_length={seq}", f"model.seq_length={seq}", f"{data}.split='100,0,0'",
         "training.global_batch_size=2", f"training.steps={rounds + 1}",
-        "parallelism.data_parallel_shard_strategy=optim", "checkpoint.enable_save=false", *model, *overrides])
+        "parallelism.data_parallel_shard_strategy=optim", "checkpoint.enable_save=false", *overrides, *model])
 
 
 def kv_block_bytes(config) -> int:
@@ -84,7 +85,7 @@ def analytic_bytes(variant: str, config, accumulation: int) -> float:
 
 def worker(out: str, shard: str, rounds: str, seq: str, *model: str) -> None:
     """One msrun worker: every variant's trainer, their steps alternating round by round. ``model``: overrides of
-    the config's size (none: as shipped)."""
+    the config's size (none: as shipped), given after the variant's."""
     rounds, seq = int(rounds), int(seq)
     import numpy as np
     from mindspore import Tensor

@@ -20,8 +20,9 @@ rows_sent_away``); the combine returns as many rows, and the backward sends the 
 same way, so the step moves 4 × rows × hidden × 4 bytes. The analytic count assumes uniform routing: each
 MoE layer of each micro-batch sends (tokens · top_k + experts, the safe tokens) · (ep − 1)/ep rows away. (On
 CPU the all-to-all is built from an all-gather, which moves ep × the longest rank's rows instead: that is the
-backend's cost, not the dispatch's.) A smoke run: a dense and a MoE layer, no MTP (its layer compiles apart: ~8
-CPU-s a rank), 32 tokens, a sample per rank, one round. Run by msrun: ``python -m benchmarks.expert_parallel OUT SHARD ROUNDS [MODEL OVERRIDE ...]``.
+backend's cost, not the dispatch's.) A smoke run: a dense and a MoE layer, no MTP, 32 tokens, a sample per
+rank, one round, every layout eager (benchmarks.SMOKE_EAGER). Run by msrun:
+``python -m benchmarks.expert_parallel OUT SHARD ROUNDS [MODEL OVERRIDE ...]``.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import smoke_model
+from benchmarks import SMOKE_EAGER, smoke_model
 from benchmarks.contention import LoadWatch
 from benchmarks.suite import Bench
 
@@ -44,7 +45,7 @@ LAYOUTS = {"DP": [EAGER], "EP2": [EP2, EAGER], "EP2 ZeRO-1 eager": [EP2, ZERO1, 
            "EP2 ZeRO-1 compiled": [EP2, ZERO1, "fast_step.compile=true"]}
 ROUNDS, SMOKE_ROUNDS = 4, 1
 SMOKE_MODEL = [*smoke_model(2), "model.num_nextn_predict_layers=0", "training.local_batch_size=1",
-               "training.global_batch_size=2"]
+               "training.global_batch_size=2", SMOKE_EAGER]
 BYTES_PER_VALUE = 4  # float32 activations
 
 
@@ -57,7 +58,7 @@ def _config(shard: str, overrides: list[str], rounds: int, model: list[str]):
         f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
         f"train_dataset.dataloader.config.eod={SPECIAL_IDS['eos']}",
         f"train_dataset.dataloader.config.pad={SPECIAL_IDS['pad']}", *blend_settings(),
-        *model, f"training.steps={rounds + 1}", "checkpoint.enable_save=false", *overrides])
+        f"training.steps={rounds + 1}", "checkpoint.enable_save=false", *overrides, *model])
 
 
 def _dispatchers(trainer) -> list:
@@ -105,7 +106,7 @@ def _transport_times(group, tokens: int, hidden: int, top_k: int, repeats: int) 
 
 def worker(out: str, shard: str, rounds: str, *model: str) -> None:
     """One msrun worker: the layouts, a step of each in turn; the first step of each dropped. ``model``: overrides
-    of the config's size (none: as shipped)."""
+    of the config's size (none: as shipped), given after the layout's."""
     rounds = int(rounds)
     from training.parallel.mesh import init_world
     from training.reporting import Reporter
