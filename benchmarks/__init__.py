@@ -8,7 +8,8 @@ How a benchmark joins (the one convention; `make bench`, its summary and the smo
    every figure to ``bench.report(name, value, unit, ratio, reference, target=..., watch=...)``: ``target`` the
    bound an issue or a doc states (``at_least(0.9)`` on the ratio, ``at_most(2.0, of="value")``), none where
    nothing is stated; when ``bench.smoke`` is true it runs at the smallest size that still runs every code path
-   it measures (a few seconds to a minute), and its figures must still be finite numbers;
+   of its own (a few seconds to a minute; a compiled variant may run eagerly there, SMOKE_EAGER below), and its
+   figures must still be finite numbers;
 2. its name added to SUITE below, in the order `make bench` runs them;
 3. a benchmark that compares timings (paired variants, or times against a bound) measures inside
    ``with LoadWatch(cores) as watch:`` (benchmarks/contention.py; ``cores``: how many the run keeps busy),
