@@ -161,9 +161,10 @@ def test_debug_shows_the_traceback_of_a_bad_input(world, monkeypatch):
 
 
 @pytest.mark.msrun
-def test_under_msrun_rank_0s_one_line_heads_the_failure(world, tmp_path):
-    """Two workers meet the same bad blend weight: each logs its one line, no traceback, and the failure
-    training_run raises leads with worker_0's (rank 0's)."""
+def test_under_msrun_a_workers_one_line_heads_the_failure(world, tmp_path):
+    """Two workers meet the same bad blend weight: no log holds a traceback, and the failure training_run raises
+    leads with the one line of a worker that said it (msrun stops the other once one exits, so which of the two
+    gets to say it is a race; test_the_lowest_rank_that_said_its_line_leads_the_failure covers the order)."""
     from resources.msrun import MsrunResource
     from training.launch import LaunchFailed, run_on_local_workers
 
@@ -175,8 +176,26 @@ def test_under_msrun_rank_0s_one_line_heads_the_failure(world, tmp_path):
     for worker in ("worker_0.log", "worker_1.log"):
         assert "Traceback" not in (log_dir / worker).read_text()
     headline = MsrunResource()._failure(1, log_dir)["description"].splitlines()[0]
-    assert headline == ("msrun exited with code 1; worker_0.log: [kiln] not retriable: DatasetError: "
-                        "train_dataset.dataloader.config.data_path[0]: weight 0.0 must be a positive number")
+    line = ("[kiln] not retriable: DatasetError: train_dataset.dataloader.config.data_path[0]: weight 0.0 must be a "
+            "positive number")
+    said = re.fullmatch(r"msrun exited with code 1; (worker_[01]\.log): (.*)", headline)
+    assert said and said[2] == line, headline
+    assert line in (log_dir / said[1]).read_text()
+
+
+@pytest.mark.parametrize("logs, leads", [
+    ({"worker_0.log": "[kiln] not retriable: A\n", "worker_1.log": "[kiln] not retriable: B\n"},
+     "worker_0.log: [kiln] not retriable: A"),
+    ({"worker_0.log": "", "worker_1.log": "[kiln] not retriable: B\n"}, "worker_1.log: [kiln] not retriable: B"),
+    ({"worker_0.log": "killed\n", "worker_1.log": "Traceback (most recent call last):\nKeyError: 1\n"},
+     "worker_1.log ends with:"),
+], ids=["both said it", "rank 0 stopped first", "a bug"])
+def test_the_lowest_rank_that_said_its_line_leads_the_failure(tmp_path, logs, leads):
+    from resources.msrun import MsrunResource
+
+    for name, text in logs.items():
+        (tmp_path / name).write_text(text)
+    assert MsrunResource()._failure(1, tmp_path)["description"].splitlines()[0] == f"msrun exited with code 1; {leads}"
 
 
 def test_output_piped_into_head_ends_without_a_traceback(world):

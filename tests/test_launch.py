@@ -131,13 +131,32 @@ def test_launcher_refuses_malformed_visible_devices(monkeypatch):
 
 def test_environment_keeps_the_callers_and_sets_visible_devices():
     base = {"PATH": "/bin", "PYTHONPATH": "/extra", "GLOG_v": "1", "ASCEND_RT_VISIBLE_DEVICES": "0,1"}
-    env = msrun_environment(base)
+    env = msrun_environment(base, one_machine=True)
     assert env["PYTHONPATH"] == f"{launch.PROJECT_ROOT}{os.pathsep}/extra"
     assert env["GLOG_v"] == "1" and env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"
-    assert msrun_environment(base, "2,3")["ASCEND_RT_VISIBLE_DEVICES"] == "2,3"
-    assert msrun_environment({})["GLOG_v"] == "3"
+    assert msrun_environment(base, "2,3", one_machine=True)["ASCEND_RT_VISIBLE_DEVICES"] == "2,3"
+    assert msrun_environment({}, one_machine=True)["GLOG_v"] == "3"
     with pytest.raises(SettingError, match="lists a device twice"):
-        msrun_environment({}, "0,1,0")
+        msrun_environment({}, "0,1,0", one_machine=True)
+
+
+def test_one_machine_polls_the_scheduler_within_a_second_and_a_cluster_keeps_mindspores_spread():
+    polling = ("MS_RETRY_INTERVAL_LOWER", "MS_RETRY_INTERVAL_UPPER")
+    assert [msrun_environment({}, one_machine=True)[k] for k in polling] == ["0", "1"]
+    assert not set(polling) & set(msrun_environment({}, one_machine=False))
+    assert msrun_environment({"MS_RETRY_INTERVAL_UPPER": "4"}, one_machine=True)["MS_RETRY_INTERVAL_UPPER"] == "4"
+
+
+@pytest.mark.parametrize("argv, one_machine", [([TRAIN, "4"], True),
+                                               ([TRAIN, "4", "2", "10.0.0.1", "8118", "1", "log", "True", "60"],
+                                                False)])
+def test_the_launcher_polls_fast_only_when_every_worker_is_on_this_node(monkeypatch, argv, one_machine):
+    monkeypatch.delenv("MS_RETRY_INTERVAL_UPPER", raising=False)
+    launched = []
+    monkeypatch.setattr(launch, "run_msrun", lambda command, env: launched.append(env) or 0)
+    with pytest.raises(SystemExit):
+        launch.main(argv)
+    assert ("MS_RETRY_INTERVAL_UPPER" in launched[0]) is one_machine
 
 
 def test_settings_errors_name_the_field():
@@ -165,7 +184,8 @@ def test_resource_environment_and_errors_name_its_fields(tmp_path):
         MsrunResource(worker_num=2, local_worker_num=3).command(TRAIN_ARGS, tmp_path, 9000)
 
 
-def test_cluster_nodes_give_each_node_its_command(tmp_path):
+def test_cluster_nodes_give_each_node_its_command(tmp_path, monkeypatch):
+    monkeypatch.delenv("MS_RETRY_INTERVAL_UPPER", raising=False)
     nodes = [MsrunNode(address="10.0.0.5", devices=8, visible_devices="0,1,2,3,4,5,6,7"),
              MsrunNode(address="10.0.0.6", devices=4, visible_devices="4,5,6,7")]
     second = MsrunResource.for_node(nodes, 1, master_port=9000, device_target="Ascend")
@@ -174,6 +194,9 @@ def test_cluster_nodes_give_each_node_its_command(tmp_path):
     assert {"--worker_num=12", "--local_worker_num=4", "--master_addr=10.0.0.5", "--master_port=9000",
             "--node_rank=1"} <= set(command)
     assert second.environment({})["ASCEND_RT_VISIBLE_DEVICES"] == "4,5,6,7"
+    # a node among others keeps MindSpore's polling spread; a resource of this machine alone polls within a second
+    assert "MS_RETRY_INTERVAL_UPPER" not in second.environment({})
+    assert MsrunResource(worker_num=2, local_worker_num=2).environment({})["MS_RETRY_INTERVAL_UPPER"] == "1"
 
     with pytest.raises(dg.Failure, match=r"MsrunResource.local_worker_num: is 8 but nodes give 4 for node_rank 1"):
         MsrunResource(nodes=nodes, node_rank=1, worker_num=12, local_worker_num=8, master_addr="10.0.0.5",
