@@ -7,7 +7,8 @@ DP's at the same world size (ZeRO-3 at N ranks should hold about 1/N of each), a
 against DP's. ZeRO-2's reduce-scatter runs after the backward here, so its gradients are whole until then, as
 ZeRO-1's; only ZeRO-3's backward yields chunks. "ZeRO-3 never" keeps each unit's gathered weights until its
 backward instead of gathering them again there: its step time shows what re-gathering costs. A smoke run: one layer,
-32 tokens, 2 samples a step, at 1 and 2 ranks. Run as a script by msrun:
+32 tokens, 2 samples a step, at 2 ranks (one msrun launch: a world of one runs the same worker in one process).
+Run as a script by msrun:
 ``python -m benchmarks.parallel_memory OUT SHARD STEPS [MODEL OVERRIDE ...]`` (default: WIDER).
 """
 from __future__ import annotations
@@ -40,7 +41,7 @@ WIDER = ["model.hidden_size=256", "model.intermediate_size=768", "model.num_hidd
 EAGER = "fast_step.compile=false"
 STEPS = 4
 WORLDS = (1, 2, 4)
-SMOKE_STEPS, SMOKE_WORLDS = 2, (1, 2)
+SMOKE_STEPS, SMOKE_WORLDS = 2, (2,)
 SMOKE_MODEL = [*smoke_model(1), "training.local_batch_size=1", "training.global_batch_size=2"]
 
 
