@@ -56,6 +56,8 @@ def local_ray_cluster(nodes: int = 2, timeout: float = 180):
     finally:
         ray.shutdown()
         for process in reversed(processes):
-            os.killpg(process.pid, signal.SIGTERM)
+            # SIGINT, not SIGTERM: `ray start --block` ends its node within 2 s on an interrupt, but waits ~30 s on
+            # a SIGTERM once the node has run a task (measured with Ray 2.60 here; both leave no process behind)
+            os.killpg(process.pid, signal.SIGINT)
             process.wait(timeout=60)
         shutil.rmtree(temp, ignore_errors=True)
