@@ -45,8 +45,7 @@ test: $(STAMP) chromium postgres
 	# -rs: every skipped test prints its reason; -n 3 --dist loadgroup: three workers, each file whole on one (the
 	# msrun files share one launch per file through module fixtures; tests/conftest.py makes each file a group,
 	# the benchmark smoke tests spread). Three on 2 cores: the webserver, browser, kill-and-resume and msrun tests
-	# wait on other processes for much of their time, and a third worker fills it. Measured, fresh clone of 6bfbaaa,
-	# quiet: -n 2 1,553 s and 2,441 CPU-s, -n 3 1,355 s and 2,342 CPU-s; -n 4 (at f19d026) 1,471 s and 2,550 CPU-s
+	# wait on other processes for much of their time, and a third worker fills it (README.md, Two commands)
 	$(BIN)/python -m pytest -q -rs -n 3 --dist loadgroup tests
 
 # the unit tier: no msrun launch, Dagster webserver, browser or test marked slow (tests/conftest.py says which)
