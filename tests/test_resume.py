@@ -44,7 +44,7 @@ def start_msrun(run_dir: Path, overrides: list[str]) -> subprocess.Popen:
                              log_dir=str(run_dir / "msrun_log"), cluster_time_out=300)
     run_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(msrun_command(settings, training_args(run_dir, overrides)),
-                            env=msrun_environment(os.environ, one_machine=True), cwd=PROJECT_ROOT,
+                            env=msrun_environment(os.environ, one_machine=settings.one_machine), cwd=PROJECT_ROOT,
                             stdout=open(run_dir / "msrun.out", "wb"), stderr=subprocess.STDOUT)
 
 
@@ -129,8 +129,8 @@ def test_kill_9_of_the_step_process_leaves_no_process_and_a_complete_checkpoint(
     command = MsrunResource(worker_num=2, local_worker_num=2).command(training_args(run_dir, overrides),
                                                                        run_dir / "msrun_log", free_port())
     run_dir.mkdir()
-    step = subprocess.Popen([sys.executable, "-c", STEP_PROCESS, *command], env=msrun_environment(os.environ, one_machine=True),
-                            cwd=PROJECT_ROOT, stdout=open(run_dir / "msrun.out", "wb"), stderr=subprocess.STDOUT)
+    step = subprocess.Popen([sys.executable, "-c", STEP_PROCESS, *command],
+                            env=msrun_environment(os.environ, one_machine=True), cwd=PROJECT_ROOT, stdout=open(run_dir / "msrun.out", "wb"), stderr=subprocess.STDOUT)
     wait_for_steps(step, run_dir, 5)
     assert_all_end(kill_9(step.pid, step.pid), "step process killed")
     step.wait()

@@ -88,7 +88,7 @@ class MsrunSettings:
             raise SettingError("master_port", f"must be a port in 1024..65535, got {self.master_port}")
         if self.node_rank < 0:
             raise SettingError("node_rank", f"must be 0 or more, got {self.node_rank}")
-        if self.local_worker_num == self.worker_num and self.node_rank != 0:
+        if self.one_machine and self.node_rank != 0:
             raise SettingError("node_rank", f"must be 0 when this node runs all {self.worker_num} workers, "
                                             f"got {self.node_rank}")
         if not self.log_dir:
@@ -99,6 +99,11 @@ class MsrunSettings:
         if not -1 <= self.tail_worker_log < self.local_worker_num:
             raise SettingError("tail_worker_log", f"must be -1 (all) or a local worker index below "
                                                   f"{self.local_worker_num}, got {self.tail_worker_log}")
+
+    @property
+    def one_machine(self) -> bool:
+        """Every worker runs on this node."""
+        return self.local_worker_num == self.worker_num
 
 
 def free_port() -> int:
@@ -229,7 +234,7 @@ def run_on_local_workers(script_args: list, log_dir: Path, workers: int, *, time
     log_dir.mkdir(parents=True, exist_ok=True)
     settings = MsrunSettings(worker_num=workers, local_worker_num=workers, master_port=free_port(),
                              log_dir=str(log_dir), cluster_time_out=300)
-    environment = msrun_environment(os.environ if env is None else env, one_machine=True)
+    environment = msrun_environment(os.environ if env is None else env, one_machine=settings.one_machine)
     environment.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
     with open(log_dir / "msrun.out", "w") as output:
         code = run_msrun(msrun_command(settings, [str(a) for a in script_args]), environment, cwd=PROJECT_ROOT,
@@ -351,7 +356,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(shlex.join(command))
         return
     try:
-        env = msrun_environment(os.environ, one_machine=settings.local_worker_num == settings.worker_num)
+        env = msrun_environment(os.environ, one_machine=settings.one_machine)
     except SettingError as exc:
         sys.exit(f"python -m training.launch: {exc}")
     print(f"[kiln] {shlex.join(command)}", file=sys.stderr, flush=True)
