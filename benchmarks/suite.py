@@ -99,8 +99,13 @@ class Bench:
         time or a ratio of times; a figure under a watch that saw competition is printed as not valid)."""
         if watch is not None and watch.load is None:
             raise RuntimeError(f"{name}: reported inside its LoadWatch; report after the measurement")
+        targets = target if isinstance(target, tuple) else (target,)
+        if ratio is None and any(t.of == "ratio" for t in targets):
+            # such a target could never be met: the summary would print MISSED whatever was measured
+            raise ValueError(f"{name}: a target on the ratio of a figure reported without one; a figure that is "
+                             f"itself a ratio takes its target on its value (of='value')")
         figure = Figure(self.benchmark, name, float(value), unit, None if ratio is None else float(ratio), reference,
-                        target if isinstance(target, tuple) else (target,), watch.load if watch else None)
+                        targets, watch.load if watch else None)
         print(figure.line(), flush=True)
         with open(self.figures_path, "a") as out:
             out.write(figure.to_json() + "\n")

@@ -282,8 +282,11 @@ class Worker:
 # issue 38's targets: >= 1.0x torch.compile on both bench configs (DeepSeek-V3 without MTP), compiled peak RSS at
 # most torch eager's; the earlier ones: qwen3_bench >= 1.0x torch eager, the tiny config >= 0.5x eager, Kiln's step
 # >= 0.75 of the round's compiled matmul peak on qwen3_bench
-TARGETS = {("qwen3_bench", "vs torch eager"): at_least(1.0), ("qwen3_bench", "vs torch compile"): at_least(1.0),
-           ("deepseek_v3_bench", "vs torch compile"): at_least(1.0), ("qwen3_tiny", "vs torch eager"): at_least(0.5),
+# (a "vs" figure is itself the paired ratio, so its target is on its value)
+TARGETS = {("qwen3_bench", "vs torch eager"): at_least(1.0, of="value"),
+           ("qwen3_bench", "vs torch compile"): at_least(1.0, of="value"),
+           ("deepseek_v3_bench", "vs torch compile"): at_least(1.0, of="value"),
+           ("qwen3_tiny", "vs torch eager"): at_least(0.5, of="value"),
            ("qwen3_bench", "of the matmul peak"): at_least(0.75)}
 # a smoke run: each tiny config at 32 tokens and 2 samples, one layer of each kind (DeepSeek-V3's first is dense, the
 # second MoE), one round of one step, and each worker kind once: Qwen3 runs Kiln's compiled step beside torch eager,

@@ -88,6 +88,15 @@ def test_report_inside_its_watch_is_refused(tmp_path):
         bench.report("step", 1.0, "s", watch=watch)
 
 
+def test_a_target_on_the_ratio_of_a_figure_without_one_is_refused(tmp_path):
+    """A paired ratio reported as the figure's value (unit ×) with its target on the missing ratio was judged
+    MISSED whatever it measured (throughput's "kiln vs torch eager" 2.31 × against >= 0.5)."""
+    bench = Bench("example", tmp_path, tmp_path / "figures.jsonl")
+    with pytest.raises(ValueError, match="kiln vs torch eager: a target on the ratio of a figure reported without"):
+        bench.report("kiln vs torch eager", 2.31, "×", target=at_least(0.5))
+    assert not (tmp_path / "figures.jsonl").exists()
+
+
 def test_load_watch_counts_its_own_processes_and_the_others(tmp_path):
     """A child's CPU is the variant's, not another process's; a process outside this tree (started in the
     background by a shell that exits at once, so no longer a descendant) is another's, whatever else the machine
