@@ -44,8 +44,9 @@ def _corpus(work: Path, kind: str, corpus_bytes: int) -> list[Path]:
 
 
 class _BareProcesses:
-    """`workers` warm processes, each holding its share of the texts and the model (loaded untimed).
-    One round's tokens/s: every share encoded at once; the wall time is that of the slowest share."""
+    """`workers` warm processes, each holding its share of the texts and the model (loaded untimed). A call
+    encodes every share at once and returns the tokens; its wall time (the caller's) is the slowest share's plus a
+    round trip to each pool."""
 
     def __init__(self, files: list[Path], model: str, workers: int) -> None:
         import multiprocessing
@@ -59,8 +60,7 @@ class _BareProcesses:
 
     def __call__(self, out_type) -> float:
         results = [pool.apply_async(self._encode_share, (out_type,)) for pool in self._pools]
-        shares = [r.get() for r in results]
-        return sum(t for t, _ in shares) / max(s for _, s in shares)
+        return sum(r.get() for r in results)
 
     def close(self) -> None:
         for pool in self._pools:
