@@ -247,24 +247,24 @@ def run_on_local_workers(script_args: list, log_dir: Path, workers: int, *, time
 
 
 # MindSpore's cluster rendezvous and teardown poll the scheduler at random intervals between MS_RETRY_INTERVAL_LOWER
-# and _UPPER seconds, spread so that the nodes of a big cluster do not ask in step; the workers' heartbeats use the
-# same interval, and the scheduler declares a node gone after MS_NODE_TIMEOUT seconds without one (30 by default).
-# When every worker is on this machine the scheduler is a loopback hop away: polling within a second starts and ends
-# each launch seconds sooner, and with heartbeats at least once a second a node silent for 10 s has died (msrun
-# kills the others once one worker fails; its scheduler waits out their timeout before msrun exits), so a failed
-# launch ends 20 s sooner (docs/training.md, "Training outside Dagster", gives the measurements).
-ONE_MACHINE_CLUSTER = {"MS_RETRY_INTERVAL_LOWER": "0", "MS_RETRY_INTERVAL_UPPER": "1", "MS_NODE_TIMEOUT": "10"}
+# and _UPPER seconds, spread so that the nodes of a big cluster do not ask in step. When every worker is on this
+# machine the scheduler is a loopback hop away: polling within a second starts and ends each launch seconds sooner
+# (docs/training.md, "Training outside Dagster", gives the measurement).
+# MS_NODE_TIMEOUT stays at MindSpore's 30 s although a failed launch waits it out (msrun exits only after its
+# scheduler has timed out the workers it killed): on CPU it is also how long a collective waits for its peers, and
+# a rank waiting on another that is still compiling its graph fails ("Broadcast failed" at 10 s, in a loaded suite).
+ONE_MACHINE_POLLING = {"MS_RETRY_INTERVAL_LOWER": "0", "MS_RETRY_INTERVAL_UPPER": "1"}
 
 
 def msrun_environment(base: Mapping[str, str], visible_devices: Optional[str] = None, *,
                       one_machine: bool) -> dict[str, str]:
     """The environment msrun (and so every worker) gets: this interpreter first on PATH, Kiln importable, and
-    with ``one_machine`` (every worker on this node) the scheduler polled within a second and a silent node given up
-    after 10 s, unless ``base`` says otherwise.
+    with ``one_machine`` (every worker on this node) the scheduler polled within a second, unless ``base`` says
+    otherwise.
 
     ``visible_devices`` sets ASCEND_RT_VISIBLE_DEVICES; without it, the value in ``base`` (if any) stays.
     """
-    env = {**(ONE_MACHINE_CLUSTER if one_machine else {}), **base}
+    env = {**(ONE_MACHINE_POLLING if one_machine else {}), **base}
     if visible_devices is not None:
         env["ASCEND_RT_VISIBLE_DEVICES"] = visible_devices
     if "ASCEND_RT_VISIBLE_DEVICES" in env:
