@@ -208,7 +208,8 @@ def main(argv=None) -> int:
         settings = MsrunSettings(worker_num=args.workers, local_worker_num=args.workers, master_port=free_port(),
                                  log_dir=str(Path(tmp) / "log"), cluster_time_out=300)
         done = subprocess.run(msrun_command(settings, [__file__, tmp]), cwd=PROJECT_ROOT,
-                              env=msrun_environment(os.environ, one_machine=settings.one_machine), capture_output=True, text=True)
+                              env=msrun_environment(os.environ, one_machine=settings.one_machine),
+                              capture_output=True, text=True)
         ranks = sorted(Path(tmp).glob("rank*.json"))
         if not ranks:
             print(done.stdout[-2000:], done.stderr[-2000:])

@@ -130,7 +130,8 @@ def test_kill_9_of_the_step_process_leaves_no_process_and_a_complete_checkpoint(
                                                                        run_dir / "msrun_log", free_port())
     run_dir.mkdir()
     step = subprocess.Popen([sys.executable, "-c", STEP_PROCESS, *command],
-                            env=msrun_environment(os.environ, one_machine=True), cwd=PROJECT_ROOT, stdout=open(run_dir / "msrun.out", "wb"), stderr=subprocess.STDOUT)
+                            env=msrun_environment(os.environ, one_machine=True), cwd=PROJECT_ROOT,
+                            stdout=open(run_dir / "msrun.out", "wb"), stderr=subprocess.STDOUT)
     wait_for_steps(step, run_dir, 5)
     assert_all_end(kill_9(step.pid, step.pid), "step process killed")
     step.wait()
