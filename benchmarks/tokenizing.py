@@ -58,7 +58,7 @@ class _BareProcesses:
         self._pools = [context.Pool(1, initializer=bare_encode.load_share, initargs=(files, model, i, workers))
                        for i in range(workers)]
 
-    def __call__(self, out_type) -> float:
+    def __call__(self, out_type) -> int:
         results = [pool.apply_async(self._encode_share, (out_type,)) for pool in self._pools]
         return sum(r.get() for r in results)
 
