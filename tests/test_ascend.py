@@ -24,6 +24,14 @@ ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def assert_gradients_close(got: np.ndarray, expected: np.ndarray, name: str) -> None:
+    """FP32, with atol 1e-6 of the largest entry: a weight's gradient sums terms of about that size, so an entry
+    near zero carries their rounding (the kernel and the plain path sum in other orders; measured on an AMD EPYC:
+    2.9e-6 on an entry of 0.024 beside entries of 6)."""
+    np.testing.assert_allclose(got, expected, rtol=FP32["rtol"], atol=FP32["atol"] * max(1.0, np.abs(expected).max()),
+                               err_msg=name)
 SEQ = 16
 QWEN3 = {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "compute_dtype": "float32", "vocab_size": 64,
          "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,
@@ -131,7 +139,7 @@ def test_qwen3_with_flash_attention_and_the_fused_loss_equals_the_plain_model(on
     assert cpu_flash_attention_score.calls == [0 if documents else 2] and cpu_cross_entropy.calls == 1
     np.testing.assert_allclose(fused_loss, plain_loss, **FP32)
     for name, grad in plain_grads.items():
-        np.testing.assert_allclose(fused_grads[name], grad, **FP32, err_msg=name)
+        assert_gradients_close(fused_grads[name], grad, name)
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "document-masks"])
@@ -158,7 +166,7 @@ def test_mla_with_flash_attention_equals_plain_mla(on_ascend, monkeypatch, docum
     np.testing.assert_allclose(fused.asnumpy(), plain.asnumpy(), **FP32)
     np.testing.assert_allclose(fused_dx.asnumpy(), plain_dx.asnumpy(), **FP32)
     for param, got, expected in zip(params, fused_dw, plain_dw):
-        np.testing.assert_allclose(got.asnumpy(), expected.asnumpy(), **FP32, err_msg=param.name)
+        assert_gradients_close(got.asnumpy(), expected.asnumpy(), param.name)
 
 
 def test_the_fused_loss_stand_in_equals_token_cross_entropy_and_its_gradient(on_ascend):

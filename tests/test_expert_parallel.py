@@ -116,9 +116,10 @@ def test_a_pipeline_and_expert_parallel_checkpoint_resumes_in_one_process(runs, 
 
 
 def test_safe_tokens_change_neither_outputs_nor_gradients():
-    """One zero row per expert in front of its rows: same outputs and expert gradients (exactly: the rows add
-    zeros), including for an expert no token chose. On a group of one the all-to-alls are the identity, so this
-    checks the dispatcher's reordering and the safe rows' removal."""
+    """One zero row per expert in front of its rows: same outputs and expert gradients (the rows add zeros),
+    including for an expert no token chose. On a group of one the all-to-alls are the identity, so this checks the
+    dispatcher's reordering and the safe rows' removal. Equal to a few ulps, not bit for bit: a matmul with more rows
+    may take another kernel that sums in another order (on an AMD EPYC, 2 ulps of the expert outputs)."""
     config = ep_config("no-data-read", [])
     configure_runtime(config)
     experts = build_model(config.model).moe_layers()[0][1].experts
@@ -132,8 +133,8 @@ def test_safe_tokens_change_neither_outputs_nor_gradients():
         results.append([out.asnumpy(), *(g.asnumpy() for g in grads[1])])
     local = ms.value_and_grad(lambda x: (experts(x, counts) ** 2).sum(), 0, weights)(rows)
     for unsafe, safe, direct in zip(*results, [local[0].asnumpy(), *(g.asnumpy() for g in local[1][1])]):
-        np.testing.assert_array_equal(unsafe, safe)
-        np.testing.assert_array_equal(unsafe, direct)
+        for other in (safe, direct):
+            np.testing.assert_allclose(other, unsafe, rtol=1e-6, atol=1e-6 * np.abs(unsafe).max())
 
 
 def test_the_block_dispatch_of_this_ranks_experts_leaves_other_rows_zero():

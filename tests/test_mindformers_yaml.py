@@ -135,7 +135,10 @@ def test_dropout_gradients_match_finite_differences():
 
     grad = ms.grad(lambda *_: loss(), grad_position=None, weights=[weight])()[0].asnumpy()
     base = weight.asnumpy().copy()
-    for index in [(0, 0), (5, 17), (31, 40)]:
+    # central differences of an fp32 loss near 5 over 2·eps carry ~5e-5 of rounding: checked where the gradient
+    # stands well above that, its largest entries (a backward without the masks is off there by far more)
+    largest = np.argsort(np.abs(grad), axis=None)[-3:]
+    for index in zip(*np.unravel_index(largest, grad.shape)):
         eps = 1e-2
         shifted = base.copy()
         shifted[index] += eps
@@ -145,7 +148,7 @@ def test_dropout_gradients_match_finite_differences():
         weight.set_data(Tensor(shifted))
         down = float(loss().asnumpy())
         weight.set_data(Tensor(base))
-        assert grad[index] == pytest.approx((up - down) / (2 * eps), rel=2e-2, abs=1e-5)
+        assert grad[index] == pytest.approx((up - down) / (2 * eps), rel=2e-2, abs=5e-5)
 
 
 def test_a_run_with_dropout_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses(tmp_path, shard):
