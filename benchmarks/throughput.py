@@ -52,6 +52,8 @@ VARIANTS = {
     # the peak is the compiled matmul without PyNative's dispatch spin (reference §5)
     "matmul peak": ("matmul peak", [], {"MS_DEV_HOST_BLOCKING_RUN": "1"}),
 }
+# the torch compile worker's torch.compile backend (default inductor); a smoke run sets aot_eager (below)
+TORCH_COMPILE_BACKEND = "KILN_BENCH_TORCH_COMPILE_BACKEND"
 # torch.compile of the DeepSeek-V3 MoE takes minutes to compile on 2 cores (once per worker, before the rounds)
 MODEL_VARIANTS = {"qwen3": ("kiln", "kiln, fast_step off", "torch eager", "torch compile", "matmul peak"),
                   "deepseek_v3": ("kiln", "kiln, with MTP", "kiln, compile off", "torch eager", "torch compile",
@@ -154,7 +156,8 @@ class TorchWorker:
         generator = torch.Generator().manual_seed(0)
         shape = (batch, config.model["seq_length"])
         self.ids = torch.randint(0, config.model["vocab_size"], shape, generator=generator)
-        self.forward = torch.compile(self.model) if compiled else self.model
+        backend = os.environ.get(TORCH_COMPILE_BACKEND, "inductor")
+        self.forward = torch.compile(self.model, backend=backend) if compiled else self.model
         self.losses = []
 
     def steps(self, n: int) -> float:
@@ -292,7 +295,9 @@ TARGETS = {("qwen3_bench", "vs torch eager"): at_least(1.0, of="value"),
 # second MoE), one round of one step, and each worker kind once: Qwen3 runs Kiln's compiled step beside torch eager,
 # torch.compile and the matmul peak; DeepSeek-V3 runs Kiln's step eagerly (benchmarks.SMOKE_EAGER: its compile is
 # tests/test_deepseek_v3.py's) beside transformers' model. The variants left out ("fast_step off", "compile off",
-# "with MTP") are a Kiln worker with other overrides, and DeepSeek-V3's torch.compile takes minutes
+# "with MTP") are a Kiln worker with other overrides, and DeepSeek-V3's torch.compile takes minutes. Qwen3's
+# torch.compile runs the aot_eager backend: Dynamo's capture and AOT autograd without Inductor's C++ code generation,
+# which alone took 24 of a 28 s first step here (36 CPU-s against 4)
 SMOKE_BATCH = ["training.local_batch_size=2", "training.global_batch_size=2"]
 SMOKE_CONFIGS = {
     "configs/qwen3_tiny.yaml": ([*smoke_model(1), *SMOKE_BATCH],
@@ -302,7 +307,8 @@ SMOKE_CONFIGS = {
 
 
 def compare(bench: Bench, config_path: str, rounds: int, steps_per_round: int, overrides: list[str] = (),
-            profile: bool = False, warmup: int = WARMUP_STEPS, kinds: tuple[str, ...] = ()) -> None:
+            profile: bool = False, warmup: int = WARMUP_STEPS, kinds: tuple[str, ...] = (),
+            torch_compile_backend: str = "inductor") -> None:
     """Runs every variant of ``config_path`` (``kinds``; default: its model type's) round by round and reports each
     paired ratio."""
     model_type = load(config_path, overrides).model["model_type"]
@@ -310,14 +316,19 @@ def compare(bench: Bench, config_path: str, rounds: int, steps_per_round: int, o
     kinds = kinds or MODEL_VARIANTS[model_type]
     print(f"-- throughput {name}: {', '.join(kinds)}; {rounds} rounds of {steps_per_round} steps", flush=True)
     infos, seconds, rss, table, first_steps, watch = _run_variants(
-        kinds, config_path, [*overrides], model_type, warmup, rounds, steps_per_round, profile)
+        kinds, config_path, [*overrides], model_type, warmup, rounds, steps_per_round, profile, torch_compile_backend)
     kiln = infos["kiln"]
+    # torch.compile on another backend than Inductor is named so, and no target is judged against it
+    label = {kind: kind for kind in kinds}
+    judged = torch_compile_backend == "inductor"
+    if not judged:
+        label["torch compile"] = f"torch compile ({torch_compile_backend})"
     for kind in ("torch compile", "torch eager"):
         if kind in kinds:
             first = infos[kind]["first_step_s"]
             bench.report(f"{name} kiln first step", kiln["first_step_s"], "s", kiln["first_step_s"] / first,
-                         f"{kind}'s first step", target=at_most(1.0) if kind == "torch compile" else (),
-                         watch=first_steps)
+                         f"{label[kind]}'s first step", target=at_most(1.0) if kind == "torch compile" and judged
+                         else (), watch=first_steps)
     tokens = kiln["tokens_per_step"] * steps_per_round
     flops = kiln["flops_per_token"] * tokens
     peak_flops = infos["matmul peak"]["flops_per_pass"] * steps_per_round
@@ -328,20 +339,21 @@ def compare(bench: Bench, config_path: str, rounds: int, steps_per_round: int, o
             continue
         rates = [tokens / s for s in seconds[kind]]
         params = infos[kind].get("params", kiln["params"])  # torch's model is the "kiln" worker's
-        bench.report(f"{name} {kind} ({params / 1e6:.1f}M)", statistics.median(rates), "tokens/s", watch=watch)
-        bench.report(f"{name} {kind} model FLOP/s", statistics.median(flops / s for s in seconds[kind]) / 1e9,
+        bench.report(f"{name} {label[kind]} ({params / 1e6:.1f}M)", statistics.median(rates), "tokens/s",
+                     watch=watch)
+        bench.report(f"{name} {label[kind]} model FLOP/s", statistics.median(flops / s for s in seconds[kind]) / 1e9,
                      "GFLOP/s", statistics.median(flops / s / peak_round for s, peak_round in
                                                   zip(seconds[kind], (peak_flops / p for p in seconds["matmul peak"]))),
                      "the round's compiled matmul peak, median",
                      target=TARGETS.get((name, "of the matmul peak"), ()) if kind == "kiln" else (), watch=watch)
         if kind != "torch eager":
             ratio = statistics.median(e / k for e, k in zip(seconds["torch eager"], seconds[kind]))
-            bench.report(f"{name} {kind} vs torch eager", ratio, "×",
+            bench.report(f"{name} {label[kind]} vs torch eager", ratio, "×",
                          target=TARGETS.get((name, "vs torch eager"), ()) if kind == "kiln" else (), watch=watch)
     if "torch compile" in kinds:
         ratio = statistics.median(c / k for c, k in zip(seconds["torch compile"], seconds["kiln"]))
-        bench.report(f"{name} kiln vs torch compile", ratio, "×", target=TARGETS.get((name, "vs torch compile"), ()),
-                     watch=watch)
+        bench.report(f"{name} kiln vs {label['torch compile']}", ratio, "×",
+                     target=TARGETS.get((name, "vs torch compile"), ()) if judged else (), watch=watch)
     bench.report(f"{name} kiln peak RSS", rss["kiln"], "GB", rss["kiln"] / rss["torch eager"], "torch eager's",
                  target=at_most(1.0) if name.endswith("_bench") else ())
     print("   peak RSS GB: " + ", ".join(f"{kind} {gb:.2f}" for kind, gb in rss.items()), flush=True)
@@ -353,7 +365,7 @@ def compare(bench: Bench, config_path: str, rounds: int, steps_per_round: int, o
 
 
 def _run_variants(kinds, config_path: str, overrides: list[str], model_type: str, warmup: int, rounds: int,
-                  steps_per_round: int, profile: bool) -> tuple:
+                  steps_per_round: int, profile: bool, torch_compile_backend: str) -> tuple:
     """Each variant's worker started one at a time (compilation runs alone), then ``rounds`` rounds of
     ``steps_per_round`` steps, the variants' order rotating each round: each worker's info, the seconds of each
     round per variant, peak RSS, kiln's profiler table (with ``profile``), and the LoadWatch of the first steps
@@ -364,6 +376,8 @@ def _run_variants(kinds, config_path: str, overrides: list[str], model_type: str
             for kind in kinds:
                 worker_kind, extra, env = VARIANTS[kind]
                 like_torch = [] if kind == "kiln, with MTP" else MODEL_OVERRIDES.get(model_type, [])
+                if worker_kind == "torch compile":
+                    env = {**env, TORCH_COMPILE_BACKEND: torch_compile_backend}
                 workers[kind] = Worker(worker_kind, config_path, [*like_torch, *overrides, *extra], env, warmup)
                 first_steps.cpu(kind, workers[kind].info["first_step_cpu_s"])
         print(f"   kiln fast step: {workers['kiln'].info['fast_step']}", flush=True)
@@ -387,7 +401,7 @@ def run(bench: Bench) -> None:
     if bench.smoke:
         for config_path, (overrides, kinds) in SMOKE_CONFIGS.items():
             compare(bench, config_path, rounds=1, steps_per_round=1, overrides=overrides, profile=True, warmup=0,
-                    kinds=kinds)
+                    kinds=kinds, torch_compile_backend="aot_eager")
     else:
         for config_path in CONFIGS:
             compare(bench, config_path, rounds=5, steps_per_round=2, profile=True)
