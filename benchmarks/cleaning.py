@@ -22,8 +22,9 @@ Kiln installs DataTrove 0.3.0 (its last release on numpy<2) and computes MinHash
 buckets and clusters stages run here in this process against Kiln's. The current DataTrove (0.10.1) needs numpy
 2, which MindSpore cannot load: it is the reference for the filters and for the pairs MinHash flags (its English
 words by spaCy), from its own venv, `.kiln/datatrove-venv` (`make test` and `make bench` make it first; a
-standalone run makes it when missing: ~1 min, pip from the registry), through benchmarks/cleaning_reference.py. Timings are taken under
-benchmarks/contention.py's LoadWatch: under competition from other processes they are reported as not valid.
+standalone run makes it when missing: ~1 min, pip from the registry), through benchmarks/cleaning_reference.py.
+Timings are taken under benchmarks/contention.py's LoadWatch: under competition from other processes they are
+reported as not valid.
 """
 from __future__ import annotations
 

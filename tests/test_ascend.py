@@ -32,6 +32,8 @@ def assert_gradients_close(got: np.ndarray, expected: np.ndarray, name: str) -> 
     2.9e-6 on an entry of 0.024 beside entries of 6)."""
     np.testing.assert_allclose(got, expected, rtol=FP32["rtol"], atol=FP32["atol"] * max(1.0, np.abs(expected).max()),
                                err_msg=name)
+
+
 SEQ = 16
 QWEN3 = {"model_type": "qwen3", "architectures": "Qwen3ForCausalLM", "compute_dtype": "float32", "vocab_size": 64,
          "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1, "num_attention_heads": 4,

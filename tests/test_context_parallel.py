@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from conftest import MICRO_CONFIG, assert_adam_weights_close, run_under_msrun, validate_as_one_process, write_random_documents
+from conftest import (MICRO_CONFIG, assert_adam_weights_close, run_under_msrun, validate_as_one_process,
+                      write_random_documents)
 from cp_cases import CASES, DEEPSEEK_CASES, VALIDATE_ONCE
 from fsdp_cases import DEEPSEEK, STEPS, case_config
 from test_fsdp import single_process

@@ -434,10 +434,11 @@ def test_the_compiled_step_equals_the_eager_one_and_resumes_bit_identically(tmp_
     """MLA, MoE (static dispatch, group-limited routing, sequence aux loss, expert biases) and MTP in one compiled
     graph per step: the same losses and loss parts (rtol 1e-5), routing (tokens per expert, expert biases: equal),
     grad norms (rtol 1e-5) and weights (atol 1e-6, with conftest's rule for near-zero gradients under Adam) as the
-    eager step, and a resume from its checkpoint repeats its losses bit for bit. One MoE layer and one MTP depth keep the graph's compile time down. The two MoE layers
-    (the decoder's and the MTP depth's) share one parsed layer graph (MindSpore's lazy_inline, keyed by
-    TransformerLayer.graph_key): their routing statistics leave it as outputs, which the caller keeps per layer, so
-    each layer's tokens per expert and the balancing loss still equal the eager step's."""
+    eager step, and a resume from its checkpoint repeats its losses bit for bit. One MoE layer and one MTP depth keep
+    the graph's compile time down. The two MoE layers (the decoder's and the MTP depth's) share one parsed layer
+    graph (MindSpore's lazy_inline, keyed by TransformerLayer.graph_key): their routing statistics leave it as
+    outputs, which the caller keeps per layer, so each layer's tokens per expert and the balancing loss still equal
+    the eager step's."""
     from mindspore.graph._parse.parser import Parser
 
     from training.config import load_config
