@@ -2,13 +2,13 @@
 
 MindSpore's CPU kernel pool keeps its threads spinning (``sched_yield``) between kernels, on whatever core the
 scheduler gives them. When several msrun workers share a node's cores, each worker's spinning threads take CPU from
-the others' compute: under ``tests/test_context_parallel.py``'s launch (4 eager workers on 2 cores) a quarter of the
-CPU went to it, most as system time. A worker whose threads all share its own cores spins only while nothing of its
-own is ready to run, and yields to it. Kiln's launchers (``python -m training.launch``, ``MsrunResource``, the tests'
-and benchmarks' launches) export the node's worker count as ``KILN_LOCAL_WORKERS``, and each worker on a CPU
-device binds itself (``training.step.configure_runtime``) to its share of the cores it was started with: a
-contiguous block when there are cores for every worker, one core, round robin, when there are not. A worker
-msrun started without that variable keeps the scheduler's placement. docs/training.md gives the measurements.
+the others' compute: in ``tests/test_context_parallel.py``'s launch (4 workers on 2 cores, eager but one case) a
+quarter of the CPU went to it, most as system time. A worker whose threads all share its own cores spins only while
+nothing of its own is ready to run, and yields to it. Kiln's launchers (``python -m training.launch``,
+``MsrunResource``, the tests' and benchmarks' launches) export the node's worker count as ``KILN_LOCAL_WORKERS``,
+and each worker on a CPU device binds itself (``training.step.configure_runtime``) to its share of the cores it was
+started with: a contiguous block when there are cores for every worker, one core, round robin, when there are not. A
+worker msrun started without that variable keeps the scheduler's placement. docs/training.md gives the measurements.
 """
 from __future__ import annotations
 
