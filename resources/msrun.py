@@ -185,8 +185,7 @@ class MsrunResource(dg.ConfigurableResource):
     def environment(self, extra: dict[str, str], visible_devices: Optional[str] = None) -> dict[str, str]:
         try:
             return msrun_environment({**os.environ, **extra}, visible_devices or self.visible_devices,
-                                     one_machine=self.local_worker_num == self.worker_num,
-                                     local_workers=self.local_worker_num)
+                                     one_machine=self.local_worker_num == self.worker_num)
         except SettingError as exc:
             raise dg.Failure(f"MsrunResource: {exc}") from None
 

@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Mapping, Optional
 
-from training.cpu_binding import LOCAL_WORKERS
-
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 # The positional arguments after the command in each accepted form, in MindFormers' order.
@@ -236,8 +234,7 @@ def run_on_local_workers(script_args: list, log_dir: Path, workers: int, *, time
     log_dir.mkdir(parents=True, exist_ok=True)
     settings = MsrunSettings(worker_num=workers, local_worker_num=workers, master_port=free_port(),
                              log_dir=str(log_dir), cluster_time_out=300)
-    environment = msrun_environment(os.environ if env is None else env, one_machine=settings.one_machine,
-                                    local_workers=workers)
+    environment = msrun_environment(os.environ if env is None else env, one_machine=settings.one_machine)
     environment.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
     with open(log_dir / "msrun.out", "w") as output:
         code = run_msrun(msrun_command(settings, [str(a) for a in script_args]), environment, cwd=PROJECT_ROOT,
@@ -260,11 +257,10 @@ ONE_MACHINE_POLLING = {"MS_RETRY_INTERVAL_LOWER": "0", "MS_RETRY_INTERVAL_UPPER"
 
 
 def msrun_environment(base: Mapping[str, str], visible_devices: Optional[str] = None, *,
-                      one_machine: bool, local_workers: int = 0) -> dict[str, str]:
-    """The environment msrun (and so every worker) gets: this interpreter first on PATH, Kiln importable, with
-    ``one_machine`` (every worker on this node) the scheduler polled within a second, unless ``base`` says
-    otherwise, and ``local_workers`` (the workers msrun starts on this node) for the CPU workers to share the
-    cores out (training/cpu_binding.py).
+                      one_machine: bool) -> dict[str, str]:
+    """The environment msrun (and so every worker) gets: this interpreter first on PATH, Kiln importable, and
+    with ``one_machine`` (every worker on this node) the scheduler polled within a second, unless ``base`` says
+    otherwise.
 
     ``visible_devices`` sets ASCEND_RT_VISIBLE_DEVICES; without it, the value in ``base`` (if any) stays.
     """
@@ -273,8 +269,6 @@ def msrun_environment(base: Mapping[str, str], visible_devices: Optional[str] = 
         env["ASCEND_RT_VISIBLE_DEVICES"] = visible_devices
     if "ASCEND_RT_VISIBLE_DEVICES" in env:
         check_visible_devices(env["ASCEND_RT_VISIBLE_DEVICES"])
-    if local_workers:
-        env[LOCAL_WORKERS] = str(local_workers)
     env.setdefault("GLOG_v", "3")  # MindSpore's C++ WARNING lines (cluster retries...) would drown the logs
     env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
     # workers may be started from any directory, or as `python training/run.py`
@@ -365,8 +359,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(shlex.join(command))
         return
     try:
-        env = msrun_environment(os.environ, one_machine=settings.one_machine,
-                                local_workers=settings.local_worker_num)
+        env = msrun_environment(os.environ, one_machine=settings.one_machine)
     except SettingError as exc:
         sys.exit(f"python -m training.launch: {exc}")
     print(f"[kiln] {shlex.join(command)}", file=sys.stderr, flush=True)

@@ -14,7 +14,6 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from training.config import TrainConfig
-from training.cpu_binding import bind_local_worker
 from training.model import GPTModel
 from training.model_parts import WholeModel
 from training.monitor import TrainStateMonitor
@@ -26,12 +25,9 @@ from training.recompute import RecomputedLayers, compiled_recompute, compiled_re
 
 
 def configure_runtime(config: TrainConfig) -> None:
-    """Mode, device, memory cap and determinism; MindSpore requires them before ``communication.init()``. A CPU
-    worker started with others on this node binds itself to its own cores (training/cpu_binding.py)."""
+    """Mode, device, memory cap and determinism; MindSpore requires them before ``communication.init()``."""
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device(config.context.device_target)
-    if config.context.device_target == "CPU":
-        bind_local_worker()
     if config.context.caps_device_memory:
         ms.runtime.set_memory(max_size=config.context.max_device_memory)
     if config.training.deterministic:
