@@ -17,7 +17,7 @@ from training.config import TrainConfig
 from training.model import GPTModel
 from training.model_parts import WholeModel
 from training.monitor import TrainStateMonitor
-from training.optim import AdamW, clip_grad_norm_in_graph
+from training.optim import AdamW, clip_grad_norm_in_graph, for_each
 from training.parallel import comm
 from training.parallel.fsdp import GradientReduction, Parallelism
 from training.parallel.mesh import ParallelDims
@@ -130,8 +130,7 @@ class CompiledStep(nn.Cell):
         """One of several micro-batches: its gradients and loss added to the buffers; returns its loss, then the
         loss's parts."""
         loss, parts, grads = self._gradients(input_ids, labels, loss_mask, position_ids, attention_mask)
-        for grad_sum, grad in zip(self.grad_sums, grads):
-            ops.assign_add(grad_sum, grad)
+        for_each(ops.assign_add, self.grad_sums, grads)
         ops.assign_add(self.loss_sum, loss)
         return (loss,) + parts
 
@@ -144,11 +143,10 @@ class CompiledStep(nn.Cell):
     def apply_sums(self, lr, eps, decay):
         """The update from the micro-batches ``accumulate`` summed, the buffers zeroed for the next step; returns
         each gradient's sum of squares and the global gradient norm before clipping."""
-        grads = tuple(grad_sum * 1 for grad_sum in self.grad_sums)  # values read before the buffers are zeroed
+        grads = for_each(_copy, self.grad_sums)  # values read before the buffers are zeroed
         loss_sum = self.loss_sum * 1
         applied = self._apply(grads, loss_sum, lr, eps, decay)
-        for grad_sum in self.grad_sums:
-            ops.assign(grad_sum, ops.zeros_like(grad_sum))
+        for_each(_zero, self.grad_sums)
         ops.assign(self.loss_sum, ops.zeros_like(self.loss_sum))
         return applied
 
@@ -162,6 +160,14 @@ class CompiledStep(nn.Cell):
         if ops.logical_and(ops.isfinite(loss_sum), ops.isfinite(grad_norm)):
             self.update(clipped, lr, eps, decay)
         return squares, grad_norm
+
+
+def _copy(tensor):
+    return tensor * 1
+
+
+def _zero(buffer):
+    return ops.assign(buffer, ops.zeros_like(buffer))
 
 
 @dataclass
