@@ -154,7 +154,7 @@ def clip_grad_norm(grads: Sequence[Tensor], max_norm: float, norms: np.ndarray |
 
 
 # f over tuples element by element inside a graph: the graph compiles f once per distinct input shape, where a Python
-# loop compiles it once per tensor (the AdamW update of deepseek_v3_micro's tensors: 9.5 s of compiling as a loop)
+# loop compiles it once per tensor (figures: docs/training.md, the fast step's table, optim.for_each)
 for_each = ops.HyperMap()
 
 
