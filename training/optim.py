@@ -335,12 +335,12 @@ class AdamWUpdate(nn.Cell):
         self.beta1, self.beta2 = optimizer.beta1, optimizer.beta2
 
     def construct(self, grads, lr, eps, decay):
-        for_each(ops.partial(_update_in_graph, self.beta1, self.beta2, lr, eps, decay), self.params, self.exp_avg,
-                  self.exp_avg_sq, grads, self.decays)
+        update = ops.partial(_update_in_graph, self.beta1, self.beta2, lr, eps, decay, ops.zeros_like(decay))
+        for_each(update, self.params, self.exp_avg, self.exp_avg_sq, grads, self.decays)
 
 
-def _update_in_graph(beta1, beta2, lr, eps, decay, param, m, v, grad, decays):
-    _update_tensor(param, m, v, grad, beta1, beta2, lr, eps, decay if decays else ops.zeros_like(decay))
+def _update_in_graph(beta1, beta2, lr, eps, decay, no_decay, param, m, v, grad, decays):
+    _update_tensor(param, m, v, grad, beta1, beta2, lr, eps, decay if decays else no_decay)
 
 
 _OPTIMIZER_KEYS = ("type", "betas", "eps", "weight_decay", "weight_decay_include", "weight_decay_exclude")
