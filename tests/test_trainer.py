@@ -522,6 +522,20 @@ def test_a_shard_with_ids_beyond_the_vocabulary_is_refused_naming_it_and_the_fie
 
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread priorities are read from Linux's /proc")
+def test_on_cpu_the_kernel_pool_threads_yield_to_the_threads_doing_the_work(tmp_path, shard):
+    """MindSpore's kernel pool spins between kernels (training.step.lower_kernel_pool_priority): after
+    configure_runtime its threads run at a lower priority than this process's own threads, which keep theirs."""
+    own_niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    make_trainer(tmp_path, shard, "run")
+    niceness = {}
+    for thread in Path("/proc/self/task").iterdir():
+        name = (thread / "comm").read_text().strip()
+        niceness.setdefault(name.rstrip("0123456789"), set()).add(os.getpriority(os.PRIO_PROCESS, int(thread.name)))
+    assert niceness["ActorThread_"] == niceness["KernelThread_"] == {max(10, own_niceness)}, niceness
+    assert os.getpriority(os.PRIO_PROCESS, 0) == own_niceness
+
+
 def test_threaded_dispatch_trains_to_the_same_losses_as_synchronous_dispatch(tmp_path, shard):
     """The suite runs every process with synchronous dispatch (conftest); MindSpore's default threaded dispatch,
     which ``fast_step.host_blocking_dispatch: false`` keeps, is this one child process's."""

@@ -6,7 +6,9 @@ where the training step's compiles (``compile_blockers``).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import mindspore as ms
@@ -32,6 +34,45 @@ def configure_runtime(config: TrainConfig) -> None:
         ms.runtime.set_memory(max_size=config.context.max_device_memory)
     if config.training.deterministic:
         ms.set_context(deterministic="ON")
+    if config.context.device_target == "CPU":
+        lower_kernel_pool_priority()
+
+
+# MindSpore's CPU runtime runs kernels on a thread pool (ActorThread_*, KernelThread_*) whose threads spin on
+# sched_yield between kernels. When processes outnumber cores (msrun workers on a small machine, tests in parallel),
+# each spinning thread still takes its fair share of a core from the threads doing the work; at a lower priority it
+# takes only what nobody else wants (figures in docs/training.md, "Threads that spin").
+KERNEL_POOL_THREADS = ("ActorThread_", "KernelThread_")
+KERNEL_POOL_NICENESS = 10
+
+
+def lower_kernel_pool_priority(timeout: float = 2.0) -> None:
+    """Give MindSpore's kernel-pool threads of this process niceness ``KERNEL_POOL_NICENESS`` (Linux; elsewhere a
+    no-op). The pool starts with the first kernel, and each thread names itself once running, so this runs a kernel
+    and waits (up to ``timeout`` seconds) until a thread of each kind has its name."""
+    threads = Path("/proc/self/task")
+    if not threads.is_dir():
+        return
+    (Tensor(0.0) + 0).asnumpy()
+    deadline = time.monotonic() + timeout
+    while True:
+        pool = {}
+        for thread in threads.iterdir():
+            try:
+                name = (thread / "comm").read_text()
+            except FileNotFoundError:  # the thread ended in between
+                continue
+            if name.startswith(KERNEL_POOL_THREADS):
+                pool[int(thread.name)] = name
+        if all(any(name.startswith(kind) for name in pool.values()) for kind in KERNEL_POOL_THREADS) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    for tid in pool:
+        try:  # never below the niceness the process started with: an unprivileged process cannot lower it
+            os.setpriority(os.PRIO_PROCESS, tid, max(KERNEL_POOL_NICENESS, os.getpriority(os.PRIO_PROCESS, tid)))
+        except ProcessLookupError:
+            continue
 
 
 def compile_blockers(config: TrainConfig, dims: ParallelDims, model: GPTModel) -> list[str]:
