@@ -285,13 +285,18 @@ def test_a_msrun_killed_with_sigkill_leaves_none_of_its_processes(tmp_path):
 
 
 def test_a_launch_over_its_timeout_is_stopped_with_its_helpers(tmp_path):
-    """run_msrun with a timeout: msrun (a stand-in that starts a `tail -f` helper in its group) gets SIGINT, the
-    helper is killed with the group, and TimeoutError says how long it ran."""
+    """run_msrun with a timeout: msrun (a stand-in that starts a `tail -f` helper in its group and, as msrun does,
+    exits on SIGINT) gets SIGINT, the helper is killed with the group, and TimeoutError says how long it ran. (A shell
+    stand-in would not do: under pytest-xdist SIGINT arrives ignored, and a shell cannot trap an ignored signal.)"""
     from test_cancel import alive
 
-    stand_in = ["sh", "-c", f"tail -f /dev/null & echo $! > {tmp_path / 'tail.pid'}; exec sleep 600"]
-    with pytest.raises(TimeoutError, match="longer than 0.5 s"):
-        launch.run_msrun(stand_in, os.environ, timeout=0.5)
+    stand_in = [sys.executable, "-c", "import signal, subprocess, sys, time\n"
+                "signal.signal(signal.SIGINT, lambda *_: sys.exit(130))\n"
+                f"helper = subprocess.Popen(['tail', '-f', '/dev/null'])\n"
+                f"open({str(tmp_path / 'tail.pid')!r}, 'w').write(str(helper.pid))\n"
+                "time.sleep(600)"]
+    with pytest.raises(TimeoutError, match="longer than 2 s"):  # time for the stand-in to start on a busy machine
+        launch.run_msrun(stand_in, os.environ, timeout=2)
     tail = int((tmp_path / "tail.pid").read_text())
     deadline = time.monotonic() + 10
     while alive(tail):
