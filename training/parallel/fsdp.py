@@ -34,7 +34,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from training.model.layers import _matmul, _matmul_transpose_a, cast, linear
-from training.optim import tensor_norms
+from training.optim import for_each, tensor_norms
 from training.parallel import comm
 from training.parallel.expert_parallel import ExpertParallelPlan
 from training.parallel.layout import TensorLayout
@@ -143,7 +143,7 @@ class GradientReduction(nn.Cell):
         for bucket in self.buckets:
             grads = bucket(grads)
         if self.scale is not None:
-            grads = tuple(g * self.scale for g in grads)
+            grads = for_each(ops.partial(ops.mul, self.scale), grads)
         return grads
 
     def whole_squares(self, squares):
