@@ -293,7 +293,7 @@ def test_a_launch_over_its_timeout_is_stopped_with_its_helpers(tmp_path):
 
     stand_in = [sys.executable, "-c", "import signal, subprocess, sys, time\n"
                 "signal.signal(signal.SIGINT, lambda *_: sys.exit(130))\n"
-                f"helper = subprocess.Popen(['tail', '-f', '/dev/null'])\n"
+                "helper = subprocess.Popen(['tail', '-f', '/dev/null'])\n"
                 f"open({str(tmp_path / 'tail.pid')!r}, 'w').write(str(helper.pid))\n"
                 "time.sleep(600)"]
     with pytest.raises(TimeoutError, match="longer than 2 s"):  # time for the stand-in to start on a busy machine
