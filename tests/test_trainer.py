@@ -521,7 +521,6 @@ def test_a_shard_with_ids_beyond_the_vocabulary_is_refused_naming_it_and_the_fie
     assert not (tmp_path / "run/checkpoints").exists()
 
 
-
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread priorities are read from Linux's /proc")
 def test_on_cpu_the_kernel_pool_threads_yield_to_the_threads_doing_the_work(tmp_path, shard):
     """MindSpore's kernel pool spins between kernels (training.step.lower_kernel_pool_priority): after

@@ -41,7 +41,7 @@ def configure_runtime(config: TrainConfig) -> None:
 # MindSpore's CPU runtime runs kernels on a thread pool (ActorThread_*, KernelThread_*) whose threads spin on
 # sched_yield between kernels. When processes outnumber cores (msrun workers on a small machine, tests in parallel),
 # each spinning thread still takes its fair share of a core from the threads doing the work; at a lower priority it
-# takes only what nobody else wants (figures in docs/training.md, "Threads that spin").
+# takes only what nobody else wants (figures: docs/training.md, The fast step).
 KERNEL_POOL_THREADS = ("ActorThread_", "KernelThread_")
 KERNEL_POOL_NICENESS = 10
 
