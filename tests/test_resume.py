@@ -16,7 +16,7 @@ import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT, run_under_msrun, validate_as_one_process, write_random_documents
 from resources.msrun import MsrunResource, free_port
-from test_cancel import alive
+from test_cancel import alive, descendants
 from test_trainer import losses, make_trainer
 from training.checkpoint import TRACKER, load_checkpoint, tracked_step
 from training.config import load_config
@@ -53,23 +53,16 @@ def train_under_msrun(run_dir: Path, overrides: list[str]) -> None:
     assert proc.wait(timeout=600) == 0, (run_dir / "msrun.out").read_text()[-3000:]
 
 
-def descendants(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            out += [int(child), *descendants(int(child))]
-    return out
-
-
 def worker_pids(msrun_pid: int) -> list[int]:
     """The training workers msrun started (its scheduler process runs the script too, as MS_SCHED)."""
     pids = []
-    for pid in descendants(msrun_pid):
-        try:
+    for pid in sorted(descendants(msrun_pid)):
+        try:  # a short-lived process of the launch may have ended since the tree was read
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"MS_ROLE=MS_WORKER" in environ and b"training.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        if b"MS_ROLE=MS_WORKER" in environ and b"training.run" in cmdline:
             pids.append(pid)
     return pids
 
@@ -289,9 +282,9 @@ def training_launches(msrun_pids: list[int], count: int) -> list[int]:
     while len(msrun_pids) < count:
         assert time.monotonic() < deadline, f"no msrun launch number {count}"
         try:
-            msrun_pids += [pid for pid in descendants(os.getpid()) if pid not in msrun_pids
+            msrun_pids += [pid for pid in sorted(descendants(os.getpid())) if pid not in msrun_pids
                            and b"bin/msrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        except OSError:  # a process ended while the tree was read (the killed launch's workers): read it again
+        except OSError:  # a process ended after the tree was read (the killed launch's workers): read it again
             pass
         time.sleep(0.05)
     return msrun_pids
