@@ -5,6 +5,7 @@ pipeline parallelism is one of tests/ep_cases.py's.
 ``python pipeline_cases.py OUT SHARD`` trains each case for ``STEPS`` steps of 4 samples (local batch 1), saving
 its final checkpoint, sharded as the case lays its tensors out, under ``OUT/<case>/checkpoints``.
 """
+import json
 import sys
 from pathlib import Path
 
@@ -68,6 +69,18 @@ def reference_config(shard: str, reference: str, save_path: Path | None = None, 
     return case_config(shard, [*base, *overrides], save_path, model_config)
 
 
+def record_calls(pipeline, calls: list[str]) -> None:
+    """Each of ``pipeline``'s stage graphs, and its exchanges between stages, append their name to ``calls``."""
+    def recorded(name, call):
+        def record(*args):
+            calls.append(name)
+            return call(*args)
+        return record
+    pipeline.forwards = [recorded(f"forward {i}", f) for i, f in enumerate(pipeline.forwards)]
+    pipeline.grad_fns = [recorded(f"backward {i}", f) for i, f in enumerate(pipeline.grad_fns)]
+    pipeline._exchange = recorded("exchange", pipeline._exchange)
+
+
 def main(out: str, shard: str) -> None:
     configure_runtime(case_config(shard, []))  # once: MindSpore's device cannot be set again
     world = init_world()
@@ -75,7 +88,12 @@ def main(out: str, shard: str) -> None:
         run_dir = Path(out) / name
         config = reference_config(shard, reference, run_dir / "checkpoints", overrides)
         trainer = Trainer(config, world, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=world.is_main))
+        calls = []
+        if trainer.model_parts.pipeline.uncompiled_graphs:
+            record_calls(trainer.model_parts.pipeline, calls)
         trainer.train()
+        if calls:
+            (run_dir / f"calls_rank{world.rank}.json").write_text(json.dumps(calls))
         if world.is_main:
             (run_dir / "step_mode.txt").write_text(trainer.step_mode)
 

@@ -76,6 +76,18 @@ def test_validation_through_the_stages_is_one_process_validation(runs, case):
 
 
 @pytest.mark.msrun
+@pytest.mark.parametrize("case", [case for case, (_, options) in CASES.items() if "fast_step.compile=true" in options])
+def test_compiled_stages_compile_every_graph_before_the_first_exchange(runs, case):
+    """Every rank calls (so compiles) each of its stages' graphs before it exchanges anything: no rank waits at an
+    exchange for a peer's compile, which on CPU would fail after MS_NODE_TIMEOUT."""
+    root, _ = runs
+    for rank in range(4):
+        calls = json.loads((root / "cases" / case / f"calls_rank{rank}.json").read_text())
+        graphs = {call for call in calls if call != "exchange"}
+        assert "exchange" in calls and set(calls[:calls.index("exchange")]) == graphs, (rank, calls[:8])
+
+
+@pytest.mark.msrun
 def test_training_state_statistics_cover_every_stage(runs):
     """pp4_1f1b monitors device_norm, param_norm, local_loss and device_loss: rank 0 reports the norms of every
     stage's parameters (the tied embedding once), which make up the step's gradient norm and are the norms of one

@@ -252,7 +252,8 @@ def run_on_local_workers(script_args: list, log_dir: Path, workers: int, *, time
 # (docs/training.md, "Training outside Dagster", gives the measurement).
 # MS_NODE_TIMEOUT stays at MindSpore's 30 s although a failed launch waits it out (msrun exits only after its
 # scheduler has timed out the workers it killed): on CPU it is also how long a collective waits for its peers, and
-# a rank waiting on another that is still compiling its graph fails ("Broadcast failed" at 10 s, in a loaded suite).
+# a rank waiting on another that is still compiling its graph fails ("Broadcast failed" at 10 s, in a loaded suite;
+# pipeline stages therefore compile before their first exchange: Pipeline._compile_graphs).
 ONE_MACHINE_POLLING = {"MS_RETRY_INTERVAL_LOWER": "0", "MS_RETRY_INTERVAL_UPPER": "1"}
 
 

@@ -311,6 +311,7 @@ class Pipeline:
         self.hidden_size, self.dtype = self.stages[0].model_stage.hidden_size, self.stages[0].model_stage.dtype
         self.sequence_shards = dims.tp if sequence_parallel else 1
         self.grad_fns: list = []  # one per local stage, once the loss scale is known (finish)
+        self.uncompiled_graphs = False  # set by compile(): the graphs compile in the first step, before its schedule
         # this rank's parameters in the model's order, which the data-parallel reduction and the optimizer follow
         self.param_names = {p.name for stage in self.stages for p in stage.params}
         self.params: list[Parameter] = [p for p in model.trainable_params() if p.name in self.param_names]
@@ -354,6 +355,7 @@ class Pipeline:
         the host state around a replay (``_replayed``) stay on the host, between the graphs."""
         self.forwards = [ms.jit(forward) for forward in self.forwards]
         self.grad_fns = [ms.jit(grad_fn) for grad_fn in self.grad_fns]
+        self.uncompiled_graphs = True
 
     # ---- what the trainer asks -------------------------------------------------------------------------
     def holding_pipeline_ranks(self) -> dict[str, set[int]]:
@@ -421,6 +423,8 @@ class Pipeline:
         schedule; collective over the pipeline ranks."""
         if len(batches) != self.micro_batches:
             raise ValueError(f"the pipeline was planned for {self.micro_batches} micro-batches, got {len(batches)}")
+        if self.uncompiled_graphs:
+            self._compile_graphs(batches[0])
         inputs: dict[tuple[int, int], Tensor | None] = {}  # (virtual stage, micro) -> its input hidden states
         output_grads: dict[tuple[int, int], Tensor] = {}
         outbox: dict[tuple[str, int, int], Tensor] = {}  # (kind, destination stage, micro) -> what to send
@@ -470,6 +474,27 @@ class Pipeline:
         return PipelineResult(ordered, sum(micro_losses) / m, {n: v / m for n, v in components.items()},
                               micro_losses, busy, time.perf_counter() - started, peak_in_flight, peak, sent)
 
+    def _compile_graphs(self, batch: tuple) -> None:
+        """Every local stage's graphs run once on ``batch``, zeros for what the stage would receive; the outputs
+        are dropped and the host state is put back. mindspore.jit compiles a graph at its first call. Left to the
+        schedule, a rank would make that call only after an exchange, with its peer still compiling: the ranks
+        would compile one after another, each waiting at the exchange. On CPU a collective waits for its peer
+        for at most MS_NODE_TIMEOUT (30 s), and one compile can take longer on a loaded machine. Here, before the
+        first exchange, every rank compiles at the same time, and a rank waits at most for the difference."""
+        hidden = self._hidden_shape(batch[0])
+        for local, stage in enumerate(self.stages):
+            before = stage.model_stage.replay.capture()
+            x = None if stage.first else ops.zeros(hidden, self.dtype)
+            if not stage.last:
+                self.forwards[local](x, *batch)
+            self.grad_fns[local](x, None if stage.last else ops.zeros(hidden, self.dtype), *batch)
+            stage.model_stage.replay.restore(before)
+        self.uncompiled_graphs = False
+
+    def _hidden_shape(self, input_ids: Tensor) -> tuple[int, int, int]:
+        """The hidden states (or their gradient) a stage passes on for the micro-batch ``input_ids``."""
+        return input_ids.shape[0], input_ids.shape[1] // self.sequence_shards, self.hidden_size
+
     def _transfer(self, transfer: Transfer, batches, inputs, output_grads, outbox) -> int:
         """One hidden-state or gradient transfer between stages; the bytes this rank sent (0 when receiving)."""
         input_ids = batches[transfer.micro][0]
@@ -492,8 +517,7 @@ class Pipeline:
         if src == self.rank:
             comm.send_recv(sending, pair, sender)
             return sending
-        shape = (input_ids.shape[0], input_ids.shape[1] // self.sequence_shards, self.hidden_size)
-        return comm.send_recv(ops.zeros(shape, self.dtype), pair, sender)
+        return comm.send_recv(ops.zeros(self._hidden_shape(input_ids), self.dtype), pair, sender)
 
     def held_out_loss_sums(self, input_ids, labels, loss_mask, position_ids=None, attention_mask=None
                            ) -> tuple[Tensor, Tensor]:
