@@ -186,10 +186,14 @@ SLOW_TESTS = frozenset({
     "test_validation.py::test_validation_leaves_training_unchanged_and_a_resumed_run_validates_bit_identically",
     "test_validation.py::test_validation_loss_equals_a_separate_forward_and_is_reported_megatron_style",
 })
-# No order of the groups is set: pytest-xdist's loadgroup hands them out by test count (its --loadscope-reorder
-# default). Longest first (--no-loadscope-reorder, groups sorted by their walls) was measured worse on 2 cores: the
+# pytest-xdist's loadgroup hands the groups out by test count (its --loadscope-reorder default), ties in collection
+# order. Longest first (--no-loadscope-reorder, groups sorted by their walls) was measured worse on 2 cores: the
 # long groups are msrun launches, and run side by side they spin against each other (a fresh-clone `make test`,
-# quiet: 1,677 s and 2,787 CPU-s, against 1,508 s and 2,302 CPU-s in xdist's order).
+# quiet: 1,677 s and 2,787 CPU-s, against 1,508 s and 2,302 CPU-s in xdist's order). Only the groups of one test,
+# handed out last, are ordered: their longest first, so that the last ones are short. A worker handed a long one at
+# the end ran it alone while the others had finished (test_browser_ui's 170-200 s, in three fresh-clone runs).
+LONGEST_ONE_TEST_GROUPS = ("test_browser_ui.py", "benchmark-lineage_scale", "test_shipped_configs.py",
+                           "benchmark-cleaning", "benchmark-throughput")
 
 
 def pytest_configure(config):
@@ -201,12 +205,15 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
     """Each file is an xdist group (`make test` runs ``--dist loadgroup``), so it runs whole on one worker: the msrun
     files share one launch per file through module fixtures. A test that names its own group spreads (the benchmark
-    smoke tests)."""
+    smoke tests). LONGEST_ONE_TEST_GROUPS come first in the collection, so first among the groups of one test."""
     for item in items:
         if item.nodeid.removeprefix("tests/") in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
         if not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
+    order = {group: i for i, group in enumerate(LONGEST_ONE_TEST_GROUPS)}
+    # stable: the other tests keep their order
+    items.sort(key=lambda item: order.get(item.get_closest_marker("xdist_group").args[0], len(order)))
 
 
 @pytest.fixture
