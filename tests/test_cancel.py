@@ -44,6 +44,14 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def command_line(pid: int) -> str:
+    """The command ``pid`` runs; empty once it has ended (or is a zombie, whose command line is empty)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -70,8 +78,7 @@ def test_terminating_the_run_ends_msrun_and_every_worker(tmp_path):
                  "the first complete checkpoint")
         assert run.poll() is None, run.stderr.read()[-3000:]
         tree = descendants(run.pid)
-        names = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode() for pid in tree
-                 if alive(pid)]
+        names = [command_line(pid) for pid in tree]
         assert sum("training.run" in n for n in names) >= 3, names  # 2 workers and msrun's scheduler
         assert any("msrun" in n for n in names), names
 
@@ -102,15 +109,8 @@ def assert_last_checkpoint_loads(checkpoints: Path) -> None:
 
 
 def processes_mentioning(text: str) -> dict[int, str]:
-    found = {}
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in line and alive(int(cmdline.parent.name)):
-            found[int(cmdline.parent.name)] = line
-    return found
+    pids = (int(proc.name) for proc in Path("/proc").glob("[0-9]*"))
+    return {pid: line for pid in pids if text in (line := command_line(pid)) and alive(pid)}
 
 
 @pytest.mark.ui

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import MICRO_CONFIG, PROJECT_ROOT, run_under_msrun, validate_as_one_process, write_random_documents
 from resources.msrun import MsrunResource, free_port
-from test_cancel import alive, descendants
+from test_cancel import alive, command_line, descendants
 from test_trainer import losses, make_trainer
 from training.checkpoint import TRACKER, load_checkpoint, tracked_step
 from training.config import load_config
@@ -59,10 +59,9 @@ def worker_pids(msrun_pid: int) -> list[int]:
     for pid in sorted(descendants(msrun_pid)):
         try:  # a short-lived process of the launch may have ended since the tree was read
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"MS_ROLE=MS_WORKER" in environ and b"training.run" in cmdline:
+        if b"MS_ROLE=MS_WORKER" in environ and "training.run" in command_line(pid):
             pids.append(pid)
     return pids
 
@@ -281,11 +280,8 @@ def training_launches(msrun_pids: list[int], count: int) -> list[int]:
     deadline = time.monotonic() + 300
     while len(msrun_pids) < count:
         assert time.monotonic() < deadline, f"no msrun launch number {count}"
-        try:
-            msrun_pids += [pid for pid in sorted(descendants(os.getpid())) if pid not in msrun_pids
-                           and b"bin/msrun\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        except OSError:  # a process ended after the tree was read (the killed launch's workers): read it again
-            pass
+        msrun_pids += [pid for pid in sorted(descendants(os.getpid())) if pid not in msrun_pids
+                       and "bin/msrun " in command_line(pid)]
         time.sleep(0.05)
     return msrun_pids
 
