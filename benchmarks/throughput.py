@@ -23,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -371,13 +372,17 @@ def _run_variants(kinds, config_path: str, overrides: list[str], model_type: str
     round per variant, peak RSS, kiln's profiler table (with ``profile``), and the LoadWatch of the first steps
     and of the rounds."""
     workers = {}
+    # torch.compile's first step with Inductor's on-disk caches empty, as on a user's first run: an earlier run's
+    # kernels in /tmp/torchinductor_<user> made it several times shorter (docs/training.md, The fast step)
+    inductor_cache = tempfile.TemporaryDirectory(prefix="kiln-bench-inductor-")
     try:
         with LoadWatch() as first_steps:
             for kind in kinds:
                 worker_kind, extra, env = VARIANTS[kind]
                 like_torch = [] if kind == "kiln, with MTP" else MODEL_OVERRIDES.get(model_type, [])
                 if worker_kind == "torch compile":
-                    env = {**env, TORCH_COMPILE_BACKEND: torch_compile_backend}
+                    env = {**env, TORCH_COMPILE_BACKEND: torch_compile_backend,
+                           "TORCHINDUCTOR_CACHE_DIR": inductor_cache.name}
                 workers[kind] = Worker(worker_kind, config_path, [*like_torch, *overrides, *extra], env, warmup)
                 first_steps.cpu(kind, workers[kind].info["first_step_cpu_s"])
         print(f"   kiln fast step: {workers['kiln'].info['fast_step']}", flush=True)
@@ -394,6 +399,7 @@ def _run_variants(kinds, config_path: str, overrides: list[str], model_type: str
     finally:
         for worker in workers.values():
             worker.close()
+        inductor_cache.cleanup()
     return {kind: worker.info for kind, worker in workers.items()}, seconds, rss, table, first_steps, watch
 
 
