@@ -27,8 +27,9 @@ from resources.storage import PROJECT_ROOT, KilnStorage
 # Steps between the checkpoints scored on the downstream tasks. The held-out loss is cheap and scored at every
 # checkpoint; the fast set (8 tasks x 200 documents) costs tens of the demo model's training steps, its graph's
 # compiling included, so at every checkpoint of a run saving every 50 steps it would add most of the training time
-# (README.md, Evaluation: the figures of benchmarks/downstream.py). OLMo runs its in-loop downstream evaluation on an interval of its own for the same reason;
-# at 1000 steps the fast set is under issue 37's 5% of training time. A run's last checkpoint is always scored.
+# (README.md, Evaluation: the figures of benchmarks/downstream.py). OLMo runs its in-loop downstream evaluation on
+# an interval of its own for the same reason; at 1000 steps the fast set is under issue 37's 5% of training time.
+# A run's last checkpoint is always scored.
 TASK_INTERVAL = 1000
 
 

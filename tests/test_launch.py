@@ -287,8 +287,8 @@ def test_a_msrun_killed_with_sigkill_leaves_none_of_its_processes(tmp_path):
 def test_a_launch_over_its_timeout_is_stopped_with_its_helpers(tmp_path):
     """run_msrun with a timeout: msrun (a stand-in that starts a `tail -f` helper in its group and, as msrun does,
     exits on SIGINT) gets SIGINT, the helper is killed with the group, and TimeoutError says how long it ran. (A shell
-    stand-in waited out the 30 s grace in the suite, 0.56 s alone; likely an ignored SIGINT, which is inherited and which a
-    shell cannot trap; msrun, like this stand-in, installs its own handler.)"""
+    stand-in waited out the 30 s grace in the suite, 0.56 s alone; likely an ignored SIGINT, which is inherited and
+    which a shell cannot trap; msrun, like this stand-in, installs its own handler.)"""
     from test_cancel import alive
 
     stand_in = [sys.executable, "-c", "import signal, subprocess, sys, time\n"
