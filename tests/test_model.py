@@ -380,3 +380,33 @@ def test_params_are_stored_in_params_dtype():
     logits = model.logits(ids)
     assert logits.dtype == ms.float32
     np.testing.assert_allclose(logits.asnumpy(), reference.logits(ids).asnumpy(), rtol=0, atol=1e-5)
+
+
+def _interleaved_to_halves(rows: np.ndarray) -> np.ndarray:
+    return np.concatenate([rows[0::2], rows[1::2]])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gate_up_reorder_and_its_inverse_move_rows_and_gradients_exactly(compiled):
+    """fc1's gate/up pairs become [gate; up] halves and back, eager and in a graph, gradients included (they are
+    concatenated slices, not a Transpose: see layers.gate_up_halves)."""
+    from training.model.layers import gate_up_halves, gate_up_pairs
+
+    rng = np.random.RandomState(0)
+    pairs, upstream = rng.randn(12, 5).astype(np.float32), rng.randn(12, 5).astype(np.float32)
+    halves = _interleaved_to_halves(pairs)
+
+    def weighted_halves(x):
+        return (gate_up_halves(x) * Tensor(upstream)).sum()
+
+    def weighted_pairs(x):
+        return (gate_up_pairs(x) * Tensor(upstream)).sum()
+
+    wrap = ms.jit if compiled else (lambda f: f)
+    np.testing.assert_array_equal(wrap(gate_up_halves)(Tensor(pairs)).asnumpy(), halves)
+    np.testing.assert_array_equal(wrap(gate_up_pairs)(Tensor(halves)).asnumpy(), pairs)
+    # the gradient of a reorder is the upstream gradient put back in the input's order
+    np.testing.assert_array_equal(wrap(ms.grad(weighted_halves))(Tensor(pairs)).asnumpy(),
+                                  np.stack(np.split(upstream, 2), axis=1).reshape(12, 5))
+    np.testing.assert_array_equal(wrap(ms.grad(weighted_pairs))(Tensor(halves)).asnumpy(),
+                                  _interleaved_to_halves(upstream))

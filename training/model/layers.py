@@ -66,13 +66,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def gate_up_halves(weight: Tensor) -> Tensor:
     """An MLP's fc1 weight with its rows in gate/up pairs (row 2j gate unit j, row 2j+1 up unit j: MindFormers'
-    layout) reordered to [gate units; up units], so the product's output splits in contiguous halves."""
-    return weight.reshape(weight.shape[0] // 2, 2, -1).transpose(1, 0, 2).reshape(weight.shape)
+    layout) reordered to [gate units; up units], so the product's output splits in contiguous halves. The even and
+    odd rows concatenated, not the weight transposed: in a compiled graph on CPU a Transpose node keeps an int64
+    index map of its output's size as long as the graph lives (docs/training.md, The model's ops)."""
+    return ops.cat((weight[0::2], weight[1::2]))
 
 
 def gate_up_pairs(halves: Tensor) -> Tensor:
     """The inverse of ``gate_up_halves``: [gate units; up units] rows back into pairs (a gradient's)."""
-    return halves.reshape(2, halves.shape[0] // 2, -1).transpose(1, 0, 2).reshape(halves.shape)
+    gate, up = ops.split(halves, halves.shape[0] // 2)
+    return ops.stack((gate, up), axis=1).reshape(halves.shape)
 
 
 class Linear(nn.Cell):
