@@ -15,11 +15,11 @@ from training.parallel.mesh import World
 from training.config import ConfigError
 from training.model import DeepseekV3Config, build_model
 from training.model.gpt import GPTModel
-from training.model.layers import Init
+from training.model.layers import Init, merge_heads
 from training.model.moe import GroupedExperts, MoELayer, TopKRouter
 from training.model.spec import ModuleSpec, build_module
 from training.model.transformer import MLP
-from training.model.mla import merge_heads, split_heads, yarn_parameters
+from training.model.mla import split_heads, yarn_parameters
 
 ms.set_context(mode=ms.PYNATIVE_MODE)
 ms.set_device("CPU")

@@ -7,7 +7,7 @@ from mindspore import Tensor, mint, nn, ops
 
 from training.model import ascend
 from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, Softmax, _bmm, _bmm_transpose_b,
-                                   apply_rotary, cast, expand)
+                                   apply_rotary, cast, expand, heads_first, merge_heads)
 
 # Causal attention in query blocks: block i (of seq/QUERY_BLOCKS queries) multiplies, masks and softmaxes against
 # the keys up to its end only, (1+2+3+4)/16 = 62% of the full score square: less CPU per step and less peak memory
@@ -46,7 +46,7 @@ class SelfAttention(nn.Cell):
         self.context_attention = None
         # Ascend's FlashAttentionScore when model.use_flash_attention asks and the device and heads allow it
         self.flash_attention = ascend.flash_attention(config)
-        # the compiled step's recompute sets it, for every layer alike (they share one graph): ``_layout``
+        # the compiled step's recompute sets it, for every layer alike (they share one graph): ``_heads_first``
         self.permute_layouts = False
 
     @staticmethod
@@ -91,9 +91,10 @@ class SelfAttention(nn.Cell):
         # adds a zero-filled gradient for the unused normed v to v's own)
         qk, v = ops.split(qkv.reshape(batch, seq, groups, per_group + 2, dim), [per_group + 1, 1], axis=3)
         q, k = ops.split(self._qk_normed(qk), [per_group, 1], axis=3)    # q head g·per_group + j: KV group g
-        q = self._layout(q, (0, 2, 3, 1, 4))                               # [batch, groups, per_group, seq, dim]
-        k = self._layout(k.squeeze(3), (0, 2, 1, 3))                       # [batch, groups, seq, dim]
-        v = self._layout(v.squeeze(3), (0, 2, 1, 3))
+        q = self._heads_first(q.reshape(batch, seq, groups * per_group, dim))
+        q = q.reshape(batch, groups, per_group, seq, dim)                  # [batch, groups, per_group, seq, dim]
+        k = self._heads_first(k.squeeze(3))                                # [batch, groups, seq, dim]
+        v = self._heads_first(v.squeeze(3))
         # per-sample tables are [batch, 1, seq, dim] (k's layout); q has one more head axis. The softmax scale is
         # folded into q's tables: a multiply of [seq, dim] instead of all of q
         q_cos, q_sin = (cos, sin) if cos.ndim == 2 else (cos.expand_dims(1), sin.expand_dims(1))
@@ -105,14 +106,22 @@ class SelfAttention(nn.Cell):
             out = self.flash_attention(q, k, v, mask)
         else:
             out = self._causal_attention(q, k, v, mask)
-        return self.linear_proj(self._layout(out, (0, 3, 1, 2, 4)).reshape(batch, seq, self.num_heads * dim))
+        return self.linear_proj(self._merge_heads(out.reshape(batch, self.num_heads, seq, -1)))
 
-    def _layout(self, x: Tensor, axes: tuple[int, ...]) -> Tensor:
-        """x's axes in the order ``axes``: a Transpose, or with ``permute_layouts`` mint.permute, the same values and
-        gradients (bit-identical, eager and compiled). In a compiled graph on CPU each Transpose node holds an int64
-        index map of its output's size, mint.permute's none, but the step runs slower with it. So only the compiled
-        recompute, which trades time for memory, takes it (docs/training.md, "Activation recompute": the figures)."""
-        return mint.permute(x, axes) if self.permute_layouts else ops.transpose(x, axes)
+    def _heads_first(self, x: Tensor) -> Tensor:
+        """[batch, seq, heads, dim] → [batch, heads, seq, dim]: unstacked and stacked (``layers.heads_first``), or
+        with ``permute_layouts`` by mint.permute; the same values and gradients. Compiled on CPU, neither keeps an
+        index map of its output as a Transpose does. The stacks copy twice, yet ran qwen3_bench's step as fast as
+        Transposes at seq 512 (2-4% slower at seq 2048); mint.permute's kernel ran it 1.19x slower, but held less in
+        the compiled recompute's graph. So only that recompute, which trades time for memory, permutes
+        (docs/training.md, "Activation recompute": the figures)."""
+        return mint.permute(x, (0, 2, 1, 3)) if self.permute_layouts else heads_first(x)
+
+    def _merge_heads(self, x: Tensor) -> Tensor:
+        """[batch, heads, seq, dim] → [batch, seq, heads·dim] (``_heads_first``' two ways)."""
+        if self.permute_layouts:
+            return mint.permute(x, (0, 2, 1, 3)).reshape(x.shape[0], x.shape[2], -1)
+        return merge_heads(x)
 
     def _causal_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         """softmax(q·kᵀ + mask)·v per head: q [batch, groups, per_group, seq, dim], k [batch, groups, seq, dim],

@@ -64,6 +64,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def heads_first(x: Tensor) -> Tensor:
+    """[batch, seq, heads, dim] → [batch, heads, seq, dim]: the heads unstacked and stacked again rather than
+    transposed. In a compiled graph on CPU a Transpose node keeps an int64 index map of its output's size for as
+    long as the graph lives; Unstack and Stack keep none, and run faster (figures: docs/training.md, The model's
+    ops)."""
+    return ops.stack(ops.unstack(x, axis=2), axis=1)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """[batch, heads, seq, dim] → [batch, seq, heads·dim], the heads concatenated (``heads_first``' reason)."""
+    return ops.cat(ops.unstack(x, axis=1), axis=-1)
+
+
 def gate_up_halves(weight: Tensor) -> Tensor:
     """An MLP's fc1 weight with its rows in gate/up pairs (row 2j gate unit j, row 2j+1 up unit j: MindFormers'
     layout) reordered to [gate units; up units], so the product's output splits in contiguous halves. The even and

@@ -16,7 +16,8 @@ from mindspore import Tensor, nn, ops
 
 from training.model import ascend
 from training.model.attention import SelfAttention
-from training.model.layers import Init, Linear, MaxLogitTracker, RMSNorm, Softmax, apply_rotary
+from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, Softmax, apply_rotary, heads_first,
+                                   merge_heads)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -46,16 +47,8 @@ def yarn_parameters(dim: int, base: float, factor: float, original_max_positions
 
 def split_heads(x: Tensor, widths: list[int], heads: int) -> tuple[Tensor, ...]:
     """[batch, seq, heads·sum(widths)], each head's features being parts of ``widths`` → one [batch, heads, seq,
-    width] tensor per part. The heads unstacked and stacked again rather than a transpose: on CPU a compiled
-    Transpose keeps an int64 index map of its output for as long as the graph lives, which Unstack and Stack do
-    not: less CPU, less memory and a shorter compile (figures: docs/training.md, The model's ops)."""
-    by_head = ops.unstack(x.reshape(*x.shape[:-1], heads, sum(widths)), axis=-2)
-    return ops.split(ops.stack(by_head, axis=1), widths, axis=-1)
-
-
-def merge_heads(x: Tensor) -> Tensor:
-    """[batch, heads, seq, dim] → [batch, seq, heads·dim], the heads concatenated (``split_heads``' reason)."""
-    return ops.cat(ops.unstack(x, axis=1), axis=-1)
+    width] tensor per part (``layers.heads_first``, then split)."""
+    return ops.split(heads_first(x.reshape(*x.shape[:-1], heads, sum(widths))), widths, axis=-1)
 
 
 class MLASelfAttention(nn.Cell):
