@@ -155,6 +155,8 @@ SLOW_TESTS = frozenset({
     "test_monitor.py::test_every_train_state_option_lands_in_the_step_record",
     "test_monitor.py::test_profiler_runs_over_its_window_on_rank_0",
     "test_optim.py::test_tiny_model_memorizes_a_batch",
+    "test_paired_step.py::test_a_side_that_cannot_build_is_named_and_a_directory_not_a_checkout_refused",
+    "test_paired_step.py::test_one_checkout_on_both_sides_trains_the_same_steps_and_reports_each_side",
     "test_parallel_plans.py::test_the_plain_models_gradients_match_finite_differences",
     "test_recompute.py::test_compiled_recompute_trains_bit_identically_and_resumes",  # 52 (6 compiled trainers)
     "test_recompute.py::test_deepseek_v3_recomputing_its_moe_and_mtp_layers_trains_bit_identically",
