@@ -111,10 +111,9 @@ class SelfAttention(nn.Cell):
     def _heads_first(self, x: Tensor) -> Tensor:
         """[batch, seq, heads, dim] → [batch, heads, seq, dim]: unstacked and stacked (``layers.heads_first``), or
         with ``permute_layouts`` by mint.permute; the same values and gradients. Compiled on CPU, neither keeps an
-        index map of its output as a Transpose does. The stacks copy twice, yet ran qwen3_bench's step as fast as
-        Transposes at seq 512 (2-4% slower at seq 2048); mint.permute's kernel ran it 1.19x slower, but held less in
-        the compiled recompute's graph. So only that recompute, which trades time for memory, permutes
-        (docs/training.md, "Activation recompute": the figures)."""
+        index map of its output as a Transpose does. mint.permute's kernel ran the step slower (seq 512) but
+        held less in the compiled recompute's graph, so only that recompute, which trades time for memory, permutes
+        (docs/training.md, "Activation recompute" and the table of the model's ops: the figures)."""
         return mint.permute(x, (0, 2, 1, 3)) if self.permute_layouts else heads_first(x)
 
     def _merge_heads(self, x: Tensor) -> Tensor:

@@ -67,8 +67,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 def heads_first(x: Tensor) -> Tensor:
     """[batch, seq, heads, dim] → [batch, heads, seq, dim]: the heads unstacked and stacked again rather than
     transposed. In a compiled graph on CPU a Transpose node keeps an int64 index map of its output's size for as
-    long as the graph lives; Unstack and Stack keep none. They copy twice, yet where measured they ran as fast or
-    faster, except Qwen3's attention at seq 2048 (2-4% slower; figures: docs/training.md, The model's ops)."""
+    long as the graph lives; Unstack and Stack keep none. They copy twice, which shows at long sequences
+    (docs/training.md, the table of the model's ops: the figures)."""
     return ops.stack(ops.unstack(x, axis=2), axis=1)
 
 
