@@ -575,3 +575,19 @@ def test_the_logs_name_every_parallel_degree_and_blame_the_layout_it_has(tmp_pat
     reasons = whole_step_blockers(config, ParallelDims(world=2, tp=2), SimpleNamespace(local_norm=False,
                                                                                      device_norm=False), fp32)
     assert reasons and reasons[0].startswith("2 workers (dp=1, tp=2, pp=1, cp=1, ep=1): fast_step.compile_reduction")
+
+
+def test_a_compiled_step_refuses_the_mindspore_compile_cache(monkeypatch, shard):
+    """MindSpore's compile cache returns graphs by the order they compile in (training.step.refuse_compile_cache):
+    a run that compiles refuses it and says how to go on; an eager one compiles nothing and is let through."""
+    def config(compile_step: bool):
+        return load_config(PROJECT_ROOT / MICRO_CONFIG, [
+            f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
+            "checkpoint.enable_save=false", f"fast_step.compile={str(compile_step).lower()}"])
+
+    monkeypatch.setenv("MS_COMPILER_CACHE_ENABLE", "1")
+    with pytest.raises(ConfigError, match=r"^MS_COMPILER_CACHE_ENABLE=1 .*unset it, or set fast_step.compile: false$"):
+        configure_runtime(config(True))
+    configure_runtime(config(False))
+    monkeypatch.setenv("MS_COMPILER_CACHE_ENABLE", "0")
+    configure_runtime(config(True))

@@ -15,7 +15,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from training.config import TrainConfig
+from training.config import ConfigError, TrainConfig
 from training.model import GPTModel
 from training.model_parts import WholeModel
 from training.monitor import TrainStateMonitor
@@ -28,6 +28,8 @@ from training.recompute import RecomputedLayers, compiled_recompute, compiled_re
 
 def configure_runtime(config: TrainConfig) -> None:
     """Mode, device, memory cap and determinism; MindSpore requires them before ``communication.init()``."""
+    if config.fast_step.compile:
+        refuse_compile_cache()
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device(config.context.device_target)
     if config.context.caps_device_memory:
@@ -36,6 +38,20 @@ def configure_runtime(config: TrainConfig) -> None:
         ms.set_context(deterministic="ON")
     if config.context.device_target == "CPU":
         lower_kernel_pool_priority()
+
+
+def refuse_compile_cache() -> None:
+    """MindSpore's compile cache (MS_COMPILER_CACHE_ENABLE=1, or ``set_context(enable_compile_cache=True)``)
+    hands back the graph compiled in the same place in the process's order of compiles, checking only that the
+    Python sources are unchanged, not what the graph computes: a run with another ``model.rms_norm_eps``, or one
+    layer fewer, trained the cached graph (docs/training.md, The fast step). A compiled step refuses it."""
+    enabled = ms.get_context("enable_compile_cache")
+    if enabled is None:  # the context left unset: MindSpore reads the environment
+        enabled = os.environ.get("MS_COMPILER_CACHE_ENABLE") == "1"
+    if enabled:
+        raise ConfigError("MS_COMPILER_CACHE_ENABLE=1 (or set_context(enable_compile_cache=True)): MindSpore's compile "
+                          "cache returns graphs by the order they compile in, not by what they compute, so a "
+                          "changed config can train a stale graph; unset it, or set fast_step.compile: false")
 
 
 # MindSpore's CPU runtime runs kernels on a thread pool (ActorThread_*, KernelThread_*) whose threads spin on
