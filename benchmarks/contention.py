@@ -92,8 +92,8 @@ class Load:
                 f"{self.seconds:.0f} s" + (f"; CPU s per step: {cpu}" if cpu else "") + f" — {verdict}")
 
     def short(self) -> str:
-        return f"load {max(self.load_before, self.load_after):.1f}, others {self.others_cores:.1f} of " \
-               f"{self.machine_cores} cores"
+        """What ``competed`` judged: the load before (a run's own threads raise the load after) and the others'."""
+        return f"load {self.load_before:.1f} before, others {self.others_cores:.1f} of {self.machine_cores} cores"
 
 
 class LoadWatch:

@@ -76,7 +76,7 @@ def test_figures_under_competition_are_not_valid(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "ratio NOT VALID" in printed and "0.04 × sync save measured" in printed
     verdicts = [f.verdict() for f in read_figures(tmp_path / "figures.jsonl")]
-    assert verdicts == ["met", "MISSED", "NOT VALID (load 9.5, others 1.5 of 2 cores)", "no target"]
+    assert verdicts == ["met", "MISSED", "NOT VALID (load 1.2 before, others 1.5 of 2 cores)", "no target"]
     table = summary(read_figures(tmp_path / "figures.jsonl"), {"broken": "CheckpointError: step 3 is already there"})
     assert "4 figures (1 not valid under load), 3 with a target: 1 met, 1 missed, 1 not valid under load; " \
            "1 benchmark(s) failed" in table
