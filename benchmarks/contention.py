@@ -3,17 +3,19 @@
 A paired benchmark times variants against each other in turn; another job on the same cores slows the variants
 unequally (PyTorch eager slowed 4x under contention where MindSpore did not: issue 38), so a ratio measured then
 is not a measurement. ``LoadWatch`` brackets the measurement and records:
-- the machine's 1-minute load average before and after;
-- the CPU the other processes of the machine used meanwhile: all CPU time /proc/stat counts, minus this process
-  tree's (this process, its reaped children, its live descendants), as average busy cores;
+- the CPU the other processes of the machine used, as average busy cores: all CPU time /proc/stat counts, minus
+  this process tree's (this process, its reaped children, its live descendants), over ``QUIET_CHECK_SECONDS``
+  just before the measurement and over the measurement;
+- the machine's 1-minute load average before and after (printed only);
 - each variant's CPU seconds per step (``cpu`` for what a worker measured itself, ``time`` to run and measure
   a variant here: this process tree's CPU, so pools and subprocesses count).
-Competed means: the load before above the cores the run uses (plus ``SLACK``), or other processes keeping more
-than ``SLACK`` cores busy beyond the cores the run leaves free. The load after is printed, not judged: it counts
-the run's own runnable threads, and MindSpore keeps more of them than it has cores. The throughput benchmark's
-rounds (qwen3_bench, 2026-12-07) ended at load 2.9-3.0 on 2 cores while a sampler of each process's CPU every 2 s
-saw its workers take turns at 2.0 cores in all and every other process at 0.01: what load others add, they add
-as CPU the kernel shares with them, which ``others_cores`` measures. Figures measured under a watch that saw
+Competed means: other processes keeping more than ``SLACK`` cores busy beyond the cores the run leaves free,
+just before the measurement or over it. Load averages are not judged: they lag by minutes and count the run's
+own runnable threads, and MindSpore keeps more of them than it has cores. The throughput benchmark's rounds
+(qwen3_bench, 2026-12-07) ended at load 2.9-3.0 on 2 cores while a sampler of each process's CPU every 2 s saw its
+workers take turns at 2.0 cores in all and every other process at 0.01; and `python -m benchmarks --only
+context_parallel pipeline_bubble expert_parallel` started expert_parallel at load 3.8, pipeline_bubble's, with its
+processes gone (others 0.01 cores). What load others add, they add as CPU the kernel shares with them. Figures measured under a watch that saw
 competition are printed as not valid (benchmarks/suite.py), whatever their value.
 """
 from __future__ import annotations
@@ -28,6 +30,9 @@ from pathlib import Path
 # half a core: a load average wobbles by that much around a run's own threads, and short system work
 # (page cache writeback, a cron job) stays under it
 SLACK = 0.5
+# how long a watch samples the other processes' CPU before the measurement starts: a job busy then is caught even
+# when the measurement is long enough to average its share below SLACK
+QUIET_CHECK_SECONDS = 1.0
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -77,23 +82,30 @@ class Load:
     others_cores: float   # average cores other processes kept busy during the watch
     seconds: float
     cpu_per_step: dict[str, float]  # variant -> median CPU seconds per step
+    others_before: float = 0.0  # the same over QUIET_CHECK_SECONDS before it (0 in figures recorded before it was)
 
     @property
     def competed(self) -> bool:
         free = self.machine_cores - self.cores
-        return self.load_before > self.cores + SLACK or self.others_cores > free + SLACK
+        return max(self.others_before, self.others_cores) > free + SLACK
 
     def describe(self) -> str:
         cpu = ", ".join(f"{variant} {seconds:.3g}" for variant, seconds in self.cpu_per_step.items())
         verdict = ("OTHER PROCESSES COMPETED: the ratios are not valid" if self.competed
                    else "no other process competed")
-        return (f"load {self.load_before:.1f} before, {self.load_after:.1f} after (1 min) on {self.machine_cores} "
-                f"cores, the run uses {self.cores}; other processes {self.others_cores:.2f} cores busy over "
-                f"{self.seconds:.0f} s" + (f"; CPU s per step: {cpu}" if cpu else "") + f" — {verdict}")
+        return (f"other processes {self.others_before:.2f} cores busy before, {self.others_cores:.2f} over "
+                f"{self.seconds:.0f} s, of {self.machine_cores} cores, the run uses {self.cores}; load "
+                f"{self.load_before:.1f} before, {self.load_after:.1f} after (1 min)"
+                + (f"; CPU s per step: {cpu}" if cpu else "") + f" — {verdict}")
 
     def short(self) -> str:
-        """What ``competed`` judged: the load before (a run's own threads raise the load after) and the others'."""
-        return f"load {self.load_before:.1f} before, others {self.others_cores:.1f} of {self.machine_cores} cores"
+        """What ``competed`` judged: the other processes' busy cores before and during the measurement."""
+        return f"others {self.others_before:.1f} before, {self.others_cores:.1f} during, of {self.machine_cores} cores"
+
+
+def _others_cores(machine_busy: float, ours: float, seconds: float) -> float:
+    """Average cores the machine's other processes kept busy: its busy CPU seconds less this tree's, per second."""
+    return max(0.0, (machine_busy - ours) / max(seconds, 1e-9))
 
 
 class LoadWatch:
@@ -106,8 +118,11 @@ class LoadWatch:
 
     def __enter__(self) -> LoadWatch:
         self._load_before = os.getloadavg()[0]
+        busy, ours, started = _machine_busy_seconds(), tree_cpu_seconds(), time.perf_counter()
+        time.sleep(QUIET_CHECK_SECONDS)
         self._started = time.perf_counter()
         self._busy, self._ours = _machine_busy_seconds(), tree_cpu_seconds()
+        self._others_before = _others_cores(self._busy - busy, self._ours - ours, self._started - started)
         return self
 
     def cpu(self, variant: str, cpu_seconds: float, steps: int = 1) -> None:
@@ -139,10 +154,10 @@ class LoadWatch:
 
     def __exit__(self, *exc) -> None:
         seconds = time.perf_counter() - self._started
-        others = (_machine_busy_seconds() - self._busy) - (tree_cpu_seconds() - self._ours)
+        others = _others_cores(_machine_busy_seconds() - self._busy, tree_cpu_seconds() - self._ours, seconds)
         self.load = Load(cores=self.cores, machine_cores=machine_cores(), load_before=self._load_before,
-                         load_after=os.getloadavg()[0], others_cores=max(0.0, others / max(seconds, 1e-9)),
-                         seconds=seconds,
-                         cpu_per_step={v: statistics.median(s) for v, s in self._cpu.items()})
+                         load_after=os.getloadavg()[0], others_cores=others, seconds=seconds,
+                         cpu_per_step={v: statistics.median(s) for v, s in self._cpu.items()},
+                         others_before=self._others_before)
         if exc[0] is None:
             print(f"   {self.load.describe()}", flush=True)

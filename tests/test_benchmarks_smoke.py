@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import LAUNCHES_PROCESSES, SUITE
-from benchmarks.contention import Load, LoadWatch
+from benchmarks.contention import QUIET_CHECK_SECONDS, Load, LoadWatch
 from benchmarks.suite import Bench, Figure, at_least, at_most, finite, read_figures, summary
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -57,7 +57,8 @@ def _load(**changes) -> Load:
     ({}, False),
     ({"others_cores": 1.5, "load_after": 9.5}, True),  # six other sessions on two cores take their share
     ({"load_after": 3.0}, False),  # the run's own threads: MindSpore keeps more runnable than it has cores
-    ({"load_before": 2.6}, True),  # a job that just ended still counts: the measurement overlapped it
+    ({"load_before": 3.8}, False),  # the benchmark before's load: its processes are gone, the average lags
+    ({"others_before": 1.5}, True),  # a job busy as the measurement started, however long the measurement
     ({"others_cores": 0.8}, True),  # load averages lag; the CPU others used meanwhile does not
     ({"cores": 1, "others_cores": 0.8, "load_after": 1.4}, False),  # a one-core run leaves a core to the others
 ])
@@ -76,7 +77,7 @@ def test_figures_under_competition_are_not_valid(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "ratio NOT VALID" in printed and "0.04 × sync save measured" in printed
     verdicts = [f.verdict() for f in read_figures(tmp_path / "figures.jsonl")]
-    assert verdicts == ["met", "MISSED", "NOT VALID (load 1.2 before, others 1.5 of 2 cores)", "no target"]
+    assert verdicts == ["met", "MISSED", "NOT VALID (others 0.0 before, 1.5 during, of 2 cores)", "no target"]
     table = summary(read_figures(tmp_path / "figures.jsonl"), {"broken": "CheckpointError: step 3 is already there"})
     assert "4 figures (1 not valid under load), 3 with a target: 1 met, 1 missed, 1 not valid under load; " \
            "1 benchmark(s) failed" in table
@@ -116,6 +117,18 @@ def test_load_watch_counts_its_own_processes_and_the_others(tmp_path):
     assert watch.load.cpu_per_step["child"] >= 0.4
     assert watch.load.others_cores * watch.load.seconds >= 0.5  # the burner's 0.6 CPU-s, counted as another's
     assert Figure("x", "y", 1.0, "s", load=watch.load).to_json()
+
+
+def test_load_watch_sees_a_job_busy_before_the_measurement(tmp_path):
+    """Another process's CPU in the second before the measurement is ``others_before`` (a burner of 1.5 CPU-s
+    started in the background just before the watch, outside this process tree)."""
+    burner = tmp_path / "burn.py"
+    burner.write_text("import time\nwhile time.process_time() < 1.5: pass\n")
+    subprocess.run(["sh", "-c", f"'{sys.executable}' '{burner}' &"], check=True)
+    time.sleep(0.2)  # the burner's interpreter started
+    with LoadWatch() as watch:
+        pass
+    assert watch.load.others_before * QUIET_CHECK_SECONDS >= 0.5
 
 
 def test_alternate_reverses_the_order_every_other_round_and_records_each_variants_cpu():
