@@ -892,7 +892,8 @@ class FastStepConfig(Section):
     # logs which, and why not)
     compile: bool = True
     # under data parallelism, the gradient reduction, clip and AdamW in the compiled step's graph too (with
-    # ``compile``); off by default: on CPU a DP 2 step took 1.19-1.32x as long so (benchmarks/context_parallel.py)
+    # ``compile``); off by default: on CPU it was no faster than the reduction outside the graph, and slower under
+    # load (docs/parallelism.md, Context parallel; benchmarks/context_parallel.py)
     compile_reduction: bool = False
     # MS_DEV_HOST_BLOCKING_RUN=1 (set by `training.run` before MindSpore loads): single-threaded dispatch; the
     # default dispatch thread busy-waits on a core, which halves matmul speed on a 2-core CPU

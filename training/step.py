@@ -135,7 +135,7 @@ def whole_step_blockers(config: TrainConfig, dims: ParallelDims, monitor: TrainS
     reasons = []
     if dims.world > 1 and not config.fast_step.compile_reduction:
         reasons.append(f"{dims.world} workers ({degrees(dims)}): fast_step.compile_reduction is false (the gradient "
-                       f"reduction across them, clip and update in the graph measured slower on CPU: "
+                       f"reduction across them, clip and update in the graph measured no faster on CPU: "
                        f"benchmarks/context_parallel.py)")
     if monitor.local_norm or monitor.device_norm:
         reasons.append("monitor.train_state.local_norm/device_norm read gradients on the host")
