@@ -15,8 +15,8 @@ own runnable threads, and MindSpore keeps more of them than it has cores. The th
 (qwen3_bench, 2026-12-07) ended at load 2.9-3.0 on 2 cores while a sampler of each process's CPU every 2 s saw its
 workers take turns at 2.0 cores in all and every other process at 0.01; and `python -m benchmarks --only
 context_parallel pipeline_bubble expert_parallel` started expert_parallel at load 3.8, pipeline_bubble's, with its
-processes gone (others 0.01 cores). What load others add, they add as CPU the kernel shares with them. Figures measured under a watch that saw
-competition are printed as not valid (benchmarks/suite.py), whatever their value.
+processes gone (others 0.01 cores). What load others add, they add as CPU the kernel shares with them. Figures
+measured under a watch that saw competition are printed as not valid (benchmarks/suite.py), whatever their value.
 """
 from __future__ import annotations
 
