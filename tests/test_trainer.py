@@ -23,11 +23,15 @@ from training.trainer import Trainer
 WORLD = World(rank=0, size=1)
 
 
+def shard_data(shard) -> list[str]:
+    """The overrides that point the micro config at the test shard (its EOD 2, pad 3)."""
+    return [f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
+            "train_dataset.dataloader.config.pad=3"]
+
+
 def make_trainer(tmp_path, shard, name, *overrides, lineage=None, **trainer_options):
     config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
-        f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
-        "train_dataset.dataloader.config.eod=2", "train_dataset.dataloader.config.pad=3",
-        f"checkpoint.save_path={tmp_path / name / 'checkpoints'}", *overrides])
+        *shard_data(shard), f"checkpoint.save_path={tmp_path / name / 'checkpoints'}", *overrides])
     configure_runtime(config)
     run_dir = tmp_path / name
     return Trainer(config, WORLD, run_dir, Reporter(run_dir / "metrics.jsonl", enabled=True), lineage_inputs=lineage,
@@ -541,8 +545,7 @@ def test_on_cpu_the_kernel_pool_threads_yield_to_the_threads_doing_the_work(tmp_
 def test_threaded_dispatch_trains_to_the_same_losses_as_synchronous_dispatch(tmp_path, shard):
     """The suite runs every process with synchronous dispatch (conftest); MindSpore's default threaded dispatch,
     which ``fast_step.host_blocking_dispatch: false`` keeps, is this one child process's."""
-    overrides = [f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
-                 "train_dataset.dataloader.config.pad=3", *WHOLE_STEP, "training.steps=3"]
+    overrides = [*shard_data(shard), *WHOLE_STEP, "training.steps=3"]
     threaded = tmp_path / "threaded"
     env = {k: v for k, v in os.environ.items() if k != "MS_DEV_HOST_BLOCKING_RUN"}
     done = subprocess.run(
@@ -582,8 +585,7 @@ def test_a_compiled_step_refuses_the_mindspore_compile_cache(monkeypatch, shard)
     a run that compiles refuses it and says how to go on; an eager one compiles nothing and is let through."""
     def config(compile_step: bool):
         return load_config(PROJECT_ROOT / MICRO_CONFIG, [
-            f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
-            "checkpoint.enable_save=false", f"fast_step.compile={str(compile_step).lower()}"])
+            *shard_data(shard), "checkpoint.enable_save=false", f"fast_step.compile={str(compile_step).lower()}"])
 
     monkeypatch.setenv("MS_COMPILER_CACHE_ENABLE", "1")
     with pytest.raises(ConfigError, match=r"^MS_COMPILER_CACHE_ENABLE=1 .*unset it, or set fast_step.compile: false$"):
