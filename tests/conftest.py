@@ -34,6 +34,13 @@ def run_under_msrun(args: list, log_dir: Path, workers: int, *, timeout: float =
     run_on_local_workers(args, log_dir, workers, timeout=timeout)
 
 
+def shard_data(shard) -> list[str]:
+    """The overrides that point a test config at ``shard``: its documents end in EOD 2 (as write_random_documents
+    writes them), pad 3."""
+    return [f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
+            "train_dataset.dataloader.config.pad=3"]
+
+
 def train_alone(config, run_dir: Path) -> tuple[list[dict], dict]:
     """One process trains ``config`` into ``run_dir``: its step records and final weights, the reference a parallel
     layout's run must equal."""

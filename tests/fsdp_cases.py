@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import MICRO_CONFIG, PROJECT_ROOT  # noqa: E402
+from conftest import MICRO_CONFIG, PROJECT_ROOT, shard_data  # noqa: E402
 from plain_gpt import PLAIN_CONFIG  # noqa: E402  (registers model_type plain_gpt)
 from training.parallel.mesh import init_world  # noqa: E402
 from training.config import load_config  # noqa: E402
@@ -80,8 +80,7 @@ def case_config(shard: str, overrides: list[str], save_path: Path | None = None,
     # AdamW's eps at 1e-5: a gradient that cancels to ~1e-9 is reduction-order noise, and with a tiny eps Adam
     # turns its sign into a step of ~lr (seen: one embedding entry 5e-4 apart after tensor parallelism's sums)
     return load_config(PROJECT_ROOT / model_config, [
-        f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
-        "train_dataset.dataloader.config.pad=3", f"training.steps={STEPS}", "training.local_batch_size=1",
+        *shard_data(shard), f"training.steps={STEPS}", "training.local_batch_size=1",
         "optimizer.eps=1e-5", *save, *overrides])
 
 

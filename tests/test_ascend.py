@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor, ops
 
-from conftest import MICRO_CONFIG, PROJECT_ROOT
+from conftest import MICRO_CONFIG, PROJECT_ROOT, shard_data
 from training.config import ConfigError, FastStepConfig, KilnConfig, load_config
 from training.model import ascend, build_model, model_config
 from training.model.layers import Init, additive_mask, causal_mask, token_cross_entropy
@@ -206,8 +206,7 @@ def test_on_cpu_use_flash_attention_runs_the_plain_attention_and_the_step_line_s
 
     shard = write_random_documents(tmp_path / "data/shards/random")
     config = load_config(PROJECT_ROOT / MICRO_CONFIG, [
-        f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
-        "train_dataset.dataloader.config.pad=3", f"checkpoint.save_path={tmp_path / 'checkpoints'}",
+        *shard_data(shard), f"checkpoint.save_path={tmp_path / 'checkpoints'}",
         "model.use_flash_attention=true"])
     configure_runtime(config)
     trainer = Trainer(config, World(rank=0, size=1), tmp_path, Reporter(tmp_path / "metrics.jsonl", enabled=True))

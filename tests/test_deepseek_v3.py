@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
-from conftest import PROJECT_ROOT, assert_adam_weights_close, run_under_msrun
+from conftest import PROJECT_ROOT, assert_adam_weights_close, run_under_msrun, shard_data
 from training.parallel.comm import Collectives
 from training.parallel.mesh import World
 from training.config import ConfigError
@@ -448,8 +448,7 @@ def test_the_compiled_step_equals_the_eager_one_and_resumes_bit_identically(tmp_
 
     def trainer(name, *overrides):
         config = load_config(PROJECT_ROOT / "tests/configs/deepseek_v3_micro.yaml", [
-            f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
-            "train_dataset.dataloader.config.pad=3", "training.steps=3", "training.global_batch_size=2",
+            *shard_data(shard), "training.steps=3", "training.global_batch_size=2",
             "model.num_hidden_layers=1", "model.first_k_dense_replace=0", "checkpoint.save_interleaved_steps=1",
             "monitor.moe_monitor.save_tokens_per_expert_interval=1",
             f"checkpoint.save_path={tmp_path / name / 'checkpoints'}", *overrides])
@@ -517,9 +516,7 @@ def write_learnable_documents(prefix, used=64, documents=120):
 def test_trains_under_msrun_with_two_workers(tmp_path):
     shard = write_learnable_documents(tmp_path / "shard")
     run_dir = tmp_path / "run"
-    overrides = [f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']",
-                 "train_dataset.dataloader.config.eod=2", "train_dataset.dataloader.config.pad=3",
-                 f"checkpoint.save_path={run_dir / 'checkpoints'}", "training.steps=6",
+    overrides = [*shard_data(shard), f"checkpoint.save_path={run_dir / 'checkpoints'}", "training.steps=6",
                  "lr_scheduler.learning_rate=1.0e-2", "checkpoint.save_interleaved_steps=6"]
     script = ["-m", "training.run", "--config", str(PROJECT_ROOT / "tests/configs/deepseek_v3_micro.yaml"),
               "--output-dir", str(run_dir), *[a for o in overrides for a in ("--set", o)]]

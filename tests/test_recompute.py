@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import MICRO_CONFIG, PROJECT_ROOT
+from conftest import MICRO_CONFIG, PROJECT_ROOT, shard_data
 from training.config import ConfigError, RecomputeConfig, layer_indices, load_config
 from training.model import build_model
 from training.parallel.mesh import World
@@ -21,8 +21,7 @@ SELECT = ("recompute.mode=select", "recompute.select_module={self_attention.core
 
 def make_trainer(tmp_path, shard, name, *overrides, model=MICRO_CONFIG):
     config = load_config(PROJECT_ROOT / model, [
-        f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
-        "train_dataset.dataloader.config.pad=3", f"checkpoint.save_path={tmp_path / name / 'checkpoints'}",
+        *shard_data(shard), f"checkpoint.save_path={tmp_path / name / 'checkpoints'}",
         "training.steps=4", "checkpoint.save_interleaved_steps=2", *overrides])
     configure_runtime(config)
     return Trainer(config, WORLD, tmp_path / name, Reporter(tmp_path / name / "metrics.jsonl", enabled=True))

@@ -14,7 +14,8 @@ import dagster as dg
 import numpy as np
 import pytest
 
-from conftest import MICRO_CONFIG, PROJECT_ROOT, run_under_msrun, validate_as_one_process, write_random_documents
+from conftest import (MICRO_CONFIG, PROJECT_ROOT, run_under_msrun, shard_data, validate_as_one_process,
+                      write_random_documents)
 from resources.msrun import MsrunResource, free_port
 from test_cancel import alive, command_line, descendants
 from test_trainer import losses, make_trainer
@@ -27,8 +28,7 @@ STEPS = 8
 
 
 def run_overrides(shard, save_path, *extra):
-    return [f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
-            "train_dataset.dataloader.config.pad=3", f"checkpoint.save_path={save_path}",
+    return [*shard_data(shard), f"checkpoint.save_path={save_path}",
             f"training.steps={STEPS}", "checkpoint.save_interleaved_steps=2", *extra]
 
 

@@ -10,7 +10,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 
-from conftest import MICRO_CONFIG, PROJECT_ROOT
+from conftest import MICRO_CONFIG, PROJECT_ROOT, shard_data
 from training.parallel.mesh import World
 from training.config import ConfigError, load_config
 from training.lineage import audit_checkpoint, audit_exit_code
@@ -21,12 +21,6 @@ from training.train_state import micro_batch_indices
 from training.trainer import Trainer
 
 WORLD = World(rank=0, size=1)
-
-
-def shard_data(shard) -> list[str]:
-    """The overrides that point the micro config at the test shard (its EOD 2, pad 3)."""
-    return [f"train_dataset.dataloader.config.data_path=[1.0, '{shard}']", "train_dataset.dataloader.config.eod=2",
-            "train_dataset.dataloader.config.pad=3"]
 
 
 def make_trainer(tmp_path, shard, name, *overrides, lineage=None, **trainer_options):
