@@ -95,12 +95,17 @@ def test_swiglu_reorders_the_interleaved_fc1_rows():
     np.testing.assert_allclose(analytic, finite_differences(loss_at, [fc1.copy()])[0], rtol=1e-6, atol=1e-7)
 
 
-def test_causal_attention_in_query_blocks_is_the_full_masked_softmax():
+def test_short_sequences_run_as_one_query_block():
+    assert [attention.query_blocks(seq) for seq in (8, 32, 64, 100, 128, 512)] == [1, 1, 1, 1, 4, 4]
+
+
+def test_causal_attention_in_query_blocks_is_the_full_masked_softmax(monkeypatch):
     """Query blocks read only the keys up to their end: output equal to softmax(q·kᵀ + mask)·v over all keys
     (numpy), and gradients equal to finite differences, under a per-sample block-causal mask (a document
     starting inside a block) with two q heads stacked on their KV group."""
-    assert attention.QUERY_BLOCKS == 4
+    monkeypatch.setattr(attention, "MIN_QUERY_BLOCK_ROWS", 2)
     batch, groups, per_group, seq, dim = 1, 1, 2, 8, 2  # 4 blocks of 2 queries
+    assert attention.query_blocks(seq) == 4
     config = SimpleNamespace(num_attention_heads=groups * per_group, num_key_value_heads=groups, head_dim=dim,
                              hidden_size=4, attention_bias=False, rms_norm_eps=1e-6, use_flash_attention=False,
                              dtype=lambda name: ms.float64)

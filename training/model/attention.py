@@ -11,8 +11,15 @@ from training.model.layers import (Init, Linear, MaxLogitTracker, RMSNorm, Softm
 
 # Causal attention in query blocks: block i (of seq/QUERY_BLOCKS queries) multiplies, masks and softmaxes against
 # the keys up to its end only, (1+2+3+4)/16 = 62% of the full score square: less CPU per step and less peak memory
-# than one block (figures: docs/training.md, The model's ops).
+# than one block. Blocks of fewer than MIN_QUERY_BLOCK_ROWS queries save less score work than their extra ops cost,
+# in the step and in its compile, so short sequences run as one block (figures: docs/training.md, The model's ops).
 QUERY_BLOCKS = 4
+MIN_QUERY_BLOCK_ROWS = 32
+
+
+def query_blocks(seq: int) -> int:
+    """How many causal query blocks attention over ``seq`` positions runs in."""
+    return QUERY_BLOCKS if seq % QUERY_BLOCKS == 0 and seq // QUERY_BLOCKS >= MIN_QUERY_BLOCK_ROWS else 1
 
 
 class SelfAttention(nn.Cell):
@@ -22,7 +29,7 @@ class SelfAttention(nn.Cell):
     GQA without copying K/V: the q heads of one KV group are stacked along the query axis
     ([batch, groups, heads_per_group·seq, dim]), so one batched matmul per group serves all its heads;
     the causal mask is stacked the same way (``mask_repeats`` = heads per group). Keys after a query's block are
-    skipped (``QUERY_BLOCKS``).
+    skipped (``query_blocks``).
 
     Under tensor parallelism each rank holds whole KV groups: ``num_groups``/``num_heads`` count this rank's."""
 
@@ -126,10 +133,10 @@ class SelfAttention(nn.Cell):
         """softmax(q·kᵀ + mask)·v per head: q [batch, groups, per_group, seq, dim], k [batch, groups, seq, dim],
         v [batch, groups, seq, dim_v] (MLA's value heads are narrower than its query-key heads), the result
         [batch, groups, per_group, seq, dim_v]. Query block i reads the keys up to its own end only
-        (``QUERY_BLOCKS``), so ``mask`` must mask every later key, as causal_mask and the dataset's block-causal
+        (``query_blocks``), so ``mask`` must mask every later key, as causal_mask and the dataset's block-causal
         masks do."""
         batch, groups, per_group, seq, dim = q.shape
-        blocks = QUERY_BLOCKS if seq % QUERY_BLOCKS == 0 else 1
+        blocks = query_blocks(seq)
         size = seq // blocks
         mask = mask.reshape(*mask.shape[:-2], per_group, seq, seq)  # unstacked: [..., per_group, seq, seq]
         outs = []

@@ -134,7 +134,7 @@ class MLASelfAttention(nn.Cell):
         """Context parallelism: the attention core over the cp ranks' tokens, one query head per group."""
         self.context_attention = cp.attention(self.softmax_dtype, 1)
 
-    # GQA's causal attention, query block by query block (attention.QUERY_BLOCKS): each block scores only the keys
+    # GQA's causal attention, query block by query block (attention.query_blocks): each block scores only the keys
     # up to its end, 62% of the score square at seq 512: less CPU compiled and less eager peak memory on
     # deepseek_v3_bench's MLA (figures: docs/training.md, The model's ops)
     _causal_attention = SelfAttention._causal_attention
