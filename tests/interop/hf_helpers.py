@@ -5,7 +5,6 @@ so a swapped or mis-permuted tensor changes the logits far beyond the 1e-4 toler
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import yaml
 
 import mindspore as ms
@@ -18,15 +17,6 @@ from training.model import build_model
 ms.set_device("CPU")
 
 TOLERANCE = 1e-4
-SKIP_REASON = "the interop extra is not installed (pip install -e '.[interop]': torch==2.13.0, transformers)"
-
-
-def import_transformers():
-    """transformers, or skip the calling test module with the reason (torch and transformers both needed)."""
-    pytest.importorskip("torch", reason=SKIP_REASON)
-    return pytest.importorskip("transformers", reason=SKIP_REASON)
-
-
 def model_section(config_yaml: str, **overrides) -> dict:
     with open(config_yaml) as f:
         return {**yaml.safe_load(f)["model"], **overrides}

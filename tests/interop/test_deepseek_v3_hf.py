@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from interop.hf_helpers import (TOLERANCE, hf_logits, import_transformers, kiln_logits, kiln_model, load_hf,
+from interop.hf_helpers import (TOLERANCE, hf_logits, kiln_logits, kiln_model, load_hf,
                                 model_section, random_ids, randomize_hf)
 from training.hf import (HFConversionError, hf_to_kiln_model_section, hf_to_kiln_state, kiln_to_hf_config,
                          kiln_to_hf_state, write_hf_dir)
 
-transformers = import_transformers()
 CONFIG = "tests/configs/deepseek_v3_micro.yaml"
 MTP = "model.layers.2."  # the micro model has 2 decoder layers, so its MTP depth is HF layer 2
 
@@ -30,7 +29,7 @@ def section():
 
 
 @pytest.mark.parametrize("q_latent", [True, False], ids=["q_lora", "no_q_lora"])
-def test_export_matches_transformers(section, tmp_path, q_latent):
+def test_export_matches_transformers(section, tmp_path, q_latent, transformers):
     """Without q_lora_rank, queries come straight from the fused down-projection (HF's q_proj)."""
     section = section if q_latent else {**section, "q_lora_rank": None}
     model, weights = kiln_model(section, seed=1)
@@ -45,7 +44,7 @@ def test_export_matches_transformers(section, tmp_path, q_latent):
     np.testing.assert_allclose(hf_logits(hf_model, ids), expected, rtol=0, atol=TOLERANCE)
 
 
-def test_import_from_transformers_matches(section, tmp_path):
+def test_import_from_transformers_matches(section, tmp_path, transformers):
     """A randomly initialized transformers model, plus an MTP depth as DeepSeek's checkpoints carry it."""
     hf_model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kiln_to_hf_config(section))).eval()
     randomize_hf(hf_model, seed=2)
@@ -95,7 +94,7 @@ def test_export_refuses_what_transformers_cannot_express(section):
         kiln_to_hf_config({**section, "rope_scaling": {**section["rope_scaling"], "factor": 4.0}})
 
 
-def test_missing_mtp_depth_is_named(section, tmp_path):
+def test_missing_mtp_depth_is_named(section, tmp_path, transformers):
     """An HF directory without the MTP layer (as transformers saves one) cannot fill Kiln's MTP depth."""
     hf_model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kiln_to_hf_config(section)))
     hf_model.save_pretrained(tmp_path / "hf")
@@ -113,7 +112,7 @@ def test_fewer_mtp_depths_than_the_checkpoint(section, tmp_path):
         hf_to_kiln_state(tmp_path / "hf", {**section, "num_nextn_predict_layers": 2})
 
 
-def test_mtp_depth_matches_deepseeks_formulation_on_transformers_modules(section, tmp_path):
+def test_mtp_depth_matches_deepseeks_formulation_on_transformers_modules(section, tmp_path, transformers):
     """transformers runs no MTP, so the exported MTP tensors are run here through transformers' own modules
     the way DeepSeek's released weights are used (vLLM, SGLang, Megatron): h' = eh_proj([enorm(emb(t_{i+1}));
     hnorm(h_i)]) with h the main model's final-normed hidden state, then model.layers.{N} (a full decoder

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from interop.hf_helpers import import_transformers, kiln_model, model_section
+from interop.hf_helpers import kiln_model, model_section
 from training.checkpoint import save_checkpoint
 from training.cli import main
 from training.data.encoding import load_sentencepiece
@@ -53,8 +53,7 @@ def texts() -> list[str]:
              "a\n\n\nb", " ", ""] + [p.read_text(errors="replace")[:4000] for p in sorted(STDLIB.glob("*.py"))[60:100]])
 
 
-def test_autotokenizer_on_the_export_gives_kilns_ids(checkpoint, tokenizer, tmp_path, capsys):
-    transformers = import_transformers()
+def test_autotokenizer_on_the_export_gives_kilns_ids(checkpoint, tokenizer, tmp_path, capsys, transformers):
     assert main(["export-hf", str(checkpoint), str(tmp_path / "hf")]) == 0
     assert "WARNING" not in capsys.readouterr().err
     assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == tokenizer.read_bytes()

