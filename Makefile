@@ -6,10 +6,10 @@ STAMP := $(VENV)/.installed
 # msrun starts its workers with the `python` on PATH, so the venv's bin must come first.
 export PATH := $(abspath $(BIN)):$(PATH)
 export DAGSTER_HOME := $(abspath .dagster_home)
-# Python caches compiled bytecode even where the environment turns that off (PYTHONDONTWRITEBYTECODE, set on the
-# machines here): the suite's and a run's many processes (msrun workers, CLI calls, Dagster's run workers) would each
-# parse Kiln's sources again, and pytest would rewrite every test module in each xdist worker. The caches go in
-# __pycache__/, which git ignores (measured: README.md, Two commands)
+# Under make, Python writes its bytecode caches even where the environment turns them off
+# (PYTHONDONTWRITEBYTECODE, set on the machines here): the suite's and a run's many processes (msrun workers, CLI
+# calls, Dagster's run workers) would each parse Kiln's sources again, and pytest would rewrite every test module in
+# each xdist worker. The caches go in __pycache__/, which git ignores (measured: README.md, Two commands)
 export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: install demo test test-fast ui bench bench-smoke clean chromium postgres datatrove-venv

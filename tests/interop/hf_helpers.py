@@ -17,6 +17,8 @@ from training.model import build_model
 ms.set_device("CPU")
 
 TOLERANCE = 1e-4
+
+
 def model_section(config_yaml: str, **overrides) -> dict:
     with open(config_yaml) as f:
         return {**yaml.safe_load(f)["model"], **overrides}

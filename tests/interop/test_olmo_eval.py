@@ -19,7 +19,6 @@ from training.parallel.comm import Collectives
 from training.parallel.mesh import World
 from training.tasks import load_task
 
-
 CONFIG = "tests/configs/qwen3_micro.yaml"
 MAX_LENGTH = 64  # the model's sequence length: OLMo's model_ctx_len
 # raw accuracy (arc_easy), per-character (hellaswag, piqa: piqa's long answers leave documents out), and
